@@ -1,0 +1,9 @@
+"""k3dist: Kimi K3 across Apple Silicon Macs with MLX expert parallelism."""
+
+from k3dist._blas import blas_status, preload
+
+# Must run before anything imports mlx.core (see _blas.py).
+preload()
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "blas_status"]

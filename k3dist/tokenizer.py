@@ -1,0 +1,385 @@
+"""Mini tokenizers in Kimi K3's exact on-disk layout.
+
+K3 ships ``tiktoken.model`` (one ``base64(token_bytes) rank`` line per BPE token, ranks
+0..base-1) plus ``tokenizer_config.json``. Ids ``base .. base+255`` are 256 control tokens:
+16 are named in ``added_tokens_decoder``; every other slot is implicitly
+``<|reserved_token_<id>|>`` (absolute id), filled in positionally by the loaders. We write
+small vocabularies in that layout so the real loading code runs on them unchanged.
+
+Provenance of the control-token table (real model: base 163,584, vocab 163,840):
+
+* Confirmed by the real ``config.json`` (/work/shared/reference/kimi-k3-config.json):
+  bos 163584 = base+0, eos 163586 = base+2, pad 163839 = base+255, media placeholder
+  163605 = base+21; ``image_placeholder`` is the *text* "<|kimi_image_placeholder|>".
+* Confirmed by mlx-vlm 0.7.10 ``models/kimi_k3``: the XTML names ``<|open|>``, ``<|sep|>``,
+  ``<|close|>``, ``<|end_of_msg|>`` (encoding_k3.py); ``<|media_begin|>``,
+  ``<|media_content|>``, ``<|media_end|>``, ``<|media_pad|>`` and that the placeholder text
+  is expanded into those (processing_kimi_k3.py); 256 control slots with the
+  ``<|reserved_token_{absolute id}|>`` fallback for ids the config does not name.
+* The full 16-name id table below is identical across several independent public K3 ports
+  found via code search (a Rust tiktoken port's ``kimi_k3()``, a splintr-style
+  ``kimi_k3_special_tokens()``, a C GGUF loader, a JAX vocab module, and a design note
+  listing ``added_tokens_decoder``). It agrees with every id the config pins.
+* ``special: false`` for ``<|open|>``/``<|sep|>``/``<|close|>`` (true for the other 13)
+  comes from one source only (the C loader's "special:true subset"); it matches K2, where
+  structural tool-call markers are also ``special: false`` so they survive decoding.
+* Top-level config keys mirror Kimi K2's tokenizer_config.json (assumption for K3).
+  ``eos_token`` is "[EOS]", not ``<|end_of_msg|>``: two public PRs (ai-dynamo/dynamo#12395,
+  smg-project/smg#2571) report that the tokenizer EOS differs from the generation stop id.
+  K3 ships no ``chat_template`` (rendering is Python code), so none is written.
+"""
+
+from __future__ import annotations
+
+import base64
+import heapq
+import json
+from collections import Counter
+from pathlib import Path
+
+import regex
+import tiktoken
+
+NUM_CONTROL_TOKENS = 256
+
+BOS = "[BOS]"
+EOS = "[EOS]"
+END_OF_MSG = "<|end_of_msg|>"
+OPEN = "<|open|>"
+CLOSE = "<|close|>"
+SEP = "<|sep|>"
+MEDIA_BEGIN = "<|media_begin|>"
+MEDIA_CONTENT = "<|media_content|>"
+MEDIA_END = "<|media_end|>"
+MEDIA_PAD = "<|media_pad|>"
+UNK = "[UNK]"
+PAD = "[PAD]"
+# Plain text in rendered prompts, expanded by the processor into media tokens; not a token.
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
+XTML_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG)
+
+# Offset from the base vocab size -> name, for the 16 slots K3 names.
+NAMED_CONTROL_TOKENS: dict[int, str] = {
+    0: BOS,
+    1: EOS,
+    2: END_OF_MSG,
+    3: OPEN,
+    4: CLOSE,
+    5: SEP,
+    6: "[start_header_id]",
+    7: "[end_header_id]",
+    9: "[EOT]",
+    18: MEDIA_BEGIN,
+    19: MEDIA_CONTENT,
+    20: MEDIA_END,
+    21: MEDIA_PAD,
+    65: "<osagent_mode>",
+    254: UNK,
+    255: PAD,
+}
+# Structural markers must survive skip_special_tokens decoding for the XTML parsers.
+_NON_SPECIAL = frozenset({OPEN, CLOSE, SEP})
+
+# Same as K2 (transformers' VERY_LARGE_INTEGER); K3's value is not known to us.
+_MODEL_MAX_LENGTH = int(1e30)
+
+# K3's pre-tokenizer regex, as in K3's tokenization_kimi.py / mlx-vlm. tiktoken (Rust
+# fancy-regex over the regex crate) accepts the ``&&`` class intersection as is, so no
+# rewrite is needed; Python's ``regex`` needs the V1 flag for it (see _SPLIT_RE).
+_NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+K3_PAT_STR = "|".join(
+    [
+        r"[\p{Han}]+",
+        rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+{_CONTRACTION}",
+        rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*{_CONTRACTION}",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+# Python-side splitter for training; tests check it splits exactly like tiktoken.
+_SPLIT_RE = regex.compile(K3_PAT_STR, flags=regex.V1)
+
+
+def control_tokens(base_vocab_size: int) -> list[str]:
+    """The 256 control-token names for ids base_vocab_size .. base_vocab_size+255."""
+    return [
+        NAMED_CONTROL_TOKENS.get(i, f"<|reserved_token_{base_vocab_size + i}|>")
+        for i in range(NUM_CONTROL_TOKENS)
+    ]
+
+
+def special_tokens(base_vocab_size: int) -> dict[str, int]:
+    """{name: id} for all 256 control tokens."""
+    return {name: base_vocab_size + i for i, name in enumerate(control_tokens(base_vocab_size))}
+
+
+def split_text(text: str) -> list[str]:
+    """Pre-tokenize with K3_PAT_STR (the pieces BPE merges never cross)."""
+    return _SPLIT_RE.findall(text)
+
+
+def _pairs(word: list[int]) -> Counter[tuple[int, int]]:
+    return Counter(zip(word, word[1:], strict=False))
+
+
+def train_bpe(text: str, vocab_size: int) -> dict[bytes, int]:
+    """Deterministic byte-level BPE: bytes at ranks 0..255, then one rank per merge.
+
+    Each step merges the most frequent adjacent pair inside K3 pre-tokenized chunks; ties
+    go to the lexicographically smallest (left bytes, right bytes). Ranks follow merge
+    order, so a merged token always outranks its parts, which is what tiktoken's
+    lowest-rank-first merging needs to reproduce the training segmentation.
+    Returns fewer than vocab_size tokens if the text runs out of pairs.
+    """
+    if vocab_size < 256:
+        raise ValueError(f"vocab_size must be >= 256, got {vocab_size}")
+    token_bytes: list[bytes] = [bytes([b]) for b in range(256)]
+    ranks: dict[bytes, int] = {tok: i for i, tok in enumerate(token_bytes)}
+
+    # Unique chunks with counts: the work scales with distinct chunks, not text length.
+    chunk_counts = Counter(split_text(text))
+    words: list[list[int]] = []
+    freqs: list[int] = []
+    for chunk in sorted(chunk_counts):
+        encoded = chunk.encode("utf-8")
+        if len(encoded) > 1:
+            words.append(list(encoded))
+            freqs.append(chunk_counts[chunk])
+
+    pair_count: Counter[tuple[int, int]] = Counter()
+    pair_words: dict[tuple[int, int], set[int]] = {}
+    for w, word in enumerate(words):
+        for pair, n in _pairs(word).items():
+            pair_count[pair] += n * freqs[w]
+            pair_words.setdefault(pair, set()).add(w)
+
+    # Lazy max-heap: stale entries are skipped when their count no longer matches.
+    heap = [(-c, token_bytes[a], token_bytes[b], a, b) for (a, b), c in pair_count.items()]
+    heapq.heapify(heap)
+
+    while len(ranks) < vocab_size and heap:
+        neg, _, _, a, b = heapq.heappop(heap)
+        if pair_count.get((a, b), 0) != -neg:
+            continue
+        merged = token_bytes[a] + token_bytes[b]
+        new = ranks.get(merged)
+        if new is None:  # the same bytes can be reachable by two different merges
+            new = len(token_bytes)
+            token_bytes.append(merged)
+            ranks[merged] = new
+
+        touched: set[tuple[int, int]] = set()
+        for w in sorted(pair_words.pop((a, b), ())):
+            word, freq = words[w], freqs[w]
+            old_pairs = _pairs(word)
+            out: list[int] = []
+            i = 0
+            while i < len(word):
+                if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
+                    out.append(new)
+                    i += 2
+                else:
+                    out.append(word[i])
+                    i += 1
+            words[w] = out
+            new_pairs = _pairs(out)
+            for pair in old_pairs.keys() | new_pairs.keys():
+                delta = new_pairs.get(pair, 0) - old_pairs.get(pair, 0)
+                if delta:
+                    pair_count[pair] += delta * freq
+                    touched.add(pair)
+                if pair not in new_pairs:
+                    pair_words.get(pair, set()).discard(w)
+                elif pair not in old_pairs:
+                    pair_words.setdefault(pair, set()).add(w)
+        pair_count.pop((a, b), None)
+        for pair in touched:
+            c = pair_count.get(pair, 0)
+            if c > 0:
+                heapq.heappush(heap, (-c, token_bytes[pair[0]], token_bytes[pair[1]], *pair))
+            else:
+                pair_count.pop(pair, None)
+    return ranks
+
+
+def _tokenizer_config(base_vocab_size: int) -> dict:
+    added = {}
+    for offset, name in sorted(NAMED_CONTROL_TOKENS.items()):
+        added[str(base_vocab_size + offset)] = {
+            "content": name,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": name not in _NON_SPECIAL,
+        }
+    return {
+        "added_tokens_decoder": added,
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "bos_token": BOS,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": EOS,
+        "extra_special_tokens": {},
+        "model_max_length": _MODEL_MAX_LENGTH,
+        "pad_token": PAD,
+        "tokenizer_class": "TikTokenTokenizer",
+        "unk_token": UNK,
+    }
+
+
+def write_tokenizer_files(out_dir: Path, ranks: dict[bytes, int]) -> int:
+    """Write tiktoken.model + tokenizer_config.json in K3's layout; return the full vocab size."""
+    base = len(ranks)
+    if sorted(ranks.values()) != list(range(base)):
+        raise ValueError("ranks must be exactly 0..len(ranks)-1")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = (
+        f"{base64.b64encode(tok).decode('ascii')} {rank}\n"
+        for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    )
+    (out_dir / "tiktoken.model").write_text("".join(lines), encoding="ascii")
+    config = json.dumps(_tokenizer_config(base), indent=2, ensure_ascii=False)
+    (out_dir / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")
+    return base + NUM_CONTROL_TOKENS
+
+
+def read_ranks(path: Path) -> dict[bytes, int]:
+    """Parse a tiktoken.model file.
+
+    Not tiktoken.load.load_tiktoken_bpe: that caches even local files by path hash in
+    $TMPDIR/data-gym-cache, so a rewritten file at the same path would load stale ranks.
+    """
+    ranks: dict[bytes, int] = {}
+    for line in Path(path).read_bytes().splitlines():
+        if line:
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok)] = int(rank)
+    return ranks
+
+
+def load_encoding(model_dir: Path) -> tiktoken.Encoding:
+    """tiktoken Encoding for a K3-layout tokenizer directory (base vocab + 256 controls)."""
+    model_dir = Path(model_dir)
+    ranks = read_ranks(model_dir / "tiktoken.model")
+    config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    named = {int(i): tok["content"] for i, tok in config.get("added_tokens_decoder", {}).items()}
+    base = len(ranks)
+    # Positional like K3's loader: unnamed slots get their reserved spelling.
+    specials = {
+        named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + NUM_CONTROL_TOKENS)
+    }
+    return tiktoken.Encoding(
+        name=model_dir.name or "k3",
+        pat_str=K3_PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens=specials,
+    )
+
+
+def mini_tokenizer(vocab_size: int = 512) -> dict[bytes, int]:
+    """Base-vocab ranks (vocab_size tokens) trained on MINI_TEXT."""
+    ranks = train_bpe(MINI_TEXT, vocab_size)
+    if len(ranks) != vocab_size:
+        raise ValueError(f"MINI_TEXT supports only {len(ranks)} tokens, asked {vocab_size}")
+    return ranks
+
+
+# Written for this project so mini checkpoints do not depend on any external corpus.
+MINI_TEXT = '''\
+The Kimi K3 model is a large mixture-of-experts language model. Each token is routed to a
+small number of experts, so most of the weights stay idle for any single step. This makes it
+possible to spread the experts over two machines and let each machine compute only the
+experts that live in its memory. The attention layers and the shared expert run on every
+machine, while the routed experts are split by index.
+
+A tokenizer turns text into integers. Byte pair encoding starts from the 256 possible bytes
+and repeatedly joins the most frequent neighbouring pair into a new token. After a few
+thousand merges, common words such as "the", "model", "expert" and "token" become single
+tokens, while rare words are still written as several smaller pieces. Nothing is ever lost:
+every byte sequence can be encoded, and decoding the ids gives back exactly the same bytes.
+
+When the server receives a chat request, it renders the messages into the model's own
+format, encodes the result, and starts generating. Generation stops when the model emits its
+end-of-message token or when the requested number of tokens has been produced. The reply is
+decoded incrementally, so partial characters are held back until they are complete.
+
+Questions we keep asking ourselves: How fast is one decoding step? Where does the time go?
+Is the network the bottleneck, or the memory bandwidth? What happens when two requests
+arrive at once? Can we keep both machines busy without making either one wait?
+
+Numbers matter. A step that takes 45 ms gives about 22 tokens per second; 30 ms gives 33.
+With 384 experts and 8 active per token, only 2% of the expert weights are read each step.
+On 2 machines with 512 GB each, the 1,024 GB of memory holds the weights with room to spare.
+
+def route(scores, top_k=8):
+    """Return the indices and weights of the top_k experts for each token."""
+    order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
+    chosen = order[:top_k]
+    total = sum(scores[i] for i in chosen)
+    return chosen, [scores[i] / total for i in chosen]
+
+
+class ExpertShard:
+    """The experts that live on one machine."""
+
+    def __init__(self, rank: int, world_size: int, num_experts: int = 384) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.local = [e for e in range(num_experts) if e % world_size == rank]
+
+    def owns(self, expert: int) -> bool:
+        return expert in self.local
+
+    def __repr__(self) -> str:
+        return f"ExpertShard(rank={self.rank}, experts={len(self.local)})"
+
+
+def encode_all(tokenizer, texts):
+    results = []
+    for text in texts:
+        ids = tokenizer.encode(text)
+        if not ids:
+            continue
+        results.append(ids)
+    return results
+
+
+for step in range(10):
+    loss = 1.0 / (step + 1)
+    print(f"step {step:02d}: loss={loss:.4f}")
+
+config = {
+    "hidden_size": 7168,
+    "num_layers": 61,
+    "num_experts": 384,
+    "experts_per_token": 8,
+    "vocab_size": 163840,
+}
+if config["num_experts"] % 2 == 0:
+    print("experts split evenly across two machines")
+else:
+    raise ValueError("odd number of experts")
+
+try:
+    with open("weights.safetensors", "rb") as f:
+        header = f.read(8)
+except FileNotFoundError as exc:
+    print("missing weights:", exc)
+finally:
+    print("done")
+
+The quick brown fox jumps over the lazy dog. THE QUICK BROWN FOX! It's, they're, we've,
+I'm, you'll, she'd: contractions are split the way the pre-tokenizer expects. Mixed case
+such as HTTPServer, camelCase, snake_case and kebab-case shows how words are cut apart.
+Punctuation runs like "...", "->", "!=", "==", "<=" and ">=" appear in code all the time,
+and so do brackets: (), [], {}, and <>. Tabs\tand spaces   both count as whitespace.
+
+In short: keep the tokenizer small, deterministic and faithful to the real layout, so that
+every test exercises the same code path the full model will use.
+'''

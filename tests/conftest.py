@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+# conftest imports k3dist before any test module imports mlx (OpenBLAS preload).
+import pytest
+
+from k3dist import convert, synth
+
+
+@pytest.fixture(scope="session")
+def mini_src(tmp_path_factory):
+    """One mini-K3 source checkpoint for the session (read-only: copy to corrupt)."""
+    return synth.synthesize(tmp_path_factory.mktemp("src") / "mini", "mini", seed=0,
+                            progress=False)
+
+
+@pytest.fixture(scope="session")
+def mini_build(mini_src, tmp_path_factory):
+    return convert.convert(mini_src, tmp_path_factory.mktemp("build") / "mini", progress=False)
