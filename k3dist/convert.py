@@ -29,12 +29,6 @@ import shutil
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
-from mlx_lm.models import kimi_k3
-from tqdm import tqdm
-
 from k3dist import __version__, layout
 from k3dist.checkpoint import Source, check_a_log_tail, quantization_format
 from k3dist.sfile import (
@@ -47,6 +41,12 @@ from k3dist.sfile import (
     read_mx,
     sha256_file,
 )
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import kimi_k3
+from tqdm import tqdm
 
 JOURNAL = ".k3dist-progress.json"
 MANIFEST = "k3dist.json"

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-import numpy as np
-from tqdm import tqdm
-
 from k3dist import layout, tokenizer
 from k3dist.sfile import StreamWriter, f32_to_bf16_bits
+
+import numpy as np
+from tqdm import tqdm
 
 # E2M1 codes drawn uniformly have this RMS; scales put experts at ~1/sqrt(fan_in).
 _E2M1_RMS = math.sqrt((0 + 0.25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8)

@@ -1,9 +1,9 @@
 from __future__ import annotations
 
+from k3dist import convert, synth
+
 # conftest imports k3dist before any test module imports mlx (OpenBLAS preload).
 import pytest
-
-from k3dist import convert, synth
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from k3dist import convert as convert_mod
+from k3dist import layout, mxfp4
+from k3dist.checkpoint import Source
+from k3dist.sfile import CheckpointError, read_bytes, read_header, read_mx, read_numpy
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -16,11 +21,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import kimi_k3
 from mlx_lm.utils import load_model, quantize_model
 from util import greedy, load_f32, prompt_ids
-
-from k3dist import convert as convert_mod
-from k3dist import layout, mxfp4
-from k3dist.checkpoint import Source
-from k3dist.sfile import CheckpointError, read_bytes, read_header, read_mx, read_numpy
 
 STEPS = 32
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from k3dist import mxfp4
+from k3dist.mxfp4 import E2M1_VALUES, GROUP_SIZE, decode, encode, from_mlx, to_mlx
+
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from k3dist import mxfp4
-from k3dist.mxfp4 import E2M1_VALUES, GROUP_SIZE, decode, encode, from_mlx, to_mlx
 
 FINITE_SCALES = np.arange(255, dtype=np.uint8)  # E8M0 0..254; 255 is NaN
 

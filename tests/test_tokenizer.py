@@ -6,11 +6,11 @@ import json
 import random
 from pathlib import Path
 
+from k3dist import tokenizer as tk
+
 import pytest
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
-
-from k3dist import tokenizer as tk
 
 REFERENCE_CONFIG = Path("/work/shared/reference/kimi-k3-config.json")
 

@@ -1,0 +1,56 @@
+"""Deployment settings: read once from YAML/flags at the edge, passed down as a
+dataclass. Nothing below the entry points reads files or the environment for them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import yaml
+
+DEFAULT_DEPLOYMENT = Path("deploy/local.yaml")
+
+
+@dataclass
+class Deployment:
+    # MLX build folder (k3dist.convert output) or Moonshot-format source to slice
+    build: str = "runs/mini-build"
+    # per-rank folders; "{rank}" is replaced by the rank
+    rank_dir: str = "runs/ranks/rank{rank}"
+    size: int = 2
+    # routing counts (.npz / .json) for a load-aware placement; None: contiguous
+    placement_counts: str | None = None
+    # compute dtype: float32 on CPU (bf16 matmuls are ~10x slower there), bfloat16 on Metal
+    dtype: str = "float32"
+    # how non-owned (token, expert) pairs are handled: "placeholder" (sync-free) or
+    # "local" (host sync per MoE layer, only owned pairs computed); see k3dist.model
+    moe_form: str = "placeholder"
+
+    def rank_path(self, rank: int) -> Path:
+        return Path(self.rank_dir.format(rank=rank))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
+    """YAML (if any) then flags (``overrides`` that are not None) on top."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"deployment file {path} does not exist")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a mapping of settings, got {type(values)}")
+        known = {f.name for f in fields(Deployment)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    d = Deployment(**values)
+    if d.moe_form not in ("placeholder", "local"):
+        raise ValueError(f"moe_form must be 'placeholder' or 'local', not {d.moe_form!r}")
+    if d.dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, not {d.dtype!r}")
+    return d

@@ -1,0 +1,67 @@
+"""Peak memory of a conversion, measured in a child process, against the bound
+the streaming design promises: one unit's non-expert tensors (held up to three
+times: source, sanitized, serialized) plus one tensor in flight, never the model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from k3dist import layout
+from k3dist.checkpoint import load_config
+
+_CHILD = """
+import json, resource, sys, time
+import k3dist.convert as c
+def rss():  # current RSS; ru_maxrss would include transient import peaks
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = rss()
+t = time.perf_counter()
+c.convert(sys.argv[1], sys.argv[2], int(sys.argv[3]), progress=False)
+scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+print(json.dumps({"baseline_rss": base, "peak_rss": peak,
+                  "seconds": round(time.perf_counter() - t, 2)}))
+"""
+
+
+def unit_sizes(config: dict) -> dict:
+    """Bytes per conversion unit (decoder layer / head / vision) from the layout."""
+    units: dict[str, dict] = {}
+    for s in layout.source_specs(config):
+        u = units.setdefault(s.group, {"dense": 0, "experts": 0, "largest_tensor": 0})
+        u["experts" if s.family == "experts" else "dense"] += s.nbytes
+        u["largest_tensor"] = max(u["largest_tensor"], s.nbytes)
+    return units
+
+
+def bound(config: dict) -> dict:
+    units = unit_sizes(config)
+    dense = max(u["dense"] for u in units.values())
+    tensor = max(u["largest_tensor"] for u in units.values())
+    layer = max(u["dense"] + u["experts"] for u in units.values())
+    return {
+        "largest_unit_dense_bytes": dense,
+        "largest_tensor_bytes": tensor,
+        "largest_unit_bytes": layer,
+        "model_bytes": sum(u["dense"] + u["experts"] for u in units.values()),
+        "bound_over_baseline": 3 * dense + 2 * tensor,
+    }
+
+
+def measure(src: str | Path, out: str | Path, nonexpert_bits: int = 16) -> dict:
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(out), str(nonexpert_bits)],
+                       capture_output=True, text=True, check=True)
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    b = bound(load_config(src))
+    over = m["peak_rss"] - m["baseline_rss"]
+    return {**m, **b, "peak_over_baseline": over,
+            "within_bound": over <= b["bound_over_baseline"],
+            "peak_over_baseline_vs_model": round(over / b["model_bytes"], 4)}
