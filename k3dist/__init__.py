@@ -1,9 +1,10 @@
 """k3dist: Kimi K3 across Apple Silicon Macs with MLX expert parallelism."""
 
 from k3dist._blas import blas_status, preload
+from k3dist._blas import set_threads as set_blas_threads
 
 # Must run before anything imports mlx.core (see _blas.py).
 preload()
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "blas_status"]
+__all__ = ["__version__", "blas_status", "set_blas_threads"]

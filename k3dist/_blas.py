@@ -49,3 +49,14 @@ def preload() -> dict:
 
 def blas_status() -> dict:
     return dict(_status)
+
+
+def set_threads(n: int) -> bool:
+    """Cap OpenBLAS's threads (several ranks on one box would oversubscribe its
+    cores). Returns False where no OpenBLAS was loaded."""
+    if not _status["loaded"]:
+        return False
+    lib = ctypes.CDLL(_status["loaded"], mode=ctypes.RTLD_GLOBAL)
+    lib.openblas_set_num_threads(int(n))
+    _status["threads"] = int(n)
+    return True

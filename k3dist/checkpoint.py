@@ -353,8 +353,9 @@ def _audit(source: Source) -> AuditReport:
     imp = _implied(source.config)
     specs, wm = imp.specs, source.weight_map
 
-    missing = [n for n in specs if n not in wm]
-    unexpected = sorted(n for n in wm if n not in specs)
+    missing_set = specs.keys() - wm.keys()
+    missing = [n for n in specs if n in missing_set] if missing_set else []
+    unexpected = sorted(wm.keys() - specs.keys())
 
     by_shard: defaultdict[str, list[str]] = defaultdict(list)
     for n, fname in wm.items():
@@ -369,7 +370,7 @@ def _audit(source: Source) -> AuditReport:
     expert_packed = 0
     for fname, names in by_shard.items():
         total = 0
-        for i, k in Counter(id(specs.get(n)) for n in names).items():
+        for i, k in Counter(map(id, map(specs.get, names))).items():
             s = imp.by_id.get(i)
             if s is None:
                 continue
@@ -408,7 +409,10 @@ def _audit_headers(source: Source, imp: _Implied, by_shard: dict[str, list[str]]
     expect = {i: (s.dtype, list(s.shape), s.nbytes)
               for i, s in imp.by_id.items() if s.shape is not None}
     num_heads = source.text_config["linear_attn_config"]["num_heads"]
-    a_log_layer = {name: layer for layer, name in imp.a_log.items()}
+    a_log_by_shard: defaultdict[str, list[tuple[int, str]]] = defaultdict(list)
+    for layer, name in imp.a_log.items():
+        if name in source.weight_map:  # else reported as missing
+            a_log_by_shard[source.weight_map[name]].append((layer, name))
     for fname, names in by_shard.items():
         path = source.path / fname
         clean = _certify_shard(path, names, imp.specs, expect)
@@ -430,9 +434,8 @@ def _audit_headers(source: Source, imp: _Implied, by_shard: dict[str, list[str]]
             nbytes = sum(t.nbytes for t in header.tensors.values())
             tensor = header.tensors.get
         r.shard_bytes[fname] = nbytes
-        for name in names:
-            layer = a_log_layer.get(name)
-            t = tensor(name) if layer is not None else None
+        for layer, name in a_log_by_shard.get(fname, ()):
+            t = tensor(name)
             if t is None:
                 continue  # reported as an index error already
             try:
@@ -464,15 +467,16 @@ def _certify_shard(path: Path, names: list[str], specs: dict[str, layout.TensorS
         if len(entries) != len(names):
             return None
         total = last = 0
-        for name in names:
+        for name, x in zip(names, map(expect.get, map(id, map(specs.get, names))),
+                           strict=True):
             e = entries.get(name)
-            x = expect.get(id(specs.get(name)))
             if e is None or x is None or e["dtype"] != x[0] or e["shape"] != x[1]:
                 return None
             b, end = e["data_offsets"]
             if end - b != x[2]:
                 return None
-            last = max(last, end)
+            if end > last:
+                last = end
             total += x[2]
         return (total, entries, 8 + n) if 8 + n + last <= size else None
     except (OSError, ValueError, TypeError, KeyError, AttributeError, struct.error):
@@ -517,6 +521,8 @@ def _check_total_size(r: AuditReport) -> None:
         r.checks_skipped["total_size"] = "the index has no metadata.total_size"
     elif r.shard_errors:
         r.checks_skipped["total_size"] = "some shard headers are unreadable"
+    elif r.index_errors:
+        r.checks_skipped["total_size"] = "the index and the shard headers list different tensors"
     elif r.bytes_from == "specs" and r.unexpected:
         r.checks_skipped["total_size"] = (
             f"{len(r.unexpected)} index keys are not implied by config.json, so their "
@@ -534,6 +540,14 @@ def _check_total_size(r: AuditReport) -> None:
 def _by_family(c: Counter) -> dict[str, int]:
     order = list(layout.FAMILIES) + sorted(set(c) - set(layout.FAMILIES))
     return {f: int(c[f]) for f in order if c.get(f)}
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1000
+    return f"{n:,.2f} TB"
 
 
 def _listing(title: str, items: list[str], limit: int = 10) -> list[str]:
@@ -584,7 +598,7 @@ def format_table(r: AuditReport, top: int = 5) -> str:
         same = "=" if r.index_total_size == r.total_bytes else "!="
         size_note = f"  {same} index total_size {r.index_total_size:,}"
     lines.append(f"  {'total':<{width}}{r.tensors:>9,} tensors{r.total_bytes:>22,}"
-                 f"  ({r.total_bytes / 1e9:,.1f} GB){size_note}")
+                 f"  ({_human(r.total_bytes)}){size_note}")
     lines.append("")
 
     if not r.missing and not r.unexpected:

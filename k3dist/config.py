@@ -22,9 +22,13 @@ class Deployment:
     placement_counts: str | None = None
     # compute dtype: float32 on CPU (bf16 matmuls are ~10x slower there), bfloat16 on Metal
     dtype: str = "float32"
-    # how non-owned (token, expert) pairs are handled: "placeholder" (sync-free) or
-    # "local" (host sync per MoE layer, only owned pairs computed); see k3dist.model
-    moe_form: str = "placeholder"
+    # how non-owned (token, expert) pairs are handled: "placeholder" (sync-free),
+    # "local" (host sync per MoE layer, only owned pairs computed) or "auto":
+    # placeholder on Metal, local on CPU (benchmarks/moe_step.py measured it faster)
+    moe_form: str = "auto"
+    # OpenBLAS threads per rank (Linux CPU); None leaves OpenBLAS's default (all cores),
+    # which oversubscribes a box that runs several ranks
+    blas_threads: int | None = None
 
     def rank_path(self, rank: int) -> Path:
         return Path(self.rank_dir.format(rank=rank))
@@ -49,8 +53,8 @@ def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
             raise ValueError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
     values.update({k: v for k, v in overrides.items() if v is not None})
     d = Deployment(**values)
-    if d.moe_form not in ("placeholder", "local"):
-        raise ValueError(f"moe_form must be 'placeholder' or 'local', not {d.moe_form!r}")
+    if d.moe_form not in ("auto", "placeholder", "local"):
+        raise ValueError(f"moe_form must be auto, placeholder or local, not {d.moe_form!r}")
     if d.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, not {d.dtype!r}")
     return d

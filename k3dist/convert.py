@@ -16,6 +16,10 @@ A journal (``.k3dist-progress.json``) records each finished file with its sha256
 a re-run skips finished units and redoes the first incomplete one. Files appear
 under their final names only when complete. ``k3dist.json`` is written last.
 
+With an expert subset (``experts``: layer -> global ids to keep, in local order) the
+same units hold only those experts: ``k3dist.slicing`` uses it to write a rank
+folder straight from the source; ``run`` itself refuses it (that is not a build).
+
     python -m k3dist.convert --src SRC --out BUILD [--nonexpert-bits 16|8|4]
 """
 
@@ -27,6 +31,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from k3dist import __version__, layout
@@ -141,7 +146,8 @@ def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
 
 class Converter:
     def __init__(self, src: Source, out: Path, nonexpert_bits: int = 16,
-                 group_size: int = 64):
+                 group_size: int = 64,
+                 experts: Callable[[int], Sequence[int]] | None = None):
         if nonexpert_bits not in (16, 8, 4):
             raise ValueError(f"--nonexpert-bits must be 16, 8 or 4, not {nonexpert_bits}")
         quantization_format(src.config)
@@ -156,6 +162,18 @@ class Converter:
         for s in layout.source_specs(src.config):
             self.specs.setdefault(s.group, []).append(s)
         self.ident = identity(src, nonexpert_bits, group_size)
+        self.experts = experts
+
+    def expert_ids(self, layer: int) -> list[int]:
+        """Global ids of the experts this conversion stacks for ``layer``, in order."""
+        E = self.tc["num_experts"]
+        if self.experts is None:
+            return list(range(E))
+        ids = [int(e) for e in self.experts(layer)]
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= e < E for e in ids):
+            raise ValueError(f"layer {layer}: expert subset {ids[:8]} must be one or more "
+                             f"distinct ids in 0..{E - 1}")
+        return ids
 
     # -- one unit ---------------------------------------------------------------
     def _dense(self, group: str) -> tuple[list[tuple[str, mx.array]], dict]:
@@ -185,7 +203,7 @@ class Converter:
 
     def _expert_entries(self, layer: int):
         """(name, dtype, shape, chunk-iterator factory) of the stacked experts."""
-        E = self.tc["num_experts"]
+        ids = self.expert_ids(layer)
         infos = {}
         for s in self.specs[f"layer.{layer}"]:
             if s.family == "experts":
@@ -197,10 +215,10 @@ class Converter:
             s0 = infos[f"{base}.block_sparse_moe.experts.0.{w}.weight_scale"]
             rows, pcols = p0.shape
             for kind, dtype, shape, suffix in (
-                ("weight_packed", "U32", (E, rows, pcols // 4), "weight"),
-                ("weight_scale", "U8", (E, rows, s0.shape[1]), "scales"),
+                ("weight_packed", "U32", (len(ids), rows, pcols // 4), "weight"),
+                ("weight_scale", "U8", (len(ids), rows, s0.shape[1]), "scales"),
             ):
-                names = [f"{base}.block_sparse_moe.experts.{e}.{w}.{kind}" for e in range(E)]
+                names = [f"{base}.block_sparse_moe.experts.{e}.{w}.{kind}" for e in ids]
 
                 def chunks(names=names):
                     for n in names:
@@ -257,14 +275,22 @@ class Converter:
                     check_a_log_tail(t, heads)
 
     # -- whole build --------------------------------------------------------------
+    def units(self) -> list[str]:
+        """Conversion units in order (one output file each)."""
+        groups = layout.groups(self.src.config)
+        if not self.src.config.get("vision_config") or "vision" not in self.specs:
+            groups = [g for g in groups if g != "vision"]
+        return groups
+
     def run(self, progress: bool = True) -> Path:
+        if self.experts is not None:
+            raise ValueError("an expert subset makes a rank folder, not a build; use "
+                             "k3dist.slicing.slice_rank")
         self.preflight()
         journal = _open_output(self.out, self.ident)
         if (self.out / MANIFEST).exists():
             return self.out  # same identity, already complete
-        groups = layout.groups(self.src.config)
-        if not self.src.config.get("vision_config") or "vision" not in self.specs:
-            groups = [g for g in groups if g != "vision"]
+        groups = self.units()
         total = sum(s.nbytes for g in groups for s in self.specs.get(g, []))
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert",
                    disable=not progress)
@@ -280,8 +306,9 @@ class Converter:
         self._finish(journal, groups, time.perf_counter() - t0)
         return self.out
 
-    def _finish(self, journal: dict, groups: list[str], seconds: float) -> None:
-        done = journal["done"]
+    def write_metadata(self, done: dict, groups: list[str]) -> dict[str, str]:
+        """Index, config.json and tokenizer files for the finished units ``done``;
+        returns {tokenizer file: sha256} of the files copied."""
         weight_map = {}
         for g in groups:
             for name in read_header(self.out / done[g]["file"]).tensors:
@@ -306,7 +333,11 @@ class Converter:
             if p.exists():
                 shutil.copyfile(p, self.out / name)
                 copied[name] = sha256_file(self.out / name)
+        return copied
 
+    def _finish(self, journal: dict, groups: list[str], seconds: float) -> None:
+        done = journal["done"]
+        copied = self.write_metadata(done, groups)
         manifest = {
             "tool": f"k3dist {__version__}",
             "kind": "build",

@@ -1,4 +1,4 @@
-"""Shared test helpers: model loading in float32 and greedy decoding with caches."""
+"""Shared test helpers."""
 
 from __future__ import annotations
 
@@ -15,20 +15,20 @@ def load_f32(path: str | Path):
     return model, config
 
 
-def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """Prefill the prompt, then `steps` greedy tokens through the KV/KDA caches.
-    Returns the tokens and the last-position logits of every step (float32)."""
-    cache = model.make_cache()
-    logits = model(mx.array([prompt]), cache=cache)[:, -1]
-    tokens, out = [], []
-    for _ in range(steps):
-        out.append(np.array(logits[0], dtype=np.float32))
-        tok = int(mx.argmax(logits, axis=-1).item())
-        tokens.append(tok)
-        logits = model(mx.array([[tok]]), cache=cache)[:, -1]
-    return tokens, out
-
-
 def prompt_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
+    """Random ids from the base vocabulary (no control tokens)."""
     rng = np.random.default_rng(seed)
     return [int(t) for t in rng.integers(0, vocab - 256, size=n)]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def mlx_launch(n: int, script: str, *args: str, timeout: float = 240):
+    """Run ``script`` on ``n`` ranks over loopback (ring backend) via mlx.launch."""
+    import subprocess
+    import sys
+
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    cmd = [str(launcher), "-n", str(n), "--python", sys.executable, str(REPO / script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)

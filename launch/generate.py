@@ -1,0 +1,73 @@
+"""Greedy generation on every rank of an expert-parallel group.
+
+    mlx.launch -n 2 --python .venv/bin/python launch/generate.py --prompt-random 40
+
+Each rank loads its own folder (``rank_dir`` with ``{rank}``), runs prefill and
+``--max-tokens`` greedy steps, and (with ``--dump``) saves its tokens and logits so
+ranks can be compared with each other and with single-process mlx-lm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import k3dist
+from k3dist import engine, loader
+from k3dist.config import DEFAULT_DEPLOYMENT, load_deployment
+
+import mlx.core as mx
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help=f"deployment YAML (default {DEFAULT_DEPLOYMENT} if present)")
+    ap.add_argument("--rank-dir", help="rank folder pattern with {rank}")
+    ap.add_argument("--dtype", choices=sorted(loader.DTYPES))
+    ap.add_argument("--moe-form", choices=("auto", "placeholder", "local"))
+    ap.add_argument("--blas-threads", type=int, help="OpenBLAS threads per rank")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--prompt-ids", help="comma-separated token ids")
+    g.add_argument("--prompt-random", type=int, help="N random base-vocab ids (seeded)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--dump", help="write tokens+logits to this .npz ({rank} allowed)")
+    args = ap.parse_args()
+
+    cfg_path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
+    dep = load_deployment(cfg_path, rank_dir=args.rank_dir, dtype=args.dtype,
+                          moe_form=args.moe_form, blas_threads=args.blas_threads)
+    if dep.blas_threads:
+        k3dist.set_blas_threads(dep.blas_threads)
+    group = mx.distributed.init()
+    rank = group.rank()
+    t0 = time.perf_counter()
+    model, config, manifest = loader.load_rank(dep.rank_path(rank), group, dep.dtype,
+                                               dep.moe_form)
+    t_load = time.perf_counter() - t0
+    vocab = config["text_config"]["vocab_size"]
+    if args.prompt_ids:
+        prompt = [int(t) for t in args.prompt_ids.split(",")]
+    else:
+        n = args.prompt_random or 16
+        prompt = np.random.default_rng(args.seed).integers(0, vocab - 256, size=n).tolist()
+
+    t0 = time.perf_counter()
+    tokens, logits = engine.greedy(model, prompt, args.max_tokens)
+    t_gen = time.perf_counter() - t0
+    if args.dump:
+        path = Path(args.dump.format(rank=rank))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, tokens=np.array(tokens), logits=logits, prompt=np.array(prompt))
+    print(json.dumps({"rank": rank, "size": group.size(),
+                      "moe_form": loader.resolve_form(dep.moe_form),
+                      "build_hash": manifest["build_hash"], "load_s": round(t_load, 2),
+                      "generate_s": round(t_gen, 2), "tokens": tokens}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""One folder per rank for expert parallelism: every dense/attention tensor plus the
+routed experts the rank owns, and a manifest naming rank, size, placement and build.
+
+    python slicing/rank_split.py --rank 1              # deploy/local.yaml, mini build
+    python slicing/rank_split.py --all --size 2 --build BUILD --out 'runs/ranks/rank{rank}'
+
+--build takes an MLX build (k3dist.convert, or an mlx-community K3 build) or a
+Moonshot-format checkpoint. Flags override the deployment YAML (--config, by default
+deploy/local.yaml when it exists); k3dist.config.Deployment holds the defaults.
+With the default build missing, it is made first (k3dist.default).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from k3dist import default, slicing
+from k3dist.config import DEFAULT_DEPLOYMENT, load_deployment
+from k3dist.placement import PlacementError
+from k3dist.sfile import CheckpointError
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rank", type=int, help="the rank whose folder to write")
+    which.add_argument("--all", action="store_true", help="write every rank's folder")
+    ap.add_argument("--size", type=int, help="number of ranks")
+    ap.add_argument("--build", help="MLX build or Moonshot-format checkpoint folder")
+    ap.add_argument("--out", help="rank folder pattern with {rank}, e.g. runs/ranks/rank{rank}")
+    ap.add_argument("--placement-counts",
+                    help="routing counts (.npz/.json) for a load-aware placement")
+    ap.add_argument("--config", help=f"deployment YAML (default {DEFAULT_DEPLOYMENT} if it "
+                    "exists)")
+    args = ap.parse_args()
+    try:
+        cfg = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
+        d = load_deployment(cfg, build=args.build, rank_dir=args.out, size=args.size,
+                            placement_counts=args.placement_counts)
+        if not args.all:
+            slicing.check_rank(args.rank, d.size)  # before any (default) build work
+        build = Path(d.build)
+        if build == default.DEFAULT_BUILD and not (build / "k3dist.json").exists():
+            print(f"{build}: missing; making the default mini build")
+            default.ensure_default_build(progress=True)
+        placement = slicing.placement_for(build, d.size, d.placement_counts)
+        print(f"build {build}, {d.size} ranks, placement {placement.kind} "
+              f"({placement.hash})")
+        if args.all:
+            paths = slicing.slice_all(build, d.rank_dir, d.size, placement)
+        else:
+            paths = [slicing.slice_rank(build, d.rank_path(args.rank), args.rank, d.size,
+                                        placement)]
+        for p in paths:
+            m = slicing.verify_rank_folder(p)
+            print(f"rank {m['rank']}: {p} ({m['expert_bytes']:,} expert bytes)")
+    except (CheckpointError, PlacementError, ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Rank folders that do not belong to the running group are refused with a clear
+error before any model collective, on every rank, without hanging."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from k3dist import convert, layout, loader, placement, slicing
+from k3dist.sfile import CheckpointError
+
+import pytest
+from util import mlx_launch
+
+
+@pytest.fixture(scope="module")
+def ranks2(mini_build, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ranks2")
+    tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
+    moe = [i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i)]
+    plc = placement.contiguous(tc["num_experts"], 2, moe)
+    for r in range(2):
+        slicing.slice_rank(mini_build, out / f"rank{r}", r, 2, plc, progress=False)
+    return out
+
+
+def _run(n, rank_dir):
+    return mlx_launch(n, "launch/generate.py", "--rank-dir", rank_dir, "--max-tokens", "2",
+                      timeout=120)
+
+
+def test_size_mismatch_refused(ranks2, tmp_path):
+    for r in range(4):
+        shutil.copytree(ranks2 / f"rank{r % 2}", tmp_path / f"rank{r}")
+    res = _run(4, str(tmp_path / "rank{rank}"))
+    assert res.returncode != 0
+    assert "sliced for 2 ranks but the group has 4" in res.stderr
+
+
+def test_wrong_rank_refused(ranks2):
+    res = _run(2, str(ranks2 / "rank0"))  # both ranks given rank 0's folder
+    assert res.returncode != 0
+    assert "holds rank 0's experts but this process is rank 1" in res.stderr
+
+
+def test_other_build_refused_on_every_rank(ranks2, mini_src, tmp_path):
+    b8 = convert.convert(mini_src, tmp_path / "b8", nonexpert_bits=8, progress=False)
+    m = json.loads((ranks2 / "rank0" / "k3dist.json").read_text())
+    plc = placement.Placement.from_json(m["placement"])
+    shutil.copytree(ranks2 / "rank0", tmp_path / "mix" / "rank0")
+    slicing.slice_rank(b8, tmp_path / "mix" / "rank1", 1, 2, plc, progress=False)
+    res = _run(2, str(tmp_path / "mix" / "rank{rank}"))
+    assert res.returncode != 0
+    assert "different builds or placements" in res.stderr
+    assert m["build_hash"] in res.stderr
+
+
+def test_missing_expert_tensor_refused(ranks2, tmp_path):
+    bad = tmp_path / "rank1"
+    shutil.copytree(ranks2 / "rank1", bad)
+    idx_path = bad / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    name = "language_model.model.layers.3.mlp.switch_mlp.down_proj.weight"
+    del idx["weight_map"][name]
+    idx_path.write_text(json.dumps(idx))
+    with pytest.raises(CheckpointError, match="switch_mlp.down_proj.weight.*missing"):
+        loader.check_rank_folder(bad, 1, 2)
+
+
+def test_not_a_rank_folder(mini_build):
+    with pytest.raises(CheckpointError, match="not a rank folder"):
+        loader.check_rank_folder(mini_build, 0, 1)
