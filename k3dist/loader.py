@@ -2,10 +2,10 @@
 
 Order (mlx-lm's ``sharded_load`` pattern): local checks (the folder is a rank
 folder for this rank and group size, its placement is whole, every expert stack
-it must hold is there with the right shape), then a lazy load through mlx-lm's
-``load_model`` with our model class, the shared-expert split, evaluation, and a
-handshake across ranks (the first collective) that refuses folders from
-different builds or placements and doubles as the barrier.
+it must hold is there with the right shape); a handshake across ranks (the first
+collective) that refuses folders from different builds or placements; then a lazy
+load through mlx-lm's ``load_model`` with our model class, the shared-expert
+split, evaluation layer by layer, and a barrier.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ def _handshake(manifest: dict, group: mx.distributed.Group) -> None:
     mine = f"{manifest['build_hash']}:{manifest['placement_hash']}".encode()
     vec = mx.array(np.frombuffer(mine.ljust(64, b" ")[:64], dtype=np.uint8).astype(np.int32))
     every = np.array(mx.distributed.all_gather(vec[None], group=group)).astype(np.uint8)
-    seen = [bytes(row).decode().strip() for row in every]
+    # A peer that died mid-collective leaves garbage here rather than an error.
+    seen = [bytes(row).decode(errors="replace").strip() for row in every]
     if len(set(seen)) > 1:
         desc = ", ".join(f"rank {r}: build {s.split(':')[0]} placement {s.split(':')[1]}"
                          for r, s in enumerate(seen))
@@ -104,6 +105,8 @@ def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
     group = group or mx.distributed.init()
     rank, size = group.rank(), group.size()
     manifest, placement = check_rank_folder(folder, rank, size)
+    if size > 1:  # before minutes of loading: refuse mismatched folders now
+        _handshake(manifest, group)
     cls = make_model_class(placement, rank, group, resolve_form(form))
     model, config = load_model(Path(folder), lazy=True, strict=True,
                                get_model_classes=lambda config: (cls, kimi_k3.ModelArgs))
@@ -116,5 +119,5 @@ def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
         mx.eval(layer.parameters())
     mx.eval(model.parameters())
     if size > 1:
-        _handshake(manifest, group)
+        mx.eval(mx.distributed.all_sum(mx.zeros(1), group=group))  # barrier: all loaded
     return model, config, manifest

@@ -54,6 +54,9 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
         self._table_np = np.asarray(local_table, dtype=np.int32)
         self._table = mx.array(self._table_np)
         self._owns_all = n_local == len(local_table)
+        # True once the shared experts are split across ranks: their partial output
+        # then rides in the all_sum; a replicated shared expert is added after it.
+        self._shared_split = False
 
     def _route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         a = self.args
@@ -93,7 +96,7 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.group is not None:
             # One collective for routed + shared partial sums.
-            if shared is not None:
+            if shared is not None and self._shared_split:
                 split = y.shape[-1]
                 both = mx.distributed.all_sum(mx.concatenate([y, shared], axis=-1),
                                               group=self.group)
@@ -130,10 +133,16 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
             shard_inplace does); the partial outputs ride in the MoE all_sum."""
             if group is None or group.size() == 1:
                 return
+            n = group.size()
             for layer in self.layers:
                 m = layer.mlp
                 if isinstance(m, ExpertParallelMoE) and m.shared_experts is not None:
                     se = m.shared_experts
+                    # A quantized down_proj splits along its input only at whole groups.
+                    cols = [a.shape[-1] for a in se.down_proj.parameters().values()]
+                    if se.gate_proj.weight.shape[0] % n or any(c % n for c in cols):
+                        continue  # stays replicated, added after the all_sum
+                    m._shared_split = True
                     shard_inplace(se.gate_proj, "all-to-sharded",
                                                         group=group)
                     shard_inplace(se.up_proj, "all-to-sharded",

@@ -32,3 +32,12 @@ def mlx_launch(n: int, script: str, *args: str, timeout: float = 240):
     launcher = Path(sys.executable).with_name("mlx.launch")
     cmd = [str(launcher), "-n", str(n), "--python", sys.executable, str(REPO / script), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def failed_ranks(res) -> set[int]:
+    """mlx.launch exits 0 even when a rank fails; it logs each failure instead."""
+    import re
+
+    text = res.stdout + res.stderr
+    return {int(r) for r in re.findall(r"Node with rank (\d+) (?:exited with code|was killed)",
+                                       text)}
