@@ -15,8 +15,8 @@ from k3dist import layout
 from k3dist.checkpoint import load_config
 
 # The converter's own working set whatever the model size (mlx-lm's lazy model
-# skeleton, MLX/numpy allocator pools): 35 MB measured converting `mini` (1 MB).
-FIXED_OVERHEAD = 64 * 1024 * 1024
+# skeleton, MLX/numpy allocator pools): 4.6 MB measured converting `mini` (1 MB).
+FIXED_OVERHEAD = 16 * 1024 * 1024
 
 _CHILD = """
 import json, resource, sys, time
@@ -30,8 +30,15 @@ def rss():  # current RSS; ru_maxrss would include transient import peaks
 base = rss()
 t = time.perf_counter()
 c.convert(sys.argv[1], sys.argv[2], int(sys.argv[3]), progress=False)
-scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+def hwm():
+    # Linux: VmHWM belongs to this exec's address space; ru_maxrss survives exec and
+    # would report the (possibly large) parent's RSS at fork time.
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
+peak = hwm()
 print(json.dumps({"baseline_rss": base, "peak_rss": peak,
                   "seconds": round(time.perf_counter() - t, 2)}))
 """
