@@ -29,6 +29,28 @@ class Deployment:
     # OpenBLAS threads per rank (Linux CPU); None leaves OpenBLAS's default (all cores),
     # which oversubscribes a box that runs several ranks
     blas_threads: int | None = None
+    # -- serving (launch/serve.py) --
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model_id: str = "kimi-k3"
+    # prompt + completion tokens a request may use; longer prompts get a 400 at once
+    max_context: int = 4096
+    # prefill runs in power-of-two chunks up to this; all of them are warmed up
+    prefill_chunk: int = 256
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    warmup: bool = True
+    # per-rank JSONL of generated tokens ("{rank}" allowed); None: off
+    token_log: str | None = None
+    # device keep-awake op (side stream) while idle
+    heartbeat_s: float = 5.0
+    # side-channel peer watchdog: a silent peer is declared lost after this long
+    watchdog_timeout_s: float = 10.0
+    # port of rank 0's watchdog listener; None: first ring port + 1000
+    watchdog_port: int | None = None
+    # refuse to start unless the folder fits in free memory with this much to spare
+    memory_headroom_gb: float = 2.0
 
     def rank_path(self, rank: int) -> Path:
         return Path(self.rank_dir.format(rank=rank))

@@ -3,6 +3,7 @@ configured, made on first use and cached under ``runs/``."""
 
 from __future__ import annotations
 
+import fcntl
 from pathlib import Path
 
 from k3dist import convert, synth
@@ -17,3 +18,16 @@ def ensure_default_build(progress: bool = False) -> Path:
     if not (DEFAULT_SRC / "model.safetensors.index.json").exists():
         synth.synthesize(DEFAULT_SRC, "mini", seed=0, progress=progress)
     return convert.convert(DEFAULT_SRC, DEFAULT_BUILD, progress=progress)
+
+
+def ensure_default_rank(rank: int, size: int, rank_dir: Path) -> Path:
+    """This rank's folder of the default build. Ranks sharing one machine take a
+    file lock so only one writes the shared build at a time; on separate machines
+    each makes its own (deterministic: the same build hash everywhere)."""
+    from k3dist import slicing
+
+    DEFAULT_BUILD.parent.mkdir(parents=True, exist_ok=True)
+    with open(DEFAULT_BUILD.parent / ".default.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build = ensure_default_build()
+        return slicing.slice_rank(build, rank_dir, rank, size, None, progress=False)

@@ -19,6 +19,7 @@ Pairs (token, expert) a rank does not own are handled in one of two forms:
 from __future__ import annotations
 
 from k3dist.placement import Placement
+from k3dist.warmup import split_length
 
 import mlx.core as mx
 import numpy as np
@@ -57,6 +58,8 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
         # True once the shared experts are split across ranks: their partial output
         # then rides in the all_sum; a replicated shared expert is added after it.
         self._shared_split = False
+        # Off only during warm-up: shapes compile on each rank without a peer.
+        self.collectives = True
 
     def _route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         a = self.args
@@ -94,7 +97,7 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
         else:
             y = self._routed_placeholder(y, inds, w)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        if self.group is not None:
+        if self.group is not None and self.collectives:
             # One collective for routed + shared partial sums.
             if shared is not None and self._shared_split:
                 split = y.shape[-1]
@@ -120,6 +123,7 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
     class ExpertParallelK3(kimi_k3.Model):
         def __init__(self, args: kimi_k3.ModelArgs):
             super().__init__(args)
+            self.chunk_sizes: list[int] | None = None
             tc = args.text_config
             for i, layer in enumerate(self.language_model.model.layers):
                 if isinstance(layer.mlp, kimi_k3.KimiK3SparseMoE):
@@ -127,6 +131,23 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
                         raise ValueError(f"placement has no owners for MoE layer {i}")
                     layer.mlp = ExpertParallelMoE(
                         tc, placement.local_table(i, rank), group, form)
+
+        def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+            # With a fixed list of chunk sizes, any length runs as a sum of them, so
+            # only warmed-up shapes ever reach the compiled graph (k3dist.warmup).
+            T = inputs.shape[1]
+            if self.chunk_sizes is None or cache is None or T in self.chunk_sizes:
+                return super().__call__(inputs, cache)
+            outs, start = [], 0
+            for n in split_length(T, self.chunk_sizes):
+                outs.append(super().__call__(inputs[:, start:start + n], cache))
+                start += n
+            return mx.concatenate(outs, axis=1)
+
+        def set_collectives(self, on: bool) -> None:
+            for layer in self.layers:
+                if isinstance(layer.mlp, ExpertParallelMoE):
+                    layer.mlp.collectives = on
 
         def shard_shared_experts(self) -> None:
             """Split each shared expert by its intermediate dimension (what mlx's

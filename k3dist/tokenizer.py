@@ -27,6 +27,12 @@ Provenance of the control-token table (real model: base 163,584, vocab 163,840):
   ``eos_token`` is "[EOS]", not ``<|end_of_msg|>``: two public PRs (ai-dynamo/dynamo#12395,
   smg-project/smg#2571) report that the tokenizer EOS differs from the generation stop id.
   K3 ships no ``chat_template`` (rendering is Python code), so none is written.
+
+Serving files (``write_hf_tokenizer``, written into every build by ``k3dist.convert``): a
+``tokenizer.json`` converted with transformers' ``TikTokenConverter`` (K3's pattern, byte-level
+BPE, the 256 control tokens as added tokens at their ids), a ``tokenizer_config.json`` that
+plain ``AutoTokenizer.from_pretrained`` loads without remote code, and ``chat_template.jinja``
+(``k3dist.chat``). ``tiktoken.model`` stays, so ``load_encoding`` still reads the folder.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import base64
 import heapq
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -263,23 +270,166 @@ def read_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
+def _read_config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
+
+
+def _control_entries(config: dict, base_vocab_size: int) -> list[dict]:
+    """The 256 control tokens as ``added_tokens_decoder`` entries, in id order.
+
+    Positional like K3's loader: a slot the config does not name is
+    ``<|reserved_token_<id>|>``, special. Named slots keep the config's flags.
+    """
+    named = config.get("added_tokens_decoder", {})
+    entries = []
+    for i in range(base_vocab_size, base_vocab_size + NUM_CONTROL_TOKENS):
+        given = named.get(str(i), {})
+        entries.append({
+            "content": given.get("content", f"<|reserved_token_{i}|>"),
+            "lstrip": given.get("lstrip", False),
+            "normalized": given.get("normalized", False),
+            "rstrip": given.get("rstrip", False),
+            "single_word": given.get("single_word", False),
+            "special": given.get("special", True),
+        })
+    return entries
+
+
 def load_encoding(model_dir: Path) -> tiktoken.Encoding:
     """tiktoken Encoding for a K3-layout tokenizer directory (base vocab + 256 controls)."""
     model_dir = Path(model_dir)
     ranks = read_ranks(model_dir / "tiktoken.model")
-    config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
-    named = {int(i): tok["content"] for i, tok in config.get("added_tokens_decoder", {}).items()}
     base = len(ranks)
-    # Positional like K3's loader: unnamed slots get their reserved spelling.
-    specials = {
-        named.get(i, f"<|reserved_token_{i}|>"): i for i in range(base, base + NUM_CONTROL_TOKENS)
-    }
+    entries = _control_entries(_read_config(model_dir), base)
     return tiktoken.Encoding(
         name=model_dir.name or "k3",
         pat_str=K3_PAT_STR,
         mergeable_ranks=ranks,
-        special_tokens=specials,
+        special_tokens={e["content"]: base + i for i, e in enumerate(entries)},
     )
+
+
+# ----------------------------------------------------------------------------- Hugging Face files
+
+# What K3's own loader (and mlx-vlm's conversion of it) does before the regex: cut text into
+# 400,000-character pieces, then after every run of 25,000 whitespace or non-whitespace
+# characters, so the regex engine never sees a pathological run. Text without such runs
+# encodes exactly as ``load_encoding`` does.
+_MAX_ENCODE_CHARS = 400_000
+_MAX_RUN_CHARS = 25_000
+HF_TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # in transformers 5: TokenizersBackend, local
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def _backend(model_dir: Path, entries: list[dict]):
+    """A ``tokenizers.Tokenizer`` equal to ``load_encoding(model_dir)``."""
+    from tokenizers import AddedToken, Regex, pre_tokenizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class Converter(TikTokenConverter):
+        # tiktoken's loader caches local files by path; a rewritten file would load stale.
+        @staticmethod
+        def load_tiktoken_bpe(path: str) -> dict[bytes, int]:
+            return read_ranks(Path(path))
+
+    backend = Converter(vocab_file=str(model_dir / "tiktoken.model"), pattern=K3_PAT_STR,
+                        extra_special_tokens=None).converted()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.FixedLength(_MAX_ENCODE_CHARS),
+        pre_tokenizers.Split(Regex(rf"\s{{{_MAX_RUN_CHARS}}}|\S{{{_MAX_RUN_CHARS}}}"),
+                             behavior="merged_with_previous"),
+        pre_tokenizers.Split(Regex(K3_PAT_STR), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    base = backend.get_vocab_size()
+    backend.add_tokens([
+        AddedToken(e["content"], single_word=e["single_word"], lstrip=e["lstrip"],
+                   rstrip=e["rstrip"], normalized=e["normalized"], special=e["special"])
+        for e in entries
+    ])
+    wrong = [(e["content"], base + i, backend.token_to_id(e["content"]))
+             for i, e in enumerate(entries) if backend.token_to_id(e["content"]) != base + i]
+    if wrong or backend.get_vocab_size() != base + NUM_CONTROL_TOKENS:
+        raise ValueError(f"{model_dir}: control tokens did not land on ids {base}.."
+                         f"{base + NUM_CONTROL_TOKENS - 1} (name, wanted, got): {wrong[:5]}; "
+                         "is a control name also a BPE token, or named twice?")
+    return backend
+
+
+def _eos_token(model_dir: Path, config: dict, entries: list[dict], base: int) -> str:
+    """The model's stop token: config.json's ``eos_token_id`` if given, else the tokenizer's.
+
+    K3's tokenizer_config says "[EOS]" but its config.json says ``<|end_of_msg|>`` (163586),
+    which ends every chat message; mlx-lm stops at the tokenizer's eos, so use the latter.
+    """
+    path = model_dir / "config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None:
+        return config.get("eos_token", EOS)
+    if not base <= eos < base + NUM_CONTROL_TOKENS:
+        raise ValueError(f"{path}: eos_token_id {eos} is not a control token "
+                         f"({base}..{base + NUM_CONTROL_TOKENS - 1})")
+    return entries[eos - base]["content"]
+
+
+def hf_tokenizer_config(model_dir: Path) -> dict:
+    """tokenizer_config.json for the fast tokenizer: K3's keys, no remote code, all 256
+    control tokens listed, eos = the model's stop token (see ``_eos_token``)."""
+    model_dir = Path(model_dir)
+    config = _read_config(model_dir)
+    base = len(read_ranks(model_dir / "tiktoken.model"))
+    entries = _control_entries(config, base)
+    out = {k: v for k, v in config.items()
+           if k not in ("auto_map", "tokenizer_class", "chat_template", "added_tokens_decoder")}
+    out["added_tokens_decoder"] = {str(base + i): e for i, e in enumerate(entries)}
+    out["eos_token"] = _eos_token(model_dir, config, entries, base)
+    out["clean_up_tokenization_spaces"] = False  # decode must return the bytes as they are
+    out["tokenizer_class"] = HF_TOKENIZER_CLASS
+    return out
+
+
+def build_fast_tokenizer(model_dir: Path):
+    """K3's tiktoken files as a ``transformers.PreTrainedTokenizerFast`` with the chat template.
+
+    Encodes like ``load_encoding(model_dir).encode(text, allowed_special="all")`` (control
+    names in text become their tokens); decodes exactly, control tokens included.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    from k3dist import chat  # chat imports this module's token names
+
+    model_dir = Path(model_dir)
+    config = hf_tokenizer_config(model_dir)
+    entries = list(config.pop("added_tokens_decoder").values())
+    config.pop("tokenizer_class")
+    return PreTrainedTokenizerFast(tokenizer_object=_backend(model_dir, entries),
+                                   chat_template=chat.CHAT_TEMPLATE, **config)
+
+
+def write_hf_tokenizer(src_dir: Path, out_dir: Path) -> list[str]:
+    """Write tokenizer.json, tokenizer_config.json (replacing K3's remote-code one) and
+    chat_template.jinja into out_dir, keeping tiktoken.model; returns the names written.
+
+    ``src_dir`` holds K3's tiktoken.model + tokenizer_config.json (+ config.json for the stop
+    token); it may be out_dir itself. Afterwards ``AutoTokenizer.from_pretrained(out_dir)``
+    works without trust_remote_code, and ``load_encoding(out_dir)`` is unchanged.
+    """
+    from k3dist import chat
+
+    src_dir, out_dir = Path(src_dir), Path(out_dir)
+    config = hf_tokenizer_config(src_dir)
+    backend = _backend(src_dir, list(config["added_tokens_decoder"].values()))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if (out_dir / "tiktoken.model").resolve() != (src_dir / "tiktoken.model").resolve():
+        shutil.copyfile(src_dir / "tiktoken.model", out_dir / "tiktoken.model")
+    (out_dir / "tokenizer.json").write_text(backend.to_str(pretty=True) + "\n",
+                                            encoding="utf-8")
+    text = json.dumps(config, indent=2, ensure_ascii=False)
+    (out_dir / "tokenizer_config.json").write_text(text + "\n", encoding="utf-8")
+    (out_dir / CHAT_TEMPLATE_FILE).write_text(chat.CHAT_TEMPLATE, encoding="utf-8")
+    return ["tiktoken.model", "tokenizer.json", "tokenizer_config.json", CHAT_TEMPLATE_FILE]
 
 
 def mini_tokenizer(vocab_size: int = 512) -> dict[bytes, int]:

@@ -1,0 +1,107 @@
+"""Serve Kimi K3 expert-parallel over an OpenAI-compatible API (rank 0 answers).
+
+    mlx.launch --hostfile hostfiles/tb5.json launch/serve.py [--config deploy.yaml]
+    mlx.launch --hostfile hostfiles/local.json --python .venv/bin/python launch/serve.py
+
+Every rank: watchdog -> preflight -> load its folder -> warm-up -> serve. With no
+model configured it serves the embedded default (made and sliced on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import k3dist
+from k3dist import default, harness, loader, server, warmup
+from k3dist.config import DEFAULT_DEPLOYMENT, Deployment, load_deployment
+
+import mlx.core as mx
+from mlx_lm.utils import load_tokenizer
+
+
+def parse_args(argv: list[str] | None = None) -> Deployment:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help=f"deployment YAML (default {DEFAULT_DEPLOYMENT} if present)")
+    for name, kind in (("rank-dir", str), ("host", str), ("port", int), ("model-id", str),
+                       ("max-context", int), ("prefill-chunk", int), ("max-tokens", int),
+                       ("temperature", float), ("top-p", float), ("token-log", str),
+                       ("moe-form", str), ("dtype", str), ("blas-threads", int),
+                       ("heartbeat-s", float), ("watchdog-timeout-s", float),
+                       ("watchdog-port", int), ("memory-headroom-gb", float)):
+        ap.add_argument(f"--{name}", type=kind)
+    ap.add_argument("--no-warmup", action="store_true", help="skip warm-up (tests only)")
+    args = ap.parse_args(argv)
+    path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
+    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "no_warmup")}
+    if args.no_warmup:
+        overrides["warmup"] = False
+    return load_deployment(path, **overrides)
+
+
+def log(rank: int, msg: str) -> None:
+    print(f"[k3dist rank {rank}] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    dep = parse_args(argv)
+    if dep.blas_threads:
+        k3dist.set_blas_threads(dep.blas_threads)
+    group = mx.distributed.init()
+    rank, size = group.rank(), group.size()
+
+    watchdog = None
+    if size > 1:
+        host, port = harness.coordinator_address(group, dep.watchdog_port)
+        watchdog = harness.Watchdog(rank, size, host, port,
+                                    timeout_s=dep.watchdog_timeout_s)
+        watchdog.start()
+        harness.install_signal_handlers(watchdog)
+        log(rank, f"watchdog: coordinator {host}:{port}, timeout {dep.watchdog_timeout_s}s")
+
+    folder = dep.rank_path(rank)
+    if dep.build == Deployment.build and not (folder / "k3dist.json").exists():
+        log(rank, f"no rank folder at {folder}: preparing the embedded default")
+        default.ensure_default_rank(rank, size, folder)
+
+    pre = harness.preflight(folder, headroom_bytes=int(dep.memory_headroom_gb * 2**30))
+    log(rank, f"preflight: {json.dumps(pre)}")
+
+    t0 = time.perf_counter()
+    model, config, manifest = loader.load_rank(folder, group, dep.dtype, dep.moe_form)
+    tokenizer = load_tokenizer(folder)
+    log(rank, f"loaded {folder} (build {manifest['build_hash']}, placement "
+              f"{manifest['placement_hash']}, moe form {loader.resolve_form(dep.moe_form)}) "
+              f"in {time.perf_counter() - t0:.1f}s")
+
+    model.chunk_sizes = warmup.chunk_sizes(dep.prefill_chunk)
+    warm = None
+    if dep.warmup:
+        warm = warmup.warm_up(model, dep.prefill_chunk, config["text_config"]["vocab_size"])
+        log(rank, f"warm-up: {json.dumps(warm)}")
+    beat = harness.DeviceHeartbeat(dep.heartbeat_s)
+    beat.start()
+
+    info = {"ranks": size, "build_hash": manifest["build_hash"],
+            "placement": manifest["placement"]["kind"],
+            "placement_hash": manifest["placement_hash"],
+            "moe_form": loader.resolve_form(dep.moe_form), "dtype": dep.dtype,
+            "max_context": dep.max_context, "prefill_chunks": model.chunk_sizes,
+            "warmup": warm, "blas": k3dist.blas_status(), "preflight": pre}
+    args = server.cli_args(model_id=dep.model_id, max_tokens=dep.max_tokens,
+                           temp=dep.temperature, top_p=dep.top_p,
+                           prefill_step_size=dep.prefill_chunk)
+    provider = server.K3ModelProvider(args, model, tokenizer, dep.model_id)
+    token_log = Path(dep.token_log.format(rank=rank)) if dep.token_log else None
+    if token_log is not None:
+        token_log.parent.mkdir(parents=True, exist_ok=True)
+        token_log.unlink(missing_ok=True)
+    server.serve(dep.host, dep.port, provider, max_context=dep.max_context, info=info,
+                 token_log=token_log)
+
+
+if __name__ == "__main__":
+    main()
