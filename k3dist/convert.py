@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from k3dist import __version__, layout
+from k3dist import __version__, layout, tokenizer
 from k3dist.checkpoint import Source, check_a_log_tail, quantization_format
 from k3dist.sfile import (
     CheckpointError,
@@ -55,7 +55,7 @@ from tqdm import tqdm
 
 JOURNAL = ".k3dist-progress.json"
 MANIFEST = "k3dist.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: HF tokenizer files, no auto_map
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 # source expert projection -> mlx-lm SwitchGLU name
 EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
@@ -318,8 +318,11 @@ class Converter:
                            {"metadata": {"total_size": total}, "weight_map": weight_map})
 
         cfg = json.loads(json.dumps(self.src.config))
-        cfg.pop("quantization_config", None)
-        cfg.get("text_config", {}).pop("quantization_config", None)
+        # auto_map points at Moonshot's remote code: transformers would prompt for
+        # trust_remote_code on load. mlx-lm needs none of it.
+        for d in (cfg, cfg.get("text_config", {})):
+            d.pop("quantization_config", None)
+            d.pop("auto_map", None)
         quant = dict(MXFP4) if self.bits == 16 else {
             "group_size": self.group_size, "bits": self.bits, "mode": "affine"}
         for g in groups:
@@ -332,6 +335,11 @@ class Converter:
             p = self.src.path / name
             if p.exists():
                 shutil.copyfile(p, self.out / name)
+                copied[name] = sha256_file(self.out / name)
+        # K3 ships tiktoken.model + a remote-code tokenizer_config.json: add tokenizer.json,
+        # a plain tokenizer_config.json and the chat template, so serving needs nothing else.
+        if "tiktoken.model" in copied and "tokenizer.json" not in copied:
+            for name in tokenizer.write_hf_tokenizer(self.src.path, self.out):
                 copied[name] = sha256_file(self.out / name)
         return copied
 

@@ -4,9 +4,11 @@ configured, made on first use and cached under ``runs/``."""
 from __future__ import annotations
 
 import fcntl
+import shutil
 from pathlib import Path
 
 from k3dist import convert, synth
+from k3dist.sfile import CheckpointError
 
 DEFAULT_SRC = Path("runs/mini-src")
 DEFAULT_BUILD = Path("runs/mini-build")
@@ -14,10 +16,15 @@ DEFAULT_BUILD = Path("runs/mini-build")
 
 def ensure_default_build(progress: bool = False) -> Path:
     """runs/mini-build, converted from runs/mini-src (synthesized if missing).
-    Both steps are idempotent: a complete folder is reused, a partial one resumed."""
+    Both steps are idempotent: a complete folder is reused, a partial one resumed;
+    a cached build from an older k3dist (another identity) is a cache miss."""
     if not (DEFAULT_SRC / "model.safetensors.index.json").exists():
         synth.synthesize(DEFAULT_SRC, "mini", seed=0, progress=progress)
-    return convert.convert(DEFAULT_SRC, DEFAULT_BUILD, progress=progress)
+    try:
+        return convert.convert(DEFAULT_SRC, DEFAULT_BUILD, progress=progress)
+    except CheckpointError:  # a cache from an older k3dist: ours to replace
+        shutil.rmtree(DEFAULT_BUILD)
+        return convert.convert(DEFAULT_SRC, DEFAULT_BUILD, progress=progress)
 
 
 def ensure_default_rank(rank: int, size: int, rank_dir: Path) -> Path:
@@ -30,4 +37,8 @@ def ensure_default_rank(rank: int, size: int, rank_dir: Path) -> Path:
     with open(DEFAULT_BUILD.parent / ".default.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         build = ensure_default_build()
-        return slicing.slice_rank(build, rank_dir, rank, size, None, progress=False)
+        try:
+            return slicing.slice_rank(build, rank_dir, rank, size, None, progress=False)
+        except CheckpointError:  # a stale cached rank folder: ours to replace
+            shutil.rmtree(rank_dir)
+            return slicing.slice_rank(build, rank_dir, rank, size, None, progress=False)

@@ -22,6 +22,7 @@ import io
 import json
 import logging
 import socket
+import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from queue import Queue
@@ -217,11 +218,43 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
         return (_TokenLog(rq, self.token_log, self._request_no), *shared[1:])
 
 
+_STREAMS: set = set()  # handlers with an SSE stream open (rank 0)
+_STREAMS_LOCK = threading.Lock()
+
+
+def abort_streams(message: str) -> int:
+    """Tell every open stream why it ends (the openai client raises on an SSE
+    ``error`` event; a bare closed socket would look like a normal end). Called by
+    the watchdog when a rank is lost or the group stops. Returns how many."""
+    event = f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+    with _STREAMS_LOCK:
+        handlers = list(_STREAMS)
+    for h in handlers:
+        try:
+            h.wfile.write(event.encode())
+            h.wfile.flush()
+        except OSError:
+            pass
+    return len(handlers)
+
+
 class K3APIHandler(mlx_server.APIHandler):
     # Set by serve(): what the handler needs to know about the deployment.
     model_id = "kimi-k3"
     max_context = 4096
     info: dict = {}
+
+    def _set_stream_headers(self, status_code: int = 200):
+        super()._set_stream_headers(status_code)
+        with _STREAMS_LOCK:
+            _STREAMS.add(self)
+
+    def handle_completion(self, request, stop_words):
+        try:
+            return super().handle_completion(request, stop_words)
+        finally:
+            with _STREAMS_LOCK:
+                _STREAMS.discard(self)
 
     def _error(self, e: RequestError) -> None:
         self._set_completion_headers(e.status)

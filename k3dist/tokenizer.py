@@ -396,9 +396,9 @@ def build_fast_tokenizer(model_dir: Path):
     Encodes like ``load_encoding(model_dir).encode(text, allowed_special="all")`` (control
     names in text become their tokens); decodes exactly, control tokens included.
     """
-    from transformers import PreTrainedTokenizerFast
-
     from k3dist import chat  # chat imports this module's token names
+
+    from transformers import PreTrainedTokenizerFast
 
     model_dir = Path(model_dir)
     config = hf_tokenizer_config(model_dir)

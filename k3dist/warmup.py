@@ -46,28 +46,51 @@ def jit_cache_dir() -> Path:
 
 def jit_kernel_count() -> int:
     d = jit_cache_dir()
-    return len(os.listdir(d)) if d.exists() else 0
+    if not d.exists():
+        return 0
+    # finished kernel libraries only (tmp_* are compiles in progress)
+    return sum(1 for f in os.listdir(d) if f.startswith("lib") and f.endswith(".so"))
 
 
-def warm_up(model, prefill_chunk: int, vocab_size: int) -> dict:
-    """Run decode and every prefill chunk shape with collectives bypassed on this
-    rank (results are discarded), then one decode step with collectives on, in
+# Samplers the server builds from request parameters. mlx-lm compiles each sampler
+# chain with its parameters as constants: a request with a temperature (or top_p,
+# min_p) value not warmed here compiles one small kernel, on every rank at the same
+# step (after that step's collectives), so the ranks stay in lockstep.
+SAMPLERS = ({"temp": 0.0}, {"temp": 0.7}, {"temp": 1.0}, {"temp": 0.7, "top_p": 0.9},
+            {"temp": 0.7, "top_k": 20}, {"temp": 0.7, "min_p": 0.05})
+
+
+def warm_up(model, prefill_chunk: int, vocab_size: int,
+            samplers: tuple[dict, ...] = SAMPLERS) -> dict:
+    """Run mlx-lm's own generation loop (what the server runs) over every prefill
+    chunk shape and decode, with each default sampler, collectives bypassed on this
+    rank (results are discarded); then one decode step with collectives on, in
     lockstep with the other ranks."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
     t0 = time.perf_counter()
     before = jit_kernel_count()
     model.set_collectives(False)
     try:
-        shapes = []
-        for t in chunk_sizes(prefill_chunk):
-            cache = model.make_cache()
-            tokens = mx.array([[i % (vocab_size - 256) for i in range(t)]])
-            mx.eval(model(tokens, cache=cache))
-            mx.eval(model(mx.array([[1]]), cache=cache))  # decode after a prefill
-            shapes.append(t)
+        sizes = chunk_sizes(prefill_chunk)
+        for i, t in enumerate(sizes):
+            # Two chunks of t (the second on a non-empty cache: other mask shapes),
+            # +1: generate_step prefills all but the last prompt token.
+            prompt = mx.array([j % (vocab_size - 256) for j in range(2 * t + 1)])
+            sampler = make_sampler(**samplers[i % len(samplers)])
+            for _ in generate_step(prompt, model, max_tokens=2, sampler=sampler,
+                                   prefill_step_size=t):
+                pass
+        for kw in samplers:
+            for _ in generate_step(mx.array([1, 2]), model, max_tokens=2,
+                                   sampler=make_sampler(**kw)):
+                pass
     finally:
         model.set_collectives(True)
     cache = model.make_cache()
     mx.eval(model(mx.array([[1]]), cache=cache))  # the real collective warm-up
+    shapes = sizes
     return {"prefill_chunks": shapes, "decode": [1], "seconds": round(time.perf_counter() - t0, 2),
             "jit_kernels_compiled": jit_kernel_count() - before,
             "jit_kernels_total": jit_kernel_count()}

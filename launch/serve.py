@@ -55,16 +55,19 @@ def main(argv: list[str] | None = None) -> None:
 
     watchdog = None
     if size > 1:
-        host, port = harness.coordinator_address(group, dep.watchdog_port)
-        watchdog = harness.Watchdog(rank, size, host, port,
-                                    timeout_s=dep.watchdog_timeout_s)
+        host, port = harness.coordinator_address(group, port=dep.watchdog_port)
+        watchdog = harness.Watchdog(
+            rank, size, host, port, timeout_s=dep.watchdog_timeout_s,
+            on_lost=lambda r, why: server.abort_streams(f"rank {r} was lost ({why})"),
+            on_stop=lambda why, origin: server.abort_streams(
+                f"server stopping: {why} (from rank {origin})"))
         watchdog.start()
         harness.install_signal_handlers(watchdog)
         log(rank, f"watchdog: coordinator {host}:{port}, timeout {dep.watchdog_timeout_s}s")
 
     folder = dep.rank_path(rank)
-    if dep.build == Deployment.build and not (folder / "k3dist.json").exists():
-        log(rank, f"no rank folder at {folder}: preparing the embedded default")
+    if dep.build == Deployment.build and dep.rank_dir == Deployment.rank_dir:
+        log(rank, f"embedded default: preparing {folder} (cached after the first run)")
         default.ensure_default_rank(rank, size, folder)
 
     pre = harness.preflight(folder, headroom_bytes=int(dep.memory_headroom_gb * 2**30))
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     model, config, manifest = loader.load_rank(folder, group, dep.dtype, dep.moe_form)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder, {"trust_remote_code": False})
     log(rank, f"loaded {folder} (build {manifest['build_hash']}, placement "
               f"{manifest['placement_hash']}, moe form {loader.resolve_form(dep.moe_form)}) "
               f"in {time.perf_counter() - t0:.1f}s")
@@ -80,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     model.chunk_sizes = warmup.chunk_sizes(dep.prefill_chunk)
     warm = None
     if dep.warmup:
-        warm = warmup.warm_up(model, dep.prefill_chunk, config["text_config"]["vocab_size"])
+        defaults = {"temp": dep.temperature, "top_p": dep.top_p}  # the deployment's own
+        warm = warmup.warm_up(model, dep.prefill_chunk, config["text_config"]["vocab_size"],
+                              (*warmup.SAMPLERS, defaults))
         log(rank, f"warm-up: {json.dumps(warm)}")
     beat = harness.DeviceHeartbeat(dep.heartbeat_s)
     beat.start()

@@ -1,11 +1,14 @@
-"""Mini K3 tokenizers: layout, tiktoken compatibility, BPE validity, determinism."""
+"""Mini K3 tokenizers: layout, tiktoken compatibility, BPE validity, determinism, and the
+fast (tokenizer.json) conversion serving uses."""
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
+from k3dist import chat
 from k3dist import tokenizer as tk
 
 import pytest
@@ -222,3 +225,138 @@ def test_mlx_lm_recognizes_xtml_vocab(mini_dir: Path) -> None:
     enc = tk.load_encoding(mini_dir)
     for text in SAMPLES[:5]:
         assert hf.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)
+
+
+# ----------------------------------------------------------------------------- fast tokenizer
+
+# Control-token spellings, code, CJK, emoji, RTL, combining marks, whitespace runs.
+FAST_SAMPLES = [
+    *SAMPLES,
+    '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>',
+    "[BOS]x[EOS] <|media_begin|>image<|media_content|><|media_pad|><|media_end|> [PAD][UNK]",
+    "a<|reserved_token_520|>b <|reserved_token_999|> <|open|<|sep|>> <|kimi_image_placeholder|>",
+    "class K3:\n\tdef __init__(self):\n\t\tself.x = {'a': [1, 2]}  # 注释\n",
+    "ﬁ ℌ ①②③ ４５６ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \u200b\u00a0\u3000 \r\n\t",
+]
+
+
+@pytest.fixture(scope="module")
+def fast(mini_dir: Path):
+    return tk.build_fast_tokenizer(mini_dir)
+
+
+@pytest.mark.parametrize("text", FAST_SAMPLES)
+def test_fast_tokenizer_equals_tiktoken(fast, enc: tiktoken.Encoding, text: str) -> None:
+    ids = fast.encode(text, add_special_tokens=False)
+    assert ids == enc.encode(text, allowed_special="all")
+    assert fast.decode(ids) == text
+    assert fast.encode(text) == ids  # no BOS/EOS added
+
+
+def test_fast_tokenizer_equals_tiktoken_random(fast, enc: tiktoken.Encoding) -> None:
+    rng = random.Random(1)
+    words = tk.split_text(tk.MINI_TEXT) + list(tk.special_tokens(512)) + ["你好", "🚀", " \n"]
+    for _ in range(200):
+        parts = [rng.choice(words) if rng.random() < 0.8 else chr(rng.randrange(0x20, 0x30000))
+                 for _ in range(rng.randrange(1, 40))]
+        text = "".join(p for p in parts if not 0xD800 <= ord(p[0]) < 0xE000)
+        assert fast.encode(text, add_special_tokens=False) == enc.encode(
+            text, allowed_special="all"), text
+
+
+def test_fast_tokenizer_long_runs_split_like_k3(fast, enc: tiktoken.Encoding) -> None:
+    # K3's loader cuts after every 25,000 whitespace / non-whitespace characters; here the
+    # cut falls inside an "in" merge, so only the cut version matches.
+    text = "q" + "in" * 13_000 + " tail"
+    cut = 25_000
+    want = enc.encode_ordinary(text[:cut]) + enc.encode_ordinary(text[cut:])
+    assert fast.encode(text, add_special_tokens=False) == want != enc.encode_ordinary(text)
+    assert fast.decode(want) == text
+
+
+def test_fast_tokenizer_control_tokens(fast) -> None:
+    base = 512
+    assert len(fast) == base + tk.NUM_CONTROL_TOKENS
+    for i, name in enumerate(tk.control_tokens(base)):
+        assert fast.convert_tokens_to_ids(name) == base + i
+        entry = fast.added_tokens_decoder[base + i]
+        assert entry.content == name and entry.special == (name not in (tk.OPEN, tk.CLOSE, tk.SEP))
+    sp = tk.special_tokens(base)
+    assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id, fast.unk_token_id) == (
+        sp[tk.BOS], sp[tk.EOS], sp[tk.PAD], sp[tk.UNK])  # no config.json: the tokenizer's EOS
+    ids = fast.encode("<|open|>think<|sep|>x<|end_of_msg|>", add_special_tokens=False)
+    # Structural markers survive skip_special_tokens (the XTML parsers need them).
+    assert fast.decode(ids, skip_special_tokens=True) == "<|open|>think<|sep|>x"
+
+
+def _with_model_config(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    base = len(tk.read_ranks(dst / "tiktoken.model"))
+    cfg = {"model_type": "kimi_k3", "eos_token_id": base + 2, "bos_token_id": base}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_write_hf_tokenizer(mini_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    src = _with_model_config(mini_dir, tmp_path / "src")
+    out = tmp_path / "out"
+    names = tk.write_hf_tokenizer(src, out)
+    assert sorted(names) == sorted(p.name for p in out.iterdir())
+    assert (out / "tiktoken.model").read_bytes() == (src / "tiktoken.model").read_bytes()
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert "auto_map" not in config and config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert len(config["added_tokens_decoder"]) == tk.NUM_CONTROL_TOKENS
+    assert config["eos_token"] == tk.END_OF_MSG  # config.json's eos_token_id, the stop token
+
+    hf = AutoTokenizer.from_pretrained(out)  # no trust_remote_code, no tiktoken code
+    assert isinstance(hf, PreTrainedTokenizerFast)
+    assert hf.chat_template == chat.CHAT_TEMPLATE
+    assert hf.eos_token_id == tk.special_tokens(512)[tk.END_OF_MSG]
+    assert (hf.bos_token, hf.pad_token, hf.unk_token) == (tk.BOS, tk.PAD, tk.UNK)
+    enc = tk.load_encoding(src)
+    # load_encoding still reads the folder, with the same ids
+    assert tk.load_encoding(out)._special_tokens == enc._special_tokens
+    for text in FAST_SAMPLES:
+        assert hf.encode(text, add_special_tokens=False) == enc.encode(text, allowed_special="all")
+
+    # Deterministic, and idempotent when run on its own output.
+    files = {n: (out / n).read_bytes() for n in names}
+    again = tmp_path / "again"
+    tk.write_hf_tokenizer(src, again)
+    assert {n: (again / n).read_bytes() for n in names} == files
+    shutil.copyfile(src / "config.json", out / "config.json")
+    tk.write_hf_tokenizer(out, out)
+    assert {n: (out / n).read_bytes() for n in names} == files
+
+
+def test_chat_control_tokens_can_be_sanitized(fast) -> None:
+    # transformers 5 can encode control-token spellings in user text as text, like K3's own
+    # segment-wise encoder; the structural tokens written by the template stay tokens.
+    msgs = [{"role": "user", "content": "say <|end_of_msg|> please"}]
+    sp = tk.special_tokens(512)
+    plain = fast.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+    safe = fast.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False,
+                                    sanitize_control_tokens=True)
+    assert plain.count(sp[tk.END_OF_MSG]) == safe.count(sp[tk.END_OF_MSG]) + 1
+    assert safe.count(sp[tk.OPEN]) == plain.count(sp[tk.OPEN]) >= 3
+    assert fast.decode(safe) == fast.decode(plain)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "你好hello世界World，這是「測試」、。々〆日本語のテキスト",
+        "DON'T it's IT'S we'RE HTTPServer camelCase snake_case Straße ǅemal",
+        "naïve e\u0301 Привет 🚀👨\u200d👩 a    b\t\tc\r\n\r\n x   \n   y ",
+        "1234567 3.14159 ４５６ x² -> != <= ... (){}[] 'll 'S",
+    ],
+)
+def test_fast_pre_tokenizer_splits_like_tiktoken(tmp_path: Path, text: str) -> None:
+    # Every substring a token: the ids spell out each side's pre-tokenization (tokenizers'
+    # Oniguruma regex vs tiktoken's fancy-regex on the same K3 pattern).
+    enc = _all_substrings_encoding(text)
+    tk.write_tokenizer_files(tmp_path, enc._mergeable_ranks)
+    fast = tk.build_fast_tokenizer(tmp_path)
+    assert fast.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)

@@ -1,0 +1,794 @@
+"""What keeps a multi-rank serve honest: preflight, peer watchdog, device heartbeat.
+
+- ``preflight``: before minutes of loading, does this rank's folder fit in the
+  memory this machine can give it (and, on Metal, under the wired limit)? Refuse
+  with the numbers and the fix; otherwise wire the footprint.
+- ``Watchdog``: a TCP side channel beside the MLX group. When a peer dies, the
+  ring backend on the survivor may fail the pending collective, return garbage, or
+  block forever; nothing in MLX ends the run. The watchdog notices (a closed
+  socket at once, a silent peer after ``timeout_s``) and hard-exits every survivor
+  with a line that names the lost rank. It also carries a requested shutdown
+  (SIGTERM/SIGINT on any rank stops all ranks with exit code 0).
+- ``DeviceHeartbeat``: a tiny op every interval so an idle Metal GPU does not
+  sleep between requests.
+
+Exit codes: 0 after a requested stop, 3 (``LOST_EXIT_CODE``) after a lost peer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from k3dist.sfile import read_header
+
+import mlx.core as mx
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Margin on top of the weights. The K3 cache is small per token: 24 MLA layers keep
+# the 512-wide latent + 64-wide rope key (576 values x 2 B = 27,648 B/token), so
+# 128K tokens take ~3.6 GB; KDA layers keep a fixed-size state, and a prefill chunk's
+# activations are a few hundred MB. 8 GiB covers one long context; raise it for
+# batches or longer contexts.
+DEFAULT_HEADROOM_BYTES = 8 * GiB
+
+LOST_EXIT_CODE = 3
+# mlx.launch's default --starting-port; the watchdog sits PORT_OFFSET above rank
+# 0's first ring port, clear of the ring's own ports (one per rank and connection).
+DEFAULT_RING_PORT = 32323
+PORT_OFFSET = 1000
+
+
+# ---------------------------------------------------------------- preflight
+
+
+class PreflightError(RuntimeError):
+    """This rank cannot fit; the message has the numbers and the fix."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB ({n:,} bytes)"
+
+
+def folder_weight_bytes(folder: str | Path) -> int:
+    """Bytes of tensor data in the folder's safetensors files (what loading maps in)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise PreflightError(f"{folder}: no *.safetensors files; pass a rank folder made by "
+                             "slicing/rank_split.py (or a build folder)")
+    return sum(h.file_size - h.data_offset for h in map(read_header, files))
+
+
+def parse_meminfo(text: str) -> int:
+    """Linux: MemAvailable (the kernel's estimate of memory usable without swapping)."""
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            value, unit = line.split()[1:3]
+            if unit != "kB":
+                raise ValueError(f"/proc/meminfo: unexpected unit {unit!r} for MemAvailable")
+            return int(value) * 1024
+    raise ValueError("/proc/meminfo has no MemAvailable line (Linux >= 3.14 has it)")
+
+
+def parse_vm_stat(text: str) -> int:
+    """macOS: (free + inactive) pages x page size. Speculative and purgeable pages are
+    left out, so this errs on the side of refusing."""
+    lines = text.splitlines()
+    if not lines or "page size of" not in lines[0]:
+        raise ValueError(f"vm_stat: no page size in the first line {lines[:1]}")
+    page = int(lines[0].split("page size of")[1].split()[0])
+    pages = {}
+    for line in lines[1:]:
+        key, _, value = line.partition(":")
+        if value.strip().rstrip(".").isdigit():
+            pages[key.strip()] = int(value.strip().rstrip("."))
+    missing = [k for k in ("Pages free", "Pages inactive") if k not in pages]
+    if missing:
+        raise ValueError(f"vm_stat: no {missing} lines")
+    return (pages["Pages free"] + pages["Pages inactive"]) * page
+
+
+def free_memory() -> tuple[int, str]:
+    """(bytes this process could use now, where the number came from)."""
+    if sys.platform == "darwin":
+        out = subprocess.run(["vm_stat"], capture_output=True, text=True, check=True).stdout
+        return parse_vm_stat(out), "vm_stat free+inactive pages"
+    return parse_meminfo(Path("/proc/meminfo").read_text()), "/proc/meminfo MemAvailable"
+
+
+def _sysctl_int(name: str) -> int | None:
+    try:
+        out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True,
+                             timeout=5)
+        return int(out.stdout.strip()) if out.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def metal_limits() -> dict | None:
+    """The GPU's wired-memory ceiling where Metal is present, else None."""
+    if not mx.metal.is_available():
+        return None
+    try:
+        info = mx.device_info(mx.gpu)
+    except (AttributeError, TypeError):  # older MLX: only the metal namespace has it
+        info = mx.metal.device_info()
+    return {
+        "max_recommended_working_set_bytes": int(info["max_recommended_working_set_size"]),
+        "memory_bytes": int(info["memory_size"]),
+        # 0 means the macOS default (about 3/4 of memory on large machines)
+        "iogpu_wired_limit_mb": _sysctl_int("iogpu.wired_limit_mb"),
+    }
+
+
+def check_memory(folder: str | Path, weights: int, headroom: int, free: int,
+                 free_source: str, metal: Mapping | None = None) -> int:
+    """Refuse (PreflightError) unless weights + headroom fit; returns the footprint.
+    Pure: preflight passes the measured numbers, tests pass pretend ones."""
+    footprint = weights + headroom
+    need = (f"{folder} needs {_gib(footprint)}: {_gib(weights)} of weights + "
+            f"{_gib(headroom)} headroom for KV cache and activations")
+    smaller = ("serve a smaller build (more experts in the 2-bit lo bank) or slice for more "
+               "ranks (slicing/rank_split.py --size N+1)")
+    if footprint > free:
+        raise PreflightError(f"{need}, but only {_gib(free)} is free ({free_source}); fix: "
+                             f"free {_gib(footprint - free)} (quit other programs), {smaller}")
+    if metal is not None:
+        ceiling = metal["max_recommended_working_set_bytes"]
+        if footprint > ceiling:
+            mb = math.ceil(footprint / MiB)
+            # macOS itself needs a few GiB that are never wired.
+            if mb * MiB > metal["memory_bytes"] - 4 * GiB:
+                raise PreflightError(f"{need}, more than this machine can wire "
+                                     f"({_gib(metal['memory_bytes'])} of memory); fix: {smaller}")
+            raise PreflightError(
+                f"{need}, but Metal may wire only {_gib(ceiling)} (iogpu.wired_limit_mb="
+                f"{metal.get('iogpu_wired_limit_mb')}); fix: sudo sysctl iogpu.wired_limit_mb="
+                f"{mb} (resets at reboot), or {smaller}")
+    return footprint
+
+
+def preflight(folder: str | Path, *, headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+              free_bytes: int | None = None, set_wired: bool = True) -> dict:
+    """Check that this rank's folder fits before loading it; on Metal, wire it.
+
+    ``free_bytes`` replaces the measured free memory (tests, or a deployment that
+    knows better). Returns the numbers, for serve to print as evidence.
+    """
+    weights = folder_weight_bytes(folder)
+    if free_bytes is None:
+        free, source = free_memory()
+    else:
+        free, source = int(free_bytes), "given"
+    metal = metal_limits()
+    footprint = check_memory(folder, weights, headroom_bytes, free, source, metal)
+    report = {"folder": str(folder), "weights_bytes": weights, "headroom_bytes": headroom_bytes,
+              "footprint_bytes": footprint, "free_bytes": free, "free_source": source,
+              "metal": metal, "wired_limit_set_bytes": None, "previous_wired_limit_bytes": None}
+    if metal is not None and set_wired:
+        # Wiring keeps the weights resident: without it macOS may page expert banks
+        # out between requests and the first token after an idle spell stalls.
+        try:
+            report["previous_wired_limit_bytes"] = mx.set_wired_limit(footprint)
+        except (RuntimeError, ValueError) as e:
+            raise PreflightError(f"mx.set_wired_limit({footprint:,}) failed ({e}); fix: sudo "
+                                 f"sysctl iogpu.wired_limit_mb={math.ceil(footprint / MiB)}"
+                                 ) from None
+        report["wired_limit_set_bytes"] = footprint
+    return report
+
+
+# ---------------------------------------------------------------- watchdog
+
+
+class WatchdogError(RuntimeError):
+    """The side channel could not be formed; the message says where and the fix."""
+
+
+def coordinator_address(group: mx.distributed.Group | None = None, *, port: int | None = None,
+                        environ: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """Where rank 0's watchdog listens: (rank 0's IP, its first ring port + 1000).
+
+    mlx.launch (ring backend) hands every rank ``MLX_HOSTFILE``: a file holding a JSON
+    list, per rank, of the "ip:port" pairs the ring uses; rank 0's first pair names
+    its host. With jaccl, ``MLX_JACCL_COORDINATOR`` ("ip:port") does. With neither
+    (one process) it is 127.0.0.1 and mlx.launch's default port + 1000. ``port``
+    overrides the port (a deployment where that one is taken).
+    """
+    env = os.environ if environ is None else environ
+    size = group.size() if group is not None else None
+    path = env.get("MLX_HOSTFILE")
+    text = Path(path).read_text().strip() if path and Path(path).exists() else ""
+    if text:
+        try:
+            hosts = json.loads(text)
+            host, ring_port = hosts[0][0].rsplit(":", 1)
+            ring_port = int(ring_port)
+        except (json.JSONDecodeError, IndexError, KeyError, TypeError, ValueError):
+            raise WatchdogError(f"MLX_HOSTFILE {path}: expected the ring backend's JSON list "
+                                f"of per-rank ['ip:port', ...] lists, got {text[:200]!r}; "
+                                "pass the watchdog host and port explicitly") from None
+        if size is not None and len(hosts) != size:
+            raise WatchdogError(f"MLX_HOSTFILE {path} lists {len(hosts)} ranks but the group "
+                                f"has {size}")
+    elif env.get("MLX_JACCL_COORDINATOR"):
+        host, ring_port = env["MLX_JACCL_COORDINATOR"].rsplit(":", 1)
+        ring_port = int(ring_port)
+    else:
+        host, ring_port = "127.0.0.1", DEFAULT_RING_PORT
+    return host, port if port is not None else ring_port + PORT_OFFSET
+
+
+class _Conn:
+    """One peer socket with a line buffer. Protocol: ASCII lines, see Watchdog."""
+
+    def __init__(self, sock: socket.socket, rank: int):
+        self.sock, self.rank = sock, rank
+        self.buf = b""
+        self.last_seen = time.monotonic()
+        self.acked = False  # acknowledged a stop
+        self.left = False  # said BYE: left normally
+
+    def send(self, line: str) -> None:
+        self.sock.sendall(line.encode() + b"\n")
+
+    def read_lines(self) -> list[str] | None:
+        """Lines available now; None once the peer has closed (EOF or reset)."""
+        try:
+            data = self.sock.recv(4096)
+        except (ConnectionError, TimeoutError, OSError):
+            return None
+        if not data:
+            return None
+        self.last_seen = time.monotonic()
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
+        return [x.decode(errors="replace") for x in lines]
+
+
+def _readline(sock: socket.socket, deadline: float) -> str | None:
+    """A single line during the join, before the event loop; None on EOF or deadline."""
+    buf = b""
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        sock.settimeout(left)
+        try:
+            b = sock.recv(1)
+        except (TimeoutError, OSError):
+            return None
+        if not b:
+            return None
+        buf += b
+    return buf[:-1].decode(errors="replace")
+
+
+def _flush_stdio(timeout_s: float = 0.5) -> None:
+    # os._exit skips Python's flush. Flush from a helper thread: a main thread
+    # blocked mid-write could hold the stream's lock, and we must still exit.
+    def flush() -> None:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+
+    t = threading.Thread(target=flush, daemon=True)
+    t.start()
+    t.join(timeout_s)
+
+
+def _start_callback(fn: Callable | None, args: tuple) -> threading.Thread | None:
+    """Run a user callback in its own thread, so the caller can bound the wait (join)."""
+    if fn is None:
+        return None
+    t = threading.Thread(target=fn, args=args, daemon=True, name="k3dist-watchdog-callback")
+    t.start()
+    return t
+
+
+class Watchdog:
+    """Peer liveness and shutdown for a group of ranks, over plain TCP (a star).
+
+    Rank 0 listens on ``port``; every other rank connects (retrying until
+    ``connect_timeout_s``) and says ``HELLO rank size``; rank 0 answers ``READY``
+    once all have joined, so ``start()`` returns on every rank together. Then a
+    thread on each rank sends ``H`` every ``interval_s`` and watches its sockets:
+
+    - a peer's socket closes (process killed, crashed, machine rebooted): lost at
+      once (< 1 s); a peer silent for ``timeout_s`` (hung machine, cable pulled):
+      lost then. Rank 0 relays ``LOST r reason`` to the other ranks, so every
+      survivor logs ``lost rank r (reason)`` and exits with code 3 within
+      ``timeout_s + interval_s``.
+    - ``broadcast_stop(reason)`` on any rank: the request goes to rank 0, which
+      relays ``STOP origin reason`` to all; each rank logs
+      ``stopping: reason (from rank origin)``, acknowledges, runs ``on_stop``
+      (at most ``stop_grace_s``) and exits with code 0; rank 0 waits (same bound)
+      for the acknowledgements first, so it is the last to go. A peer whose socket
+      closes without acknowledging was lost, not stopped: exit 3.
+    - ``close()`` (or leaving a ``with`` block without an exception) says ``BYE``:
+      a rank that finished its work normally is not a loss.
+
+    Why exits are hard (``os._exit``): the main thread may be blocked inside a
+    collective whose peer is gone; it never returns to Python, so no exception or
+    ``sys.exit`` can reach it. Ending the process is the only bounded way out.
+    MLX releases the GIL while it evaluates, so this thread runs during a blocked
+    collective. No collective is ever issued here (collectives must be issued in
+    the same order on every rank; a side thread would break that).
+
+    ``hard_exit`` is for in-process tests only (record the code instead of exiting).
+    """
+
+    def __init__(self, group_rank: int, group_size: int, coordinator_host: str, port: int, *,
+                 interval_s: float = 1.0, timeout_s: float = 10.0,
+                 connect_timeout_s: float = 60.0, stop_grace_s: float = 2.0,
+                 on_lost: Callable[[int, str], None] | None = None,
+                 on_stop: Callable[[str, int], None] | None = None,
+                 hard_exit: Callable[[int], None] = os._exit):
+        if not 0 <= group_rank < group_size:
+            raise ValueError(f"rank {group_rank} is outside a group of {group_size}")
+        if not 0 < interval_s < timeout_s:
+            raise ValueError(f"need 0 < interval_s ({interval_s}) < timeout_s ({timeout_s}): a "
+                             "peer must get several heartbeats in before it counts as silent")
+        self.rank, self.size = group_rank, group_size
+        self.host, self.port = coordinator_host, port
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.connect_timeout_s, self.stop_grace_s = connect_timeout_s, stop_grace_s
+        self.on_lost, self.on_stop, self._hard_exit = on_lost, on_stop, hard_exit
+        self.conns: dict[int, _Conn] = {}
+        self.exit_code: int | None = None  # what the watchdog exited (or would exit) with
+        self.events: list[str] = []  # every line it logged, for tests and post-mortems
+        self._decided = threading.Event()  # set once exit_code is final
+        self._thread: threading.Thread | None = None
+        self._ctl_r, self._ctl_w = os.pipe()  # requests from other threads/signal handlers
+        for fd in (self._ctl_r, self._ctl_w):
+            os.set_blocking(fd, False)
+        self._sig_r: int | None = None
+        self._stop_signals: frozenset[int] = frozenset()
+        self._stopping = False  # STOP received (peer) or begun (rank 0)
+        self._requested = False  # a peer asked rank 0 to stop, awaiting the relay
+        self._stop_deadline = math.inf
+        self._stop_cb: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+        if self.rank == 0 and self.size > 1:
+            # Listen now, not in start(): peers that come up first queue in the backlog
+            # instead of retrying, and port=0 (tests) is resolved before they need it.
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((coordinator_host, port))
+            except OSError as e:
+                s.close()
+                raise WatchdogError(f"rank 0 cannot listen on {coordinator_host}:{port} ({e}); "
+                                    "another run may hold the port: stop it, or pick another "
+                                    "watchdog port on every rank") from None
+            s.listen(max(8, self.size))
+            self._listener = s
+            self.port = s.getsockname()[1]
+
+    # ------------------------------------------------------------ join
+
+    def start(self) -> Watchdog:
+        """Form the star (blocks until every rank has joined), then start watching."""
+        if self.size > 1:
+            (self._accept_all if self.rank == 0 else self._join)()
+        self._log(f"{self.size} rank(s) joined via {self.host}:{self.port} (heartbeat "
+                  f"{self.interval_s:g} s, lost after {self.timeout_s:g} s of silence)",
+                  quiet=self.size == 1)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="k3dist-watchdog")
+        self._thread.start()
+        atexit.register(self._at_exit)
+        return self
+
+    def _accept_all(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout_s
+        assert self._listener is not None
+        try:
+            while len(self.conns) < self.size - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(1, self.size)) - set(self.conns))
+                    raise WatchdogError(
+                        f"rank 0: ranks {missing} did not join the watchdog on {self.host}:"
+                        f"{self.port} within {self.connect_timeout_s:g} s; check that they "
+                        "started and can reach this address (firewall, hostfile IPs)")
+                self._listener.settimeout(left)
+                try:
+                    sock, addr = self._listener.accept()
+                except TimeoutError:
+                    continue
+                hello = _readline(sock, min(deadline, time.monotonic() + 5.0))
+                r, problem = self._check_hello(hello)
+                if problem:
+                    # A stray process (an old run, a wrong hostfile) must not take a slot.
+                    self._log(f"refused a watchdog connection from {addr[0]}: it {problem}")
+                    try:
+                        sock.sendall(f"ERR {problem}\n".encode())
+                    except OSError:
+                        pass
+                    sock.close()
+                    continue
+                self.conns[r] = _Conn(sock, r)
+            for c in self.conns.values():
+                c.sock.settimeout(self.timeout_s)  # a send can never block past the bound
+                c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                c.send("READY")
+                c.last_seen = time.monotonic()
+        finally:
+            self._listener.close()
+
+    def _check_hello(self, hello: str | None) -> tuple[int, str | None]:
+        """(rank, None) for a valid newcomer, else (-1, what is wrong with it)."""
+        parts = (hello or "").split()
+        if not (len(parts) == 3 and parts[0] == "HELLO" and parts[1].isdigit()
+                and parts[2].isdigit()):
+            return -1, f"sent {hello!r}, not HELLO rank size"
+        r, n = int(parts[1]), int(parts[2])
+        if n != self.size:
+            return -1, f"is from a group of {n}, this one has {self.size}"
+        if not 0 < r < self.size:
+            return -1, f"claims rank {r}, outside 1..{self.size - 1}"
+        if r in self.conns:
+            return -1, f"claims rank {r}, which already joined"
+        return r, None
+
+    def _join(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout_s
+        last = "no attempt"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WatchdogError(
+                    f"rank {self.rank}: the watchdog coordinator (rank 0) at {self.host}:"
+                    f"{self.port} did not let this rank join within {self.connect_timeout_s:g}"
+                    f" s (last: {last}); check that rank 0 is running and listening there, "
+                    "that the port is free and reachable, or pass the same watchdog port "
+                    "to every rank")
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=min(left, 5.0))
+            except OSError as e:
+                last = f"connect: {e}"
+                time.sleep(min(0.2, max(0.0, left)))
+                continue
+            sock.sendall(f"HELLO {self.rank} {self.size}\n".encode())
+            reply = _readline(sock, deadline)
+            if reply == "READY":
+                sock.settimeout(self.timeout_s)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.conns[0] = _Conn(sock, 0)
+                return
+            sock.close()
+            if reply is not None and reply.startswith("ERR "):
+                raise WatchdogError(f"rank {self.rank}: rank 0 refused this rank: it "
+                                    f"{reply[4:]}; launch every rank with the same group")
+            last = f"rank 0 closed before all ranks joined ({reply!r})"
+
+    # ------------------------------------------------------------ requests
+
+    def broadcast_stop(self, reason: str) -> None:
+        """Stop every rank (exit 0). Safe from any thread and from a signal handler:
+        it only writes to a pipe (no locks) that the watchdog thread reads."""
+        line = "S " + " ".join(str(reason).split())[:200]
+        try:
+            os.write(self._ctl_w, line.encode() + b"\n")
+        except (BlockingIOError, OSError):
+            pass  # pipe full: stops already queued; closed: the watchdog is gone
+
+    def close(self, *, clean: bool = True) -> None:
+        """Stop watching without exiting. ``clean``: tell the peers this rank finished
+        normally (BYE); otherwise they see a loss, which is right after a failure."""
+        atexit.unregister(self._at_exit)
+        if self._thread is None or not self._thread.is_alive():
+            self._close_sockets(clean)
+            return
+        try:
+            os.write(self._ctl_w, b"B\n" if clean else b"C\n")
+        except OSError:
+            pass
+        self._thread.join(self.timeout_s)
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(clean=exc_type is None)
+
+    def _watch_signals(self, fd: int, signals: tuple[int, ...]) -> None:
+        self._stop_signals = frozenset(int(s) for s in signals)
+        self._sig_r = fd
+        if self._thread is not None:  # wake the loop so it registers the fd
+            os.write(self._ctl_w, b"W\n")
+
+    # ------------------------------------------------------------ the loop
+
+    def _log(self, msg: str, quiet: bool = False) -> None:
+        self.events.append(msg)
+        if quiet:
+            return
+        # os.write, not print: no Python-level lock a blocked main thread might hold.
+        try:
+            os.write(2, f"[k3dist watchdog rank {self.rank}] {msg}\n".encode())
+        except OSError:
+            pass
+
+    def _close_sockets(self, clean: bool) -> None:
+        for c in self.conns.values():
+            if clean and not c.left:
+                try:
+                    c.send("BYE")
+                except OSError:
+                    pass
+            c.sock.close()
+        self.conns.clear()
+        if self._listener is not None:
+            self._listener.close()
+
+    def _exit(self, code: int) -> None:
+        self.exit_code = code
+        self._decided.set()
+        _flush_stdio(0.2)
+        self._hard_exit(code)
+
+    def _at_exit(self) -> None:
+        """The main thread is leaving Python without close(): finish the exit here.
+
+        Why: when a collective fails ("[ring] connection to a peer was lost"), the main
+        thread raises while this thread is deciding; interpreter shutdown then freezes
+        daemon threads (this one) and can itself hang in the ring backend, so the
+        process would end only by mlx.launch's SIGTERM, with the wrong code. Exiting
+        from the main thread's atexit keeps the watchdog's code (3) and bounds it.
+        """
+        if self._hard_exit is not os._exit:
+            return  # in-process tests: never end the test runner
+        uncaught = getattr(sys, "last_value", None) is not None
+        stopping = self._stopping or self._requested  # e.g. on_stop ended the server
+        if self.exit_code is None and (uncaught or stopping):
+            # The watchdog usually has seen the closed socket or finished the stop.
+            self._decided.wait(self.stop_grace_s + 1.0)
+        if self.exit_code is not None or uncaught or stopping:
+            _flush_stdio(0.2)
+            os._exit(self.exit_code if self.exit_code is not None else 1 if uncaught else 0)
+
+    def _lost(self, rank: int, reason: str) -> None:
+        self.exit_code = LOST_EXIT_CODE  # first: the main thread's atexit may read it
+        if self.rank == 0:
+            for c in self.conns.values():
+                if c.rank != rank:
+                    try:
+                        c.send(f"LOST {rank} {reason}")
+                    except OSError:
+                        pass
+        self._log(f"lost rank {rank} ({reason}); exiting with code {LOST_EXIT_CODE}: the "
+                  "group cannot continue without it")
+        t = _start_callback(self.on_lost, (rank, reason))
+        if t is not None:
+            t.join(self.stop_grace_s)
+        self._exit(LOST_EXIT_CODE)
+
+    def _begin_stop(self, origin: int, reason: str) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._log(f"stopping: {reason} (from rank {origin})")
+        for c in list(self.conns.values()):
+            try:
+                c.send(f"STOP {origin} {reason}" if self.rank == 0 else "ACK")
+            except OSError:
+                pass  # a peer that is gone shows up as a close without ACK
+        self._stop_cb = _start_callback(self.on_stop, (reason, origin))
+        self._stop_deadline = time.monotonic() + self.stop_grace_s
+
+    def _stop_done(self) -> bool:
+        cb_done = self._stop_cb is None or not self._stop_cb.is_alive()
+        if self.rank != 0:
+            return cb_done  # peers go as soon as their callback is done
+        return cb_done and not self.conns  # rank 0 goes last: all peers acked and closed
+
+    def _request_stop(self, reason: str) -> None:
+        if self._stopping or self._requested:
+            return
+        if self.rank == 0 or 0 not in self.conns:
+            self._begin_stop(self.rank, reason)
+            return
+        self._requested = True
+        try:
+            self.conns[0].send(f"STOP {self.rank} {reason}")
+        except OSError as e:
+            self._lost(0, f"could not send the stop request: {e}")
+
+    def _on_line(self, c: _Conn, line: str) -> bool:
+        """Handle one message; True when the loop must end (the process exits)."""
+        kind, _, rest = line.partition(" ")
+        if kind == "H":
+            return False
+        if kind == "STOP":
+            origin, _, reason = rest.partition(" ")
+            self._begin_stop(int(origin), reason)
+        elif kind == "ACK":
+            c.acked = True
+        elif kind == "BYE":
+            c.left = True
+        elif kind == "LOST" and self.rank != 0:
+            r, _, reason = rest.partition(" ")
+            self._lost(int(r), f"{reason}; reported by rank 0")
+            return True
+        return False
+
+    def _on_close(self, c: _Conn, sel: selectors.BaseSelector) -> bool:
+        sel.unregister(c.sock)
+        c.sock.close()
+        del self.conns[c.rank]
+        if c.left or c.acked or (self._stopping and self.rank != 0):
+            return False  # finished, or stopping as asked: not a loss
+        self._lost(c.rank, "connection closed" + (" without acknowledging the stop"
+                                                  if self._stopping else ""))
+        return True
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:  # noqa: BLE001 - an unwatched rank must not keep serving
+            self._log(f"watchdog failed ({type(e).__name__}: {e}); exiting with code "
+                      f"{LOST_EXIT_CODE} because peer loss can no longer be detected")
+            self._exit(LOST_EXIT_CODE)
+        finally:
+            self._close_sockets(clean=False)
+
+    def _loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        for c in self.conns.values():
+            sel.register(c.sock, selectors.EVENT_READ, c)
+        sel.register(self._ctl_r, selectors.EVENT_READ, "ctl")
+        sig_registered = None
+        next_beat = time.monotonic()
+        while True:
+            if self._sig_r is not None and sig_registered != self._sig_r:
+                sel.register(self._sig_r, selectors.EVENT_READ, "sig")
+                sig_registered = self._sig_r
+            now = time.monotonic()
+            if now >= next_beat:
+                for c in list(self.conns.values()):
+                    try:
+                        c.send("H")
+                    except OSError as e:
+                        if not (c.left or c.acked or (self._stopping and self.rank != 0)):
+                            self._lost(c.rank, f"heartbeat send failed: {e}")
+                            return
+                next_beat = now + self.interval_s
+            for c in list(self.conns.values()):
+                if not c.left and now - c.last_seen > self.timeout_s:
+                    self._lost(c.rank, f"silent for {now - c.last_seen:.1f} s")
+                    return
+            if self._stopping and (self._stop_done() or now >= self._stop_deadline):
+                if self.rank == 0 and self.conns and now >= self._stop_deadline:
+                    self._log(f"ranks {sorted(self.conns)} did not finish stopping within "
+                              f"{self.stop_grace_s:g} s; exiting anyway")
+                self._exit(0)
+                return
+            wake = min([next_beat, self._stop_deadline]
+                       + [c.last_seen + self.timeout_s for c in self.conns.values()])
+            events = sel.select(max(0.0, min(wake - now, self.interval_s)))
+            # Sockets before requests: a peer that is already gone is a loss, even when
+            # a stop (e.g. mlx.launch's SIGTERM after that very death) arrives with it.
+            events.sort(key=lambda e: isinstance(e[0].data, str))
+            for key, _ in events:
+                if key.data == "ctl":
+                    data = os.read(self._ctl_r, 4096).decode(errors="replace")
+                    for line in data.splitlines():
+                        if line.startswith("S "):
+                            self._request_stop(line[2:])
+                        elif line in ("B", "C"):
+                            self._close_sockets(clean=line == "B")
+                            return
+                elif key.data == "sig":
+                    try:
+                        sigs = os.read(self._sig_r, 64)
+                    except BlockingIOError:
+                        sigs = b""
+                    for s in sigs:
+                        # The wakeup fd carries every signal that has a Python handler
+                        # (transformers' SIGALRM prompt timer too): stop only on ours.
+                        if s in self._stop_signals:
+                            self._request_stop(signal.Signals(s).name)
+                else:
+                    c = key.data
+                    if c.rank not in self.conns:
+                        continue
+                    lines = c.read_lines()
+                    if lines is None:
+                        if self._on_close(c, sel):
+                            return
+                        continue
+                    for line in lines:
+                        if self._on_line(c, line):
+                            return
+
+
+def install_signal_handlers(watchdog: Watchdog,
+                            signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """SIGTERM/SIGINT on this rank stop every rank (exit 0). Call from the main thread.
+
+    A Python signal handler runs only when the main thread is back in Python, which
+    a rank blocked in a collective never is. So the signal is also delivered through
+    ``signal.set_wakeup_fd`` (written by the C-level handler at once) to the
+    watchdog thread; the Python handler is the fallback if other code replaces the
+    wakeup fd (asyncio does; mlx_lm.server does not use asyncio).
+    """
+    r, w = os.pipe()
+    for fd in (r, w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+    def handler(signum: int, frame) -> None:
+        watchdog.broadcast_stop(signal.Signals(signum).name)
+
+    for s in signals:
+        signal.signal(s, handler)
+    watchdog._watch_signals(r, signals)
+
+
+# ---------------------------------------------------------------- device heartbeat
+
+
+class DeviceHeartbeat:
+    """Evaluate a one-element op every ``interval_s`` so an idle Metal GPU stays awake
+    (a GPU that has clocked down adds latency to the first token after a pause).
+
+    It runs on its own stream, created inside its thread (MLX streams belong to the
+    thread that made them), and never issues a collective: the ring between ranks
+    is already kept busy by mlx_lm.server's idle poll (an ``all_sum`` every 0.1 s),
+    and a collective from a side thread would break the same-order-on-every-rank
+    rule. On CPU it runs too (cheap), so it is tested here.
+    """
+
+    def __init__(self, interval_s: float = 1.0, device: mx.Device | None = None):
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be positive, not {interval_s}")
+        self.interval_s = interval_s
+        self.device = device or mx.default_device()
+        self.beats = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> DeviceHeartbeat:
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="k3dist-device-heartbeat")
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            stream = mx.new_stream(self.device)
+            x = mx.zeros((1,), stream=stream)
+            while not self._stop.is_set():
+                x = mx.add(x, 1, stream=stream)
+                mx.eval(x)
+                self.beats += 1
+                self._stop.wait(self.interval_s)
+        except Exception as e:  # noqa: BLE001 - a heartbeat must never take the rank down
+            self.error = e
+            os.write(2, f"[k3dist device heartbeat] stopped: {type(e).__name__}: {e}\n".encode())
