@@ -314,3 +314,21 @@ def test_losing_a_rank_mid_stream_ends_cleanly(ranks, tmp_path, sig):
         assert "lost rank 1" in out and "was lost" in str(error)
     else:
         assert "stopping: SIGTERM (from rank 1)" in out and "stopping" in str(error)
+
+
+def test_requests_arriving_together_are_served_intact(srv):
+    """Sequential serving (see k3dist.server): concurrent requests queue and each
+    gets exactly what it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    c = srv.client()
+    prompts = ["def f(x):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
+
+    def ask(p):
+        return c.completions.create(model="kimi-k3", prompt=p, max_tokens=8,
+                                    temperature=0.0).choices[0].text
+
+    alone = [ask(p) for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        together = list(ex.map(ask, prompts))
+    assert together == alone

@@ -1,0 +1,22 @@
+"""The shipped hostfiles parse with mlx.launch's own parser and say what they claim."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mlx._distributed_utils.common import Hostfile
+
+HOSTFILES = Path(__file__).resolve().parents[1] / "hostfiles"
+
+
+@pytest.mark.parametrize("name,backend,n", [("local.json", "", 2), ("tb5.json", "ring", 2),
+                                            ("tb5-jaccl.json", "jaccl", 2)])
+def test_hostfile_parses(name, backend, n):
+    h = Hostfile.from_file(HOSTFILES / name)
+    assert len(h.hosts) == n and h.backend == backend
+    assert all(x.ips for x in h.hosts)  # ring and jaccl both need rank 0's IP
+    if backend == "jaccl":  # mlx.launch's own rule: null for self, a device per peer
+        assert all(x.rdma[i] is None and len(x.rdma) == n for i, x in enumerate(h.hosts))
+    if name == "local.json":
+        assert {x.ssh_hostname for x in h.hosts} == {"127.0.0.1"}
