@@ -17,6 +17,7 @@ from k3dist import layout
 from k3dist.model import make_model_class, resolve_form
 from k3dist.placement import Placement
 from k3dist.sfile import CheckpointError, read_header
+from k3dist.slicing import verify_rank_folder
 
 import mlx.core as mx
 import numpy as np
@@ -31,22 +32,10 @@ class RankMismatch(CheckpointError):
     pass
 
 
-def read_manifest(folder: str | Path) -> dict:
-    path = Path(folder) / "k3dist.json"
-    if not path.exists():
-        raise CheckpointError(f"{path}: missing; {folder} is not a k3dist rank folder "
-                              "(make one with slicing/rank_split.py)")
-    m = json.loads(path.read_text())
-    if m.get("kind") != "rank":
-        raise CheckpointError(f"{path}: kind {m.get('kind')!r}, not a rank folder; slice "
-                              "the build with slicing/rank_split.py --rank R")
-    return m
-
-
 def check_rank_folder(folder: str | Path, rank: int, size: int) -> tuple[dict, Placement]:
     """Everything that can be checked without talking to the other ranks."""
     folder = Path(folder)
-    m = read_manifest(folder)
+    m = verify_rank_folder(folder)  # manifest, kind, every file's size
     if m["size"] != size:
         raise RankMismatch(f"{folder}: sliced for {m['size']} ranks but the group has {size}; "
                            f"launch with -n {m['size']} or slice again with --size {size}")

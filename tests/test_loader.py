@@ -63,6 +63,11 @@ def test_missing_expert_tensor_refused(ranks2, tmp_path):
     name = "language_model.model.layers.3.mlp.switch_mlp.down_proj.weight"
     del idx["weight_map"][name]
     idx_path.write_text(json.dumps(idx))
+    # a folder made that way (not damaged after the fact): the manifest agrees
+    mpath = bad / "k3dist.json"
+    m = json.loads(mpath.read_text())
+    m["files"]["model.safetensors.index.json"]["bytes"] = idx_path.stat().st_size
+    mpath.write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match="switch_mlp.down_proj.weight.*missing"):
         loader.check_rank_folder(bad, 1, 2)
 
