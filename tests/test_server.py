@@ -171,6 +171,17 @@ def _log(srv, rank: int) -> list[dict]:
     return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
 
+def _wait_logs(srv, seen: int, n: int, timeout: float = 30.0) -> list[list[dict]]:
+    """Both ranks' token-log entries after `seen`: rank 1 writes its entry when its
+    own generation ends, which can trail rank 0's HTTP reply a little."""
+    deadline = time.time() + timeout
+    while True:
+        logs = [_log(srv, r)[seen:] for r in range(2)]
+        if all(len(x) >= n for x in logs) or time.time() > deadline:
+            return logs
+        time.sleep(0.1)
+
+
 def _text(message) -> str:
     extra = message.model_extra or {}
     return (extra.get("reasoning") or "") + (message.content or "")
@@ -190,7 +201,7 @@ def test_chat_streamed_and_not_equal_single_process(srv, mini_build):
     sampled = c.chat.completions.create(model="kimi-k3", messages=MESSAGES, max_tokens=24,
                                         temperature=0.7, seed=11)
 
-    logs = [_log(srv, r)[seen:] for r in range(2)]
+    logs = _wait_logs(srv, seen, 3)
     assert len(logs[0]) == 3 and logs[0] == logs[1]  # both ranks generated the same tokens
     greedy, streamed_toks, sampled_toks = (e["tokens"] for e in logs[0])
     assert len(greedy) == r.usage.completion_tokens

@@ -1,0 +1,177 @@
+"""Projected decode speed of the real K3 on N boxes, per mode, from a cost model.
+
+    python benchmarks/project.py [--boxes 2] [--profile mxfp4 graded] [--backend ring jaccl]
+        [--bw-fraction 0.7] [--jaccl-latency-us 50] [--ring-latency-us 600] [--sync-ms 1]
+        [--counts routing.npz] [--calibrate] [--out benchmarks/results/project-DATE.json]
+
+Prints JSON: per build profile and backend, each mode's bytes / FLOPs / collectives per
+step and rank, time split, tok/s and per-box footprint; the published two-box anchors
+next to the model with what each implies; the constants with where each comes from.
+``--calibrate`` also measures this machine (memory bandwidth, MLX matvecs, loopback
+all_sum under ``mlx.launch -n 2``). Model and equations: ``k3dist/costmodel.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from importlib import metadata
+from pathlib import Path
+
+import k3dist
+from k3dist import costmodel as cm
+from k3dist import layout, placement, synth
+
+PUBLISHED_TB = 1.561  # the mxfp4 build's published size
+
+
+def parse_args() -> argparse.Namespace:
+    d = cm.Hardware()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help="config.json (default: the real K3's, shipped)")
+    ap.add_argument("--boxes", type=int, default=2)
+    ap.add_argument("--profile", nargs="+", default=list(cm.PROFILES), choices=cm.PROFILES)
+    ap.add_argument("--hi-fraction", type=float, help="override: experts kept at mxfp4")
+    ap.add_argument("--hi-pair-fraction", type=float, help="override: pairs on the hi bank")
+    ap.add_argument("--lo-bits", type=float, help="override: lo bank bits/weight")
+    ap.add_argument("--nonexpert-bits", type=int, choices=(16, 8, 4), help="override")
+    ap.add_argument("--backend", nargs="+", default=["ring", "jaccl"], choices=cm.BACKENDS)
+    ap.add_argument("--jaccl-latency-us", type=float,
+                    default=cm.BACKENDS["jaccl"].latency_s * 1e6)
+    ap.add_argument("--ring-latency-us", type=float,
+                    default=cm.BACKENDS["ring"].latency_s * 1e6)
+    ap.add_argument("--jaccl-gbs", type=float, default=cm.BACKENDS["jaccl"].bandwidth / 1e9)
+    ap.add_argument("--ring-gbs", type=float, default=cm.BACKENDS["ring"].bandwidth / 1e9)
+    ap.add_argument("--mem-bw-gbs", type=float, default=d.mem_bw / 1e9)
+    ap.add_argument("--bw-fraction", type=float, default=d.bw_fraction)
+    ap.add_argument("--tflops", type=float, default=d.flops / 1e12)
+    ap.add_argument("--flops-fraction", type=float, default=d.flops_fraction)
+    ap.add_argument("--memory-gb", type=float, default=d.memory / 1e9)
+    ap.add_argument("--usable-memory-gb", type=float, default=d.usable_memory / 1e9)
+    ap.add_argument("--sync-ms", type=float, default=d.sync_s * 1e3,
+                    help="host sync per MoE layer (EP local form)")
+    ap.add_argument("--placeholder-reads", type=float, default=d.placeholder_reads,
+                    help="memory reads of the redirect expert per MoE layer (placeholder)")
+    ap.add_argument("--form", default="placeholder", choices=cm.FORMS,
+                    help="EP form in the headline numbers (both are reported)")
+    ap.add_argument("--context", type=int, default=4096, help="tokens in the MLA cache")
+    ap.add_argument("--counts", help="routing counts (.npz layer_<L> / JSON): load-aware "
+                    "placement and sampled routing")
+    ap.add_argument("--placement", choices=("contiguous", "load-aware"),
+                    help="default: load-aware with --counts, else contiguous")
+    ap.add_argument("--calibrate", action="store_true", help="measure this machine too")
+    ap.add_argument("--allsum-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out")
+    return ap.parse_args()
+
+
+def hardware(args) -> dict[str, cm.Hardware]:
+    base = cm.Hardware(
+        mem_bw=args.mem_bw_gbs * 1e9, bw_fraction=args.bw_fraction, flops=args.tflops * 1e12,
+        flops_fraction=args.flops_fraction, memory=args.memory_gb * 1e9,
+        usable_memory=args.usable_memory_gb * 1e9, sync_s=args.sync_ms * 1e-3,
+        placeholder_reads=args.placeholder_reads)
+    lat = {"jaccl": args.jaccl_latency_us, "ring": args.ring_latency_us}
+    bw = {"jaccl": args.jaccl_gbs, "ring": args.ring_gbs}
+    return {b: cm.with_backend(base, b, lat[b] * 1e-6, bw[b] * 1e9) for b in args.backend}
+
+
+def profiles(args) -> dict[str, cm.Profile]:
+    over = {k: v for k, v in (("hi_fraction", args.hi_fraction), ("lo_bits", args.lo_bits),
+                              ("hi_pair_fraction", args.hi_pair_fraction),
+                              ("nonexpert_bits", args.nonexpert_bits)) if v is not None}
+    return {n: replace(cm.PROFILES[n], **over) for n in args.profile}
+
+
+def calibrate() -> dict:
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    cmd = [launcher, "-n", "2", "--python", sys.executable, __file__, "--allsum-worker"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+    allsum = json.loads(lines[-1]) if r.returncode == 0 and lines else {
+        "error": (r.stderr or r.stdout)[-2000:]}
+    out = {"machine": platform.platform(), "blas": k3dist.blas_status(),
+           "allsum_loopback_ring": allsum, "bandwidth": cm.measure_bandwidth()}
+    moe = sorted(glob.glob(str(Path(__file__).parent / "results" / "moe-step-*.json")))
+    if moe:
+        m = json.loads(Path(moe[-1]).read_text())
+        out["moe_step"] = {"file": Path(moe[-1]).name, "median_ms": m["median_ms"],
+                           "non_owned_cost_ms": m["non_owned_cost_ms"]}
+    return out
+
+
+def summary(res: dict) -> list[str]:
+    rows = [f"{'profile':10} {'backend':7} {'mode':14} {'tok/s':>6} {'GB/rank':>8} "
+            f"{'coll':>5} {'comp ms':>8} {'comm ms':>8} {'box GB':>7} fits"]
+    for pn, per in res["projections"].items():
+        for b, pr in per.items():
+            for m, v in pr["modes"].items():
+                fp = v["footprint_per_box"]
+                rows.append(f"{pn:10} {b:7} {m:14} {v['tok_s']:6.2f} "
+                            f"{v['bytes_critical_path'] / 1e9:8.1f} {v['n_collectives']:5d} "
+                            f"{v['time_s']['compute'] * 1e3:8.1f} "
+                            f"{v['time_s']['comm'] * 1e3:8.1f} {fp['total_GB']:7.1f} "
+                            f"{'yes' if fp['fits'] else 'NO'}")
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    if args.allsum_worker:
+        r = cm.allsum_timings()
+        if r is not None:
+            print(json.dumps(r), flush=True)
+        return
+    config = (json.loads(Path(args.config).read_text()) if args.config
+              else synth.real_config())
+    tc = layout.text_config(config)
+    counts = placement.read_counts(args.counts) if args.counts else None
+    kind = args.placement or ("load-aware" if counts is not None else "contiguous")
+    if kind == "load-aware" and counts is None:
+        sys.exit("--placement load-aware needs --counts (routing counts per MoE layer)")
+    pl = placement.for_config(tc, args.boxes, args.counts if kind == "load-aware" else None) \
+        if args.boxes > 1 else None
+    hws = hardware(args)
+    profs = profiles(args)
+
+    res: dict = {
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "versions": {"k3dist": k3dist.__version__, "python": platform.python_version(),
+                     **{p: metadata.version(p) for p in ("mlx", "mlx-lm", "numpy")}},
+        "config": args.config or "k3dist.synth.real_config() (moonshotai/Kimi-K3 config.json)",
+        "constants": {"hardware": cm.hardware_json(next(iter(hws.values()))),
+                      "backends": {b: asdict(h.backend) for b, h in hws.items()},
+                      "sources": cm.SOURCES},
+        "footprint": {},
+        "projections": {},
+        "anchors": {},
+    }
+    for pn, prof in profs.items():
+        fp = cm.footprint(config, prof)
+        if pn == "mxfp4":
+            fp["published_TB"] = PUBLISHED_TB
+            fp["error_vs_published"] = round(fp["build_bytes"] / 1e12 / PUBLISHED_TB - 1, 5)
+        res["footprint"][pn] = fp
+        res["projections"][pn] = {
+            b: cm.project(config, prof, h, args.boxes, form=args.form, context=args.context,
+                          placement=pl, counts=counts) for b, h in hws.items()}
+        if args.boxes == 2:
+            res["anchors"][pn] = cm.compare_anchors(config, prof, hws, args.context, args.form)
+    if args.calibrate:
+        res["measured_here"] = calibrate()
+    text = json.dumps(res, indent=1, default=float)
+    print(text)
+    print("\n".join(summary(res)), file=sys.stderr)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
