@@ -36,7 +36,10 @@ Equations (per step; ``b`` = bytes at the build profile, ``N`` ranks):
     t_step   = t_comp + t_comm + t_sync          (PP: sum over stages + hand-offs + head)
     tok/s    = 1 / t_step
 
-``s_g`` is 1 (replicated) or 1/N (split) per tensor group and mode; ``n_r`` is the
+``state`` is the KDA recurrent state (96 x 128 x 128 F32 per layer, split by heads
+where attention is) read and written, plus the MLA latent cache (``context`` x 576 x
+2 B per MLA layer, whole on every rank). ``s_g`` is 1 (replicated) or 1/N (split) per
+tensor group and mode; ``n_r`` is the
 number of the step's ``k`` routed pairs rank ``r`` owns: each MoE layer ends in an
 ``all_sum``, so a step waits for the busiest rank of every layer, E[max_r n_r] (exact
 under uniform routing, sampled from routing counts when given). The mean per rank,
@@ -47,6 +50,11 @@ layer (default 1: the redirected pairs run in the same gather kernel over the sa
 weights, so repeats hit the cache; the expert (17.5 MB) is re-read per layer because
 92 of them do not stay cache-resident across a step). Local form: only owned pairs
 are computed, after one host sync per MoE layer.
+
+Per-box footprint: the largest rank's resident weights (mlx-lm drops the vision
+tower at load) + cache, against ``usable_memory``. The build's size (``footprint``)
+is the sum of every tensor at the profile's bits; for ``mxfp4`` (experts as shipped,
+non-experts in their source dtypes) it is the source's 1,560,860,324,864 bytes.
 
 Nothing overlaps in this model: collectives sit between dependent layers, and memory
 and compute time are a roofline maximum. Prefill, batching and the KV growth during a
@@ -99,8 +107,9 @@ BACKENDS = {
     "ring": Backend(
         "ring", 600e-6, 2.5e9,
         "assumed: ~1 round trip over the Thunderbolt IP bridge (ping 0.38-0.95 ms between "
-        "M3 Ultras, exo-explore/exo issue #2295) + MLX's ring software path (0.1-0.4 ms "
-        "per all_sum over loopback, measured here); wire bandwidth assumed (TB5 is 80 Gb/s "
+        "M3 Ultras, exo-explore/exo issue #2295) + MLX's ring software path (0.07-0.13 ms "
+        "median per all_sum over loopback here, heavy tails under load: benchmarks/"
+        "project.py --calibrate); wire bandwidth assumed (TB5 is 80 Gb/s "
         "= 10 GB/s raw; TCP gets less)"),
 }
 
@@ -111,7 +120,7 @@ class Hardware:
 
     name: str = "M3 Ultra 80-core GPU, 512 GB, Thunderbolt 5"
     mem_bw: float = 819e9  # B/s, Apple's specification
-    bw_fraction: float = 0.7  # achieved by decode kernels: assumed (see report)
+    bw_fraction: float = 0.6  # achieved by decode kernels (see SOURCES)
     flops: float = 28.7e12  # assumed: 80 cores x 128 FP32 lanes x 2 x ~1.4 GHz
     flops_fraction: float = 0.5  # assumed; decode at batch 1 is far from this bound
     memory: float = 512e9
@@ -126,11 +135,14 @@ SOURCES = {
     "memory": "spec: Apple, M3 Ultra up to 512 GB unified memory",
     "usable_memory": "assumed: 512 GB less ~32 GB for macOS and the process (with "
                      "iogpu.wired_limit_mb raised)",
-    "bw_fraction": "assumed; not calibratable here (this machine's MLX CPU matvecs reach "
-                   "1-25% of its stream bandwidth: compute-bound, see measured_here); "
-                   "the anchors' implied values are reported beside it",
+    "bw_fraction": "derived, not K3: mlx decodes llama-3.1-8b-4bit at 119 tok/s on an M3 "
+                   "Ultra (raullenchai/Rapid-MLX PR #586): ~4.2 GB/token x 119 = 0.50 TB/s "
+                   "= 0.61 of 819 GB/s, a dense-model figure that K3's MoE gathers and KDA "
+                   "kernels may not reach. Not calibratable here: this machine's MLX CPU "
+                   "matvecs are compute-bound (see measured_here). The anchors' implied "
+                   "values are reported beside it",
     "flops": "assumed: 80 GPU cores x 128 FP32 lanes x 2 x ~1.4 GHz (Apple publishes no "
-             "TFLOPS); irrelevant at batch 1 (FLOP time < 10% of memory time)",
+             "TFLOPS); FLOP time stays under ~15% of memory time at batch 1",
     "flops_fraction": "assumed",
     "sync_s": "assumed: one host sync per MoE layer drains the GPU queue and serialises "
               "graph building; ~1 ms is what the published graded build's 2.06x loss on "
@@ -568,6 +580,9 @@ ANCHORS = (
 )
 
 
+GRADED_LOCAL_LOSS = 2.06  # decode slowdown of the local form on Metal (published graded build)
+
+
 def implied(step: dict, tok_s: float, hw: Hardware) -> dict:
     """What the anchor's speed implies, holding everything else: the achieved
     bandwidth fraction (memory-bound), or the per-collective latency."""
@@ -601,10 +616,16 @@ def project(config: dict, profile: Profile, hw: Hardware, size: int = 2,
             out[mode]["forms"] = {fm: {"tok_s": r["tok_s"], "time_s": r["time_s"],
                                        "bytes_critical_path": r["bytes_critical_path"],
                                        "flops": r["flops"]} for fm, r in res.items()}
+            # The host-sync cost per layer at which local would run 2.06x slower than
+            # placeholder (the published graded build's loss on Metal).
+            ph, lo = res["placeholder"]["time_s"], res["local"]["time_s"]
+            sync = (GRADED_LOCAL_LOSS * ph["total"] - (lo["total"] - lo["sync"])) / len(
+                f.moe_layers)
+            out[mode]["forms"]["local"]["sync_ms_implied_by_2.06x"] = round(sync * 1e3, 3)
     routed = {
-        "pairs_per_rank_mean": (float(np.mean([max(v.mean) for v in loads.values()]))
+        "mean_pairs_heaviest_rank": (float(np.mean([max(v.mean) for v in loads.values()]))
                                 if loads else f.top_k),
-        "pairs_busiest_rank": (float(np.mean([v.max for v in loads.values()]))
+        "expected_max_pairs_per_token": (float(np.mean([v.max for v in loads.values()]))
                                if loads else f.top_k),
         "placement": (placement.kind if placement else "contiguous"),
         "routing": "counts (sampled)" if counts else "uniform (exact)",
@@ -636,16 +657,39 @@ def compare_anchors(config: dict, profile: Profile, hws: dict[str, Hardware],
     the model assumes."""
     f = facts(config, profile)
     out = []
+    steps = {}
     for a in ANCHORS:
         for b in a["backends"]:
             if b not in hws:
                 continue
             step = bytes_per_token(a["mode"], f, a["size"], hws[b], form, None, context)
+            steps[a["name"], b] = step
             out.append({"anchor": a["name"], "anchor_tok_s": a["tok_s"], "mode": a["mode"],
                         "backend": b, "model_tok_s": round(step["tok_s"], 2),
                         "anchor_over_model": round(a["tok_s"] / step["tok_s"], 3),
                         "implied": implied(step, a["tok_s"], hws[b])})
+    tp, pp = ANCHORS[1], ANCHORS[2]  # one setup: fit both constants to both numbers
+    for b in tp["backends"]:
+        if (tp["name"], b) in steps:
+            fit = joint_fit([steps[tp["name"], b], steps[pp["name"], b]],
+                            [tp["tok_s"], pp["tok_s"]], hws[b])
+            out.append({"anchor": "PipeNetwork TP + PP jointly", "backend": b,
+                        "implied": fit})
     return out
+
+
+def joint_fit(steps: list[dict], tok_s: list[float], hw: Hardware) -> dict:
+    """The (bandwidth fraction, per-collective latency) that reproduce two measured
+    speeds at once, memory-bound: 1/tok_s = B / (BW eta) + n lambda + wire + sync."""
+    A, y = [], []
+    for st, t in zip(steps, tok_s, strict=True):
+        wire = sum(c["count"] * c["wire_bytes"] for c in st["collectives"]) / (
+            hw.backend.bandwidth)
+        A.append([st["bytes_critical_path"] / hw.mem_bw, st["n_collectives"]])
+        y.append(1 / t - wire - st["time_s"]["sync"])
+    inv_eta, lam = np.linalg.solve(np.array(A), np.array(y))
+    return {"bw_fraction": round(float(1 / inv_eta), 3) if inv_eta > 0 else None,
+            "latency_us": round(float(lam) * 1e6, 1)}
 
 
 # ---------------------------------------------------------------- measured here
@@ -709,7 +753,7 @@ def allsum_timings(sizes=(7168, 10752), reps: int = 200, chain: int = 20) -> dic
             t = time.perf_counter()
             mx.eval(mx.distributed.all_sum(x, group=g))
             single.append(time.perf_counter() - t)
-        for _ in range(max(reps // chain, 5)):
+        for _ in range(max(reps // 4, 10)):
             y = x
             t = time.perf_counter()
             for _ in range(chain):
