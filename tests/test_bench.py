@@ -1,0 +1,94 @@
+"""benchmarks/compare.py's core on mini-K3 under mlx.launch -n 2: the report's
+structure, greedy agreement of every mode, positive ratios. No timing assertions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from k3dist import bench, convert, synth
+
+import numpy as np
+import pytest
+from util import failed_ranks, load_f32, mlx_launch, prompt_ids
+
+FAST = ("--prompt-len", "12", "--prefill-rounds", "1", "--decode-rounds", "2",
+        "--steps-per-round", "2", "--warmup-steps", "1", "--calib-len", "16",
+        "--comm-trials", "3")
+
+
+@pytest.fixture(scope="module")
+def mini_tp_build(tmp_path_factory):
+    """mini with experts twice as wide: mlx-lm's TP splits each expert's intermediate
+    dimension, and mini's 32 over 2 ranks is half an mxfp4 group (32)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(synth.PRESETS, "mini-tp",
+                   dataclasses.replace(synth.PRESETS["mini"], moe_intermediate_size=64))
+        src = synth.synthesize(tmp_path_factory.mktemp("src") / "mini-tp", "mini-tp",
+                               progress=False)
+    return convert.convert(src, tmp_path_factory.mktemp("build") / "mini-tp", progress=False)
+
+
+def _compare(build, out):
+    r = mlx_launch(2, "benchmarks/compare.py", "--build", str(build), *FAST,
+                   "--out", str(out), timeout=120)
+    assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_compare_all_modes(mini_tp_build, tmp_path):
+    rep = _compare(mini_tp_build, tmp_path / "c.json")
+    for key in ("command", "versions", "machine", "backend", "blas", "settings", "placements",
+                "greedy_tokens", "ratios", "summary", "ranks"):
+        assert key in rep, key
+    assert rep["size"] == 2 and len(rep["ranks"]) == 2 and rep["skipped"] == {}
+    assert rep["blas"].get("threads") in (None, 1)  # None: no OpenBLAS on this machine
+    assert (tmp_path / "c.png").stat().st_size > 0
+    modes = {"ep_contiguous", "ep_load_aware", "tp", "pp", "single"}
+    g = rep["greedy_tokens"]
+    assert set(g["tokens"]) == modes
+    assert g["all_modes_agree"], g["vs_single"]
+    assert all(g["identical_across_ranks"].values())
+    for k in ("ep_over_tp_decode", "ep_over_pp_decode", "ep_over_single_decode"):
+        assert rep["ratios"][k] > 0
+    assert all(v > 0 for v in rep["ratios"].values())
+    for r in rep["ranks"]:
+        assert set(r["trials"]) == modes | set(bench.COMPUTE_ONLY.values())
+        for t in r["trials"].values():
+            assert len(t["prefill_s"]) == 1 and [len(x) for x in t["decode_ms"]] == [2, 2]
+        # EP holds half the routed experts; TP a shard of everything
+        w = r["weights_bytes"]
+        assert w["ep_contiguous"] < w["single"] and w["tp"] < w["single"]
+    s = rep["summary"]
+    assert s["ep_contiguous"]["split"]["all_sums_per_step"] == 5  # mini: 5 MoE layers
+    tp = {c["what"]: c["count"] for c in rep["ranks"][0]["collectives"]["tp"]["decode"][
+        "collectives"]}
+    assert tp == {"moe routed+shared": 5, "sharded-to-all linear": 6 + 1}  # attn x6, dense mlp
+    pp = [c["op"] for c in rep["ranks"][0]["collectives"]["pp"]["decode"]["collectives"]]
+    assert sorted(pp) == ["all_gather", "send_recv"]
+
+
+def test_compare_reports_tp_it_cannot_run(mini_build, tmp_path):
+    rep = _compare(mini_build, tmp_path / "c.json")
+    assert "moe_intermediate_size" in rep["skipped"]["tp"]
+    assert "tp" not in rep["greedy_tokens"]["tokens"]
+    assert rep["greedy_tokens"]["all_modes_agree"]
+    assert "ep_over_tp_decode" not in rep["ratios"] and rep["ratios"]["ep_over_pp_decode"] > 0
+
+
+def test_routing_counts(mini_build):
+    model, config = load_f32(mini_build)
+    tc = config["text_config"]
+    prompt = prompt_ids(tc["vocab_size"], 24)
+    counts = bench.routing_counts(model, prompt)
+    assert sorted(counts) == bench.moe_layers(tc)
+    for c in counts.values():
+        assert c.shape == (tc["num_experts"],) and c.sum() == 24 * tc["num_experts_per_token"]
+    assert not any(isinstance(layer.mlp, bench._RouteRecorder) for layer in model.layers)
+
+
+def test_stats_and_gather():
+    s = bench.stats([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert s["median"] == 3.0 and s["p10"] < s["median"] < s["p90"] and s["n"] == 5
+    assert bench.gather_json({"a": [1, 2]}, None) == [{"a": [1, 2]}]
+    assert np.isclose(bench._ratio_rounds([2.0, 3.0], [1.0, 3.0]), [2.0, 1.0]).all()
