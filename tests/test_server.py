@@ -72,7 +72,7 @@ class Server:
                str(REPO / "launch/serve.py"), "--rank-dir", rank_pattern,
                "--port", str(self.port), "--max-context", str(MAX_CONTEXT),
                "--prefill-chunk", "32", "--token-log", str(tmp / "tokens-{rank}.jsonl"),
-               "--watchdog-timeout-s", "5", *extra]
+               "--watchdog-timeout-s", "15", *extra]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 240
