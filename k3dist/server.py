@@ -291,8 +291,7 @@ class K3APIHandler(mlx_server.APIHandler):
                 raise RequestError(400, f"request body is not valid JSON ({e})") from None
             chars = validate_request(self.path, body, model_id=self.model_id,
                                      max_context=self.max_context)
-            max_new = body.get("max_completion_tokens") or body.get("max_tokens") or \
-                self.response_generator.cli_args.max_tokens
+            asked = body.get("max_completion_tokens") or body.get("max_tokens")
             if chars > MAX_CHARS_PER_TOKEN * self.max_context:
                 raise RequestError(400, f"prompt of {chars} characters cannot fit the context "
                                    f"of {self.max_context} tokens", code="context_length_exceeded")
@@ -300,10 +299,15 @@ class K3APIHandler(mlx_server.APIHandler):
                 n_prompt = self._prompt_tokens(body)
             except Exception as e:  # a template that cannot render these messages
                 raise RequestError(400, f"messages cannot be rendered: {e}") from None
-            if n_prompt + max_new > self.max_context:
-                raise RequestError(400, f"prompt of {n_prompt} tokens plus max_tokens {max_new} "
-                                   f"exceeds the context of {self.max_context} tokens",
-                                   code="context_length_exceeded")
+            room = self.max_context - n_prompt
+            if room < 1 or (asked is not None and asked > room):
+                raise RequestError(400, f"prompt of {n_prompt} tokens plus max_tokens "
+                                   f"{asked or 1} exceeds the context of {self.max_context} "
+                                   "tokens", code="context_length_exceeded")
+            if asked is None:  # unasked: the server default, capped to what fits
+                body["max_tokens"] = min(self.response_generator.cli_args.max_tokens, room)
+                raw = json.dumps(body).encode()
+                self.headers.replace_header("Content-Length", str(len(raw)))
         except RequestError as e:
             return self._error(e)
         # Valid: hand the same bytes to mlx-lm's handler.

@@ -263,6 +263,9 @@ MALFORMED = {
     "completion without prompt": ("/v1/completions", {"model": "kimi-k3"}, 400),
     "numeric prompt": ("/v1/completions", {"prompt": 7}, 400),
     "prompt over the context": ("/v1/completions", {"prompt": "word " * 600}, 400),
+    "chat over the context": (CHAT, {"messages": [{"role": "user", "content": "word " * 600}]},
+                              400),
+    "max_tokens past the context": (CHAT, {**OK, "max_tokens": MAX_CONTEXT}, 400),
 }
 
 
@@ -275,6 +278,12 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(srv):
         assert isinstance(err["message"], str) and err["type"] == "invalid_request_error", name
     got, raw = _post_raw(srv.url + CHAT, json.dumps(OK).encode())
     assert got == 200, raw[:300]
+    # no max_tokens: the server default (512) is capped to what fits the context (512)
+    long = {"messages": [{"role": "user", "content": "word " * 100}]}  # ~440 tokens
+    got, raw = _post_raw(srv.url + CHAT, json.dumps(long).encode(), 120)
+    assert got == 200, raw[:300]
+    usage = json.loads(raw)["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= MAX_CONTEXT
 
 
 def test_six_million_token_prompt_refused_at_once(srv):
