@@ -26,7 +26,7 @@ from pathlib import Path
 
 from k3dist import layout
 from k3dist.sfile import (
-    _MAX_HEADER,
+    MAX_HEADER,
     CheckpointError,
     Header,
     TensorInfo,
@@ -460,7 +460,7 @@ def _certify_shard(path: Path, names: list[str], specs: dict[str, layout.TensorS
         size = path.stat().st_size
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
-            if n > _MAX_HEADER or 8 + n > size:
+            if n > MAX_HEADER or 8 + n > size:
                 return None
             entries = json.loads(f.read(n))
         entries.pop("__metadata__", None)

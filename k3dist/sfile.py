@@ -29,7 +29,7 @@ NP_DTYPES = {
     "BF16": np.uint16, "U32": np.uint32, "I32": np.int32, "F32": np.float32,
     "U64": np.uint64, "I64": np.int64, "F64": np.float64, "BOOL": np.bool_,
 }
-_MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own limit
+MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own limit
 _CHUNK = 64 * 1024 * 1024
 
 
@@ -79,7 +79,7 @@ def read_header(path: str | Path) -> Header:
             raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors "
                                   "header; the file is truncated, copy it again")
         (n,) = struct.unpack("<Q", head)
-        if n > _MAX_HEADER or 8 + n > size:
+        if n > MAX_HEADER or 8 + n > size:
             raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}; "
                                   "the file is truncated or not safetensors")
         raw = f.read(n)
