@@ -62,13 +62,17 @@ def test_topology_is_k3s(config):
         assert info["source_bytes"] <= train.MAX_EXPORT_BYTES, (size, info)
 
 
-def test_five_steps_lower_loss_on_a_fixed_batch(config, batch):
-    x, y = batch
+def _trainer(config):
+    """A fresh model in training mode, its optimizer, loss gradient and arguments."""
     model = train.build_model(config, seed=0)
     model.train()
     a = _args()
-    opt = train.make_optimizer(a)
-    grad_fn = nn.value_and_grad(model, train._loss)
+    return model, train.make_optimizer(a), nn.value_and_grad(model, train._loss), a
+
+
+def test_five_steps_lower_loss_on_a_fixed_batch(config, batch):
+    x, y = batch
+    model, opt, grad_fn, a = _trainer(config)
     losses = [train.train_step(model, opt, grad_fn, x, y, a.lr, a)[0].item()
               for _ in range(5)]
     assert losses[-1] < losses[0] - 0.3, losses
@@ -148,11 +152,7 @@ def test_freeze_keeps_experts_fixed_and_trains_the_rest(tmp_path):
 
 def test_export_audits_and_loads_to_the_same_logits(config, batch, tmp_path):
     x, y = batch
-    model = train.build_model(config, seed=0)
-    model.train()
-    a = _args()
-    opt = train.make_optimizer(a)
-    grad_fn = nn.value_and_grad(model, train._loss)
+    model, opt, grad_fn, a = _trainer(config)
     for _ in range(2):  # moves the router bias off zero too
         train.train_step(model, opt, grad_fn, x, y, a.lr, a)
     train.freeze_experts_mxfp4(model)
