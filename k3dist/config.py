@@ -47,6 +47,9 @@ class Deployment:
     heartbeat_s: float = 5.0
     # side-channel peer watchdog: a silent peer is declared lost after this long
     watchdog_timeout_s: float = 10.0
+    # stop every rank when this rank's launcher (its parent process) exits: killing
+    # mlx.launch alone would otherwise leave the ranks serving, orphaned
+    stop_with_launcher: bool = True
     # port of rank 0's watchdog listener; None: first ring port + 1000
     watchdog_port: int | None = None
     # refuse to start unless the folder fits in free memory with this much to spare

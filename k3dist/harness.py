@@ -320,6 +320,8 @@ class Watchdog:
       (at most ``stop_grace_s``) and exits with code 0; rank 0 waits (same bound)
       for the acknowledgements first, so it is the last to go. A peer whose socket
       closes without acknowledging was lost, not stopped: exit 3.
+    - ``parent_pid`` (the launcher): once this process's parent is another, the
+      launcher died and the rank asks for the group stop above (checked every beat).
     - ``close()`` (or leaving a ``with`` block without an exception) says ``BYE``:
       a rank that finished its work normally is not a loss.
 
@@ -338,6 +340,7 @@ class Watchdog:
                  connect_timeout_s: float = 60.0, stop_grace_s: float = 2.0,
                  on_lost: Callable[[int, str], None] | None = None,
                  on_stop: Callable[[str, int], None] | None = None,
+                 parent_pid: int | None = None,
                  hard_exit: Callable[[int], None] = os._exit):
         if not 0 <= group_rank < group_size:
             raise ValueError(f"rank {group_rank} is outside a group of {group_size}")
@@ -349,6 +352,9 @@ class Watchdog:
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.connect_timeout_s, self.stop_grace_s = connect_timeout_s, stop_grace_s
         self.on_lost, self.on_stop, self._hard_exit = on_lost, on_stop, hard_exit
+        # The launcher's pid: when it exits (SIGTERM/SIGKILL to mlx.launch kills only
+        # the launcher), this rank is re-parented and stops instead of serving on orphaned.
+        self.parent_pid = parent_pid
         self.conns: dict[int, _Conn] = {}
         self.exit_code: int | None = None  # what the watchdog exited (or would exit) with
         self.events: list[str] = []  # every line it logged, for tests and post-mortems
@@ -669,6 +675,8 @@ class Watchdog:
                             self._lost(c.rank, f"heartbeat send failed: {e}")
                             return
                 next_beat = now + self.interval_s
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    self._request_stop(f"launcher (pid {self.parent_pid}) exited")
             for c in list(self.conns.values()):
                 if not c.left and now - c.last_seen > self.timeout_s:
                     self._lost(c.rank, f"silent for {now - c.last_seen:.1f} s")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         host, port = harness.coordinator_address(group, port=dep.watchdog_port)
         watchdog = harness.Watchdog(
             rank, size, host, port, timeout_s=dep.watchdog_timeout_s,
+            parent_pid=os.getppid() if dep.stop_with_launcher else None,
             on_lost=lambda r, why: server.abort_streams(f"rank {r} was lost ({why})"),
             on_stop=lambda why, origin: server.abort_streams(
                 f"server stopping: {why} (from rank {origin})"))

@@ -346,6 +346,41 @@ def test_mlx_launch_peer_death_and_stop(tmp_path, sig):
     assert dt < 10.0
 
 
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody reaps (an orphan's fate in a container)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def test_ranks_stop_when_mlx_launch_is_killed(tmp_path):
+    """SIGKILL/SIGTERM to mlx.launch ends the launcher only; without the parent check
+    its ranks were seen serving on, orphaned (2026-11-29)."""
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    cmd = [str(launcher), "-n", "2", "-p", str(_free_base_port()), "--python", sys.executable,
+           str(PEER), "--launch", "--pid-dir", str(tmp_path), "--stop-with-launcher"]
+    launch = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              cwd=REPO)
+    pids = []
+    try:
+        pids = [int(_wait_file(tmp_path / f"rank{r}.pid", launch, 30)) for r in range(2)]
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        launch.kill()
+        launch.wait(timeout=10)
+        while not all(_gone(p) for p in pids) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        dt = time.monotonic() - t0
+        assert all(_gone(p) for p in pids), f"ranks {pids} still running {dt:.1f} s later"
+        print(f"\nmlx.launch SIGKILLed: both ranks gone after {dt:.2f} s")
+    finally:
+        for p in pids:
+            if not _gone(p):
+                os.kill(p, signal.SIGKILL)
+
+
 # ---------------------------------------------------------------- device heartbeat
 
 

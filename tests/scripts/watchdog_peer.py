@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--pid-dir", required=True)
     ap.add_argument("--interval", type=float, default=0.2)
     ap.add_argument("--timeout", type=float, default=3.0)
+    ap.add_argument("--stop-with-launcher", action="store_true")
     args = ap.parse_args()
 
     group = None
@@ -45,6 +46,7 @@ def main() -> None:
         rank, size, host, port = args.rank, args.size, args.host, args.port
     wd = harness.Watchdog(rank, size, host, port, interval_s=args.interval,
                           timeout_s=args.timeout, connect_timeout_s=20.0,
+                          parent_pid=os.getppid() if args.stop_with_launcher else None,
                           on_stop=lambda reason, origin: print(f"on_stop rank {rank}",
                                                                flush=True))
     harness.install_signal_handlers(wd)
