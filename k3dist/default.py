@@ -1,5 +1,6 @@
-"""The embedded default: the mini-K3 every command falls back to when no model is
-configured, made on first use and cached under ``runs/``."""
+"""The embedded default: the trained mini-K3 shipped in ``data/mini-k3`` (Moonshot's
+source format, MXFP4 experts; issue 6), converted and sliced on first use and cached
+under ``runs/``."""
 
 from __future__ import annotations
 
@@ -7,19 +8,22 @@ import fcntl
 import shutil
 from pathlib import Path
 
-from k3dist import convert, synth
+from k3dist import convert
+from k3dist.corpus import DATA_DIR
 from k3dist.sfile import CheckpointError
 
-DEFAULT_SRC = Path("runs/mini-src")
+DEFAULT_SRC = DATA_DIR / "mini-k3"  # committed; made by train/run.py (data/README.md)
 DEFAULT_BUILD = Path("runs/mini-build")
 
 
 def ensure_default_build(progress: bool = False) -> Path:
-    """runs/mini-build, converted from runs/mini-src (synthesized if missing).
-    Both steps are idempotent: a complete folder is reused, a partial one resumed;
-    a cached build from an older k3dist (another identity) is a cache miss."""
+    """runs/mini-build, converted from the shipped data/mini-k3. Idempotent: a
+    complete build is reused, a partial one resumed; a cached build of another source
+    or an older k3dist (another identity) is a cache miss."""
     if not (DEFAULT_SRC / "model.safetensors.index.json").exists():
-        synth.synthesize(DEFAULT_SRC, "mini", seed=0, progress=progress)
+        raise FileNotFoundError(
+            f"{DEFAULT_SRC}: the shipped mini-K3 is missing (it is committed: restore it "
+            "with `git checkout -- data/mini-k3`, or retrain it as data/README.md shows)")
     try:
         return convert.convert(DEFAULT_SRC, DEFAULT_BUILD, progress=progress)
     except CheckpointError:  # a cache from an older k3dist: ours to replace

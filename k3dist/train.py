@@ -27,7 +27,9 @@ logs, evaluates and saves; a run may resume with another number of ranks.
 
 Run folder: ``config.json`` (source config), ``log.jsonl`` (one JSON line per step, and
 ``"event"`` lines), ``state/`` (``model.safetensors``, ``optimizer.safetensors``,
-``state.json``: step, phase, horizon, peak LR), replaced atomically. Batches are a
+``state.json``: step, phase, horizon, peak LR), replaced atomically;
+``pretrained.safetensors``: the float weights at the freeze (``k3dist.quality``'s float
+reference). Batches are a
 pure function of (seed, step), so a resumed run sees the batches it would have seen.
 
     python -m k3dist.train --out runs/train --max-minutes 50
@@ -89,6 +91,7 @@ SIZES = {
                          moe_intermediate_size=32, latent_size=32, base_vocab=4096),
 }
 MAX_EXPORT_BYTES = 30 * 1024 * 1024
+PRETRAINED_FILE = "pretrained.safetensors"  # the run's float weights at the freeze
 
 
 def model_config(size: str | synth.Preset, vocab_size: int) -> dict:
@@ -446,6 +449,10 @@ class Trainer:
         if self.state.phase == "freeze":
             return {}
         before = self.evaluate()
+        # The float model the MXFP4 teacher is measured against (k3dist.quality).
+        if self.rank == 0:
+            mx.save_safetensors(str(self.out / PRETRAINED_FILE),
+                                dict(tree_flatten(self.model.parameters())))
         errors = freeze_experts_mxfp4(self.model)
         after = self.evaluate()
         self.optimizer = make_optimizer(self.args)
