@@ -301,10 +301,8 @@ def markdown(rep: dict) -> str:
             + f" | {row['window_entropy_iid_bits']:.3f} | {row['max_over_mean']:.2f} | "
             + " | ".join(f"{row['top_share'][d]:.3f}" for d in doms)
             + f" | {row.get('top_overlap', '-')} |")
-    lines += ["", "| ranks | contiguous | load-aware (fit on calib) | ideal |",
-              "|---:|---:|---:|---:|"]
-    lines[-2] = "| traffic | ranks | contiguous | load-aware (fit on calib) | ideal |"
-    lines[-1] = "|---|---:|---:|---:|---:|"
+    lines += ["", "| traffic | ranks | contiguous | load-aware (fit on calib) | ideal |",
+              "|---|---:|---:|---:|---:|"]
     by = {"pooled": rep["placement_held_out"], **rep.get("placement_held_out_by_domain", {})}
     for traffic, sizes in by.items():
         for size, v in sizes.items():

@@ -29,8 +29,8 @@ Run folder: ``config.json`` (source config), ``log.jsonl`` (one JSON line per st
 ``"event"`` lines), ``state/`` (``model.safetensors``, ``optimizer.safetensors``,
 ``state.json``: step, phase, horizon, peak LR), replaced atomically;
 ``pretrained.safetensors``: the float weights at the freeze (``k3dist.quality``'s float
-reference). Batches are a
-pure function of (seed, step), so a resumed run sees the batches it would have seen.
+reference). Batches are a pure function of (seed, step), so a resumed run sees the
+batches it would have seen.
 
     python -m k3dist.train --out runs/train --max-minutes 50
     mlx.launch -n 2 --python .venv/bin/python train/run.py --out runs/train --max-minutes 50
