@@ -21,7 +21,7 @@ from k3dist.harness import GiB, MiB, PreflightError, Watchdog, WatchdogError
 
 import mlx.core as mx
 import pytest
-from util import REPO, failed_ranks
+from util import REPO, failed_ranks, free_base_port
 
 PEER = REPO / "tests" / "scripts" / "watchdog_peer.py"
 # The scripts' watchdog: heartbeat 0.2 s, silent after 3 s. A killed process closes
@@ -296,28 +296,10 @@ def test_watchdog_processes(tmp_path, victim, sig):
 # ---------------------------------------------------------------- under mlx.launch
 
 
-def _free_base_port() -> int:
-    """A ring base port P with P, P+1 (ring) and P+1000 (watchdog) free right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p > 60000:
-            continue
-        try:
-            for q in (p, p + 1, p + 1000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port range for the ring")
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_mlx_launch_peer_death_and_stop(tmp_path, sig):
     launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [str(launcher), "-n", "2", "-p", str(_free_base_port()), "--python", sys.executable,
+    cmd = [str(launcher), "-n", "2", "-p", str(free_base_port(2)), "--python", sys.executable,
            str(PEER), "--launch", "--pid-dir", str(tmp_path)]
     out = open(tmp_path / "launch.log", "w")
     launch = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
@@ -359,7 +341,7 @@ def test_ranks_stop_when_mlx_launch_is_killed(tmp_path):
     """SIGKILL/SIGTERM to mlx.launch ends the launcher only; without the parent check
     its ranks were seen serving on, orphaned (2026-11-29)."""
     launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [str(launcher), "-n", "2", "-p", str(_free_base_port()), "--python", sys.executable,
+    cmd = [str(launcher), "-n", "2", "-p", str(free_base_port(2)), "--python", sys.executable,
            str(PEER), "--launch", "--pid-dir", str(tmp_path), "--stop-with-launcher"]
     launch = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               cwd=REPO)

@@ -31,7 +31,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
-from util import REPO
+from util import REPO, free_base_port
 
 openai = pytest.importorskip("openai")
 
@@ -68,7 +68,7 @@ class Server:
         (tmp / "home").mkdir(parents=True, exist_ok=True)
         launcher = Path(sys.executable).with_name("mlx.launch")
         self.log = open(tmp / "server.log", "w")
-        cmd = [str(launcher), "-n", "2", "--python", sys.executable,
+        cmd = [str(launcher), "-n", "2", "-p", str(free_base_port(2)), "--python", sys.executable,
                str(REPO / "launch/serve.py"), "--rank-dir", rank_pattern,
                "--port", str(self.port), "--max-context", str(MAX_CONTEXT),
                "--prefill-chunk", "32", "--token-log", str(tmp / "tokens-{rank}.jsonl"),

@@ -24,13 +24,35 @@ def prompt_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
 REPO = Path(__file__).resolve().parents[1]
 
 
+def free_base_port(n: int = 4) -> int:
+    """A ring base port P with P..P+n-1 (ring) and P+1000 (watchdog) free right now, so
+    runs in parallel (other worktrees, other sessions) never meet on mlx.launch's default."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p > 60000:
+            continue
+        try:
+            for q in (*range(p, p + n), p + 1000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port range for the ring")
+
+
 def mlx_launch(n: int, script: str, *args: str, timeout: float = 240):
     """Run ``script`` on ``n`` ranks over loopback (ring backend) via mlx.launch."""
     import subprocess
     import sys
 
     launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [str(launcher), "-n", str(n), "--python", sys.executable, str(REPO / script), *args]
+    cmd = [str(launcher), "-n", str(n), "-p", str(free_base_port(n)), "--python",
+           sys.executable, str(REPO / script), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
