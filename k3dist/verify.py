@@ -210,11 +210,22 @@ def stamp_folder(folder: str | Path, manifest: dict) -> str:
 # ----------------------------------------------------------------------------- verify
 
 
+def _reslice(folder: Path, manifest: dict) -> str:
+    """The command that made this folder (from its manifest)."""
+    cmd = f"python slicing/rank_split.py --rank {manifest.get('rank', 'R')}"
+    if "size" in manifest:
+        cmd += f" --size {manifest['size']}"
+    if "build" in manifest:
+        cmd += f" --build {manifest['build']}"
+    if manifest.get("placement", {}).get("kind", "contiguous") != "contiguous":
+        cmd += " --placement-counts COUNTS"
+    return f"{cmd} --out {folder}"
+
+
 def _fix(folder: Path, manifest: dict) -> str:
-    rank = manifest.get("rank", "R")
     return (
         f"copy the file again from a good copy of this folder, or delete {folder} and "
-        f"slice it again: python slicing/rank_split.py --rank {rank} --out {folder}"
+        f"slice it again: {_reslice(folder, manifest)}"
     )
 
 
@@ -224,9 +235,9 @@ def _check_format(folder: Path, manifest: dict, mode: str) -> None:
         raise VerifyError(
             f"{folder / MANIFEST}: rank folder format {version} (made by "
             f"{manifest.get('tool', 'an older k3dist')}) has no per-tensor digests, so "
-            f"--verify {mode} cannot check it; slice it again with this k3dist (delete "
-            f"{folder}, then python slicing/rank_split.py --rank {manifest.get('rank', 'R')} "
-            f"--out {folder}), or start with --verify size to check sizes only"
+            f"--verify {mode} cannot check it; delete {folder} and slice it again with this "
+            f"k3dist ({_reslice(folder, manifest)}), or start with --verify size to check "
+            "sizes only"
         )
 
 

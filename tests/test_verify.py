@@ -7,6 +7,8 @@ import json
 import os
 import shutil
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 from k3dist import layout, loader, placement, slicing, verify
 from k3dist.sfile import read_header
@@ -69,7 +71,7 @@ def test_slicer_stamps_every_file(ranks2):
         assert full.bytes_hashed == sum(f["bytes"] for f in m["files"].values())
 
 
-def test_overwrite_in_place_refused_in_stamp_mode(rank1):
+def test_overwrite_in_place_refused_in_stamp_mode(rank1, mini_build):
     damaged = _corrupt_middle(rank1 / LAYER)
     assert damaged
     with pytest.raises(verify.VerifyError) as e:
@@ -77,7 +79,10 @@ def test_overwrite_in_place_refused_in_stamp_mode(rank1):
     msg = str(e.value)
     assert f"{rank1 / LAYER}: tensor {damaged[0]!r}" in msg
     assert "will not be served" in msg
-    assert f"python slicing/rank_split.py --rank 1 --out {rank1}" in msg
+    assert (
+        f"python slicing/rank_split.py --rank 1 --size 2 --build {mini_build.resolve()} "
+        f"--out {rank1}" in msg
+    )
     # the damaged file lost its stamp, the others kept theirs: still refused next time
     assert LAYER not in verify.read_stamp(rank1)
     with pytest.raises(verify.VerifyError, match=damaged[0]):
@@ -207,3 +212,65 @@ def test_two_ranks_refuse_a_corrupted_rank1(ranks2, tmp_path):
     assert f"{tmp_path / 'rank1' / LAYER}: tensor {damaged[0]!r}" in res.stderr
     assert '"tokens"' not in res.stdout  # no rank generated anything
     assert elapsed < 90
+
+
+def test_server_never_serves_a_corrupted_rank1(ranks2, tmp_path):
+    """launch/serve.py on two ranks: /health never answers, every process ends, the log
+    names file and tensor."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    from util import REPO, free_base_port
+
+    for r in range(2):
+        shutil.copytree(ranks2 / f"rank{r}", tmp_path / f"rank{r}")
+    damaged = _corrupt_middle(tmp_path / "rank1" / LAYER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [
+        str(Path(sys.executable).with_name("mlx.launch")),
+        "-n",
+        "2",
+        "-p",
+        str(free_base_port(2)),
+        "--python",
+        sys.executable,
+    ]
+    cmd = [
+        *launcher,
+        str(REPO / "launch/serve.py"),
+        "--rank-dir",
+        str(tmp_path / "rank{rank}"),
+        "--port",
+        str(port),
+        "--no-warmup",
+    ]
+    t0 = time.perf_counter()
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, HOME=str(tmp_path)),
+        )
+        served = False
+        while proc.poll() is None and time.perf_counter() - t0 < 120:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    served = True
+            except OSError:
+                pass
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"still running after 120 s:\n{(tmp_path / 'log').read_text()[-3000:]}")
+    out = (tmp_path / "log").read_text()
+    assert not served
+    assert f"{tmp_path / 'rank1' / LAYER}: tensor {damaged[0]!r}" in out
+    assert "will not be served" in out
+    assert failed_ranks(SimpleNamespace(stdout=out, stderr="")) == {0, 1}, out[-3000:]
