@@ -160,7 +160,7 @@ def _units(name: str, ranges: list[_Range]) -> list[tuple[str, list[_Range]]]:
 
 def _hash_unit(folder: Path, unit: tuple[str, list[_Range]]) -> list[tuple[str, _Range, str]]:
     name, ranges = unit
-    buf = bytearray(_BUF)
+    buf = bytearray(min(_BUF, max(r.length for r in ranges) or 1))
     return [(name, r, hash_range(folder / name, r.start, r.length, buf)) for r in ranges]
 
 
