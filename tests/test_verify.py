@@ -274,3 +274,18 @@ def test_server_never_serves_a_corrupted_rank1(ranks2, tmp_path):
     assert f"{tmp_path / 'rank1' / LAYER}: tensor {damaged[0]!r}" in out
     assert "will not be served" in out
     assert failed_ranks(SimpleNamespace(stdout=out, stderr="")) == {0, 1}, out[-3000:]
+
+
+def test_config_key_and_command_line(rank1, capsys):
+    from k3dist.config import load_deployment
+
+    assert load_deployment(None).verify == "stamp"
+    assert load_deployment(None, verify="full").verify == "full"
+    with pytest.raises(ValueError, match="verify must be stamp, full or size"):
+        load_deployment(None, verify="fast")
+    verify.main([str(rank1), "--threads", "1"])  # --mode full by default
+    report = json.loads(capsys.readouterr().out)
+    assert report["mode"] == "full" and len(report["hashed"]) == len(_manifest(rank1)["files"])
+    damaged = _corrupt_middle(rank1 / LAYER)
+    with pytest.raises(SystemExit, match=f"error: .*tensor {damaged[0]!r}"):
+        verify.main([str(rank1)])
