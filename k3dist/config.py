@@ -29,6 +29,9 @@ class Deployment:
     # OpenBLAS threads per rank (Linux CPU); None leaves OpenBLAS's default (all cores),
     # which oversubscribes a box that runs several ranks
     blas_threads: int | None = None
+    # rank-folder content check before serving (k3dist.verify): "stamp" hashes only
+    # files whose stat changed since they last matched, "full" every file, "size" none
+    verify: str = "stamp"
     # -- serving (launch/serve.py) --
     host: str = "127.0.0.1"
     port: int = 8080
@@ -80,6 +83,8 @@ def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
     d = Deployment(**values)
     if d.moe_form not in ("auto", "placeholder", "local"):
         raise ValueError(f"moe_form must be auto, placeholder or local, not {d.moe_form!r}")
+    if d.verify not in ("stamp", "full", "size"):
+        raise ValueError(f"verify must be stamp, full or size, not {d.verify!r}")
     if d.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, not {d.dtype!r}")
     return d

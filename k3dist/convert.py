@@ -237,7 +237,8 @@ class Converter:
                 for t in infos:
                     w.write(t.name, iter_chunks(t))
             return {"file": path.name, "bytes": w.size, "sha256": w.sha256,
-                    "tensors": len(entries), "quantization": {}}
+                    "tensors": len(entries), "quantization": {},
+                    "header_sha256": w.header_sha256, "tensor_sha256": w.tensor_sha256}
 
         dense, qconfig = self._dense(group)
         experts = []
@@ -254,7 +255,8 @@ class Converter:
             for n, _, _, chunks in experts:
                 w.write(n, chunks())
         return {"file": path.name, "bytes": w.size, "sha256": w.sha256,
-                "tensors": len(entries), "quantization": qconfig}
+                "tensors": len(entries), "quantization": qconfig,
+                "header_sha256": w.header_sha256, "tensor_sha256": w.tensor_sha256}
 
     def preflight(self) -> None:
         """Every header entry against the config, and the A_log tails, before any

@@ -18,6 +18,7 @@ from k3dist.model import make_model_class, resolve_form
 from k3dist.placement import Placement
 from k3dist.sfile import CheckpointError, read_header
 from k3dist.slicing import verify_rank_folder
+from k3dist.verify import verify_folder
 
 import mlx.core as mx
 import numpy as np
@@ -32,8 +33,10 @@ class RankMismatch(CheckpointError):
     pass
 
 
-def check_rank_folder(folder: str | Path, rank: int, size: int) -> tuple[dict, Placement]:
-    """Everything that can be checked without talking to the other ranks."""
+def check_rank_folder(folder: str | Path, rank: int, size: int, verify: str = "stamp"
+                      ) -> tuple[dict, Placement]:
+    """Everything that can be checked without talking to the other ranks; last, the
+    content against the manifest (``k3dist.verify``; its report in ``manifest["verify"]``)."""
     folder = Path(folder)
     m = verify_rank_folder(folder)  # manifest, kind, every file's size
     if m["size"] != size:
@@ -71,6 +74,7 @@ def check_rank_folder(folder: str | Path, rank: int, size: int) -> tuple[dict, P
             if t.shape[0] != n_local:
                 raise CheckpointError(f"{folder / fname}: {name!r} stacks {t.shape[0]} experts "
                                       f"but the placement gives rank {rank} {n_local}")
+    m["verify"] = verify_folder(folder, m, verify).to_json()
     return m, placement
 
 
@@ -89,11 +93,11 @@ def _handshake(manifest: dict, group: mx.distributed.Group) -> None:
 
 
 def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
-              dtype: str = "float32", form: str = "auto"):
+              dtype: str = "float32", form: str = "auto", verify: str = "stamp"):
     """Load this rank's folder as an expert-parallel K3; returns (model, config, manifest)."""
     group = group or mx.distributed.init()
     rank, size = group.rank(), group.size()
-    manifest, placement = check_rank_folder(folder, rank, size)
+    manifest, placement = check_rank_folder(folder, rank, size, verify)
     if size > 1:  # before minutes of loading: refuse mismatched folders now
         _handshake(manifest, group)
     cls = make_model_class(placement, rank, group, resolve_form(form))

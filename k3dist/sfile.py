@@ -171,7 +171,9 @@ class StreamWriter:
     ``write(name, data)`` must follow the declared order; ``data`` is bytes or an
     iterable of byte chunks (so a stacked tensor can be copied expert by expert).
     The file appears under its final name only after ``close()`` checks that every
-    byte arrived; ``sha256`` is the digest of the final file.
+    byte arrived; ``sha256`` is the digest of the final file, ``header_sha256`` that of
+    its header bytes and ``tensor_sha256`` each tensor's (so a damaged file's tensor
+    can be named: ``k3dist.verify``).
     """
 
     def __init__(self, path: str | Path, entries: list[tuple[str, str, tuple[int, ...]]],
@@ -192,6 +194,8 @@ class StreamWriter:
         self._hash = hashlib.sha256()
         self._f = open(self.partial, "wb")
         self._emit(struct.pack("<Q", len(raw)) + raw)
+        self.header_sha256 = hashlib.sha256(struct.pack("<Q", len(raw)) + raw).hexdigest()
+        self.tensor_sha256: dict[str, str] = {}
         self._next = 0
         self.size = 8 + len(raw) + offset
         self.sha256: str | None = None
@@ -205,13 +209,15 @@ class StreamWriter:
             want = self._order[self._next][0] if self._next < len(self._order) else None
             raise RuntimeError(f"{self.path}: wrote {name!r}, expected {want!r} next")
         expected = self._order[self._next][1]
-        got = 0
+        got, h = 0, hashlib.sha256()
         for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
             got += len(chunk)
             self._emit(chunk)
+            h.update(chunk)
         if got != expected:
             raise RuntimeError(f"{self.path}: tensor {name!r} got {got} bytes, "
                                f"header promised {expected}")
+        self.tensor_sha256[name] = h.hexdigest()
         self._next += 1
 
     def close(self) -> str:

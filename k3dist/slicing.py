@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from k3dist import __version__, convert, layout
+from k3dist import __version__, convert, layout, verify
 from k3dist.checkpoint import INDEX_NAME, Source, load_config
 from k3dist.convert import JOURNAL, MANIFEST, _unit_done, _write_json_atomic
 from k3dist.placement import Placement, PlacementError, for_config
@@ -53,7 +53,7 @@ from k3dist.sfile import (
 import mlx.core as mx
 from tqdm import tqdm
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-tensor sha256 in the manifest (k3dist.verify)
 # a stacked routed-expert tensor of an mlx-lm build: leading dim = num_experts
 _STACK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.switch_mlp\.")
 
@@ -168,7 +168,8 @@ def _write_manifest(out: Path, ident: dict, placement: Placement, build: Path,
                     seconds: float) -> dict:
     """``k3dist.json``, last: sha256 of the tensor files from the journal (computed
     while writing; never a second read of the folder), of the small files here."""
-    files = {name: {"sha256": e["sha256"], "bytes": e["bytes"]}
+    files = {name: {"sha256": e["sha256"], "bytes": e["bytes"],
+                    "header_sha256": e["header_sha256"], "tensors": e["tensor_sha256"]}
              for name, e in safetensors.items()}
     for name in small:
         files[name] = {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
@@ -188,6 +189,7 @@ def _write_manifest(out: Path, ident: dict, placement: Placement, build: Path,
         "seconds": round(seconds, 2),
     }
     _write_json_atomic(out / MANIFEST, manifest)
+    verify.stamp_folder(out, manifest)  # hashed while written: the first start hashes nothing
     (out / JOURNAL).unlink(missing_ok=True)
     return manifest
 
@@ -307,7 +309,8 @@ class BuildSlicer:
                           self.headers[fname].metadata or None) as w:
             for t, _, ranges in plan:
                 w.write(t.name, chunks(t, ranges))
-        return {"file": fname, "bytes": w.size, "sha256": w.sha256, "tensors": len(entries)}
+        return {"file": fname, "bytes": w.size, "sha256": w.sha256, "tensors": len(entries),
+                "header_sha256": w.header_sha256, "tensor_sha256": w.tensor_sha256}
 
     def _small_files(self) -> list[str]:
         """Tokenizer and other files to carry: not tensors, index, manifest or journal."""

@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(loader.DTYPES))
     ap.add_argument("--moe-form", choices=("auto", "placeholder", "local"))
     ap.add_argument("--blas-threads", type=int, help="OpenBLAS threads per rank")
+    ap.add_argument("--verify", choices=("stamp", "full", "size"),
+                    help="rank-folder content check before loading (default stamp)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--prompt-ids", help="comma-separated token ids")
     g.add_argument("--prompt-random", type=int, help="N random base-vocab ids (seeded)")
@@ -40,14 +42,15 @@ def main() -> None:
 
     cfg_path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
     dep = load_deployment(cfg_path, rank_dir=args.rank_dir, dtype=args.dtype,
-                          moe_form=args.moe_form, blas_threads=args.blas_threads)
+                          moe_form=args.moe_form, blas_threads=args.blas_threads,
+                          verify=args.verify)
     if dep.blas_threads:
         k3dist.set_blas_threads(dep.blas_threads)
     group = mx.distributed.init()
     rank = group.rank()
     t0 = time.perf_counter()
     model, config, manifest = loader.load_rank(dep.rank_path(rank), group, dep.dtype,
-                                               dep.moe_form)
+                                               dep.moe_form, dep.verify)
     t_load = time.perf_counter() - t0
     vocab = config["text_config"]["vocab_size"]
     if args.prompt_ids:
@@ -66,6 +69,7 @@ def main() -> None:
     print(json.dumps({"rank": rank, "size": group.size(),
                       "moe_form": loader.resolve_form(dep.moe_form),
                       "build_hash": manifest["build_hash"], "load_s": round(t_load, 2),
+                      "verify": manifest["verify"],
                       "generate_s": round(t_gen, 2), "tokens": tokens}), flush=True)
 
 

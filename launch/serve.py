@@ -19,6 +19,7 @@ from pathlib import Path
 import k3dist
 from k3dist import default, harness, loader, server, warmup
 from k3dist.config import DEFAULT_DEPLOYMENT, Deployment, load_deployment
+from k3dist.verify import Report
 
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
@@ -34,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
                        ("heartbeat-s", float), ("watchdog-timeout-s", float),
                        ("watchdog-port", int), ("memory-headroom-gb", float)):
         ap.add_argument(f"--{name}", type=kind)
+    ap.add_argument("--verify", choices=("stamp", "full", "size"),
+                    help="rank-folder content check before serving (default stamp)")
     ap.add_argument("--no-warmup", action="store_true", help="skip warm-up (tests only)")
     args = ap.parse_args(argv)
     path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
@@ -76,7 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     log(rank, f"preflight: {json.dumps(pre)}")
 
     t0 = time.perf_counter()
-    model, config, manifest = loader.load_rank(folder, group, dep.dtype, dep.moe_form)
+    model, config, manifest = loader.load_rank(folder, group, dep.dtype, dep.moe_form,
+                                               dep.verify)
+    log(rank, f"{folder}: {Report(**manifest['verify']).summary()}")
     tokenizer = load_tokenizer(folder, {"trust_remote_code": False})
     log(rank, f"loaded {folder} (build {manifest['build_hash']}, placement "
               f"{manifest['placement_hash']}, moe form {loader.resolve_form(dep.moe_form)}) "
@@ -97,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             "placement_hash": manifest["placement_hash"],
             "moe_form": loader.resolve_form(dep.moe_form), "dtype": dep.dtype,
             "max_context": dep.max_context, "prefill_chunks": model.chunk_sizes,
-            "warmup": warm, "blas": k3dist.blas_status(), "preflight": pre}
+            "warmup": warm, "blas": k3dist.blas_status(), "preflight": pre,
+            "verify": manifest["verify"]["mode"]}
     args = server.cli_args(model_id=dep.model_id, max_tokens=dep.max_tokens,
                            temp=dep.temperature, top_p=dep.top_p,
                            prefill_step_size=dep.prefill_chunk)
