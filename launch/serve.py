@@ -32,8 +32,11 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
                        ("temperature", float), ("top-p", float), ("token-log", str),
                        ("moe-form", str), ("dtype", str), ("blas-threads", int),
                        ("heartbeat-s", float), ("watchdog-timeout-s", float),
-                       ("watchdog-port", int), ("memory-headroom-gb", float)):
+                       ("watchdog-port", int), ("memory-headroom-gb", float),
+                       ("max-queued-requests", int), ("max-connections", int)):
         ap.add_argument(f"--{name}", type=kind)
+    ap.add_argument("--cors-origin", action="append", dest="cors_origins",
+                    help="an origin web pages may call the API from ('*': any); repeatable")
     ap.add_argument("--no-warmup", action="store_true", help="skip warm-up (tests only)")
     args = ap.parse_args(argv)
     path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
@@ -100,14 +103,16 @@ def main(argv: list[str] | None = None) -> None:
             "warmup": warm, "blas": k3dist.blas_status(), "preflight": pre}
     args = server.cli_args(model_id=dep.model_id, max_tokens=dep.max_tokens,
                            temp=dep.temperature, top_p=dep.top_p,
-                           prefill_step_size=dep.prefill_chunk)
+                           prefill_step_size=dep.prefill_chunk, cors_origins=dep.cors_origins)
     provider = server.K3ModelProvider(args, model, tokenizer, dep.model_id)
     token_log = Path(dep.token_log.format(rank=rank)) if dep.token_log else None
     if token_log is not None:
         token_log.parent.mkdir(parents=True, exist_ok=True)
         token_log.unlink(missing_ok=True)
     server.serve(dep.host, dep.port, provider, max_context=dep.max_context, info=info,
-                 token_log=token_log)
+                 vocab_size=config["text_config"]["vocab_size"],
+                 max_queued_requests=dep.max_queued_requests,
+                 max_connections=dep.max_connections, token_log=token_log)
 
 
 if __name__ == "__main__":
