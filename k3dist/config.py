@@ -58,7 +58,7 @@ class Deployment:
     # Retry-After instead of waiting
     max_queued_requests: int = 64
     # HTTP handler threads; further connections wait in the listen backlog (1024)
-    max_connections: int = 512
+    max_connections: int = 2048
     # origins a web page may call the API from ("*": any); empty: no CORS headers
     cors_origins: list[str] = field(default_factory=list)
 

@@ -33,6 +33,7 @@ import ipaddress
 import json
 import logging
 import math
+import resource
 import socket
 import threading
 import time
@@ -384,7 +385,7 @@ _OPEN: dict = {}  # handler -> "queued" (nothing sent) or "stream" (SSE headers 
 _OPEN_LOCK = threading.Lock()
 # What /v1/k3dist tells a caller that is not on this machine (no paths, no memory).
 PUBLIC_INFO = ("ranks", "build_hash", "placement", "placement_hash", "moe_form", "dtype",
-               "max_context", "prefill_chunks")
+               "max_context", "prefill_chunks", "vocab_size")
 
 
 def _error_body(message: str, kind: str = "server_error", code: str | None = None) -> bytes:
@@ -528,6 +529,24 @@ class K3APIHandler(mlx_server.APIHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+        if e.status == 413:
+            self._linger()
+
+    def _linger(self, seconds: float = 5.0) -> None:
+        """The body was not read: closing now would reset the connection (unread data)
+        before a client still sending it reads the answer. Half-close, then discard
+        what is still coming for a few seconds (nginx's lingering close)."""
+        self.close_connection = True
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + seconds
+            while (left := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(left)
+                if not self.connection.recv(1 << 20):
+                    break
+        except OSError:
+            pass
 
     def _prompt_tokens(self, body: dict) -> int:
         tok = self.response_generator.model_provider.tokenizer
@@ -634,6 +653,7 @@ class K3HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address, handler, *, max_connections: int):
+        _raise_open_files(max_connections + 256)
         self.slots = threading.BoundedSemaphore(max_connections)
         super().__init__(address, handler)
 
@@ -650,6 +670,18 @@ class K3HTTPServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+
+
+def _raise_open_files(needed: int) -> None:
+    """One socket per connection: lift the soft open-files limit (macOS shells start at
+    256) towards ``needed``, as far as the hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:
+            logging.warning("open-files limit stays %d (< %d wanted): %s", soft, want, e)
 
 
 def fingerprint() -> str:
@@ -672,7 +704,7 @@ def cli_args(*, model_id: str, max_tokens: int, temp: float, top_p: float,
 
 
 def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, info: dict,
-          vocab_size: int, max_queued_requests: int = 64, max_connections: int = 512,
+          vocab_size: int, max_queued_requests: int = 64, max_connections: int = 2048,
           token_log: Path | None = None) -> None:
     """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves."""
     group = mx.distributed.init()

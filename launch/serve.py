@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
             "placement_hash": manifest["placement_hash"],
             "moe_form": loader.resolve_form(dep.moe_form), "dtype": dep.dtype,
             "max_context": dep.max_context, "prefill_chunks": model.chunk_sizes,
+            "vocab_size": config["text_config"]["vocab_size"],
             "warmup": warm, "blas": k3dist.blas_status(), "preflight": pre}
     args = server.cli_args(model_id=dep.model_id, max_tokens=dep.max_tokens,
                            temp=dep.temperature, top_p=dep.top_p,
