@@ -267,7 +267,7 @@ def validate_request(path: str, body: Any, *, model_id: str, max_context: int,
         _check_range(body, key, lo, hi)
     for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
         _check_range(body, key, 0, max_context, integer=True)
-    _check_range(body, "top_k", 0, vocab_size, integer=True)
+    _check_range(body, "top_k", 0, vocab_size - 1, integer=True)  # mlx-lm: k < vocab
     _check_range(body, "seed", 0, SEED_MAX, integer=True)
     _check_range(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
     for key in ("stream", "logprobs"):

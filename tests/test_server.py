@@ -380,7 +380,7 @@ OUT_OF_RANGE = {
     "top_logprobs -1": (COMPL, {**HI, "top_logprobs": -1}, "top_logprobs"),
     "top_logprobs 12": (COMPL, {**HI, "top_logprobs": 12}, "top_logprobs"),
     "top_k -1": (COMPL, {**HI, "top_k": -1}, "top_k"),
-    "top_k past the vocab": (COMPL, lambda v: {**HI, "top_k": v + 1}, "top_k"),
+    "top_k = vocab": (COMPL, lambda v: {**HI, "top_k": v}, "top_k"),
     "top_k 2.5": (COMPL, {**HI, "top_k": 2.5}, "top_k"),
     "min_p -0.1": (COMPL, {**HI, "min_p": -0.1}, "min_p"),
     "min_p 1.5": (COMPL, {**HI, "min_p": 1.5}, "min_p"),
@@ -452,6 +452,29 @@ def test_out_of_range_field_gets_400_naming_it(srv, name):
     if param is not None:
         assert param in err["message"], err
     assert took < 5, took  # refused before tokenizing or queueing anything costly
+
+
+def test_edge_values_are_served(srv):
+    """The bounds themselves: each served (200) by both ranks, which keep running."""
+    v = _get(srv.url + "/v1/k3dist")[1]["vocab_size"]
+    edges = [
+        {"top_k": v - 1, "temperature": 2, "seed": 2**64 - 1},
+        {"logprobs": True, "top_logprobs": 11, "min_p": 1, "top_p": 0},
+        {"logit_bias": {str(i): (-100 if i % 2 else 100) for i in range(v - 300, v)}},
+        {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 10,
+         "repetition_context_size": MAX_CONTEXT, "presence_context_size": 0,
+         "frequency_context_size": MAX_CONTEXT},
+        {"xtc_probability": 1, "xtc_threshold": 0.5, "temperature": 1, "seed": 0},
+        {"stop": ["x" * 256] * 4, "stream": True, "stream_options": {}},
+    ]
+    for extra in edges:
+        got, _, raw = _post_conn(srv.port, {**HI, **extra})
+        assert got == 200, (extra, raw[:300])
+        assert b"error" not in raw, raw[:300]
+    got, _, raw = _post_conn(srv.port, {**OK, "chat_template_kwargs": {"thinking": False}},
+                             CHAT)
+    assert got == 200, raw[:300]
+    assert set(srv.rank_pids()) == {0, 1}
 
 
 def _post_conn(port: int, body: dict | bytes, path: str = COMPL, headers: dict | None = None,
