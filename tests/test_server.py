@@ -9,6 +9,14 @@ object or a list of numbers, n = 0 and n = 2, an unknown model, stream as a
 string, seed as a string, tools as a string, a text completion without a prompt
 or with a numeric prompt, and a prompt longer than the context (in tokens, and
 6 million tokens' worth of characters).
+
+Issue 10 (hardening): every request field mlx-lm's server reads, out of range
+(OUT_OF_RANGE) and at its bounds; the request that crashed both ranks; 16 MB of stop
+strings; JSON nested 100k deep; bursts of 32 and 128 clients (none reset, identical
+greedy tokens, 429 + Retry-After when the queue is full); a client that hangs up
+mid-stream (both ranks stop at the same token); CORS and /v1/k3dist detail; a lost
+rank 1 (503 for waiting requests), a killed rank 0 (what the client sees), SIGTERM to
+mlx.launch; 50 MB bodies, huge headers, 1,000 idle and slowloris connections.
 """
 
 from __future__ import annotations
