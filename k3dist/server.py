@@ -22,7 +22,7 @@ Lockstep: every rank runs the same generation steps, so anything that ends a
 request early must end it on every rank at the same token. mlx-lm stops a request
 whose client went away on rank 0 alone (``ctx.stop()``); here that only marks the
 request, and the ranks agree to stop every ``STOP_CHECK_EVERY`` tokens (one scalar
-``all_sum``).
+``all_sum``, read one check later so it never stalls decoding).
 """
 
 from __future__ import annotations
@@ -320,7 +320,8 @@ class _RequestQueue(Queue):
     It keeps the ranks in lockstep when a client goes away: mlx-lm's handler calls
     ``ctx.stop()`` on rank 0 alone, and its loop then abandons the request on rank 0
     while the other ranks go on (their next collective meets rank 0's next request:
-    a hang or garbage). Here ``ctx.stop()`` only marks the request; every
+    seen here, every later request hung while /health said ok). Here ``ctx.stop()``
+    only marks the request; every
     ``STOP_CHECK_EVERY`` tokens the ranks ``all_sum`` rank 0's mark and all stop at
     the same token. It also logs the generated tokens when asked (``log``), so the
     tokens of every rank can be compared."""
@@ -333,6 +334,7 @@ class _RequestQueue(Queue):
         self.tokens: list[int] = []
         self.ctx = None
         self.client_gone = False
+        self.pending: mx.array | None = None
 
     def _client_gone(self) -> None:
         self.client_gone = True
@@ -340,9 +342,15 @@ class _RequestQueue(Queue):
             self.ctx._should_stop = True
 
     def _agree_on_stop(self) -> None:
-        mark = mx.array(1 if self.rank == 0 and self.client_gone else 0)
-        if mx.distributed.all_sum(mark).item():
+        # Read the previous check's sum (long done: no stall of the decode pipeline),
+        # then queue this one behind the step already in flight. Every rank reads the
+        # same sums at the same tokens, so all stop together, 8-16 tokens after.
+        if self.pending is not None and self.pending.item():
             self.ctx._should_stop = True
+            return
+        mark = mx.array(1 if self.rank == 0 and self.client_gone else 0)
+        self.pending = mx.distributed.all_sum(mark)
+        mx.async_eval(self.pending)
 
     def put(self, item, block=True, timeout=None):
         if isinstance(item, mlx_server.GenerationContext):
