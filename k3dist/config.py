@@ -3,7 +3,7 @@ dataclass. Nothing below the entry points reads files or the environment for the
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import yaml
@@ -57,6 +57,13 @@ class Deployment:
     watchdog_port: int | None = None
     # refuse to start unless the folder fits in free memory with this much to spare
     memory_headroom_gb: float = 2.0
+    # completions in flight (queued or generating); past this a request gets 429 with
+    # Retry-After instead of waiting
+    max_queued_requests: int = 64
+    # HTTP handler threads; further connections wait in the listen backlog (1024)
+    max_connections: int = 2048
+    # origins a web page may call the API from ("*": any); empty: no CORS headers
+    cors_origins: list[str] = field(default_factory=list)
 
     def rank_path(self, rank: int) -> Path:
         return Path(self.rank_dir.format(rank=rank))
@@ -85,6 +92,12 @@ def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
         raise ValueError(f"moe_form must be auto, placeholder or local, not {d.moe_form!r}")
     if d.verify not in ("stamp", "full", "size"):
         raise ValueError(f"verify must be stamp, full or size, not {d.verify!r}")
+    if d.max_queued_requests < 1 or d.max_connections < 1:
+        raise ValueError(f"max_queued_requests ({d.max_queued_requests}) and max_connections "
+                         f"({d.max_connections}) must be at least 1")
+    if not isinstance(d.cors_origins, list) or not all(isinstance(o, str)
+                                                       for o in d.cors_origins):
+        raise ValueError(f"cors_origins must be a list of origins, not {d.cors_origins!r}")
     if d.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be float32, bfloat16 or float16, not {d.dtype!r}")
     return d

@@ -33,10 +33,13 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
                        ("temperature", float), ("top-p", float), ("token-log", str),
                        ("moe-form", str), ("dtype", str), ("blas-threads", int),
                        ("heartbeat-s", float), ("watchdog-timeout-s", float),
-                       ("watchdog-port", int), ("memory-headroom-gb", float)):
+                       ("watchdog-port", int), ("memory-headroom-gb", float),
+                       ("max-queued-requests", int), ("max-connections", int)):
         ap.add_argument(f"--{name}", type=kind)
     ap.add_argument("--verify", choices=("stamp", "full", "size"),
                     help="rank-folder content check before serving (default stamp)")
+    ap.add_argument("--cors-origin", action="append", dest="cors_origins",
+                    help="an origin web pages may call the API from ('*': any); repeatable")
     ap.add_argument("--no-warmup", action="store_true", help="skip warm-up (tests only)")
     args = ap.parse_args(argv)
     path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
@@ -102,18 +105,21 @@ def main(argv: list[str] | None = None) -> None:
             "placement_hash": manifest["placement_hash"],
             "moe_form": loader.resolve_form(dep.moe_form), "dtype": dep.dtype,
             "max_context": dep.max_context, "prefill_chunks": model.chunk_sizes,
+            "vocab_size": config["text_config"]["vocab_size"],
             "warmup": warm, "blas": k3dist.blas_status(), "preflight": pre,
             "verify": manifest["verify"]["mode"]}
     args = server.cli_args(model_id=dep.model_id, max_tokens=dep.max_tokens,
                            temp=dep.temperature, top_p=dep.top_p,
-                           prefill_step_size=dep.prefill_chunk)
+                           prefill_step_size=dep.prefill_chunk, cors_origins=dep.cors_origins)
     provider = server.K3ModelProvider(args, model, tokenizer, dep.model_id)
     token_log = Path(dep.token_log.format(rank=rank)) if dep.token_log else None
     if token_log is not None:
         token_log.parent.mkdir(parents=True, exist_ok=True)
         token_log.unlink(missing_ok=True)
     server.serve(dep.host, dep.port, provider, max_context=dep.max_context, info=info,
-                 token_log=token_log)
+                 vocab_size=config["text_config"]["vocab_size"],
+                 max_queued_requests=dep.max_queued_requests,
+                 max_connections=dep.max_connections, token_log=token_log)
 
 
 if __name__ == "__main__":

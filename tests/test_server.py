@@ -9,6 +9,14 @@ object or a list of numbers, n = 0 and n = 2, an unknown model, stream as a
 string, seed as a string, tools as a string, a text completion without a prompt
 or with a numeric prompt, and a prompt longer than the context (in tokens, and
 6 million tokens' worth of characters).
+
+Issue 10 (hardening): every request field mlx-lm's server reads, out of range
+(OUT_OF_RANGE) and at its bounds; the request that crashed both ranks; 16 MB of stop
+strings; JSON nested 100k deep; bursts of 32 and 128 clients (none reset, identical
+greedy tokens, 429 + Retry-After when the queue is full); a client that hangs up
+mid-stream (both ranks stop at the same token); CORS and /v1/k3dist detail; a lost
+rank 1 (503 for waiting requests), a killed rank 0 (what the client sees), SIGTERM to
+mlx.launch; 50 MB bodies, huge headers, 1,000 idle and slowloris connections.
 """
 
 from __future__ import annotations
@@ -352,3 +360,456 @@ def test_requests_arriving_together_are_served_intact(srv):
     with ThreadPoolExecutor(len(prompts)) as ex:
         together = list(ex.map(ask, prompts))
     assert together == alone
+
+
+# ---------------------------------------------------------------- issue 10: hardening
+
+COMPL = "/v1/completions"
+HI = {"prompt": "hi", "max_tokens": 2}
+# Every field mlx-lm 0.32.2's server reads from a request (mlx_lm/server.py do_POST,
+# handle_*_completions), out of range: each must get a 400 naming the field before it
+# reaches the lockstep loop.
+OUT_OF_RANGE = {
+    "logit_bias id = vocab": (COMPL, lambda v: {**HI, "logit_bias": {str(v): 5}}, "logit_bias"),
+    "logit_bias id 99999999": (COMPL, {**HI, "logit_bias": {"99999999": 5}}, "logit_bias"),
+    "logit_bias id -1": (COMPL, {**HI, "logit_bias": {"-1": 5}}, "logit_bias"),
+    "logit_bias id not a number": (COMPL, {**HI, "logit_bias": {"abc": 5}}, "logit_bias"),
+    "logit_bias id ' 12'": (COMPL, {**HI, "logit_bias": {" 12": 5}}, "logit_bias"),
+    "logit_bias value 1e9": (COMPL, {**HI, "logit_bias": {"12": 1e9}}, "logit_bias"),
+    "logit_bias value NaN": (COMPL, {**HI, "logit_bias": {"12": float("nan")}}, "logit_bias"),
+    "logit_bias value a string": (COMPL, {**HI, "logit_bias": {"12": "5"}}, "logit_bias"),
+    "logit_bias 301 entries": (COMPL, {**HI, "logit_bias": {str(i): 1 for i in range(301)}},
+                               "logit_bias"),
+    "logit_bias a list": (COMPL, {**HI, "logit_bias": [1, 2]}, "logit_bias"),
+    "seed -1": (COMPL, {**HI, "seed": -1}, "seed"),
+    "seed 10**30": (COMPL, {**HI, "seed": 10**30}, "seed"),
+    "seed 2**64": (COMPL, {**HI, "seed": 2**64}, "seed"),
+    "seed 1.5": (COMPL, {**HI, "seed": 1.5}, "seed"),
+    "top_logprobs -1": (COMPL, {**HI, "top_logprobs": -1}, "top_logprobs"),
+    "top_logprobs 12": (COMPL, {**HI, "top_logprobs": 12}, "top_logprobs"),
+    "top_k -1": (COMPL, {**HI, "top_k": -1}, "top_k"),
+    "top_k = vocab": (COMPL, lambda v: {**HI, "top_k": v}, "top_k"),
+    "top_k 2.5": (COMPL, {**HI, "top_k": 2.5}, "top_k"),
+    "min_p -0.1": (COMPL, {**HI, "min_p": -0.1}, "min_p"),
+    "min_p 1.5": (COMPL, {**HI, "min_p": 1.5}, "min_p"),
+    "top_p -0.1": (COMPL, {**HI, "top_p": -0.1}, "top_p"),
+    "temperature 2.5": (COMPL, {**HI, "temperature": 2.5}, "temperature"),
+    "temperature Infinity": (COMPL, {**HI, "temperature": float("inf")}, "temperature"),
+    "temperature NaN": (COMPL, {**HI, "temperature": float("nan")}, "temperature"),
+    "temperature true": (COMPL, {**HI, "temperature": True}, "temperature"),
+    "presence_penalty 3": (COMPL, {**HI, "presence_penalty": 3}, "presence_penalty"),
+    "frequency_penalty -3": (COMPL, {**HI, "frequency_penalty": -3}, "frequency_penalty"),
+    "repetition_penalty -1": (COMPL, {**HI, "repetition_penalty": -1}, "repetition_penalty"),
+    "repetition_penalty 11": (COMPL, {**HI, "repetition_penalty": 11}, "repetition_penalty"),
+    "repetition_context_size -1": (COMPL, {**HI, "repetition_context_size": -1},
+                                   "repetition_context_size"),
+    "repetition_context_size 10**9": (COMPL, {**HI, "repetition_context_size": 10**9},
+                                      "repetition_context_size"),
+    "presence_context_size -1": (COMPL, {**HI, "presence_context_size": -1},
+                                 "presence_context_size"),
+    "frequency_context_size 10**9": (COMPL, {**HI, "frequency_context_size": 10**9},
+                                     "frequency_context_size"),
+    "xtc_probability 1.5": (COMPL, {**HI, "xtc_probability": 1.5}, "xtc_probability"),
+    "xtc_threshold 0.9": (COMPL, {**HI, "xtc_threshold": 0.9}, "xtc_threshold"),
+    "max_tokens true": (COMPL, {**HI, "max_tokens": True}, "max_tokens"),
+    "max_completion_tokens 0": (COMPL, {**HI, "max_completion_tokens": 0},
+                                "max_completion_tokens"),
+    "max_completion_tokens 10**9": (COMPL, {**HI, "max_completion_tokens": 10**9},
+                                    "max_completion_tokens"),
+    "n 2": (COMPL, {**HI, "n": 2}, "n"),
+    "stop 5 sequences": (COMPL, {**HI, "stop": list("abcde")}, "stop"),
+    "stop 1 MB": (COMPL, {**HI, "stop": "x" * 2**20}, "stop"),
+    "stop empty": (COMPL, {**HI, "stop": ""}, "stop"),
+    "stream_options include_usage a string": (COMPL, {**HI, "stream": True,
+                                                      "stream_options": {"include_usage": "y"}},
+                                              "stream_options"),
+    "logprobs a string": (COMPL, {**HI, "logprobs": "yes"}, "logprobs"),
+    "draft_model": (COMPL, {**HI, "draft_model": "x"}, "draft_model"),
+    "num_draft_tokens": (COMPL, {**HI, "num_draft_tokens": 10**6}, "num_draft_tokens"),
+    "adapters": (COMPL, {**HI, "adapters": "/etc"}, "adapters"),
+    "messages on /v1/completions": (COMPL, {**HI, "messages": []}, "messages"),
+    "chat_template_kwargs tokenize": (CHAT, {**OK, "chat_template_kwargs": {"tokenize": False}},
+                                      "chat_template_kwargs"),
+    "chat_template_kwargs tools": (CHAT, {**OK, "chat_template_kwargs": {"tools": []}},
+                                   "chat_template_kwargs"),
+    "chat_template_kwargs 17 keys": (CHAT, {**OK, "chat_template_kwargs": {
+        f"k{i}": 1 for i in range(17)}}, "chat_template_kwargs"),
+    "chat_template_kwargs object value": (CHAT, {**OK, "chat_template_kwargs": {"a": {"b": 1}}},
+                                          "chat_template_kwargs"),
+    "chat_template_kwargs 1 KB string": (CHAT, {**OK, "chat_template_kwargs": {"a": "x" * 1024}},
+                                         "chat_template_kwargs"),
+    "tools 129": (CHAT, {**OK, "tools": [{"type": "function", "function": {"name": f"f{i}"}}
+                                         for i in range(129)]}, "tools"),
+    "tools 1 MB": (CHAT, {**OK, "tools": [{"type": "function", "function": {
+        "name": "f", "description": "x" * 2**20}}]}, None),  # over the context
+    "role_mapping": (CHAT, {**OK, "role_mapping": {"user": "x" * 100}}, "role_mapping"),
+}
+
+
+@pytest.mark.parametrize("name", list(OUT_OF_RANGE))
+def test_out_of_range_field_gets_400_naming_it(srv, name):
+    path, body, param = OUT_OF_RANGE[name]
+    if callable(body):  # depends on the served vocabulary
+        body = body(_get(srv.url + "/v1/k3dist")[1]["vocab_size"])
+    t = time.perf_counter()
+    got, raw = _post_raw(srv.url + path, json.dumps(body).encode())
+    took = time.perf_counter() - t
+    assert got == 400, (name, got, raw[:300])
+    err = json.loads(raw)["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    if param is not None:
+        assert param in err["message"], err
+    assert took < 5, took  # refused before tokenizing or queueing anything costly
+
+
+def test_edge_values_are_served(srv):
+    """The bounds themselves: each served (200) by both ranks, which keep running."""
+    v = _get(srv.url + "/v1/k3dist")[1]["vocab_size"]
+    edges = [
+        {"top_k": v - 1, "temperature": 2, "seed": 2**64 - 1},
+        {"logprobs": True, "top_logprobs": 11, "min_p": 1, "top_p": 0},
+        {"logit_bias": {str(i): (-100 if i % 2 else 100) for i in range(v - 300, v)}},
+        {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 10,
+         "repetition_context_size": MAX_CONTEXT, "presence_context_size": 0,
+         "frequency_context_size": MAX_CONTEXT},
+        {"xtc_probability": 1, "xtc_threshold": 0.5, "temperature": 1, "seed": 0},
+        {"stop": ["x" * 256] * 4, "stream": True, "stream_options": {}},
+    ]
+    for extra in edges:
+        got, _, raw = _post_conn(srv.port, {**HI, **extra})
+        assert got == 200, (extra, raw[:300])
+        assert b"error" not in raw, raw[:300]
+    got, _, raw = _post_conn(srv.port, {**OK, "chat_template_kwargs": {"thinking": False}},
+                             CHAT)
+    assert got == 200, raw[:300]
+    assert set(srv.rank_pids()) == {0, 1}
+
+
+def _post_conn(port: int, body: dict | bytes, path: str = COMPL, headers: dict | None = None,
+               method: str = "POST", host: str = "127.0.0.1", timeout: float = 300):
+    """One request on its own connection: (status or exception name, headers, body)."""
+    import http.client
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request(method, path, data if method == "POST" else None,
+                     {"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    except Exception as e:  # a reset must show up as such, not fail the thread
+        return type(e).__name__, {}, str(e).encode()
+    finally:
+        conn.close()
+
+
+def test_crash_request_is_refused_and_both_ranks_keep_serving(srv):
+    """Issue 10's request that killed both ranks (a logit_bias id = the vocabulary size:
+    "double free or corruption"), the seeds that closed the connection with no status
+    (streamed: an empty stream that ended as if normal), then the last valid id."""
+    vocab = _get(srv.url + "/v1/k3dist")[1]["vocab_size"]  # 4352 for data/mini-k3
+    crash = b'{"prompt":"hi","max_tokens":4,"logit_bias":{"4352":5}}'
+    for body in (crash, {"prompt": "hi", "max_tokens": 4, "logit_bias": {str(vocab): 5}}):
+        got, _, raw = _post_conn(srv.port, body)
+        assert got == 400 and b"logit_bias" in raw, raw
+    for seed in (-1, 10**30):
+        for stream in (False, True):
+            got, _, raw = _post_conn(srv.port, {**HI, "seed": seed, "stream": stream})
+            assert got == 400 and json.loads(raw)["error"]["param"] == "seed", raw
+    seen = len(_log(srv, 0))
+    r = srv.client().completions.create(model="kimi-k3", prompt="hi", max_tokens=3,
+                                        temperature=0.0, logit_bias={str(vocab - 1): 100})
+    assert r.usage.completion_tokens >= 1
+    logs = _wait_logs(srv, seen, 1)
+    assert logs[0] == logs[1] and logs[0][0]["tokens"][0] == vocab - 1  # the bias took effect
+    assert set(srv.rank_pids()) == {0, 1}
+
+
+def test_huge_stop_strings_and_deep_json_refused_at_once(srv):
+    """16 distinct 1 MB stop strings held the one-at-a-time server ~25 s; JSON nested
+    100k deep dropped the connection without a status."""
+    t = time.perf_counter()
+    got, _, raw = _post_conn(srv.port, {**HI, "stop": [chr(65 + i) * 2**20 for i in range(16)]})
+    took = time.perf_counter() - t
+    assert got == 400 and json.loads(raw)["error"]["param"] == "stop", raw[:300]
+    assert took < 5, took
+    got, _, raw = _post_conn(srv.port, b"[" * 100_000 + b"]" * 100_000)
+    assert got == 400 and b"nested" in raw, raw[:300]
+    deep = json.loads("[" * 900 + "]" * 900)  # parses, but would be pickled to rank 1
+    got, _, raw = _post_conn(srv.port, {**HI, "tools_extra": deep})
+    assert got == 400 and b"nested" in raw, raw[:300]
+    # four stop sequences of the longest allowed length are served
+    got, _, raw = _post_conn(srv.port, {**HI, "stop": [chr(65 + i) * 256 for i in range(4)]})
+    assert got == 200, raw[:300]
+
+
+def _burst(port: int, n: int, body: dict) -> list[tuple]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n) as ex:
+        return list(ex.map(lambda _: _post_conn(port, body), range(n)))
+
+
+def _check_burst(results: list[tuple]) -> tuple[int, int]:
+    """Every request answered 200 (all the same greedy text) or 429 with Retry-After;
+    none reset or dropped. Returns (served, refused)."""
+    statuses = [r[0] for r in results]
+    assert set(statuses) <= {200, 429}, statuses
+    texts = {json.loads(b)["choices"][0]["text"] for s, _, b in results if s == 200}
+    assert len(texts) == 1, texts
+    for s, headers, b in results:
+        if s == 429:
+            assert int(headers["Retry-After"]) >= 1, headers
+            assert json.loads(b)["error"]["code"] == "too_many_requests"
+    return statuses.count(200), statuses.count(429)
+
+
+@pytest.mark.parametrize("n", [32, 128])
+def test_burst_is_served_or_refused_never_reset(srv, n):
+    """The listen backlog was 5: bursts of 32 got ConnectionResetError. Now all are
+    accepted; past 64 in flight (the default bound) a request gets 429."""
+    body = {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0.0}
+    seen = len(_log(srv, 0))
+    t = time.perf_counter()
+    served, refused = _check_burst(_burst(srv.port, n, body))
+    print(f"\nburst of {n}: {served} served, {refused} refused (429) in "
+          f"{time.perf_counter() - t:.1f}s")
+    if n <= 64:
+        assert served == n
+    logs = _wait_logs(srv, seen, served)
+    assert logs[0] == logs[1] and len(logs[0]) == served
+    assert len({tuple(e["tokens"]) for e in logs[0]}) == 1  # identical greedy tokens
+
+
+def _stream_socket(port: int, body: dict, chunks: int) -> socket.socket:
+    """Open a streamed completion on a raw socket and read until `chunks` data events."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=120)
+    data = json.dumps({**body, "stream": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json"
+              b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    got = b""
+    while got.count(b"data: {") < chunks:
+        more = s.recv(65536)
+        assert more, got
+        got += more
+    return s
+
+
+def test_client_disconnect_mid_stream_keeps_ranks_in_lockstep(srv):
+    """mlx-lm abandons a request whose client went away on rank 0 alone (its
+    NotImplementedError path), while rank 1 goes on generating: the next request then
+    meets rank 1 mid-generation. Here both ranks stop at the same token."""
+    seen = len(_log(srv, 0))
+    s = _stream_socket(srv.port, {"prompt": "def f(x):", "max_tokens": 200,
+                                  "temperature": 0.0}, 3)
+    s.close()
+    t = time.perf_counter()
+    r = srv.client().completions.create(model="kimi-k3", prompt="import os", max_tokens=6,
+                                        temperature=0.0)
+    print(f"\nnext request answered {time.perf_counter() - t:.2f}s after the disconnect")
+    assert r.usage.completion_tokens == 6
+    logs = _wait_logs(srv, seen, 2)
+    assert logs[0] == logs[1], logs  # the same tokens on both ranks, for both requests
+    cut, nxt = logs[0]
+    assert cut["error"] is not None and 3 <= len(cut["tokens"]) < 200, cut
+    assert nxt["error"] is None and len(nxt["tokens"]) == 6
+    assert set(srv.rank_pids()) == {0, 1}
+
+
+def test_cors_off_and_detail_for_loopback_only(srv):
+    for method, body in (("OPTIONS", b""), ("POST", HI)):
+        status, headers, _ = _post_conn(srv.port, body, headers={"Origin": "http://evil.example"},
+                                        method=method)
+        assert status in (200, 204)
+        assert not any(k.lower().startswith("access-control") for k in headers), headers
+    status, body = _get(srv.url + "/v1/k3dist")
+    assert status == 200 and "preflight" in body and "blas" in body  # loopback: everything
+    fp = srv.client().completions.create(model="kimi-k3", prompt="hi", max_tokens=1
+                                         ).system_fingerprint
+    assert fp == f"k3dist-0.1.0-mlx-{mx.__version__}", fp
+    assert os.uname().release not in fp
+
+
+def _outside_address() -> str | None:
+    """This machine's address on a non-loopback interface (None if it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))  # no packet is sent for a UDP connect
+            addr = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if addr.startswith("127.") else addr
+
+
+@pytest.fixture(scope="module")
+def configured(ranks, tmp_path_factory):
+    """A second server: all interfaces, CORS for one origin, a queue bound of 2."""
+    tmp = tmp_path_factory.mktemp("serve-configured")
+    # host in YAML: mlx.launch takes a --host flag for its own --hosts/--hostfile
+    (tmp / "deploy.yaml").write_text("host: 0.0.0.0\n")
+    s = Server(ranks, tmp, ("--no-warmup", "--config", str(tmp / "deploy.yaml"),
+                            "--cors-origin", "http://app.example", "--max-queued-requests", "2"))
+    yield s
+    s.stop()
+
+
+def test_cors_on_for_configured_origin_and_outside_callers_get_less(configured):
+    port = configured.port
+    status, headers, _ = _post_conn(port, HI, headers={"Origin": "http://app.example"})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://app.example"
+    status, headers, _ = _post_conn(port, b"", headers={"Origin": "http://app.example"},
+                                    method="OPTIONS")
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://app.example"
+    status, headers, _ = _post_conn(port, HI, headers={"Origin": "http://evil.example"})
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    addr = _outside_address()
+    if addr is None:
+        pytest.skip("no non-loopback interface to call from")
+    status, _, raw = _post_conn(port, b"", "/v1/k3dist", method="GET", host=addr)
+    info = json.loads(raw)
+    assert status == 200 and info["ranks"] == 2 and info["max_context"] == MAX_CONTEXT
+    for private in ("preflight", "blas", "warmup", "jit_kernels"):
+        assert private not in info, info
+    assert str(REPO) not in raw.decode() and "folder" not in raw.decode()
+
+
+def test_full_queue_answers_429_with_retry_after(configured):
+    body = {"prompt": "def f(x):", "max_tokens": 16, "temperature": 0.0}
+    served, refused = _check_burst(_burst(configured.port, 16, body))
+    print(f"\nqueue bound 2, burst of 16: {served} served, {refused} refused")
+    assert refused >= 1 and served >= 2
+
+
+def test_losing_rank_1_answers_waiting_plain_requests_with_503(ranks, tmp_path):
+    """A non-streamed request has no stream to carry an error event: it gets a 503
+    naming the lost rank, not a dropped connection."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    s = Server(ranks, tmp_path, ("--no-warmup",))
+    try:
+        pids = s.rank_pids()
+        body = {"prompt": "def f(x):", "max_tokens": 400, "temperature": 0.0}
+        with ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(_post_conn, s.port, body) for _ in range(2)]
+            time.sleep(3)
+            t = time.perf_counter()
+            os.kill(pids[1], signal.SIGKILL)
+            results = [f.result() for f in futs]
+        took = time.perf_counter() - t
+        s.proc.wait(timeout=60)
+    finally:
+        s.stop()
+    print(f"\nrank 1 killed: clients got {[r[0] for r in results]} in {took:.2f}s")
+    for status, _, raw in results:
+        assert status == 503 and b"rank 1 was lost" in raw, (status, raw[:300])
+    assert not s.rank_pids()
+
+
+def test_killed_rank_0_ends_the_stream_without_finish_reason(ranks, tmp_path):
+    """Rank 0 holds the HTTP socket: when it dies nothing can write an error, and the
+    openai client sees the stream end quietly. The only signs of a cut answer: no
+    chunk carries a finish_reason (and no [DONE] came). Rank 1 and the launcher end."""
+    s = Server(ranks, tmp_path, ("--no-warmup",))
+    try:
+        pids = s.rank_pids()
+        stream = s.client().completions.create(model="kimi-k3", prompt="def f(x):",
+                                               max_tokens=300, temperature=0.0, stream=True)
+        chunks, error, t = [], None, None
+        try:
+            for ch in stream:
+                chunks.append(ch)
+                if len(chunks) == 3:
+                    os.kill(pids[0], signal.SIGKILL)
+                    t = time.perf_counter()
+        except Exception as e:  # noqa: BLE001 - recorded: what the client sees
+            error = e
+        seen = time.perf_counter() - t
+        s.proc.wait(timeout=60)
+        ended = time.perf_counter() - t
+    finally:
+        s.stop()
+    print(f"\nrank 0 killed: {len(chunks)} chunks, client error {error!r}, stream ended "
+          f"{seen:.2f}s after the kill, launch {ended:.1f}s")
+    assert 3 <= len(chunks) < 300
+    assert all(ch.choices[0].finish_reason is None for ch in chunks)
+    assert ended < 30 and not s.rank_pids()
+
+
+def test_oversized_body_and_headers_get_4xx(srv):
+    """A 50 MB body is refused from its Content-Length (413) before it is read; a
+    100 KB header line or 200 headers get http.server's 431."""
+    import http.client
+
+    body = b'{"prompt": "' + b"a" * (50 * 2**20) + b'"}'
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    t = time.perf_counter()
+    try:
+        conn.request("POST", COMPL, body, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        status, raw = r.status, r.read()
+    except OSError as e:  # the server answered and closed while the body was still going
+        status, raw = type(e).__name__, b""
+    finally:
+        conn.close()
+    print(f"\n50 MB body: {status} in {time.perf_counter() - t:.2f}s")
+    assert status == 413 and b"exceeds" in raw, (status, raw[:200])
+    status, _, _ = _post_conn(srv.port, HI, headers={"X-Big": "a" * 100_000})
+    assert status == 431
+    status, _, _ = _post_conn(srv.port, HI, headers={f"X-H{i}": "1" for i in range(200)})
+    assert status == 431
+
+
+def test_idle_and_slow_connections_do_not_block_service(srv):
+    """1,000 connections that send nothing and 20 that send a header byte a second
+    (slowloris) hold handler threads (at most max_connections, 2048 by default; idle
+    ones are dropped after 30 s); a real client is still served at once."""
+    idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(1000)]
+    slow = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(20)]
+    try:
+        for s in slow:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        times = []
+        for _ in range(3):
+            for s in slow:
+                s.sendall(b"X")
+            t = time.perf_counter()
+            got, _, raw = _post_conn(srv.port, HI)
+            times.append(time.perf_counter() - t)
+            assert got == 200, raw[:200]
+            time.sleep(1)
+        print(f"\nwith 1000 idle + 20 slowloris connections: served in "
+              f"{', '.join(f'{x:.2f}' for x in times)} s")
+        assert max(times) < 10
+    finally:
+        for s in idle + slow:
+            s.close()
+
+
+def test_sigterm_to_mlx_launch_mid_stream(ranks, tmp_path):
+    """SIGTERM to the launcher alone (a supervisor stopping the service): the ranks
+    stop together and the open stream ends with an error event."""
+    s = Server(ranks, tmp_path, ("--no-warmup",))
+    try:
+        stream = s.client().completions.create(model="kimi-k3", prompt="def f(x):",
+                                               max_tokens=300, temperature=0.0, stream=True)
+        got, error, t = 0, None, None
+        try:
+            for _ in stream:
+                got += 1
+                if got == 3:
+                    s.proc.send_signal(signal.SIGTERM)
+                    t = time.perf_counter()
+        except Exception as e:  # noqa: BLE001 - what the client sees
+            error = e
+        seen = time.perf_counter() - t
+        s.proc.wait(timeout=60)
+        deadline = time.time() + 30
+        while s.rank_pids() and time.time() < deadline:
+            time.sleep(0.1)
+        ended = time.perf_counter() - t
+    finally:
+        s.stop()
+    print(f"\nSIGTERM to mlx.launch: {got} chunks, client error {error!r} after {seen:.2f}s, "
+          f"all processes gone after {ended:.2f}s")
+    assert got < 300 and not s.rank_pids() and ended < 30
+    assert error is not None
