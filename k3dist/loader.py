@@ -11,6 +11,9 @@ split, evaluation layer by layer, and a barrier.
 from __future__ import annotations
 
 import json
+import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from k3dist import layout
@@ -30,6 +33,31 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 
 class RankMismatch(CheckpointError):
     pass
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed before the handshake; the message names it and, when its
+    watchdog sent one, its reason."""
+
+
+# A handshake row: "build_hash:placement_hash". A rank that died before (or during)
+# the all_gather leaves zeros or garbage in its row instead.
+_ROW = re.compile(r"[0-9A-Za-z_.-]+:[0-9A-Za-z_.-]+")
+
+
+def _peer_failed(rank: int, why: str, peer_failure: Callable[[int], str | None] | None,
+                 wait_s: float = 1.0) -> PeerFailed:
+    """The error for a rank that failed during start-up, with its own reason if its
+    watchdog's FAIL arrives within ``wait_s`` (it is sent before that rank exits)."""
+    reason = None
+    deadline = time.monotonic() + wait_s
+    while peer_failure is not None:
+        reason = peer_failure(rank)
+        if reason is not None or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return PeerFailed(f"rank {rank} failed during start-up: "
+                      f"{reason or 'no reason received; its own error is in its log'} ({why})")
 
 
 def check_rank_folder(folder: str | Path, rank: int, size: int) -> tuple[dict, Placement]:
@@ -74,13 +102,24 @@ def check_rank_folder(folder: str | Path, rank: int, size: int) -> tuple[dict, P
     return m, placement
 
 
-def _handshake(manifest: dict, group: mx.distributed.Group) -> None:
-    """All ranks must run slices of one build with one placement."""
+def _handshake(manifest: dict, group: mx.distributed.Group,
+               peer_failure: Callable[[int], str | None] | None = None) -> None:
+    """All ranks must run slices of one build with one placement. ``peer_failure``
+    (rank -> the reason it failed, if known: the watchdog's) names why a peer that
+    died before the handshake did."""
     mine = f"{manifest['build_hash']}:{manifest['placement_hash']}".encode()
     vec = mx.array(np.frombuffer(mine.ljust(64, b" ")[:64], dtype=np.uint8).astype(np.int32))
-    every = np.array(mx.distributed.all_gather(vec[None], group=group)).astype(np.uint8)
+    try:
+        every = np.array(mx.distributed.all_gather(vec[None], group=group)).astype(np.uint8)
+    except RuntimeError as e:  # the ring saw the peer go
+        peer = (group.rank() + 1) % group.size()
+        raise _peer_failed(peer, f"the handshake failed: {e}", peer_failure) from None
     # A peer that died mid-collective leaves garbage here rather than an error.
     seen = [bytes(row).decode(errors="replace").strip() for row in every]
+    for r, s in enumerate(seen):
+        if not _ROW.fullmatch(s):
+            raise _peer_failed(r, f"its handshake row is {s[:24]!r}, not build:placement",
+                               peer_failure)
     if len(set(seen)) > 1:
         desc = ", ".join(f"rank {r}: build {s.split(':')[0]} placement {s.split(':')[1]}"
                          for r, s in enumerate(seen))
@@ -89,13 +128,15 @@ def _handshake(manifest: dict, group: mx.distributed.Group) -> None:
 
 
 def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
-              dtype: str = "float32", form: str = "auto"):
-    """Load this rank's folder as an expert-parallel K3; returns (model, config, manifest)."""
+              dtype: str = "float32", form: str = "auto",
+              peer_failure: Callable[[int], str | None] | None = None):
+    """Load this rank's folder as an expert-parallel K3; returns (model, config, manifest).
+    ``peer_failure``: see ``_handshake``."""
     group = group or mx.distributed.init()
     rank, size = group.rank(), group.size()
     manifest, placement = check_rank_folder(folder, rank, size)
     if size > 1:  # before minutes of loading: refuse mismatched folders now
-        _handshake(manifest, group)
+        _handshake(manifest, group, peer_failure)
     cls = make_model_class(placement, rank, group, resolve_form(form))
     model, config = load_model(Path(folder), lazy=True, strict=True,
                                get_model_classes=lambda config: (cls, kimi_k3.ModelArgs))
