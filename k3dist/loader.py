@@ -118,7 +118,8 @@ def _handshake(manifest: dict, group: mx.distributed.Group,
     seen = [bytes(row).decode(errors="replace").strip() for row in every]
     for r, s in enumerate(seen):
         if not _ROW.fullmatch(s):
-            raise _peer_failed(r, f"its handshake row is {s[:24]!r}, not build:placement",
+            raise _peer_failed(r, "what it sent in the handshake is not a build:placement "
+                               "pair: the ring returned garbage for a peer that is gone",
                                peer_failure)
     if len(set(seen)) > 1:
         desc = ", ".join(f"rank {r}: build {s.split(':')[0]} placement {s.split(':')[1]}"

@@ -18,8 +18,10 @@ ssh (every ``ssh`` name but ``127.0.0.1``, mlx.launch's own test) must answer
 is named with the fix and nothing starts. Then mlx.launch runs in its own process
 group; its output passes through and two kinds of line are read from it:
 
-- mlx.launch's ``Node with rank R exited with code C``: the first non-zero ``C`` is
-  the exit code (a rank killed by signal N, ``C = -N``, gives ``128 + N``);
+- mlx.launch's ``Node with rank R exited with code C``: a non-zero ``C`` is the exit
+  code (a rank killed by signal N, ``C = -N``, gives ``128 + N``); of several, the
+  first that is not 3 (the watchdog's "a peer was lost", which only says that rank
+  went because another did: the other's code names the cause), else the first;
 - the watchdog's ``[k3dist watchdog rank R] ... pid P)``: rank R's process on its
   host (ranks are the hostfile's hosts in order).
 
@@ -56,6 +58,9 @@ from typing import BinaryIO
 
 # Exit code when nothing could be started (an unreachable host, bad arguments).
 START_FAILED_EXIT_CODE = 2
+# k3dist.harness.LOST_EXIT_CODE: a rank that exits because a peer was lost (not imported:
+# the wrapper loads no MLX).
+LOST_EXIT_CODE = 3
 # mlx.launch runs a rank without ssh only on exactly this host name (RemoteProcess).
 LOCAL_HOST = "127.0.0.1"
 
@@ -186,7 +191,7 @@ def preflight_hosts(
 class _State:
     """What the output said so far (written by the pump threads)."""
 
-    first_failure: tuple[int, int] | None = None  # (rank, exit code as reported)
+    failures: list[tuple[int, int]] = field(default_factory=list)  # (rank, code) as reported
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid on its host
     ended: set[int] = field(default_factory=set)  # ranks whose exit mlx.launch saw
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -199,11 +204,22 @@ class _State:
             with self.lock:
                 if code is not None:  # "was killed": sent SIGTERM, which may not have ended it
                     self.ended.add(rank)
-                    if int(code) != 0 and self.first_failure is None:
-                        self.first_failure = (rank, int(code))
+                    if int(code) != 0:
+                        self.failures.append((rank, int(code)))
         if m := _PID.search(line):
             with self.lock:
                 self.pids[int(m[1])] = int(m[2])
+
+    @property
+    def first_failure(self) -> tuple[int, int] | None:
+        return self.failures[0] if self.failures else None
+
+    def cause(self) -> tuple[int, int] | None:
+        """The failure to report: the first whose code is not the watchdog's "a peer was
+        lost" (3), which only says that rank went because another did; else the first."""
+        with self.lock:
+            causes = [f for f in self.failures if f[1] != LOST_EXIT_CODE]
+            return (causes or self.failures or [None])[0]
 
 
 def exit_code(code: int) -> int:
@@ -345,10 +361,14 @@ def run(
         if proc.stdin:
             proc.stdin.close()
 
-    if state.first_failure is not None:
-        rank, code = state.first_failure
+    cause = state.cause()
+    if cause is not None:
+        rank, code = cause
         rc = exit_code(code)
-        log(f"exit code {rc}: rank {rank} was the first to fail (it exited with {code})")
+        log(
+            f"exit code {rc}: rank {rank} failed (it exited with {code}; every report: "
+            f"{state.failures})"
+        )
         return rc
     if proc.returncode != 0:
         return exit_code(proc.returncode)
