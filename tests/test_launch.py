@@ -425,3 +425,107 @@ def test_wrapper_passes_output_and_arguments(tmp_path):
         timeout=60,
     )
     assert bad.returncode == 2 and "after --" in bad.stderr
+
+
+# ---------------------------------------------------------------- the server, mid-stream
+
+
+@pytest.fixture(scope="module")
+def good_ranks(mini_build, tmp_path_factory):
+    out = tmp_path_factory.mktemp("good-ranks")
+    for r in range(2):
+        slicing.slice_rank(mini_build, out / f"rank{r}", r, 2, None, progress=False)
+    return str(out / "rank{rank}")
+
+
+def test_frozen_rank_mid_stream_ends_the_deployment(good_ranks, tmp_path):
+    """Issue 10 item 5 as reported: SIGSTOP rank 1 of the server mid-stream. The client
+    gets the error, then every process (wrapper, mlx.launch, both ranks) is gone."""
+    openai = pytest.importorskip("openai")
+    port = free_base_port(1)
+    env = dict(os.environ, HOME=str(tmp_path))  # no Hugging Face cache
+    log_path = tmp_path / "serve.log"
+    timeout_s = 3.0
+    cmd = _wrapper(
+        tmp_path,
+        "-n",
+        "2",
+        "-p",
+        str(free_base_port(2)),
+        script=REPO / "launch" / "serve.py",
+        args=(
+            "--rank-dir",
+            good_ranks,
+            "--no-warmup",
+            "--port",
+            str(port),
+            "--watchdog-timeout-s",
+            str(timeout_s),
+        ),
+    )
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+        )
+    pids: dict[int, int] = {}
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60
+        )
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.5)
+        for m in re.finditer(
+            r"\[k3dist watchdog rank (\d)\] .*; pid (\d+)\)", log_path.read_text()
+        ):
+            pids[int(m[1])] = int(m[2])
+        assert set(pids) == {0, 1}, log_path.read_text()
+        stream = client.completions.create(
+            model="kimi-k3", prompt="def f(x):", max_tokens=400, temperature=0.0, stream=True
+        )
+        got, error, t0 = 0, None, None
+        try:
+            for _ in stream:
+                got += 1
+                if got == 3:
+                    os.kill(pids[1], signal.SIGSTOP)
+                    t0 = time.monotonic()
+        except Exception as e:  # noqa: BLE001 - the client must see an error, not hang
+            error = e
+        t_error = time.monotonic() - t0
+        assert error is not None and "rank 1 was lost (silent for" in str(error), (got, error)
+        launchers = [
+            int(p)
+            for p in os.listdir("/proc")
+            if p.isdigit()
+            and _alive(int(p))
+            and b"mlx.launch" in Path(f"/proc/{p}/cmdline").read_bytes()
+            and str(port).encode() in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        bound = timeout_s + 2.0 + 10.0
+        while time.monotonic() - t0 < bound:
+            if proc.poll() is not None and not any(map(_alive, [*pids.values(), *launchers])):
+                break
+            time.sleep(0.05)
+        t_gone = time.monotonic() - t0
+        out = log_path.read_text()
+        assert proc.poll() == 128 + signal.SIGKILL, out
+        assert not any(map(_alive, [*pids.values(), *launchers])), out
+        print(
+            f"\nserver, SIGSTOP rank 1 mid-stream (watchdog {timeout_s:g} s): client error "
+            f"after {t_error:.1f} s, everything gone after {t_gone:.1f} s, exit "
+            f"{proc.returncode}"
+        )
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
