@@ -206,6 +206,27 @@ def test_watchdog_three_ranks_relay_loss_and_stop():
     assert ws[1].events[-1].startswith("lost rank 2 (connection closed; reported by rank 0)")
 
 
+def test_watchdog_fail_tells_the_peers_why():
+    """A rank that cannot go on (fail, or an uncaught exception through
+    install_failure_hook) exits 1; the others exit 3 naming it and its reason, and
+    keep the reason for the loader's handshake error (peer_failures)."""
+    ws, codes = _group(3)
+    assert all(c.pid == os.getpid() and c.local for c in ws[0].conns.values())
+    ws[2].fail("CheckpointError: rank2/model-layer-003.safetensors is truncated")
+    _wait(lambda: len(codes) == 2, 3.0)  # the failed rank's own exit is its main thread's
+    assert ws[2].exit_code == 1 and ws[0].exit_code == ws[1].exit_code == 3, codes
+    reason = "CheckpointError: rank2/model-layer-003.safetensors is truncated"
+    assert ws[0].events[-1].startswith(f"lost rank 2 (failed: {reason})"), ws[0].events
+    assert ws[1].events[-1].startswith(f"lost rank 2 (failed: {reason}; reported by rank 0)")
+    assert ws[0].peer_failures == ws[1].peer_failures == {2: reason}
+
+    ws, codes = _group(2)
+    ws[0].fail("OSError: [Errno 98] Address already in use")
+    _wait(lambda: len(codes) == 1, 3.0)
+    assert (ws[0].exit_code, ws[1].exit_code) == (1, 3)
+    assert ws[1].peer_failures == {0: "OSError: [Errno 98] Address already in use"}
+
+
 def test_watchdog_refuses_strays_and_reports_an_absent_coordinator():
     w0 = Watchdog(0, 2, "127.0.0.1", 0, connect_timeout_s=1.0, hard_exit=lambda c: None)
     errors: list[Exception] = []
