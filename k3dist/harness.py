@@ -628,14 +628,18 @@ class Watchdog:
 
     def _terminate_peer(self, c: _Conn) -> None:
         """End a silent peer on this machine: SIGTERM, SIGKILL after ``stop_grace_s``.
-        A stopped (SIGSTOP) process never runs its SIGTERM handler; SIGKILL ends it
-        regardless, and its launcher then sees it exit."""
+        SIGCONT follows the SIGTERM: a stopped process (SIGSTOP, Ctrl-Z, a debugger)
+        acts on no signal but SIGKILL; resumed, it finds this rank's socket closed and
+        exits on its own (code 3). A wedged one gets SIGKILL; either way its launcher
+        then sees it exit."""
         if not c.local or c.pid is None:
             where = "on another machine" if not c.local else "of unknown pid"
             self._log(f"rank {c.rank} is {where}: left to the launcher to end")
             return
+        c.sock.close()  # resumed, the peer sees this rank gone at once
         try:
             os.kill(c.pid, signal.SIGTERM)
+            os.kill(c.pid, signal.SIGCONT)
         except OSError:
             return  # already gone
         deadline = time.monotonic() + self.stop_grace_s
@@ -756,12 +760,20 @@ class Watchdog:
             sel.register(c.sock, selectors.EVENT_READ, c)
         sel.register(self._ctl_r, selectors.EVENT_READ, "ctl")
         sig_registered = None
-        next_beat = time.monotonic()
+        next_beat = last_tick = time.monotonic()
         while True:
             if self._sig_r is not None and sig_registered != self._sig_r:
                 sel.register(self._sig_r, selectors.EVENT_READ, "sig")
                 sig_registered = self._sig_r
             now = time.monotonic()
+            if now - last_tick > self.timeout_s / 2:
+                # This process itself did not run (stopped, then resumed): its peers'
+                # silence is its own. Read what they sent first (a closed socket says
+                # the group is gone) before judging anyone silent.
+                self._log(f"this rank did not run for {now - last_tick:.1f} s (stopped?)")
+                for c in self.conns.values():
+                    c.last_seen = now
+            last_tick = now
             if now >= next_beat:
                 for c in list(self.conns.values()):
                     try:

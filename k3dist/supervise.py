@@ -32,12 +32,12 @@ it from a real mlx.launch, so a change of format fails them).
 
 After the first failure (or a stop asked of the wrapper), mlx.launch gets
 ``grace_s`` to end on its own: the watchdog normally ends every rank within a
-second or two, and a frozen rank on the same machine is killed by its peers. If it
+second or two, and a frozen rank on the same machine is ended by its peers. If it
 has not ended by then, its process group (mlx.launch, its local ranks, its ssh
-clients) gets SIGTERM, then SIGKILL after ``kill_grace_s``. Last, every rank on
-another machine whose pid was announced and whose end mlx.launch did not report is
-ended over ssh the same way (mlx.launch's own teardown only sends it SIGTERM, which
-a stopped process never acts on).
+clients) gets SIGTERM and SIGCONT, then SIGKILL after ``kill_grace_s``. Last, every
+rank on another machine whose pid was announced and whose end mlx.launch did not
+report is ended over ssh the same way (mlx.launch's own teardown only sends it
+SIGTERM, which a stopped process never acts on).
 """
 
 from __future__ import annotations
@@ -238,9 +238,12 @@ def _pump(src: BinaryIO, dst: BinaryIO, state: _State) -> None:
 
 
 def _end_group(pgid: int, kill_grace_s: float, log) -> None:
-    """SIGTERM the process group, SIGKILL what is left after ``kill_grace_s``."""
+    """SIGTERM the process group, SIGKILL what is left after ``kill_grace_s``. SIGCONT
+    follows the SIGTERM, so a stopped process can act on it (only SIGKILL ends a
+    stopped one otherwise)."""
     try:
         os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, signal.SIGCONT)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + kill_grace_s
@@ -258,11 +261,12 @@ def _end_group(pgid: int, kill_grace_s: float, log) -> None:
 
 
 def end_remote_rank_command(host: str, pid: int, kill_grace_s: float) -> list[str]:
-    """ssh command that ends ``pid`` on ``host``: SIGTERM, SIGKILL if still there after
-    ``kill_grace_s`` (the same script runs under ``sh -c`` anywhere)."""
+    """ssh command that ends ``pid`` on ``host``: SIGTERM (and SIGCONT, for a stopped
+    process), SIGKILL if still there after ``kill_grace_s`` (the same script runs under
+    ``sh -c`` anywhere)."""
     ticks = max(1, math.ceil(kill_grace_s * 10))
     script = (
-        f"kill -TERM {pid} 2>/dev/null || exit 0; i=0; "
+        f"kill -TERM {pid} 2>/dev/null || exit 0; kill -CONT {pid}; i=0; "
         f"while kill -0 {pid} 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; "
         f"i=$((i+1)); done; kill -KILL {pid} 2>/dev/null; exit 0"
     )
