@@ -766,14 +766,13 @@ class Watchdog:
                 sel.register(self._sig_r, selectors.EVENT_READ, "sig")
                 sig_registered = self._sig_r
             now = time.monotonic()
-            if now - last_tick > self.timeout_s / 2:
-                # This process itself did not run (stopped, then resumed): its peers'
-                # silence is its own. Read what they sent first (a closed socket says
-                # the group is gone) before judging anyone silent.
-                self._log(f"this rank did not run for {now - last_tick:.1f} s (stopped?)")
-                for c in self.conns.values():
-                    c.last_seen = now
-            last_tick = now
+            gap, last_tick = now - last_tick, now
+            # After a gap this loop did not run (the process was stopped, or starved of
+            # CPU), the peers' silence may be its own: read what they sent (a closed
+            # socket says the group is gone) before judging anyone silent.
+            judge = gap <= 2 * self.interval_s
+            if gap > self.timeout_s / 2:
+                self._log(f"this rank did not run for {gap:.1f} s (stopped, or starved of CPU)")
             if now >= next_beat:
                 for c in list(self.conns.values()):
                     try:
@@ -785,7 +784,7 @@ class Watchdog:
                 next_beat = now + self.interval_s
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self._request_stop(f"launcher (pid {self.parent_pid}) exited")
-            for c in list(self.conns.values()):
+            for c in list(self.conns.values()) if judge else ():
                 if not c.left and now - c.last_seen > self.timeout_s:
                     self._lost(c.rank, f"silent for {now - c.last_seen:.1f} s", silent=c)
                     return
@@ -797,7 +796,7 @@ class Watchdog:
                 return
             wake = min([next_beat, self._stop_deadline]
                        + [c.last_seen + self.timeout_s for c in self.conns.values()])
-            events = sel.select(max(0.0, min(wake - now, self.interval_s)))
+            events = sel.select(max(0.0, min(wake - now, self.interval_s)) if judge else 0)
             # Sockets before requests: a peer that is already gone is a loss, even when
             # a stop (e.g. mlx.launch's SIGTERM after that very death) arrives with it.
             events.sort(key=lambda e: isinstance(e[0].data, str))
