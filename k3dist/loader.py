@@ -45,19 +45,24 @@ class PeerFailed(RuntimeError):
 _ROW = re.compile(r"[0-9A-Za-z_.-]+:[0-9A-Za-z_.-]+")
 
 
-def _peer_failed(rank: int, why: str, peer_failure: Callable[[int], str | None] | None,
+def _peer_failed(ranks: list[int], why: str,
+                 peer_failure: Callable[[int], str | None] | None,
                  wait_s: float = 1.0) -> PeerFailed:
-    """The error for a rank that failed during start-up, with its own reason if its
-    watchdog's FAIL arrives within ``wait_s`` (it is sent before that rank exits)."""
-    reason = None
+    """The error for a rank (one of ``ranks``) that failed during start-up, with its
+    own reason if its watchdog's FAIL arrives within ``wait_s`` (a failing rank sends
+    it before it exits)."""
     deadline = time.monotonic() + wait_s
     while peer_failure is not None:
-        reason = peer_failure(rank)
-        if reason is not None or time.monotonic() >= deadline:
+        known = [(r, peer_failure(r)) for r in ranks if peer_failure(r) is not None]
+        if known:
+            r, reason = known[0]
+            return PeerFailed(f"rank {r} failed during start-up: {reason} ({why})")
+        if time.monotonic() >= deadline:
             break
         time.sleep(0.05)
-    return PeerFailed(f"rank {rank} failed during start-up: "
-                      f"{reason or 'no reason received; its own error is in its log'} ({why})")
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"one of ranks {ranks}"
+    return PeerFailed(f"{who} failed during start-up: no reason received; its own error is in "
+                      f"its log ({why})")
 
 
 def check_rank_folder(folder: str | Path, rank: int, size: int) -> tuple[dict, Placement]:
@@ -111,14 +116,14 @@ def _handshake(manifest: dict, group: mx.distributed.Group,
     vec = mx.array(np.frombuffer(mine.ljust(64, b" ")[:64], dtype=np.uint8).astype(np.int32))
     try:
         every = np.array(mx.distributed.all_gather(vec[None], group=group)).astype(np.uint8)
-    except RuntimeError as e:  # the ring saw the peer go
-        peer = (group.rank() + 1) % group.size()
-        raise _peer_failed(peer, f"the handshake failed: {e}", peer_failure) from None
+    except RuntimeError as e:  # the ring saw a peer go
+        peers = [r for r in range(group.size()) if r != group.rank()]
+        raise _peer_failed(peers, f"the handshake failed: {e}", peer_failure) from None
     # A peer that died mid-collective leaves garbage here rather than an error.
     seen = [bytes(row).decode(errors="replace").strip() for row in every]
     for r, s in enumerate(seen):
         if not _ROW.fullmatch(s):
-            raise _peer_failed(r, "what it sent in the handshake is not a build:placement "
+            raise _peer_failed([r], "what it sent in the handshake is not a build:placement "
                                "pair: the ring returned garbage for a peer that is gone",
                                peer_failure)
     if len(set(seen)) > 1:
