@@ -338,10 +338,12 @@ class Watchdog:
       at once; this rank exits 1 (``install_failure_hook`` calls it on an uncaught
       exception).
     - A silent peer on the same machine (frozen: SIGSTOP, a debugger, a wedged
-      driver) is terminated before the survivor exits: SIGTERM, then SIGKILL after
+      driver) is ended before the survivor exits: SIGTERM + SIGCONT (a stopped
+      process resumes, sees the group gone and exits), SIGKILL after
       ``stop_grace_s``, so the launcher sees it end. Every rank tells its peers its
       pid (``PID``) after the join; a peer on another machine is left to the
-      launcher (``k3dist.supervise``).
+      launcher (``k3dist.supervise``). A rank that was itself stopped reads its
+      sockets before it judges anyone silent.
 
     Why exits are hard (``os._exit``): the main thread may be blocked inside a
     collective whose peer is gone; it never returns to Python, so no exception or

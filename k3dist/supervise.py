@@ -237,10 +237,11 @@ def _pump(src: BinaryIO, dst: BinaryIO, state: _State) -> None:
         state.scan(raw.decode(errors="replace"))
 
 
-def _end_group(pgid: int, kill_grace_s: float, log) -> None:
+def _end_group(pgid: int, kill_grace_s: float, log, leader: subprocess.Popen | None = None) -> None:
     """SIGTERM the process group, SIGKILL what is left after ``kill_grace_s``. SIGCONT
     follows the SIGTERM, so a stopped process can act on it (only SIGKILL ends a
-    stopped one otherwise)."""
+    stopped one otherwise). ``leader``: reaped as it goes, so it does not linger as a
+    zombie member of the group."""
     try:
         os.killpg(pgid, signal.SIGTERM)
         os.killpg(pgid, signal.SIGCONT)
@@ -248,6 +249,8 @@ def _end_group(pgid: int, kill_grace_s: float, log) -> None:
         return
     deadline = time.monotonic() + kill_grace_s
     while time.monotonic() < deadline:
+        if leader is not None:
+            leader.poll()
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
@@ -343,7 +346,7 @@ def run(
                     f"mlx.launch did not end within {grace_s:g} s: ending it and its "
                     f"local ranks (SIGTERM, SIGKILL after {kill_grace_s:g} s)"
                 )
-                _end_group(proc.pid, kill_grace_s, log)
+                _end_group(proc.pid, kill_grace_s, log, leader=proc)
                 escalated = True
                 break
             time.sleep(0.05)
