@@ -410,6 +410,24 @@ def test_handshake_names_a_rank_that_failed(broken_ranks, tmp_path):
     assert "PeerFailed: rank 1 failed during start-up" in out, out
 
 
+def test_reads_interleaved_launcher_reports():
+    """mlx.launch prints from one thread per rank; lines seen here mixed two reports
+    (2026-12-01). Every report counts; a rank's 3 (lost a peer) gives way to the cause."""
+    state = supervise._State()
+    state.scan(
+        "[k3dist watchdog rank 1] 2 rank(s) joined via 10.10.0.1:33323 (heartbeat 1 s, "
+        "lost after 10 s of silence; pid 4242)\r\n"
+    )
+    state.scan(
+        "\x1b[33m[WARN]\x1b[33m[WARN] Node with rank 0 exited with code 3 \x1b[0m "
+        "Node with rank 1 exited with code -9 \x1b[0m\n"
+    )
+    state.scan("\x1b[33m[WARN] Node with rank 2 was killed \x1b[0m\n")
+    assert state.pids == {1: 4242} and state.failures == [(0, 3), (1, -9)]
+    assert state.ended == {0, 1}  # "was killed" is only a SIGTERM sent, not an end seen
+    assert state.cause() == (1, -9) and supervise.exit_code(-9) == 137
+
+
 def test_wrapper_passes_output_and_arguments(tmp_path):
     """Options it does not know go to mlx.launch; the script's own after --."""
     script = tmp_path / "hello.py"
