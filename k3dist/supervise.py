@@ -383,23 +383,27 @@ def run(
 
 
 def _request_stop(pgid: int, signum: int, hosts: Sequence[Host], state: _State, log) -> None:
-    """Pass a stop on: SIGTERM to this machine's ranks (their watchdog stops the whole
-    group, exit 0, and mlx.launch reports it); before any rank announced itself, to
-    the whole process group."""
+    """Pass a stop on as SIGTERM to the ranks (any rank's SIGTERM makes the watchdog stop
+    the whole group, exit 0, and mlx.launch reports it): to this machine's directly,
+    else to one on another machine over ssh (a hostfile may name this Mac by its
+    hostname). Before any rank announced itself, to the whole process group."""
     with state.lock:
-        local = [
-            pid
-            for r, pid in state.pids.items()
-            if r < len(hosts) and hosts[r].local and r not in state.ended
-        ]
+        running = {
+            r: pid for r, pid in state.pids.items() if r < len(hosts) and r not in state.ended
+        }
     name = signal.Signals(signum).name
+    local = [pid for r, pid in running.items() if hosts[r].local]
     if local:
-        log(f"{name}: stopping the group through ranks' pids {local}")
+        log(f"{name}: stopping the group through its ranks here (pids {local})")
         for pid in local:
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+    elif running:
+        r, pid = min(running.items())
+        log(f"{name}: stopping the group through rank {r} (pid {pid} on {hosts[r].ssh})")
+        subprocess.Popen(_ssh(hosts[r].ssh, 5.0, f"kill -TERM {pid}"), stdin=subprocess.DEVNULL)
     else:
         log(f"{name}: no rank has announced itself yet; stopping process group {pgid}")
         try:
