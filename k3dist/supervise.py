@@ -30,6 +30,10 @@ across machines (ssh hands the remote rank's exit status to mlx.launch, which
 prints it), needs no shared folder, and the line is pinned with MLX (the tests read
 it from a real mlx.launch, so a change of format fails them).
 
+A stop asked of the wrapper (SIGTERM, SIGINT, SIGHUP) goes to the ranks as SIGTERM
+(those on this machine, else one over ssh): the watchdog stops the whole group, every
+rank exits 0 and so does the wrapper. A second one does not wait.
+
 After the first failure (or a stop asked of the wrapper), mlx.launch gets
 ``grace_s`` to end on its own: the watchdog normally ends every rank within a
 second or two, and a frozen rank on the same machine is ended by its peers. If it
