@@ -35,11 +35,12 @@ def _wrapper(tmp: Path, *opts: str, script: Path, args: tuple[str, ...] = ()) ->
     return [sys.executable, str(RUN), *opts, "--", str(script), *args]
 
 
-def _peer_cmd(tmp: Path, *opts: str, peer_args: tuple[str, ...] = ()) -> list[str]:
+def _peer_cmd(
+    tmp: Path, *opts: str, peer_args: tuple[str, ...] = (), where: tuple[str, ...] = ("-n", "2")
+) -> list[str]:
     return _wrapper(
         tmp,
-        "-n",
-        "2",
+        *where,
         "-p",
         str(free_base_port(2)),
         *opts,
@@ -69,12 +70,18 @@ class Launch:
     """The wrapper running watchdog_peer.py on two ranks; output in a file."""
 
     def __init__(
-        self, tmp: Path, *opts: str, peer_args: tuple[str, ...] = (), launcher: str | None = None
+        self,
+        tmp: Path,
+        *opts: str,
+        peer_args: tuple[str, ...] = (),
+        launcher: str | None = None,
+        where: tuple[str, ...] = ("-n", "2"),
+        env: dict | None = None,
     ):
         self.tmp, self.log_path = tmp, tmp / "run.log"
         self.log = open(self.log_path, "w")
         if launcher is None:
-            cmd = _peer_cmd(tmp, *opts, peer_args=peer_args)
+            cmd = _peer_cmd(tmp, *opts, peer_args=peer_args, where=where)
         else:  # plain mlx.launch, for comparison
             cmd = [
                 launcher,
@@ -91,7 +98,12 @@ class Launch:
                 *peer_args,
             ]
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
+            start_new_session=True,
         )
         self.pids = [int(_wait_file(tmp / f"rank{r}.pid", self.proc)) for r in range(2)]
         self.launchers = self._launcher_pids()
@@ -319,6 +331,50 @@ def test_frozen_rank_out_of_reach_is_ended_by_the_wrapper(tmp_path):
             f"\nSIGSTOP rank 1, out of its peer's reach: everything gone after {dt:.2f} s "
             f"(timeout {PEER_TIMEOUT_S:g} s + grace {grace:g} s + kill grace {grace:g} s)"
         )
+    finally:
+        run.close()
+
+
+def test_frozen_rank_on_another_machine_is_ended_over_ssh(tmp_path):
+    """Two Macs, emulated: rank 1's host is reached through tests/scripts/fake_ssh/ssh
+    (first on PATH), which runs the command here in its own session so that, as over
+    real ssh, killing the client leaves the "remote" rank running. The watchdog sees
+    rank 1 as local (loopback), so --no-kill-silent stands in for another machine.
+    mlx.launch's own teardown only sends the frozen rank SIGTERM ("was killed"); the
+    wrapper ends it over ssh. Not covered: a real sshd and its pty hangup."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(
+        json.dumps(
+            [
+                {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]},
+                {"ssh": "fake-mac-2", "ips": ["127.0.0.1"]},
+            ]
+        )
+    )
+    env = dict(os.environ, PATH=f"{REPO / 'tests/scripts/fake_ssh'}:{os.environ['PATH']}")
+    grace = 1.0
+    run = Launch(
+        tmp_path,
+        "--grace-s",
+        str(grace),
+        "--kill-grace-s",
+        str(grace),
+        peer_args=("--no-kill-silent",),
+        where=("--hostfile", str(hostfile)),
+        env=env,
+    )
+    try:
+        t0 = time.monotonic()
+        os.kill(run.pids[1], signal.SIGSTOP)
+        dt = run.wait_all_gone(t0, PEER_TIMEOUT_S + 3 * grace + 10.0)
+        out = run.output()
+        assert "Node with rank 1 was killed" in out, out
+        assert (
+            f"rank 1 (pid {run.pids[1]} on fake-mac-2) was not reported ended: ending it "
+            "over ssh" in out
+        ), out
+        assert run.proc.returncode == 3, out
+        print(f"\nSIGSTOP rank 1 on a (fake) remote host: everything gone after {dt:.2f} s")
     finally:
         run.close()
 
