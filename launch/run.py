@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--launcher",
         default=str(Path(sys.executable).with_name("mlx.launch")),
-        help="mlx.launch to run (default: the one beside --python's venv)",
+        help="mlx.launch to run (default: the one beside this interpreter)",
     )
     ap.add_argument(
         "--host-timeout-s", type=float, default=5.0, help="ssh connect timeout of the host check"
@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         help="between SIGTERM and SIGKILL when ranks must be ended",
     )
     if "--" not in argv:
+        ap.parse_known_args(argv)  # --help
         ap.error("put the script and its arguments after --, e.g. -- launch/serve.py")
     split = argv.index("--")
     args, passthrough = ap.parse_known_args(argv[:split])
