@@ -12,7 +12,8 @@
 - ``DeviceHeartbeat``: a tiny op every interval so an idle Metal GPU does not
   sleep between requests.
 
-Exit codes: 0 after a requested stop, 3 (``LOST_EXIT_CODE``) after a lost peer.
+Exit codes: 0 after a requested stop, 3 (``LOST_EXIT_CODE``) after a lost peer,
+1 after this rank failed (``Watchdog.fail``: the peers are told why).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import atexit
 import json
 import math
 import os
+import select
 import selectors
 import signal
 import socket
@@ -241,6 +243,13 @@ class _Conn:
         self.last_seen = time.monotonic()
         self.acked = False  # acknowledged a stop
         self.left = False  # said BYE: left normally
+        self.pid: int | None = None  # the peer's process id (its PID line)
+        # Same machine: the peer connects from this socket's own address (loopback, or
+        # one interface talking to itself). Only then can a pid be signalled.
+        try:
+            self.local = sock.getpeername()[0] == sock.getsockname()[0]
+        except OSError:
+            self.local = False
 
     def send(self, line: str) -> None:
         self.sock.sendall(line.encode() + b"\n")
@@ -324,6 +333,17 @@ class Watchdog:
       launcher died and the rank asks for the group stop above (checked every beat).
     - ``close()`` (or leaving a ``with`` block without an exception) says ``BYE``:
       a rank that finished its work normally is not a loss.
+    - ``fail(reason)``: this rank cannot go on (a bad folder, a port in use); the
+      peers are told why (``FAIL``), log ``lost rank r (failed: reason)`` and exit 3
+      at once; this rank exits 1 (``install_failure_hook`` calls it on an uncaught
+      exception).
+    - A silent peer on the same machine (frozen: SIGSTOP, a debugger, a wedged
+      driver) is ended before the survivor exits: SIGTERM + SIGCONT (a stopped
+      process resumes, sees the group gone and exits), SIGKILL after
+      ``stop_grace_s``, so the launcher sees it end. Every rank tells its peers its
+      pid (``PID``) after the join; a peer on another machine is left to the
+      launcher (``k3dist.supervise``). A rank that was itself stopped reads its
+      sockets before it judges anyone silent.
 
     Why exits are hard (``os._exit``): the main thread may be blocked inside a
     collective whose peer is gone; it never returns to Python, so no exception or
@@ -340,7 +360,7 @@ class Watchdog:
                  connect_timeout_s: float = 60.0, stop_grace_s: float = 2.0,
                  on_lost: Callable[[int, str], None] | None = None,
                  on_stop: Callable[[str, int], None] | None = None,
-                 parent_pid: int | None = None,
+                 parent_pid: int | None = None, kill_silent_peers: bool = True,
                  hard_exit: Callable[[int], None] = os._exit):
         if not 0 <= group_rank < group_size:
             raise ValueError(f"rank {group_rank} is outside a group of {group_size}")
@@ -355,6 +375,8 @@ class Watchdog:
         # The launcher's pid: when it exits (SIGTERM/SIGKILL to mlx.launch kills only
         # the launcher), this rank is re-parented and stops instead of serving on orphaned.
         self.parent_pid = parent_pid
+        self.kill_silent_peers = kill_silent_peers
+        self.peer_failures: dict[int, str] = {}  # rank -> the reason it sent with FAIL
         self.conns: dict[int, _Conn] = {}
         self.exit_code: int | None = None  # what the watchdog exited (or would exit) with
         self.events: list[str] = []  # every line it logged, for tests and post-mortems
@@ -392,9 +414,16 @@ class Watchdog:
         """Form the star (blocks until every rank has joined), then start watching."""
         if self.size > 1:
             (self._accept_all if self.rank == 0 else self._join)()
+        for c in self.conns.values():
+            try:
+                c.send(f"PID {os.getpid()}")
+            except OSError:
+                pass  # gone already: the loop will see it
+        # k3dist.supervise reads "pid N" from this line: the rank's process to end if
+        # the group is torn down.
         self._log(f"{self.size} rank(s) joined via {self.host}:{self.port} (heartbeat "
-                  f"{self.interval_s:g} s, lost after {self.timeout_s:g} s of silence)",
-                  quiet=self.size == 1)
+                  f"{self.interval_s:g} s, lost after {self.timeout_s:g} s of silence; pid "
+                  f"{os.getpid()})", quiet=self.size == 1)
         self._thread = threading.Thread(target=self._run, daemon=True, name="k3dist-watchdog")
         self._thread.start()
         atexit.register(self._at_exit)
@@ -494,6 +523,17 @@ class Watchdog:
         except (BlockingIOError, OSError):
             pass  # pipe full: stops already queued; closed: the watchdog is gone
 
+    def fail(self, reason: str, wait_s: float = 1.0) -> None:
+        """This rank cannot go on: tell the peers why (they exit 3 naming it), stop
+        watching, and let this process exit 1 (the next ``_at_exit``). Returns once
+        the peers were told (at most ``wait_s``); safe from any thread."""
+        line = "F " + " ".join(str(reason).split())[:400]
+        try:
+            os.write(self._ctl_w, line.encode() + b"\n")
+        except (BlockingIOError, OSError):
+            return
+        self._decided.wait(wait_s)
+
     def close(self, *, clean: bool = True) -> None:
         """Stop watching without exiting. ``clean``: tell the peers this rank finished
         normally (BYE); otherwise they see a loss, which is right after a failure."""
@@ -569,7 +609,7 @@ class Watchdog:
             _flush_stdio(0.2)
             os._exit(self.exit_code if self.exit_code is not None else 1 if uncaught else 0)
 
-    def _lost(self, rank: int, reason: str) -> None:
+    def _lost(self, rank: int, reason: str, silent: _Conn | None = None) -> None:
         self.exit_code = LOST_EXIT_CODE  # first: the main thread's atexit may read it
         if self.rank == 0:
             for c in self.conns.values():
@@ -581,9 +621,63 @@ class Watchdog:
         self._log(f"lost rank {rank} ({reason}); exiting with code {LOST_EXIT_CODE}: the "
                   "group cannot continue without it")
         t = _start_callback(self.on_lost, (rank, reason))
+        deadline = time.monotonic() + self.stop_grace_s
+        if silent is not None and self.kill_silent_peers:
+            self._terminate_peer(silent)
         if t is not None:
-            t.join(self.stop_grace_s)
+            t.join(max(0.0, deadline - time.monotonic()))
         self._exit(LOST_EXIT_CODE)
+
+    def _terminate_peer(self, c: _Conn) -> None:
+        """End a silent peer on this machine: SIGTERM, SIGKILL after ``stop_grace_s``.
+        SIGCONT follows the SIGTERM: a stopped process (SIGSTOP, Ctrl-Z, a debugger)
+        acts on no signal but SIGKILL; resumed, it finds this rank's socket closed and
+        exits on its own (code 3). A wedged one gets SIGKILL; either way its launcher
+        then sees it exit."""
+        if not c.local or c.pid is None:
+            where = "on another machine" if not c.local else "of unknown pid"
+            self._log(f"rank {c.rank} is {where}: left to the launcher to end")
+            return
+        c.sock.close()  # resumed, the peer sees this rank gone at once
+        try:
+            os.kill(c.pid, signal.SIGTERM)
+            os.kill(c.pid, signal.SIGCONT)
+        except OSError:
+            return  # already gone
+        deadline = time.monotonic() + self.stop_grace_s
+        while time.monotonic() < deadline:
+            if not _alive(c.pid):
+                self._log(f"rank {c.rank} (pid {c.pid}) ended after SIGTERM")
+                return
+            time.sleep(0.05)
+        try:
+            os.kill(c.pid, signal.SIGKILL)
+            self._log(f"rank {c.rank} (pid {c.pid}) did not end within {self.stop_grace_s:g}"
+                      " s of SIGTERM: sent SIGKILL")
+        except OSError:
+            pass
+
+    def _failed(self, reason: str) -> None:
+        """This rank failed (``fail``): tell the peers, then stop watching (exit 1)."""
+        # A peer that is already gone (or failed first) is a loss, exit 3, not this
+        # rank's failure: the exception that led here may be the collective that
+        # noticed it. Read what the peers have sent before deciding.
+        for c in list(self.conns.values()):
+            while select.select([c.sock], [], [], 0)[0]:
+                lines = c.read_lines()
+                if lines is None:
+                    self._lost(c.rank, self.peer_failures.get(c.rank, "connection closed"))
+                    return
+                if any(self._on_line(c, line) for line in lines):
+                    return
+        self.exit_code = 1
+        for c in self.conns.values():
+            try:
+                c.send(f"LOST 0 failed: {reason}" if self.rank == 0 else f"FAIL {reason}")
+            except OSError:
+                pass
+        self._log(f"failed: {reason}; exiting with code 1")
+        self._decided.set()
 
     def _begin_stop(self, origin: int, reason: str) -> None:
         if self._stopping:
@@ -621,7 +715,13 @@ class Watchdog:
         kind, _, rest = line.partition(" ")
         if kind == "H":
             return False
-        if kind == "STOP":
+        if kind == "PID" and rest.isdigit():
+            c.pid = int(rest)
+        elif kind == "FAIL":
+            self.peer_failures[c.rank] = rest
+            self._lost(c.rank, f"failed: {rest}")
+            return True
+        elif kind == "STOP":
             origin, _, reason = rest.partition(" ")
             self._begin_stop(int(origin), reason)
         elif kind == "ACK":
@@ -630,6 +730,8 @@ class Watchdog:
             c.left = True
         elif kind == "LOST" and self.rank != 0:
             r, _, reason = rest.partition(" ")
+            if reason.startswith("failed: "):
+                self.peer_failures[int(r)] = reason.removeprefix("failed: ")
             self._lost(int(r), f"{reason}; reported by rank 0")
             return True
         return False
@@ -660,12 +762,19 @@ class Watchdog:
             sel.register(c.sock, selectors.EVENT_READ, c)
         sel.register(self._ctl_r, selectors.EVENT_READ, "ctl")
         sig_registered = None
-        next_beat = time.monotonic()
+        next_beat = last_tick = time.monotonic()
         while True:
             if self._sig_r is not None and sig_registered != self._sig_r:
                 sel.register(self._sig_r, selectors.EVENT_READ, "sig")
                 sig_registered = self._sig_r
             now = time.monotonic()
+            gap, last_tick = now - last_tick, now
+            # After a gap this loop did not run (the process was stopped, or starved of
+            # CPU), the peers' silence may be its own: read what they sent (a closed
+            # socket says the group is gone) before judging anyone silent.
+            judge = gap <= 2 * self.interval_s
+            if gap > self.timeout_s / 2:
+                self._log(f"this rank did not run for {gap:.1f} s (stopped, or starved of CPU)")
             if now >= next_beat:
                 for c in list(self.conns.values()):
                     try:
@@ -677,9 +786,9 @@ class Watchdog:
                 next_beat = now + self.interval_s
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     self._request_stop(f"launcher (pid {self.parent_pid}) exited")
-            for c in list(self.conns.values()):
+            for c in list(self.conns.values()) if judge else ():
                 if not c.left and now - c.last_seen > self.timeout_s:
-                    self._lost(c.rank, f"silent for {now - c.last_seen:.1f} s")
+                    self._lost(c.rank, f"silent for {now - c.last_seen:.1f} s", silent=c)
                     return
             if self._stopping and (self._stop_done() or now >= self._stop_deadline):
                 if self.rank == 0 and self.conns and now >= self._stop_deadline:
@@ -689,7 +798,7 @@ class Watchdog:
                 return
             wake = min([next_beat, self._stop_deadline]
                        + [c.last_seen + self.timeout_s for c in self.conns.values()])
-            events = sel.select(max(0.0, min(wake - now, self.interval_s)))
+            events = sel.select(max(0.0, min(wake - now, self.interval_s)) if judge else 0)
             # Sockets before requests: a peer that is already gone is a loss, even when
             # a stop (e.g. mlx.launch's SIGTERM after that very death) arrives with it.
             events.sort(key=lambda e: isinstance(e[0].data, str))
@@ -699,6 +808,9 @@ class Watchdog:
                     for line in data.splitlines():
                         if line.startswith("S "):
                             self._request_stop(line[2:])
+                        elif line.startswith("F "):
+                            self._failed(line[2:])
+                            return
                         elif line in ("B", "C"):
                             self._close_sockets(clean=line == "B")
                             return
@@ -747,6 +859,37 @@ def install_signal_handlers(watchdog: Watchdog,
     for s in signals:
         signal.signal(s, handler)
     watchdog._watch_signals(r, signals)
+
+
+def install_failure_hook(watchdog: Watchdog) -> None:
+    """An uncaught exception on this rank (a bad folder, a port in use) is sent to the
+    peers before the process exits, so they say why the group ended instead of
+    "connection closed"; this rank exits 1 without waiting for a loss to be noticed."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        previous(kind, value, tb)  # this rank's own traceback first
+        if not issubclass(kind, KeyboardInterrupt):
+            watchdog.fail(f"{kind.__name__}: {value}")
+
+    sys.excepthook = hook
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie awaiting its parent has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    status = Path(f"/proc/{pid}/status")
+    if status.exists():  # Linux; macOS has no /proc and reaps through launchd
+        try:
+            return "\nState:\tZ" not in status.read_text()
+        except OSError:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------- device heartbeat

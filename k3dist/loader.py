@@ -11,6 +11,9 @@ split, evaluation layer by layer, and a barrier.
 from __future__ import annotations
 
 import json
+import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from k3dist import layout
@@ -31,6 +34,36 @@ PROJS = ("gate_proj", "up_proj", "down_proj")
 
 class RankMismatch(CheckpointError):
     pass
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed before the handshake; the message names it and, when its
+    watchdog sent one, its reason."""
+
+
+# A handshake row: "build_hash:placement_hash". A rank that died before (or during)
+# the all_gather leaves zeros or garbage in its row instead.
+_ROW = re.compile(r"[0-9A-Za-z_.-]+:[0-9A-Za-z_.-]+")
+
+
+def _peer_failed(ranks: list[int], why: str,
+                 peer_failure: Callable[[int], str | None] | None,
+                 wait_s: float = 1.0) -> PeerFailed:
+    """The error for a rank (one of ``ranks``) that failed during start-up, with its
+    own reason if its watchdog's FAIL arrives within ``wait_s`` (a failing rank sends
+    it before it exits)."""
+    deadline = time.monotonic() + wait_s
+    while peer_failure is not None:
+        known = [(r, peer_failure(r)) for r in ranks if peer_failure(r) is not None]
+        if known:
+            r, reason = known[0]
+            return PeerFailed(f"rank {r} failed during start-up: {reason} ({why})")
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else f"one of ranks {ranks}"
+    return PeerFailed(f"{who} failed during start-up: no reason received; its own error is in "
+                      f"its log ({why})")
 
 
 def check_rank_folder(folder: str | Path, rank: int, size: int, verify: str = "stamp"
@@ -78,13 +111,25 @@ def check_rank_folder(folder: str | Path, rank: int, size: int, verify: str = "s
     return m, placement
 
 
-def _handshake(manifest: dict, group: mx.distributed.Group) -> None:
-    """All ranks must run slices of one build with one placement."""
+def _handshake(manifest: dict, group: mx.distributed.Group,
+               peer_failure: Callable[[int], str | None] | None = None) -> None:
+    """All ranks must run slices of one build with one placement. ``peer_failure``
+    (rank -> the reason it failed, if known: the watchdog's) names why a peer that
+    died before the handshake did."""
     mine = f"{manifest['build_hash']}:{manifest['placement_hash']}".encode()
     vec = mx.array(np.frombuffer(mine.ljust(64, b" ")[:64], dtype=np.uint8).astype(np.int32))
-    every = np.array(mx.distributed.all_gather(vec[None], group=group)).astype(np.uint8)
+    try:
+        every = np.array(mx.distributed.all_gather(vec[None], group=group)).astype(np.uint8)
+    except RuntimeError as e:  # the ring saw a peer go
+        peers = [r for r in range(group.size()) if r != group.rank()]
+        raise _peer_failed(peers, f"the handshake failed: {e}", peer_failure) from None
     # A peer that died mid-collective leaves garbage here rather than an error.
     seen = [bytes(row).decode(errors="replace").strip() for row in every]
+    for r, s in enumerate(seen):
+        if not _ROW.fullmatch(s):
+            raise _peer_failed([r], "what it sent in the handshake is not a build:placement "
+                               "pair: the ring returned garbage for a peer that is gone",
+                               peer_failure)
     if len(set(seen)) > 1:
         desc = ", ".join(f"rank {r}: build {s.split(':')[0]} placement {s.split(':')[1]}"
                          for r, s in enumerate(seen))
@@ -93,13 +138,15 @@ def _handshake(manifest: dict, group: mx.distributed.Group) -> None:
 
 
 def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
-              dtype: str = "float32", form: str = "auto", verify: str = "stamp"):
-    """Load this rank's folder as an expert-parallel K3; returns (model, config, manifest)."""
+              dtype: str = "float32", form: str = "auto", verify: str = "stamp",
+              peer_failure: Callable[[int], str | None] | None = None):
+    """Load this rank's folder as an expert-parallel K3; returns (model, config, manifest).
+    ``peer_failure``: see ``_handshake``."""
     group = group or mx.distributed.init()
     rank, size = group.rank(), group.size()
     manifest, placement = check_rank_folder(folder, rank, size, verify)
     if size > 1:  # before minutes of loading: refuse mismatched folders now
-        _handshake(manifest, group)
+        _handshake(manifest, group, peer_failure)
     cls = make_model_class(placement, rank, group, resolve_form(form))
     model, config = load_model(Path(folder), lazy=True, strict=True,
                                get_model_classes=lambda config: (cls, kimi_k3.ModelArgs))

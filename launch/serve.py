@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"server stopping: {why} (from rank {origin})"))
         watchdog.start()
         harness.install_signal_handlers(watchdog)
+        harness.install_failure_hook(watchdog)  # a failing rank tells the others why
         log(rank, f"watchdog: coordinator {host}:{port}, timeout {dep.watchdog_timeout_s}s")
 
     folder = dep.rank_path(rank)
@@ -82,8 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     log(rank, f"preflight: {json.dumps(pre)}")
 
     t0 = time.perf_counter()
-    model, config, manifest = loader.load_rank(folder, group, dep.dtype, dep.moe_form,
-                                               dep.verify)
+    model, config, manifest = loader.load_rank(
+        folder, group, dep.dtype, dep.moe_form, dep.verify,
+        peer_failure=watchdog.peer_failures.get if watchdog else None)
     log(rank, f"{folder}: {Report(**manifest['verify']).summary()}")
     tokenizer = load_tokenizer(folder, {"trust_remote_code": False})
     log(rank, f"loaded {folder} (build {manifest['build_hash']}, placement "

@@ -145,7 +145,7 @@ def test_watchdog_threads_heartbeat_then_stop(capfd):
     time.sleep(2.5)  # > 2x timeout_s: only the heartbeats keep both alive
     assert w0.exit_code is None and w1.exit_code is None, (w0.events, w1.events)
     w1.broadcast_stop("test over")
-    dt = _wait(lambda: w0.exit_code is not None and w1.exit_code is not None, 3.0)
+    dt = _wait(lambda: len(codes) == 2, 3.0)  # exit_code is set before the 0.2 s flush
     assert (w0.exit_code, w1.exit_code) == (0, 0) and codes == [0, 0]
     assert sorted(stops) == [("test over", 1)] * 2
     err = capfd.readouterr().err
@@ -204,6 +204,27 @@ def test_watchdog_three_ranks_relay_loss_and_stop():
     assert codes == [3, 3]
     assert ws[0].events[-1].startswith("lost rank 2 (connection closed)")
     assert ws[1].events[-1].startswith("lost rank 2 (connection closed; reported by rank 0)")
+
+
+def test_watchdog_fail_tells_the_peers_why():
+    """A rank that cannot go on (fail, or an uncaught exception through
+    install_failure_hook) exits 1; the others exit 3 naming it and its reason, and
+    keep the reason for the loader's handshake error (peer_failures)."""
+    ws, codes = _group(3)
+    _wait(lambda: all(c.pid == os.getpid() and c.local for c in ws[0].conns.values()), 2.0)
+    ws[2].fail("CheckpointError: rank2/model-layer-003.safetensors is truncated")
+    _wait(lambda: len(codes) == 2, 3.0)  # the failed rank's own exit is its main thread's
+    assert ws[2].exit_code == 1 and ws[0].exit_code == ws[1].exit_code == 3, codes
+    reason = "CheckpointError: rank2/model-layer-003.safetensors is truncated"
+    assert ws[0].events[-1].startswith(f"lost rank 2 (failed: {reason})"), ws[0].events
+    assert ws[1].events[-1].startswith(f"lost rank 2 (failed: {reason}; reported by rank 0)")
+    assert ws[0].peer_failures == ws[1].peer_failures == {2: reason}
+
+    ws, codes = _group(2)
+    ws[0].fail("OSError: [Errno 98] Address already in use")
+    _wait(lambda: len(codes) == 1, 3.0)
+    assert (ws[0].exit_code, ws[1].exit_code) == (1, 3)
+    assert ws[1].peer_failures == {0: "OSError: [Errno 98] Address already in use"}
 
 
 def test_watchdog_refuses_strays_and_reports_an_absent_coordinator():

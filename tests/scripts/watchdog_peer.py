@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=0.2)
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--stop-with-launcher", action="store_true")
+    ap.add_argument("--no-kill-silent", action="store_true",
+                    help="leave a silent peer to the launcher (as if on another machine)")
     args = ap.parse_args()
 
     group = None
@@ -47,6 +49,7 @@ def main() -> None:
     wd = harness.Watchdog(rank, size, host, port, interval_s=args.interval,
                           timeout_s=args.timeout, connect_timeout_s=20.0,
                           parent_pid=os.getppid() if args.stop_with_launcher else None,
+                          kill_silent_peers=not args.no_kill_silent,
                           on_stop=lambda reason, origin: print(f"on_stop rank {rank}",
                                                                flush=True))
     harness.install_signal_handlers(wd)
