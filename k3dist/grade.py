@@ -16,10 +16,13 @@ is decoded at a time. Held per layer: the lo bank's scales and biases of one pro
 (they follow its codes in the file; 2-bit g64: 1/5 of the lo bytes of one projection,
 ~0.6 GB for a real K3 layer). Resumable like the converter: a journal records finished
 files, files appear under their final names only when complete, ``k3dist.json`` last.
+
+    python -m k3dist.grade --build BUILD --out GRADED --scores SCORES --plan PLAN.json
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import shutil
@@ -30,6 +33,7 @@ from k3dist import __version__, layout
 from k3dist.banks import GRADED_KEY, HI, LO, GradedMap, bank_of
 from k3dist.checkpoint import INDEX_NAME
 from k3dist.convert import JOURNAL, MANIFEST, _unit_done, _write_json_atomic
+from k3dist.placement import read_counts
 from k3dist.plan import MXFP4, QFormat
 from k3dist.sfile import (
     CheckpointError,
@@ -309,3 +313,64 @@ def grade(
     )
     lo = QFormat.parse(lo) if isinstance(lo, str) else lo
     return GradedBuilder(build, out, gmap, lo).run(progress)
+
+
+def promote_top(scores: dict[int, np.ndarray], counts: dict[int, int]) -> dict[int, list[int]]:
+    """The ``counts[layer]`` highest-scoring experts of each layer (scores: routing
+    counts for the frequency baseline, or a sensitivity score from calibration)."""
+    out = {}
+    for layer, n in counts.items():
+        if layer not in scores:
+            raise ValueError(f"no scores for MoE layer {layer}; score every MoE layer")
+        s = np.asarray(scores[layer], dtype=np.float64)
+        out[layer] = sorted(int(e) for e in np.argsort(-s, kind="stable")[:n])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description="Graded build from an MXFP4 build: promoted "
+        "experts keep their MXFP4 bytes, the rest affine low-bit."
+    )
+    ap.add_argument("--build", required=True, help="MXFP4 build (python -m k3dist.convert)")
+    ap.add_argument("--out", required=True, help="output folder (resumes if partial)")
+    ap.add_argument(
+        "--scores",
+        required=True,
+        help="per-expert scores per MoE layer (.npz layer_L arrays or JSON "
+        '{"layers": {"L": [...]}}, as routing counts): highest promoted',
+    )
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument(
+        "--plan",
+        help="plan JSON (python -m k3dist.plan --json): its lo format, "
+        "promoted count and k_hi per layer",
+    )
+    g.add_argument("--per-layer", type=int, help="promoted experts per MoE layer")
+    ap.add_argument("--lo", help="lo-bank format (default: the plan's, else 2bit-g64)")
+    ap.add_argument("--k-hi", type=int, help="hi routes per token (default: the plan's)")
+    ap.add_argument("--lo-fallback", action="store_true")
+    args = ap.parse_args()
+    scores = read_counts(args.scores)
+    if args.plan:
+        p = json.loads(Path(args.plan).read_text())
+        counts = {int(k): int(v) for k, v in p["promoted_per_layer"].items()}
+        k_hi = {int(k): int(v) for k, v in p["k_hi_uniform"].items()}
+        lo = args.lo or p["lo"]["format"]
+    else:
+        counts = {layer: args.per_layer for layer in scores}
+        k_hi = {}
+        lo = args.lo or "2bit-g64"
+    if args.k_hi is not None:
+        k_hi = dict.fromkeys(counts, args.k_hi)
+    if not k_hi:
+        ap.error("give --k-hi (or a --plan that has k_hi)")
+    try:
+        path = grade(args.build, args.out, promote_top(scores, counts), k_hi, lo, args.lo_fallback)
+    except (CheckpointError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

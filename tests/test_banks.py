@@ -314,3 +314,45 @@ def test_two_rank_ep_equals_single_process(graded, graded_oracle, tmp_path, form
         assert x["tokens"].tolist() == tokens
         assert np.array_equal(x["logits"], runs[0]["logits"])
     assert diff < 1e-4
+
+
+def test_grade_cli_promotes_top_scores(mini_build, tmp_path):
+    import subprocess
+    import sys
+
+    from util import REPO
+
+    cfg = json.loads((mini_build / "config.json").read_text())
+    tc = layout.text_config(cfg)
+    moe = [i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i)]
+    rng = np.random.default_rng(1)
+    scores = {str(i): rng.random(16).tolist() for i in moe}
+    (tmp_path / "scores.json").write_text(json.dumps({"layers": scores}))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "k3dist.grade",
+            "--build",
+            str(mini_build),
+            "--out",
+            str(tmp_path / "g"),
+            "--scores",
+            str(tmp_path / "scores.json"),
+            "--per-layer",
+            "2",
+            "--k-hi",
+            "1",
+            "--lo",
+            "2bit-g32",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    gmap = banks.GradedMap.from_config(json.loads((tmp_path / "g" / "config.json").read_text()))
+    for i in moe:
+        assert list(gmap.hi[i]) == sorted(np.argsort(scores[str(i)])[-2:].tolist())
+        assert gmap.k_hi[i] == 1
