@@ -362,6 +362,29 @@ def activations(tc: dict, box: Box, attention_split: int = 1) -> dict:
     }
 
 
+ASSUMPTIONS = [
+    "512 GB M3 Ultra = 512 GiB unified memory; sysctl iogpu.wired_limit_mb raised to "
+    "499712 (488 GiB wired for the GPU), 24 GiB left to macOS and unwired process memory",
+    "runtime_reserve of the wired memory kept free: MLX allocator cache and fragmentation, "
+    "Metal command buffers, collective buffers",
+    "one request at a time (batch 1) at `context` tokens: MLA latent cache (kv_lora_rank + "
+    "qk_rope_head_dim) x 2 B per token per MLA layer in 256-token steps; KDA recurrent "
+    "state heads x head_dim^2 F32 + conv state per KDA layer",
+    "activations: peak of one prefill chunk at full context: MLA k/v decompressed for the "
+    "whole context, rope and attention scores (bf16, materialised), F32 logits of the "
+    "chunk, hidden states of the AttnRes block stack, MoE intermediates",
+    "attention replicated on every rank (k3dist.model today), shared experts split by "
+    "their intermediate dimension; routed experts split evenly, promoted experts balanced",
+    "non-expert formats are a starting point (<= 6 bits for what every token reads, "
+    "8 bits for latent projections, router and lm_head), not measured sensitivities",
+    "MLA kv_b_proj counted as its source matrix; mlx-lm splits it into embed_q / "
+    "unembed_out at load (same element count; group boundaries may differ slightly)",
+    "lo-format choice 'auto': the richest lo format that still promotes "
+    "min_promoted_fraction; which of the alternatives (equal bytes) is better is for the "
+    "quality evaluation to decide",
+]
+
+
 # --------------------------------------------------------------------------- plan
 
 
@@ -575,6 +598,7 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
         "build_bytes": build_bytes,
         "source_bytes": acc.source_total,
         "routed_expert_params": L * E * acc.expert_params,
+        "assumptions": ASSUMPTIONS,
         "alternatives": [
             {k2: v for k2, v in o.items() if k2 != "promoted_per_layer"} for o in options
         ],
