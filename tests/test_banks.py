@@ -356,3 +356,16 @@ def test_grade_cli_promotes_top_scores(mini_build, tmp_path):
     for i in moe:
         assert list(gmap.hi[i]) == sorted(np.argsort(scores[str(i)])[-2:].tolist())
         assert gmap.k_hi[i] == 1
+
+
+def test_balance_hi_spreads_promoted_experts():
+    moe = [1, 2]
+    plc = contiguous(16, 2, moe)  # rank 0: 0..7, rank 1: 8..15
+    gmap = banks.GradedMap(16, {1: (0, 1, 2, 3), 2: (2, 9)}, {1: 2, 2: 1})
+    out = banks.balance_hi(plc, gmap)
+    for layer, ids in gmap.hi.items():
+        own = np.asarray(out.owners[layer])
+        assert np.bincount(own[list(ids)], minlength=2).tolist() == [len(ids) // 2] * 2
+        assert np.bincount(own, minlength=2).tolist() == [8, 8]  # memory still balanced
+    assert out.owners[2] == plc.owners[2]  # already balanced: untouched
+    assert out.kind == "contiguous+hi-balanced"
