@@ -239,7 +239,8 @@ class TwoBankMoE(ep.ExpertParallelMoE):
 
     def _select_hi(self, inds: mx.array, w: mx.array):
         """Global choice (same on every rank): the ``k_hi`` promoted routes with the
-        largest router weight. Returns (pos [.., k_hi], valid [.., k_hi], taken [.., k])."""
+        largest router weight. Returns (pos [.., k_hi]: the route each hi slot takes,
+        hit [.., k_hi, k]: slot j took route i, taken [.., k], promoted [.., k])."""
         prom = self._promoted[inds]
         k = inds.shape[-1]
         if not self.k_hi:
@@ -299,7 +300,8 @@ class TwoBankMoE(ep.ExpertParallelMoE):
         if self.count_routes:
             self._count(inds, taken, prom)
         k = inds.shape[-1]
-        flat_inds, flat_taken = np.array(inds).reshape(-1), np.array(taken).reshape(-1)  # sync
+        mx.eval(inds, taken)  # the one host sync of this form
+        flat_inds, flat_taken = np.array(inds).reshape(-1), np.array(taken).reshape(-1)
         flat = y.reshape(-1, y.shape[-1])
         wflat = w.reshape(-1)
         out = mx.zeros_like(flat)
