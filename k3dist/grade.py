@@ -66,8 +66,16 @@ def _identity(build_manifest: dict, gmap: GradedMap, lo: QFormat) -> dict:
 
 
 class GradedBuilder:
-    def __init__(self, build: str | Path, out: str | Path, gmap: GradedMap, lo: QFormat):
+    def __init__(
+        self,
+        build: str | Path,
+        out: str | Path,
+        gmap: GradedMap,
+        lo: QFormat,
+        plan: dict | None = None,
+    ):
         self.build, self.out, self.gmap, self.lo = Path(build), Path(out), gmap, lo
+        self.plan = plan
         mp = self.build / MANIFEST
         if not mp.exists():
             raise CheckpointError(
@@ -281,6 +289,7 @@ class GradedBuilder:
                     "lo_fallback": self.gmap.lo_fallback,
                     "promoted": {str(k): len(v) for k, v in sorted(self.gmap.hi.items())},
                 },
+                "plan": self.plan,
                 "files": files,
                 "seconds": round(time.perf_counter() - t0, 2),
             },
@@ -297,9 +306,11 @@ def grade(
     lo: str | QFormat = "2bit-g64",
     lo_fallback: bool = False,
     progress: bool = True,
+    plan: dict | None = None,
 ) -> Path:
     """Write a graded build of an MXFP4 ``build``: ``promoted`` global expert ids per MoE
-    layer keep their MXFP4 bytes (hi bank), the rest become ``lo``; resumable."""
+    layer keep their MXFP4 bytes (hi bank), the rest become ``lo``; resumable. ``plan``
+    (k3dist.plan) is stored in the build manifest."""
     cfg = json.loads((Path(build) / "config.json").read_text())
     E = layout.text_config(cfg)["num_experts"]
     if isinstance(k_hi, int):
@@ -312,7 +323,7 @@ def grade(
         QFormat.parse(lo).name if isinstance(lo, str) else lo.name,
     )
     lo = QFormat.parse(lo) if isinstance(lo, str) else lo
-    return GradedBuilder(build, out, gmap, lo).run(progress)
+    return GradedBuilder(build, out, gmap, lo, plan).run(progress)
 
 
 def promote_top(scores: dict[int, np.ndarray], counts: dict[int, int]) -> dict[int, list[int]]:
@@ -352,6 +363,7 @@ def main() -> None:
     ap.add_argument("--lo-fallback", action="store_true")
     args = ap.parse_args()
     scores = read_counts(args.scores)
+    p = None
     if args.plan:
         p = json.loads(Path(args.plan).read_text())
         counts = {int(k): int(v) for k, v in p["promoted_per_layer"].items()}
@@ -366,7 +378,8 @@ def main() -> None:
     if not k_hi:
         ap.error("give --k-hi (or a --plan that has k_hi)")
     try:
-        path = grade(args.build, args.out, promote_top(scores, counts), k_hi, lo, args.lo_fallback)
+        promoted = promote_top(scores, counts)
+        path = grade(args.build, args.out, promoted, k_hi, lo, args.lo_fallback, plan=p)
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {path}")

@@ -504,7 +504,7 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
             promoted = promoted // (L * N) * (L * N) if promoted >= L * N else 0
         else:
             promoted = max(0, min(L * E, room * N // step)) if room > 0 else 0
-        counts = _per_layer(promoted, L, N, E)
+        counts = _per_layer(promoted, L, N, E if req.lo_fallback else E - N)  # lo never empty
         promoted = sum(counts)
         experts_rank = base + promoted * step // N
         fits = fixed + experts_rank <= budget - req.headroom and room >= 0

@@ -369,3 +369,69 @@ def test_balance_hi_spreads_promoted_experts():
         assert np.bincount(own, minlength=2).tolist() == [8, 8]  # memory still balanced
     assert out.owners[2] == plc.owners[2]  # already balanced: untouched
     assert out.kind == "contiguous+hi-balanced"
+
+
+def test_plan_then_grade(mini_build, tmp_path):
+    """plan -> grade: the plan's counts, k_hi and lo format, the plan in the manifest."""
+    import subprocess
+    import sys
+
+    from util import REPO
+
+    plan_json = tmp_path / "plan.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "k3dist.plan",
+            "--config",
+            str(mini_build / "config.json"),
+            "--budget",
+            "1e9",
+            "--context",
+            "256",
+            "--lo",
+            "2bit-g32",
+            "--headroom-gib",
+            "0",
+            "--json",
+            "--out",
+            str(plan_json),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads(plan_json.read_text())
+    counts = {str(i): list(range(16)) for i in map(int, plan["promoted_per_layer"])}
+    (tmp_path / "counts.json").write_text(json.dumps({"layers": counts}))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "k3dist.grade",
+            "--build",
+            str(mini_build),
+            "--out",
+            str(tmp_path / "g"),
+            "--scores",
+            str(tmp_path / "counts.json"),
+            "--plan",
+            str(plan_json),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    gmap = banks.GradedMap.from_config(json.loads((tmp_path / "g" / "config.json").read_text()))
+    for layer, n in plan["promoted_per_layer"].items():
+        assert list(gmap.hi[int(layer)]) == list(range(16 - n, 16))  # highest counts
+        assert gmap.k_hi[int(layer)] == plan["k_hi_uniform"][layer]
+    assert gmap.lo == "2bit-g32"
+    assert json.loads((tmp_path / "g" / "k3dist.json").read_text())["plan"] == plan
+    model, _ = banks.load_build(tmp_path / "g")  # loads and runs
+    assert greedy(model, [5, 6, 7], 2)[0]
