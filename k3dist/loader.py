@@ -50,12 +50,12 @@ def check_rank_folder(folder: str | Path, rank: int, size: int) -> tuple[dict, P
     tc = layout.text_config(config)
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     headers: dict = {}
+    gmap = banks.GradedMap.from_config(config)  # a graded build: two stacks per layer
     for layer in range(tc["num_hidden_layers"]):
         if not layout.is_moe_layer(tc, layer):
             continue
         if layer not in placement.owners:
             raise CheckpointError(f"{folder}: placement has no owners for MoE layer {layer}")
-        gmap = banks.GradedMap.from_config(config)
         for bank, proj in [(b, p) for b in banks.bank_names(gmap, layer) for p in PROJS]:
             name = f"language_model.model.layers.{layer}.mlp.{bank}.{proj}.weight"
             n_local = len(banks.local_rows(gmap, name, placement.num_experts, placement, rank))
