@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from k3dist import layout
+from k3dist import banks, layout
 from k3dist.model import make_model_class, resolve_form
 from k3dist.placement import Placement
 from k3dist.sfile import CheckpointError, read_header
@@ -86,14 +86,15 @@ def check_rank_folder(folder: str | Path, rank: int, size: int, verify: str = "s
     tc = layout.text_config(config)
     index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     headers: dict = {}
+    gmap = banks.GradedMap.from_config(config)  # a graded build: two stacks per layer
     for layer in range(tc["num_hidden_layers"]):
         if not layout.is_moe_layer(tc, layer):
             continue
         if layer not in placement.owners:
             raise CheckpointError(f"{folder}: placement has no owners for MoE layer {layer}")
-        n_local = len(placement.experts_of(layer, rank))
-        for proj in PROJS:
-            name = f"language_model.model.layers.{layer}.mlp.switch_mlp.{proj}.weight"
+        for bank, proj in [(b, p) for b in banks.bank_names(gmap, layer) for p in PROJS]:
+            name = f"language_model.model.layers.{layer}.mlp.{bank}.{proj}.weight"
+            n_local = len(banks.local_rows(gmap, name, placement.num_experts, placement, rank))
             fname = index.get(name)
             if fname is None:
                 raise CheckpointError(f"{folder}: expert tensor {name!r} is missing from the "
@@ -147,7 +148,9 @@ def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
     manifest, placement = check_rank_folder(folder, rank, size, verify)
     if size > 1:  # before minutes of loading: refuse mismatched folders now
         _handshake(manifest, group, peer_failure)
-    cls = make_model_class(placement, rank, group, resolve_form(form))
+    gmap = banks.GradedMap.from_config(json.loads((Path(folder) / "config.json").read_text()))
+    cls = (make_model_class(placement, rank, group, resolve_form(form)) if gmap is None else
+           banks.make_model_class(placement, rank, group, resolve_form(form), gmap))
     model, config = load_model(Path(folder), lazy=True, strict=True,
                                get_model_classes=lambda config: (cls, kimi_k3.ModelArgs))
     model.shard_shared_experts()

@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from k3dist import __version__, convert, layout, verify
+from k3dist import __version__, banks, convert, layout, verify
 from k3dist.checkpoint import INDEX_NAME, Source, load_config
 from k3dist.convert import JOURNAL, MANIFEST, _unit_done, _write_json_atomic
 from k3dist.placement import Placement, PlacementError, for_config
@@ -54,8 +54,9 @@ import mlx.core as mx
 from tqdm import tqdm
 
 FORMAT_VERSION = 2  # 2: per-tensor sha256 in the manifest (k3dist.verify)
-# a stacked routed-expert tensor of an mlx-lm build: leading dim = num_experts
-_STACK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.switch_mlp\.")
+# a stacked routed-expert tensor of an mlx-lm build: leading dim = num_experts (a graded
+# build's two banks: the rows k3dist.banks.stack_rows names)
+_STACK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.switch_(?:mlp|hi)\.")
 
 
 def stacked_layer(name: str) -> int | None:
@@ -91,7 +92,10 @@ def placement_for(build: str | Path, size: int, counts_path: str | Path | None =
                   ) -> Placement:
     """The placement for a build or source folder: contiguous, or load-aware from
     routing counts."""
-    return for_config(layout.text_config(load_config(build)), size, counts_path)
+    config = load_config(build)
+    placement = for_config(layout.text_config(config), size, counts_path)
+    gmap = banks.GradedMap.from_config(config)
+    return placement if gmap is None else banks.balance_hi(placement, gmap)
 
 
 def _identity(build_hash: str, rank: int, size: int, placement: Placement) -> dict:
@@ -246,14 +250,25 @@ class BuildSlicer:
         if self.stacks and not E:
             raise CheckpointError(f"{build}/config.json: no num_experts but the build has "
                                   "stacked experts; is config.json from this build?")
+        self.gmap = banks.GradedMap.from_config(self.config)
         for h in self.headers.values():
             for n, t in h.tensors.items():
-                if n in self.stacks and (not t.shape or t.shape[0] != E):
+                rows = len(banks.stack_rows(self.gmap, n, E) or ()) if n in self.stacks else 0
+                if n in self.stacks and (not t.shape or t.shape[0] != rows):
                     raise CheckpointError(
                         f"{h.path}: stacked expert tensor {n!r} is {t.dtype}{list(t.shape)} "
-                        f"but config.json has num_experts={E}; the leading dim must be "
-                        "num_experts (a rank folder cannot be sliced again)")
+                        f"but config.json implies {rows} experts (num_experts={E}, graded "
+                        f"map {'yes' if self.gmap else 'no'}); the leading dim must match "
+                        "(a rank folder cannot be sliced again)")
         _check_placement(placement, size, E, set(self.stacks.values()), str(build))
+        if self.gmap is not None:
+            for layer, ids in self.gmap.hi.items():
+                held = {placement.owners[layer][e] for e in ids}
+                if ids and len(held) < size:
+                    raise PlacementError(
+                        f"placement gives rank(s) {sorted(set(range(size)) - held)} none of "
+                        f"layer {layer}'s {len(ids)} promoted experts (an empty hi bank); "
+                        "use k3dist.banks.balance_hi(placement, GradedMap.from_config(cfg))")
         self.placement = placement
         self.ident = _identity(self.build_hash, rank, size, placement)
 
@@ -290,7 +305,8 @@ class BuildSlicer:
             if layer is None:
                 plan.append((t, t.shape, _runs([0], t.nbytes)))
             else:
-                mine = self.placement.experts_of(layer, self.rank)
+                mine = banks.local_rows(self.gmap, t.name, self.placement.num_experts,
+                                        self.placement, self.rank)
                 per = t.nbytes // t.shape[0]
                 plan.append((t, (len(mine), *t.shape[1:]), _runs(mine, per)))
         return plan

@@ -1,0 +1,159 @@
+"""The byte-budget planner: format sizes against mx.quantize, accounting against the
+real K3 index, plans that fit their budget."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from k3dist import layout, plan
+from k3dist.synth import real_config
+
+import mlx.core as mx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+REAL_INDEX = REPO.parent / "shared/reference/kimi-k3-model.safetensors.index.json.gz"
+if not REAL_INDEX.exists():  # a worktree under wt/: the shared folder is one level up
+    REAL_INDEX = REPO.parents[1] / "shared/reference/kimi-k3-model.safetensors.index.json.gz"
+
+
+@pytest.mark.parametrize("fmt", plan.all_formats(), ids=lambda f: f.name)
+def test_format_bytes_match_mx_quantize(fmt):
+    rows, cols = 48, 384  # every group size and bit width divides it
+    w = mx.random.normal((rows, cols)).astype(mx.bfloat16)
+    kw = {"mode": fmt.mode, "bits": fmt.bits, "group_size": fmt.group_size}
+    got = sum(a.nbytes for a in mx.quantize(w, **kw) if a is not None)
+    assert fmt.nbytes(rows, cols) == got, fmt.name
+    assert fmt.bpw * rows * cols / 8 == got
+
+
+def test_k3_expert_bytes():
+    acc = plan.account(real_config())
+    assert acc.expert_bytes(plan.MXFP4) == 17_547_264  # the source's bytes per expert
+    assert acc.expert_bytes(plan.QFormat.parse("2bit-g64")) * 8 == 2.5 * acc.expert_params
+    assert acc.expert_bytes(plan.QFormat.parse("2bit-g128")) * 8 == 2.25 * acc.expert_params
+
+
+def test_parse_rejects_nonsense():
+    for bad in ("7bit-g64", "2bit-g48", "fp4", "mxfp4-g16"):
+        with pytest.raises(ValueError):
+            plan.QFormat.parse(bad)
+
+
+@pytest.mark.skipif(not REAL_INDEX.exists(), reason="shared/reference not present")
+def test_real_index_accounting():
+    acc = plan.account(real_config(), plan.read_index(REAL_INDEX), str(REAL_INDEX))
+    assert acc.index_total == 1_560_860_324_864
+    assert sum(c["source_bytes"] for c in acc.classes.values()) == acc.source_total
+    assert acc.classes["experts"]["tensors"] == 92 * 896 * 6
+    assert acc.classes["experts"]["source_bytes"] == 92 * 896 * 17_547_264
+    assert len(acc.moe_layers) == 92 and acc.num_experts == 896
+
+
+def test_index_mismatch_is_refused(mini_src):
+    cfg = json.loads((mini_src / "config.json").read_text())
+    index = plan.read_index(mini_src / "model.safetensors.index.json")
+    del index["weight_map"][next(iter(index["weight_map"]))]
+    with pytest.raises(ValueError, match="not in the index"):
+        plan.account(cfg, index, "idx")
+
+
+def test_kv_state_k3():
+    tc = layout.text_config(real_config())
+    kv = plan.kv_state(tc, plan.Box(context=4096))
+    assert kv["mla_layers"] == 24 and kv["kda_layers"] == 69
+    assert kv["mla_latent_cache"] == 24 * 4096 * 576 * 2
+    assert kv["kda_state"] == 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
+
+
+def test_k3_plan_fits_two_boxes():
+    acc = plan.account(real_config())
+    p = plan.make_plan(acc, plan.Box(), plan.PlanRequest(ranks=2))
+    per = p["bytes_per_rank"]
+    assert per["total"] + p["headroom_requested"] <= p["budget_per_rank"]
+    assert p["promoted_total"] > 0 and p["lo"]["format"] in ("2bit-g64", "2bit-g128")
+    counts = [int(c) for c in p["promoted_per_layer"].values()]
+    assert all(c % 2 == 0 for c in counts)  # hi bytes split evenly over the two ranks
+    assert sum(counts) == p["promoted_total"]
+    # the routed-expert bytes on a rank are exactly lo + promoted deltas
+    hi_b = 17_547_264
+    lo = acc.expert_bytes(plan.QFormat.parse(p["lo"]["format"]))
+    assert per["routed_experts"] == (92 * 896 * lo + p["promoted_total"] * (hi_b - lo)) // 2
+    assert p["fallback_copy_bytes"] == p["promoted_total"] * lo
+
+
+def test_more_budget_promotes_more_and_fallback_costs():
+    acc = plan.account(real_config())
+    base = plan.PlanRequest(ranks=2, lo="2bit-g128")
+    a = plan.make_plan(acc, plan.Box(), base)
+    b = plan.make_plan(
+        acc,
+        plan.Box(),
+        plan.PlanRequest(
+            ranks=2, lo="2bit-g128", budget_per_rank=a["budget_per_rank"] + 20 * 10**9
+        ),
+    )
+    c = plan.make_plan(acc, plan.Box(), plan.PlanRequest(ranks=2, lo="2bit-g128", lo_fallback=True))
+    assert b["promoted_total"] > a["promoted_total"] > c["promoted_total"]
+
+
+def test_target_bpw():
+    acc = plan.account(real_config())
+    p = plan.make_plan(
+        acc,
+        plan.Box(),
+        plan.PlanRequest(ranks=2, lo="2bit-g128", target_expert_bpw=2.5, budget_per_rank=10**13),
+    )
+    assert 2.45 < p["expert_bpw"] <= 2.5
+
+
+def test_nothing_fits_says_why():
+    acc = plan.account(real_config())
+    with pytest.raises(ValueError, match="nothing fits"):
+        plan.make_plan(acc, plan.Box(), plan.PlanRequest(ranks=2, budget_per_rank=300 * 10**9))
+
+
+def test_k_hi_uniform_matches_issue_figures():
+    # issue 12: uniform routing, 5% promoted, top-16: k_hi=4 overflows 7.4e-4, 6: 4e-6
+    p4 = plan.overflow_probability(896, 16, 45, 4)
+    p6 = plan.overflow_probability(896, 16, 45, 6)
+    assert 5e-4 < p4 < 1e-3 and 1e-6 < p6 < 1e-5
+    assert plan.k_hi_uniform(896, 16, 45, 1e-5) == 6
+
+
+def test_cli_json(mini_src, tmp_path):
+    out = tmp_path / "plan.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "k3dist.plan",
+            "--src",
+            str(mini_src),
+            "--budget",
+            "1e9",
+            "--context",
+            "256",
+            "--lo",
+            "2bit-g32",
+            "--headroom-gib",
+            "0",
+            "--dry-run",
+            "--json",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    p = json.loads(out.read_text())
+    assert p["command"].startswith("python -m k3dist.plan --src ")
+    # all fit but one lo expert per rank (no fallback: the lo bank is never empty)
+    assert p["lo"]["format"] == "2bit-g32" and p["promoted_total"] == 5 * 14
+    assert p["bytes_per_rank"]["total"] <= 1e9
