@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 import k3dist
-from k3dist import membound, synth
+from k3dist.bench import membound
+from k3dist.factory import synth
 
 import mlx.core as mx
 import mlx_lm

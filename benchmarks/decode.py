@@ -19,7 +19,10 @@ import tempfile
 from pathlib import Path
 
 import k3dist
-from k3dist import bench, loader, slicing, synth
+from k3dist.bench import kit as bench
+from k3dist.build import slicing
+from k3dist.factory import synth
+from k3dist.serve import loader
 
 import mlx.core as mx
 

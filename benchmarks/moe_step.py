@@ -22,8 +22,9 @@ import sys
 import time
 
 import k3dist
-from k3dist import layout, placement, synth
-from k3dist.model import ExpertParallelMoE
+from k3dist.factory import synth
+from k3dist.format import layout, placement
+from k3dist.serve.model import ExpertParallelMoE
 
 import mlx.core as mx
 import mlx.nn as nn

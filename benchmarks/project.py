@@ -27,8 +27,9 @@ from importlib import metadata
 from pathlib import Path
 
 import k3dist
-from k3dist import costmodel as cm
-from k3dist import layout, placement, synth
+from k3dist.bench import costmodel as cm
+from k3dist.factory import synth
+from k3dist.format import layout, placement
 
 PUBLISHED_TB = 1.561  # the mxfp4 build's published size
 
@@ -157,7 +158,8 @@ def main() -> None:
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "versions": {"k3dist": k3dist.__version__, "python": platform.python_version(),
                      **{p: metadata.version(p) for p in ("mlx", "mlx-lm", "numpy")}},
-        "config": args.config or "k3dist.synth.real_config() (moonshotai/Kimi-K3 config.json)",
+        "config": args.config
+        or "k3dist.factory.synth.real_config() (moonshotai/Kimi-K3 config.json)",
         "constants": {"hardware": cm.hardware_json(next(iter(hws.values()))),
                       "backends": {b: asdict(h.backend) for b, h in hws.items()},
                       "sources": cm.SOURCES},

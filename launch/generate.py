@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import k3dist
-from k3dist import engine, loader
-from k3dist.config import DEFAULT_DEPLOYMENT, load_deployment
+from k3dist.serve import engine, loader
+from k3dist.serve.config import DEFAULT_DEPLOYMENT, load_deployment
 
 import mlx.core as mx
 import numpy as np

@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 
 import k3dist
-from k3dist import default, harness, loader, server, warmup
-from k3dist.config import DEFAULT_DEPLOYMENT, Deployment, load_deployment
+from k3dist.build import default
+from k3dist.serve import loader, server, warmup
+from k3dist.serve import watchdog as harness
+from k3dist.serve.config import DEFAULT_DEPLOYMENT, Deployment, load_deployment
 
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from k3dist import bench, convert, synth
+from k3dist.bench import kit as bench
+from k3dist.build import convert
+from k3dist.factory import synth
 
 import numpy as np
 import pytest

@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 import json
 
-from k3dist import chat
-from k3dist import tokenizer as tk
+from k3dist.format import chat
+from k3dist.format import tokens as tk
 
 import pytest
 from jinja2.exceptions import TemplateError

@@ -13,9 +13,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from k3dist import checkpoint, layout, synth
-from k3dist.checkpoint import NO_SHARDS, audit, format_table, main, to_json
-from k3dist.sfile import CheckpointError, read_header
+from k3dist.build import checkpoint
+from k3dist.build.checkpoint import NO_SHARDS, audit, format_table, main, to_json
+from k3dist.factory import synth
+from k3dist.format import layout
+from k3dist.format.sfile import CheckpointError, read_header
 
 import numpy as np
 import pytest
@@ -101,7 +103,7 @@ def test_real_index_names_counts_and_bytes():
     assert r.a_log == {} and r.seconds < 30
 
     out = subprocess.run(
-        [sys.executable, "-m", "k3dist.checkpoint", "audit", "--json",
+        [sys.executable, "-m", "k3dist.build.checkpoint", "audit", "--json",
          "--config", str(REF_CONFIG), "--index", str(REF_INDEX)],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -9,11 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3dist import convert as convert_mod
-from k3dist import layout, mxfp4
-from k3dist.checkpoint import Source
-from k3dist.engine import greedy
-from k3dist.sfile import CheckpointError, read_bytes, read_header, read_mx, read_numpy
+from k3dist.build import convert as convert_mod
+from k3dist.build.checkpoint import Source
+from k3dist.format import layout, mxfp4
+from k3dist.format.sfile import CheckpointError, read_bytes, read_header, read_mx, read_numpy
+from k3dist.serve.engine import greedy
 
 import mlx.core as mx
 import numpy as np
@@ -102,7 +102,7 @@ def test_every_expert_byte_identical_to_source(mini_src, mini_build):
 def test_manifest_hashes_and_identity(mini_build):
     m = json.loads((mini_build / "k3dist.json").read_text())
     assert m["identity"]["nonexpert_bits"] == 16
-    from k3dist.sfile import sha256_file
+    from k3dist.format.sfile import sha256_file
 
     for name, meta in m["files"].items():
         assert sha256_file(mini_build / name) == meta["sha256"], name
@@ -258,11 +258,11 @@ def test_refuses_out_folder_with_different_build(mini_src, mini_build, tmp_path)
 
 def test_cli(mini_src, tmp_path):
     out = tmp_path / "cli"
-    r = subprocess.run([sys.executable, "-m", "k3dist.convert", "--src", str(mini_src),
+    r = subprocess.run([sys.executable, "-m", "k3dist.build.convert", "--src", str(mini_src),
                         "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert (out / "k3dist.json").exists()
-    r = subprocess.run([sys.executable, "-m", "k3dist.convert", "--src", str(out / "nope"),
+    r = subprocess.run([sys.executable, "-m", "k3dist.build.convert", "--src", str(out / "nope"),
                         "--out", str(tmp_path / "x")], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode != 0 and "error:" in r.stderr and "nope" in r.stderr

@@ -9,8 +9,8 @@ import json
 import random
 import sys
 
-from k3dist import corpus
-from k3dist import tokenizer as tk
+from k3dist.factory import corpus
+from k3dist.format import tokens as tk
 
 import pytest
 

@@ -16,8 +16,8 @@ import threading
 import time
 from pathlib import Path
 
-from k3dist import harness
-from k3dist.harness import GiB, MiB, PreflightError, Watchdog, WatchdogError
+from k3dist.serve import watchdog as harness
+from k3dist.serve.watchdog import GiB, MiB, PreflightError, Watchdog, WatchdogError
 
 import mlx.core as mx
 import pytest

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import shutil
 
-from k3dist import convert, layout, loader, placement, slicing
-from k3dist.sfile import CheckpointError
+from k3dist.build import convert, slicing
+from k3dist.format import layout, placement
+from k3dist.format.sfile import CheckpointError
+from k3dist.serve import loader
 
 import pytest
 from util import failed_ranks, mlx_launch

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from k3dist import mxfp4
-from k3dist.mxfp4 import E2M1_VALUES, GROUP_SIZE, decode, encode, from_mlx, to_mlx
+from k3dist.format import mxfp4
+from k3dist.format.mxfp4 import E2M1_VALUES, GROUP_SIZE, decode, encode, from_mlx, to_mlx
 
 import mlx.core as mx
 import numpy as np

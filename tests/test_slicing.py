@@ -10,11 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3dist import convert as convert_mod
-from k3dist import slicing
-from k3dist.config import load_deployment
-from k3dist.placement import Placement, PlacementError, contiguous, load_aware
-from k3dist.sfile import CheckpointError, read_bytes, read_header
+from k3dist.build import convert as convert_mod
+from k3dist.build import slicing
+from k3dist.format.placement import Placement, PlacementError, contiguous, load_aware
+from k3dist.format.sfile import CheckpointError, read_bytes, read_header
+from k3dist.serve.config import load_deployment
 
 import mlx.core as mx
 import numpy as np
@@ -202,7 +202,7 @@ def test_build_without_manifest(mini_build, tmp_path):
 
 
 def test_converter_refuses_a_subset_build(mini_src, tmp_path):
-    from k3dist.checkpoint import Source
+    from k3dist.build.checkpoint import Source
 
     conv = convert_mod.Converter(Source(mini_src), tmp_path / "x", experts=lambda L: [0, 1])
     with pytest.raises(ValueError, match="rank folder, not a build"):
@@ -250,7 +250,7 @@ BAD = {
                       contiguous(8, 2, MOE)),
         ["switch_mlp", "U32[16,", "num_experts=8"]),
     "unfinished build": (lambda b, t: (_copy(b, t, _unfinished), 0, 2, None),
-                         ["unfinished conversion", "k3dist.convert"]),
+                         ["unfinished conversion", "k3dist.build.convert"]),
     "truncated build file": (lambda b, t: (_copy(b, t, _truncate), 0, 2, None),
                              ["model-layer-002.safetensors", "copy the build again"]),
     "a rank folder as input": (

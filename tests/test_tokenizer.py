@@ -8,8 +8,8 @@ import random
 import shutil
 from pathlib import Path
 
-from k3dist import chat
-from k3dist import tokenizer as tk
+from k3dist.format import chat
+from k3dist.format import tokens as tk
 
 import pytest
 import tiktoken

@@ -10,9 +10,11 @@ import subprocess
 import sys
 import time
 
-from k3dist import checkpoint, convert, corpus, layout, mxfp4, train
-from k3dist import tokenizer as tk
-from k3dist.sfile import read_numpy
+from k3dist.build import checkpoint, convert
+from k3dist.factory import corpus, train
+from k3dist.format import layout, mxfp4
+from k3dist.format import tokens as tk
+from k3dist.format.sfile import read_numpy
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -37,9 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import k3dist
-from k3dist import convert, layout, loader, placement, slicing, synth
-from k3dist.model import ExpertParallelMoE, resolve_form
-from k3dist.sfile import CheckpointError
+from k3dist.build import convert, slicing
+from k3dist.factory import synth
+from k3dist.format import layout, placement
+from k3dist.format.sfile import CheckpointError
+from k3dist.serve import loader
+from k3dist.serve.model import ExpertParallelMoE, resolve_form
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -17,10 +17,10 @@ a re-run skips finished units and redoes the first incomplete one. Files appear
 under their final names only when complete. ``k3dist.json`` is written last.
 
 With an expert subset (``experts``: layer -> global ids to keep, in local order) the
-same units hold only those experts: ``k3dist.slicing`` uses it to write a rank
+same units hold only those experts: ``k3dist.build.slicing`` uses it to write a rank
 folder straight from the source; ``run`` itself refuses it (that is not a build).
 
-    python -m k3dist.convert --src SRC --out BUILD [--nonexpert-bits 16|8|4]
+    python -m k3dist.build.convert --src SRC --out BUILD [--nonexpert-bits 16|8|4]
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from k3dist import __version__, layout, tokenizer
-from k3dist.checkpoint import Source, check_a_log_tail, quantization_format
-from k3dist.sfile import (
+from k3dist import __version__
+from k3dist.build.checkpoint import Source, check_a_log_tail, quantization_format
+from k3dist.format import layout
+from k3dist.format import tokens as tokenizer
+from k3dist.format.sfile import (
     CheckpointError,
     StreamWriter,
     iter_chunks,
@@ -285,7 +287,7 @@ class Converter:
     def run(self, progress: bool = True) -> Path:
         if self.experts is not None:
             raise ValueError("an expert subset makes a rank folder, not a build; use "
-                             "k3dist.slicing.slice_rank")
+                             "k3dist.build.slicing.slice_rank")
         self.preflight()
         journal = _open_output(self.out, self.ident)
         if (self.out / MANIFEST).exists():

@@ -13,10 +13,10 @@ Phases (one run folder, resumable at every checkpoint):
 1. ``pretrain``: AdamW (decay on matrices only), linear warm-up then cosine to 10%,
    fixed seed; the horizon is ``--steps`` or, with ``--max-minutes`` only, what the
    measured step time predicts for the budget (fixed once measured, saved).
-2. ``freeze``: routed experts quantized with ``k3dist.mxfp4.encode`` (OCP rounding) into
+2. ``freeze``: routed experts quantized with ``k3dist.format.mxfp4.encode`` (OCP rounding) into
    mlx-lm's ``QuantizedSwitchLinear`` (mxfp4, frozen), then a brief fine-tune of all
    the rest with a fresh optimizer — the way K3 ships QAT MXFP4 experts.
-3. ``export``: the Moonshot source layout (``k3dist.synth``'s), the inverse of mlx-lm's
+3. ``export``: the Moonshot source layout (``k3dist.factory.synth``'s), the inverse of mlx-lm's
    ``sanitize``: per-expert ``weight_packed``/``weight_scale``, q/k/v and their convs
    split, ``A_log`` zero-padded, MLA ``kv_b_proj`` re-joined, BF16 except K3's F32 set.
 
@@ -28,15 +28,15 @@ logs, evaluates and saves; a run may resume with another number of ranks.
 Run folder: ``config.json`` (source config), ``log.jsonl`` (one JSON line per step, and
 ``"event"`` lines), ``state/`` (``model.safetensors``, ``optimizer.safetensors``,
 ``state.json``: step, phase, horizon, peak LR), replaced atomically;
-``pretrained.safetensors``: the float weights at the freeze (``k3dist.quality``'s float
+``pretrained.safetensors``: the float weights at the freeze (``k3dist.factory.quality``'s float
 reference). Batches are a pure function of (seed, step), so a resumed run sees the
 batches it would have seen.
 
-    python -m k3dist.train --out runs/train --max-minutes 50
+    python -m k3dist.factory.train --out runs/train --max-minutes 50
     mlx.launch -n 2 --python .venv/bin/python train/run.py --out runs/train --max-minutes 50
-    python -m k3dist.train --out runs/train --freeze --minutes 10
-    python -m k3dist.train --out runs/train --export data/mini-k3
-    python -m k3dist.train speed --size m --seq 256 --batch 8 --steps 6
+    python -m k3dist.factory.train --out runs/train --freeze --minutes 10
+    python -m k3dist.factory.train --out runs/train --export data/mini-k3
+    python -m k3dist.factory.train speed --size m --seq 256 --batch 8 --steps 6
 """
 
 from __future__ import annotations
@@ -52,8 +52,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from k3dist import blas_status, corpus, layout, mxfp4, set_blas_threads, synth, tokenizer
-from k3dist.sfile import StreamWriter, f32_to_bf16_bits
+from k3dist import blas_status, set_blas_threads
+from k3dist.factory import corpus, synth
+from k3dist.format import layout, mxfp4
+from k3dist.format import tokens as tokenizer
+from k3dist.format.sfile import StreamWriter, f32_to_bf16_bits
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -180,7 +183,7 @@ def update_router_bias(model: nn.Module, loads: mx.array, rate: float) -> None:
 
 def freeze_experts_mxfp4(model: nn.Module) -> dict:
     """Routed experts -> mlx-lm ``QuantizedSwitchLinear`` (mode mxfp4), codes and scales
-    from ``k3dist.mxfp4.encode`` (OCP), frozen. Returns relative RMS error per layer."""
+    from ``k3dist.format.mxfp4.encode`` (OCP), frozen. Returns relative RMS error per layer."""
     errors = {}
     for i, layer in enumerate(model.layers):
         moe = layer.mlp
@@ -449,7 +452,7 @@ class Trainer:
         if self.state.phase == "freeze":
             return {}
         before = self.evaluate()
-        # The float model the MXFP4 teacher is measured against (k3dist.quality).
+        # The float model the MXFP4 teacher is measured against (k3dist.factory.quality).
         if self.rank == 0:
             mx.save_safetensors(str(self.out / PRETRAINED_FILE),
                                 dict(tree_flatten(self.model.parameters())))

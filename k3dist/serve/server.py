@@ -28,7 +28,7 @@ from pathlib import Path
 from queue import Queue
 from typing import Any
 
-from k3dist import warmup
+from k3dist.serve import warmup
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server

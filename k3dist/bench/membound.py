@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3dist import layout
-from k3dist.checkpoint import load_config
+from k3dist.build.checkpoint import load_config
+from k3dist.format import layout
 
 # The converter's own working set whatever the model size (mlx-lm's lazy model
 # skeleton, MLX/numpy allocator pools): 4.6 MB measured converting `mini` (1 MB).
@@ -20,7 +20,7 @@ FIXED_OVERHEAD = 16 * 1024 * 1024
 
 _CHILD = """
 import json, resource, sys, time
-import k3dist.convert as c
+import k3dist.build.convert as c
 def rss():  # current RSS; ru_maxrss would include transient import peaks
     try:
         with open("/proc/self/statm") as f:

@@ -28,11 +28,11 @@ Provenance of the control-token table (real model: base 163,584, vocab 163,840):
   smg-project/smg#2571) report that the tokenizer EOS differs from the generation stop id.
   K3 ships no ``chat_template`` (rendering is Python code), so none is written.
 
-Serving files (``write_hf_tokenizer``, written into every build by ``k3dist.convert``): a
+Serving files (``write_hf_tokenizer``, written into every build by ``k3dist.build.convert``): a
 ``tokenizer.json`` converted with transformers' ``TikTokenConverter`` (K3's pattern, byte-level
 BPE, the 256 control tokens as added tokens at their ids), a ``tokenizer_config.json`` that
 plain ``AutoTokenizer.from_pretrained`` loads without remote code, and ``chat_template.jinja``
-(``k3dist.chat``). ``tiktoken.model`` stays, so ``load_encoding`` still reads the folder.
+(``k3dist.format.chat``). ``tiktoken.model`` stays, so ``load_encoding`` still reads the folder.
 """
 
 from __future__ import annotations
@@ -396,7 +396,7 @@ def build_fast_tokenizer(model_dir: Path):
     Encodes like ``load_encoding(model_dir).encode(text, allowed_special="all")`` (control
     names in text become their tokens); decodes exactly, control tokens included.
     """
-    from k3dist import chat  # chat imports this module's token names
+    from k3dist.format import chat  # chat imports this module's token names
 
     from transformers import PreTrainedTokenizerFast
 
@@ -416,7 +416,7 @@ def write_hf_tokenizer(src_dir: Path, out_dir: Path) -> list[str]:
     token); it may be out_dir itself. Afterwards ``AutoTokenizer.from_pretrained(out_dir)``
     works without trust_remote_code, and ``load_encoding(out_dir)`` is unchanged.
     """
-    from k3dist import chat
+    from k3dist.format import chat
 
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     config = hf_tokenizer_config(src_dir)

@@ -1,13 +1,13 @@
 """mini-K3 checkpoints in Moonshot's own source format, at small dimensions.
 
 The config is the real ``config.json`` (shipped in ``k3dist/data``) with sizes
-overridden, so the key set is K3's; the tensors are the ones ``k3dist.layout``
+overridden, so the key set is K3's; the tensors are the ones ``k3dist.format.layout``
 derives from it, one shard per decoder layer like the real checkpoint, experts as
 compressed-tensors MXFP4 bytes, ``A_log`` zero-padded to ``head_dim``. Weights are
 random but deterministic per (seed, tensor name), so the order of writing does not
 matter and every tool sees the same bytes.
 
-    python -m k3dist.synth --out mini-src --preset mini
+    python -m k3dist.factory.synth --out mini-src --preset mini
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from k3dist import layout, tokenizer
-from k3dist.sfile import StreamWriter, f32_to_bf16_bits
+from k3dist.format import layout
+from k3dist.format import tokens as tokenizer
+from k3dist.format.sfile import StreamWriter, f32_to_bf16_bits
 
 import numpy as np
 from tqdm import tqdm

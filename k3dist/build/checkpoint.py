@@ -4,8 +4,8 @@ lookup with checks, the ``A_log`` padding check, and the audit.
 Nothing here reads tensor data except the bytes a check needs (the ``A_log``
 tails); a converter asks ``Source.info`` for a tensor and streams its byte range.
 
-    python -m k3dist.checkpoint audit SRC [--json]
-    python -m k3dist.checkpoint audit --config kimi-k3-config.json \
+    python -m k3dist.build.checkpoint audit SRC [--json]
+    python -m k3dist.build.checkpoint audit --config kimi-k3-config.json \
         --index kimi-k3-model.safetensors.index.json.gz      # names only, no shards
 """
 
@@ -24,8 +24,8 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from k3dist import layout
-from k3dist.sfile import (
+from k3dist.format import layout
+from k3dist.format.sfile import (
     MAX_HEADER,
     CheckpointError,
     Header,
@@ -628,7 +628,7 @@ def format_table(r: AuditReport, top: int = 5) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m k3dist.checkpoint",
+        prog="python -m k3dist.build.checkpoint",
         description="Moonshot-format K3 checkpoints, read through their headers.")
     sub = ap.add_subparsers(dest="command", required=True)
     a = sub.add_parser(
@@ -643,8 +643,8 @@ def main(argv: list[str] | None = None) -> None:
             "as skipped."),
         epilog=(
             "examples:\n"
-            "  python -m k3dist.checkpoint audit mini-src\n"
-            "  python -m k3dist.checkpoint audit --json \\\n"
+            "  python -m k3dist.build.checkpoint audit mini-src\n"
+            "  python -m k3dist.build.checkpoint audit --json \\\n"
             "      --config shared/reference/kimi-k3-config.json \\\n"
             "      --index shared/reference/kimi-k3-model.safetensors.index.json.gz\n\n"
             "exit status: 0 ok, 1 findings (all are printed), 2 nothing to audit"))

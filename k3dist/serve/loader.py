@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from k3dist import layout
-from k3dist.model import make_model_class, resolve_form
-from k3dist.placement import Placement
-from k3dist.sfile import CheckpointError, read_header
-from k3dist.slicing import verify_rank_folder
+from k3dist.build.slicing import verify_rank_folder
+from k3dist.format import layout
+from k3dist.format.placement import Placement
+from k3dist.format.sfile import CheckpointError, read_header
+from k3dist.serve.model import make_model_class, resolve_form
 
 import mlx.core as mx
 import numpy as np

@@ -8,12 +8,12 @@
   (uniform = log2 E bits), per domain and pooled, and how much the domains' top experts
   overlap against chance (K3's report: code and Chinese experts overlap below chance).
 * **Placement**: load-aware placement fitted on the calibration counts, scored on the
-  held-out routing (expected busiest-rank pairs per token; ``k3dist.placement``).
+  held-out routing (expected busiest-rank pairs per token; ``k3dist.format.placement``).
 
 Windows are consecutive, non-overlapping ``seq``-token slices of each domain's documents
 joined as in training (``[BOS]`` + text); each is scored from an empty state.
 
-    python -m k3dist.quality --teacher data/mini-k3 --float runs/train \\
+    python -m k3dist.factory.quality --teacher data/mini-k3 --float runs/train \\
         --counts data/mini-k3-routing.npz --out benchmarks/results/quality-2026-11-29.json \\
         --markdown benchmarks/results/quality-2026-11-29.md
 """
@@ -28,7 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from k3dist import corpus, layout, placement, tokenizer, train
+from k3dist.factory import corpus, train
+from k3dist.format import layout, placement
+from k3dist.format import tokens as tokenizer
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -326,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     a = ap.parse_args(argv)
     rep = report(a.teacher, a.run, a.seq, a.max_windows, a.counts)
-    rep["command"] = "python -m k3dist.quality " + " ".join(sys.argv[1:] if argv is None
+    rep["command"] = "python -m k3dist.factory.quality " + " ".join(sys.argv[1:] if argv is None
                                                             else argv)
     text = json.dumps(rep, indent=1)
     if a.out is not None:

@@ -69,7 +69,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from k3dist.tokenizer import CLOSE, END_OF_MSG, IMAGE_PLACEHOLDER, OPEN, SEP
+from k3dist.format.tokens import CLOSE, END_OF_MSG, IMAGE_PLACEHOLDER, OPEN, SEP
 
 THINKING_EFFORTS = ("low", "high", "max")
 DEFAULT_THINKING_EFFORT = "max"

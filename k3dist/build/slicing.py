@@ -18,7 +18,7 @@ converter runs with the rank's expert subset. Its ``build_hash`` is the one a fu
 (16-bit non-expert) conversion would have, and its files are byte-identical to
 slicing that build, so the two routes are interchangeable.
 
-Resumable like ``k3dist.convert``: a journal records each finished file; files appear
+Resumable like ``k3dist.build.convert``: a journal records each finished file; files appear
 under their final names only when complete; ``k3dist.json`` is written last.
 
     python slicing/rank_split.py --rank 1          # or --all; see --help
@@ -35,11 +35,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from k3dist import __version__, convert, layout
-from k3dist.checkpoint import INDEX_NAME, Source, load_config
-from k3dist.convert import JOURNAL, MANIFEST, _unit_done, _write_json_atomic
-from k3dist.placement import Placement, PlacementError, for_config
-from k3dist.sfile import (
+from k3dist import __version__
+from k3dist.build import convert
+from k3dist.build.checkpoint import INDEX_NAME, Source, load_config
+from k3dist.build.convert import JOURNAL, MANIFEST, _unit_done, _write_json_atomic
+from k3dist.format import layout
+from k3dist.format.placement import Placement, PlacementError, for_config
+from k3dist.format.sfile import (
     _CHUNK,
     CheckpointError,
     Header,
@@ -227,7 +229,7 @@ class BuildSlicer:
         self.config_bytes = (build / "config.json").read_bytes()
         if not (build / INDEX_NAME).exists():
             raise CheckpointError(f"{build}: no {INDEX_NAME}; an MLX build folder has an "
-                                  "index (python -m k3dist.convert writes one)")
+                                  "index (python -m k3dist.build.convert writes one)")
         self.index_bytes = (build / INDEX_NAME).read_bytes()
         self.manifest = self._build_manifest()
         self.index = json.loads(self.index_bytes)
@@ -260,7 +262,7 @@ class BuildSlicer:
         if not p.exists():
             if (self.build / JOURNAL).exists():
                 raise CheckpointError(f"{self.build}: an unfinished conversion (journal, no "
-                                      f"{MANIFEST}); finish it with python -m k3dist.convert")
+                                      f"{MANIFEST}); finish it with python -m k3dist.build.convert")
             return None  # e.g. an mlx-community build
         m = json.loads(p.read_text())
         if m.get("kind") != "build":
@@ -414,7 +416,7 @@ def slice_rank(build: str | Path, out: str | Path, rank: int, size: int,
     check_rank(rank, size)
     if not build.is_dir():
         raise CheckpointError(f"{build}: not a folder; --build names an MLX build (python -m "
-                              "k3dist.convert) or a Moonshot-format checkpoint")
+                              "k3dist.build.convert) or a Moonshot-format checkpoint")
     if out.resolve() == build.resolve():
         raise CheckpointError(f"{out}: is the input folder itself; choose another --out")
     if placement is None:

@@ -140,7 +140,7 @@ def read_counts(path: str | Path) -> dict[int, np.ndarray]:
 def for_config(text_config: dict, size: int, counts_path: str | Path | None = None
                ) -> Placement:
     """The placement a deployment uses: load-aware when counts are given."""
-    from k3dist import layout
+    from k3dist.format import layout
 
     moe = [i for i in range(text_config["num_hidden_layers"])
            if layout.is_moe_layer(text_config, i)]

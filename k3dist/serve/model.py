@@ -18,8 +18,8 @@ Pairs (token, expert) a rank does not own are handled in one of two forms:
 
 from __future__ import annotations
 
-from k3dist.placement import Placement
-from k3dist.warmup import split_length
+from k3dist.format.placement import Placement
+from k3dist.serve.warmup import split_length
 
 import mlx.core as mx
 import numpy as np
@@ -134,7 +134,7 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
 
         def __call__(self, inputs: mx.array, cache=None) -> mx.array:
             # With a fixed list of chunk sizes, any length runs as a sum of them, so
-            # only warmed-up shapes ever reach the compiled graph (k3dist.warmup).
+            # only warmed-up shapes ever reach the compiled graph (k3dist.serve.warmup).
             T = inputs.shape[1]
             if self.chunk_sizes is None or cache is None or T in self.chunk_sizes:
                 return super().__call__(inputs, cache)

@@ -8,9 +8,9 @@ import fcntl
 import shutil
 from pathlib import Path
 
-from k3dist import convert
-from k3dist.corpus import DATA_DIR
-from k3dist.sfile import CheckpointError
+from k3dist.build import convert
+from k3dist.factory.corpus import DATA_DIR
+from k3dist.format.sfile import CheckpointError
 
 DEFAULT_SRC = DATA_DIR / "mini-k3"  # committed; made by train/run.py (data/README.md)
 DEFAULT_BUILD = Path("runs/mini-build")
@@ -35,7 +35,7 @@ def ensure_default_rank(rank: int, size: int, rank_dir: Path) -> Path:
     """This rank's folder of the default build. Ranks sharing one machine take a
     file lock so only one writes the shared build at a time; on separate machines
     each makes its own (deterministic: the same build hash everywhere)."""
-    from k3dist import slicing
+    from k3dist.build import slicing
 
     DEFAULT_BUILD.parent.mkdir(parents=True, exist_ok=True)
     with open(DEFAULT_BUILD.parent / ".default.lock", "w") as lock:

@@ -13,7 +13,7 @@ DEFAULT_DEPLOYMENT = Path("deploy/local.yaml")
 
 @dataclass
 class Deployment:
-    # MLX build folder (k3dist.convert output) or Moonshot-format source to slice
+    # MLX build folder (k3dist.build.convert output) or Moonshot-format source to slice
     build: str = "runs/mini-build"
     # per-rank folders; "{rank}" is replaced by the rank
     rank_dir: str = "runs/ranks/rank{rank}"

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from k3dist.sfile import read_header
+from k3dist.format.sfile import read_header
 
 import mlx.core as mx
 

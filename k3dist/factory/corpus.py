@@ -18,9 +18,9 @@ The built corpus is committed as ``data/corpus/corpus.jsonl.xz`` (one document a
 with ``manifest.json`` (counts, bytes, tokens, digest), so a checkout needs no Python
 sources to train. Rebuilding from the same interpreter reproduces it byte for byte.
 
-    python -m k3dist.corpus build              # sources -> data/corpus/
-    python -m k3dist.corpus tokenizer          # train split -> data/tokenizer/ (K3 layout)
-    python -m k3dist.corpus report             # sizes and token counts; updates manifest
+    python -m k3dist.factory.corpus build              # sources -> data/corpus/
+    python -m k3dist.factory.corpus tokenizer          # train split -> data/tokenizer/ (K3 layout)
+    python -m k3dist.factory.corpus report             # sizes and token counts; updates manifest
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from k3dist import tokenizer
+from k3dist.format import tokens as tokenizer
 
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 CORPUS_DIR = DATA_DIR / "corpus"
 TOKENIZER_DIR = DATA_DIR / "tokenizer"
 CORPUS_FILE = "corpus.jsonl.xz"
@@ -185,7 +185,7 @@ def load(path: Path = CORPUS_DIR) -> list[Document]:
     if path.is_dir():
         path = path / CORPUS_FILE
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no corpus; run `python -m k3dist.corpus build`")
+        raise FileNotFoundError(f"{path}: no corpus; run `python -m k3dist.factory.corpus build`")
     with lzma.open(path, "rt", encoding="utf-8") as f:
         return [Document(**json.loads(line)) for line in f]
 
