@@ -24,6 +24,7 @@ import k3dist
 from k3dist.bench import kit as bench
 from k3dist.factory import synth
 from k3dist.serve import loader
+from k3dist.serve.config import MOE_FORMS
 
 import mlx.core as mx
 
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--comm-trials", type=int, default=d.comm_trials)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--dtype", default=d.dtype, choices=sorted(loader.DTYPES))
-    ap.add_argument("--moe-form", default=d.moe_form, choices=("auto", "placeholder", "local"))
+    ap.add_argument("--moe-form", default=d.moe_form, choices=("auto", *MOE_FORMS))
     ap.add_argument("--blas-threads", type=int, default=1,
                     help="OpenBLAS threads per rank (default 1: ranks share the box)")
     ap.add_argument("--nice-launcher", action="store_true",

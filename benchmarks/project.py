@@ -18,7 +18,6 @@ import glob
 import json
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import k3dist
 from k3dist.bench import costmodel as cm
+from k3dist.bench import kit as bench
 from k3dist.factory import synth
 from k3dist.format import layout, placement
 
@@ -155,7 +155,7 @@ def main() -> None:
     profs = profiles(args)
 
     res: dict = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "command": bench.command_line(),
         "versions": {"k3dist": k3dist.__version__, "python": platform.python_version(),
                      **{p: metadata.version(p) for p in ("mlx", "mlx-lm", "numpy")}},
         "config": args.config

@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 
 from k3dist.build import default, slicing
+from k3dist.format import manifest
 from k3dist.format.placement import PlacementError
 from k3dist.format.sfile import CheckpointError
 from k3dist.serve.config import DEFAULT_DEPLOYMENT, load_deployment
@@ -53,7 +54,7 @@ def main() -> None:
             paths = [slicing.slice_rank(build, d.rank_path(args.rank), args.rank, d.size,
                                         placement)]
         for p in paths:
-            m = slicing.verify_rank_folder(p)
+            m = manifest.verify(p, "rank")
             print(f"rank {m['rank']}: {p} ({m['expert_bytes']:,} expert bytes)")
     except (CheckpointError, PlacementError, ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None

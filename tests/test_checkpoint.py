@@ -22,8 +22,10 @@ from k3dist.format.sfile import CheckpointError, read_header
 import numpy as np
 import pytest
 
-REF = Path("/work/shared/reference")
-REF_CONFIG = REF / "kimi-k3-config.json"
+# the real K3's metadata, beside the repository (../shared/reference) where it is checked out
+REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
+# the real config.json, as the package ships it
+REF_CONFIG = Path(__file__).resolve().parents[1] / "k3dist" / "data" / "kimi-k3-config.json"
 REF_INDEX = REF / "kimi-k3-model.safetensors.index.json.gz"
 L = layout.LAYER_PREFIX
 HEADER_CHECKS = {"shard_headers", "index_vs_headers", "dtypes_shapes", "a_log_padding"}

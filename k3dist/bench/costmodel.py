@@ -68,12 +68,13 @@ from dataclasses import asdict, dataclass, replace
 
 from k3dist.format import layout
 from k3dist.format.placement import Placement, contiguous
+from k3dist.serve.config import MOE_FORMS
 
 import numpy as np
 
 MODES = ("ep-replicated", "ep-split", "tp", "pp")
 EP_MODES = ("ep-replicated", "ep-split")
-FORMS = ("placeholder", "local")
+FORMS = MOE_FORMS
 ACT_BYTES = 2  # bf16 activations on the wire (the build's dtype)
 
 # Tensor groups of a decoder layer and whether each mode splits them over ranks.
@@ -228,7 +229,7 @@ class Facts:
 
     @property
     def moe_layers(self) -> list[int]:
-        return [L.index for L in self.layers if L.moe]
+        return [L.index for L in self.layers if L.moe]  # of these layers (layout's test)
 
     @property
     def expert_bytes(self) -> float:  # one expert, as stored (mean over banks)
@@ -293,7 +294,7 @@ def facts(config: dict, profile: Profile) -> Facts:
         head["lm_head"] = head["embed"]
         head_elems = tc["vocab_size"] * tc["hidden_size"]
     vision = sum(s.nbytes for s in layout.vision_specs(config))
-    moe = next(i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i))
+    moe = layout.moe_layers(tc)[0]
     elems = sum(s.shape[0] * s.shape[1] * (2 if s.name.endswith("weight_packed") else 0)
                 for s in layout.expert_specs(tc, moe, 0))
     return Facts(tc, profile, layers, head, head_elems, vision, elems, tc["num_experts"],

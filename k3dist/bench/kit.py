@@ -23,12 +23,10 @@ Method, everywhere:
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import platform
 import shlex
-import shutil
 import sys
 import tempfile
 import time
@@ -38,10 +36,11 @@ from pathlib import Path
 
 import k3dist
 from k3dist.build import convert, slicing
+from k3dist.build.checkpoint import load_config
 from k3dist.factory import synth
 from k3dist.format import layout, placement
-from k3dist.format.sfile import CheckpointError
-from k3dist.serve import loader
+from k3dist.format.journal import locked, remake_stale
+from k3dist.serve import compat, loader
 from k3dist.serve.model import ExpertParallelMoE, resolve_form
 
 import mlx.core as mx
@@ -67,11 +66,39 @@ def stats(xs: Sequence[float], digits: int = 4) -> dict:
             "mean": round(float(a.mean()), digits), "n": int(a.size)}
 
 
+REPO = Path(k3dist.__file__).resolve().parents[1]
+
+
+def repo_path(path: str | Path) -> str:
+    """``path`` as results record it: relative to the repository, never a machine path
+    (a folder outside the repository, e.g. a temporary one, as ``<temp>/NAME``)."""
+    p = Path(path)
+    if not p.is_absolute():
+        return str(p)
+    try:
+        return str(p.resolve().relative_to(REPO))
+    except ValueError:
+        return f"<temp>/{p.name}"
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """This process's command as results record it: ``python`` and repository-relative
+    paths (an absolute argument outside the repository is kept: it was asked for)."""
+    argv = sys.argv if argv is None else argv
+
+    def rel(a: str) -> str:
+        p = Path(a)
+        if p.is_absolute() and p.resolve().is_relative_to(REPO):
+            return str(p.resolve().relative_to(REPO))
+        return a
+
+    return " ".join(shlex.quote(rel(a)) for a in ["python", *argv])
+
+
 def environment(argv: Sequence[str] | None = None) -> dict:
     """The exact command, versions, machine, backend and BLAS of this process."""
-    argv = sys.argv if argv is None else argv
     return {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *argv]),
+        "command": command_line(argv),
         "versions": {"k3dist": k3dist.__version__, "mlx": mx.__version__,
                      "mlx_lm": mlx_lm.__version__, "python": platform.python_version()},
         "machine": platform.platform(),
@@ -180,24 +207,10 @@ def ensure_preset_build(preset: str, cache: str | Path = "runs", progress: bool 
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(synth.PRESETS)}")
     cache = Path(cache)
     src, build = cache / f"{preset}-src", cache / f"{preset}-build"
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f".{preset}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(cache / f".{preset}.lock"):
         if not (src / "model.safetensors.index.json").exists():
             synth.synthesize(src, preset, seed=0, progress=progress)
-        try:
-            return convert.convert(src, build, progress=progress)
-        except CheckpointError:  # a cache from an older k3dist: ours to replace
-            shutil.rmtree(build)
-            return convert.convert(src, build, progress=progress)
-
-
-def text_config(build: str | Path) -> dict:
-    return layout.text_config(json.loads((Path(build) / "config.json").read_text()))
-
-
-def moe_layers(tc: dict) -> list[int]:
-    return [i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i)]
+        return remake_stale(build, lambda: convert.convert(src, build, progress=progress))
 
 
 def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
@@ -210,7 +223,7 @@ def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
 
 class _RouteRecorder(nn.Module):
     """Stands in for one MoE module during a calibration pass: routes its input with
-    the module's own gate and ``kimi_k3._group_expert_select``, keeps the
+    the module's own gate and kimi_k3's router (``compat.group_expert_select``), keeps the
     selections, then runs the module unchanged."""
 
     def __init__(self, moe: kimi_k3.KimiK3SparseMoE):
@@ -220,7 +233,7 @@ class _RouteRecorder(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         m, a = self.moe, self.moe.args
-        inds, _ = kimi_k3._group_expert_select(
+        inds, _ = compat.group_expert_select(
             m.gate(x), m.e_score_correction_bias, a.num_experts_per_token,
             a.num_expert_group, a.topk_group, a.routed_scaling_factor, a.moe_renormalize)
         self.selected.append(inds)
@@ -510,7 +523,7 @@ def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
     process, on every rank of ``group`` (one ``mlx.launch`` run); this rank's report
     (merge with ``merge_compare``)."""
     rank, size = group.rank(), group.size()
-    tc = text_config(build)
+    tc = layout.text_config(load_config(build))
     vocab = tc["vocab_size"]
     prompt = random_prompt(vocab, s.prompt_len, s.seed)
     calib = random_prompt(vocab, s.calib_len, s.seed + 1)
@@ -520,7 +533,7 @@ def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
     single, _ = load_single(build, s.dtype)
     # Routing counts from rank 0's single-process model, shared, so every rank builds
     # the same placement even where its floats would differ (another machine).
-    moe = moe_layers(tc)
+    moe = layout.moe_layers(tc)
     stacked = np.zeros((len(moe), tc["num_experts"]), dtype=np.int64)
     if rank == 0:
         calib_sel = router_selections(single, calib)
@@ -717,10 +730,10 @@ def merge_compare(reports: list[dict], env: dict, build: str | Path) -> dict:
     summaries = [summarize(r) for r in reports]
     bm = json.loads((Path(build) / "k3dist.json").read_text()) if (
         Path(build) / "k3dist.json").exists() else {}
-    tc = text_config(build)
+    tc = layout.text_config(load_config(build))
     return {
         **env,
-        "build": str(build), "build_hash": bm.get("build_hash"),
+        "build": repo_path(build), "build_hash": bm.get("build_hash"),
         "model": {k: tc.get(k) for k in ("num_hidden_layers", "hidden_size", "num_experts",
                                           "num_experts_per_token", "moe_intermediate_size",
                                           "routed_expert_hidden_size", "vocab_size")},

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +37,7 @@ from k3dist import __version__
 from k3dist.build.checkpoint import Source, check_a_log_tail, quantization_format
 from k3dist.format import layout
 from k3dist.format import tokens as tokenizer
+from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.sfile import (
     CheckpointError,
     StreamWriter,
@@ -45,7 +45,6 @@ from k3dist.format.sfile import (
     mx_dtype_name,
     mx_to_bytes,
     read_header,
-    read_mx,
     sha256_file,
 )
 
@@ -55,8 +54,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import kimi_k3
 from tqdm import tqdm
 
-JOURNAL = ".k3dist-progress.json"
-MANIFEST = "k3dist.json"
 FORMAT_VERSION = 2  # 2: HF tokenizer files, no auto_map
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 # source expert projection -> mlx-lm SwitchGLU name
@@ -86,40 +83,6 @@ def identity(src: Source, nonexpert_bits: int, group_size: int) -> dict:
 
 def build_hash(ident: dict) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-
-
-def _open_output(out: Path, ident: dict) -> dict:
-    """The journal to resume from; refuses a folder that holds anything else."""
-    out.mkdir(parents=True, exist_ok=True)
-    for name in (MANIFEST, JOURNAL):
-        p = out / name
-        if p.exists():
-            old = json.loads(p.read_text())
-            if old.get("identity") != ident:
-                diff = {k: (old.get("identity", {}).get(k), v) for k, v in ident.items()
-                        if old.get("identity", {}).get(k) != v}
-                raise CheckpointError(
-                    f"{out}: already holds a different build ({p.name}: differs in "
-                    f"{sorted(diff)}: {diff}); choose another --out or delete it")
-            return old if name == JOURNAL else {"identity": ident, "done": old["files_by_group"]}
-    leftovers = [p.name for p in out.iterdir() if not p.name.endswith((".partial", ".tmp"))]
-    if leftovers:
-        raise CheckpointError(f"{out}: not empty and not a k3dist build (holds "
-                              f"{leftovers[:5]}); choose an empty or new --out")
-    return {"identity": ident, "done": {}}
-
-
-def _unit_done(out: Path, entry: dict | None) -> bool:
-    if entry is None:
-        return False
-    p = out / entry["file"]
-    return p.exists() and p.stat().st_size == entry["bytes"]
 
 
 def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
@@ -181,9 +144,12 @@ class Converter:
     def _dense(self, group: str) -> tuple[list[tuple[str, mx.array]], dict]:
         """Non-expert tensors of a unit in mlx-lm naming (sanitized, maybe quantized)."""
         specs = [s for s in self.specs[group] if s.family != "experts"]
-        weights = {}
+        weights, files = {}, {}
         for s in specs:  # A_log tails were checked in preflight
-            weights[s.name] = read_mx(self.src.info(s.name, s))
+            path = self.src.info(s.name, s).path  # checked against the config
+            if path not in files:  # lazy: a tensor is read when it is evaluated
+                files[path] = mx.load(str(path))
+            weights[s.name] = files[path][s.name]
         weights = self.model.sanitize(weights)
         qconfig: dict = {}
         if self.bits < 16:
@@ -289,8 +255,8 @@ class Converter:
             raise ValueError("an expert subset makes a rank folder, not a build; use "
                              "k3dist.build.slicing.slice_rank")
         self.preflight()
-        journal = _open_output(self.out, self.ident)
-        if (self.out / MANIFEST).exists():
+        folder = JournaledFolder(self.out, "build", self.ident)
+        if folder.open():
             return self.out  # same identity, already complete
         groups = self.units()
         total = sum(s.nbytes for g in groups for s in self.specs.get(g, []))
@@ -298,14 +264,11 @@ class Converter:
                    disable=not progress)
         t0 = time.perf_counter()
         for g in groups:
-            gbytes = sum(s.nbytes for s in self.specs.get(g, []))
-            if not _unit_done(self.out, journal["done"].get(g)):
-                journal["done"][g] = self.convert_unit(g)
-                _write_json_atomic(self.out / JOURNAL, journal)
+            if folder.unit(g, lambda g=g: self.convert_unit(g)):
                 mx.clear_cache()
-            bar.update(gbytes)
+            bar.update(sum(s.nbytes for s in self.specs.get(g, [])))
         bar.close()
-        self._finish(journal, groups, time.perf_counter() - t0)
+        self._finish(folder, groups, time.perf_counter() - t0)
         return self.out
 
     def write_metadata(self, done: dict, groups: list[str]) -> dict[str, str]:
@@ -316,7 +279,7 @@ class Converter:
             for name in read_header(self.out / done[g]["file"]).tensors:
                 weight_map[name] = done[g]["file"]
         total = sum((self.out / done[g]["file"]).stat().st_size for g in groups)
-        _write_json_atomic(self.out / "model.safetensors.index.json",
+        write_json_atomic(self.out / "model.safetensors.index.json",
                            {"metadata": {"total_size": total}, "weight_map": weight_map})
 
         cfg = json.loads(json.dumps(self.src.config))
@@ -330,7 +293,7 @@ class Converter:
         for g in groups:
             quant.update(done[g].get("quantization", {}))
         cfg["quantization"] = quant
-        _write_json_atomic(self.out / "config.json", cfg)
+        write_json_atomic(self.out / "config.json", cfg)
 
         copied = {}
         for name in TOKENIZER_FILES:
@@ -345,8 +308,8 @@ class Converter:
                 copied[name] = sha256_file(self.out / name)
         return copied
 
-    def _finish(self, journal: dict, groups: list[str], seconds: float) -> None:
-        done = journal["done"]
+    def _finish(self, folder: JournaledFolder, groups: list[str], seconds: float) -> None:
+        done = folder.done
         copied = self.write_metadata(done, groups)
         manifest = {
             "tool": f"k3dist {__version__}",
@@ -362,8 +325,7 @@ class Converter:
                       for g in groups} | {n: {"sha256": h} for n, h in copied.items()},
             "seconds": round(seconds, 2),
         }
-        _write_json_atomic(self.out / MANIFEST, manifest)
-        (self.out / JOURNAL).unlink(missing_ok=True)
+        folder.finish(manifest)
 
 
 def convert(src: str | Path, out: str | Path, nonexpert_bits: int = 16, group_size: int = 64,

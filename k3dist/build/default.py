@@ -4,13 +4,11 @@ under ``runs/``."""
 
 from __future__ import annotations
 
-import fcntl
-import shutil
 from pathlib import Path
 
+from k3dist import DATA_DIR
 from k3dist.build import convert
-from k3dist.factory.corpus import DATA_DIR
-from k3dist.format.sfile import CheckpointError
+from k3dist.format.journal import locked, remake_stale
 
 DEFAULT_SRC = DATA_DIR / "mini-k3"  # committed; made by train/run.py (data/README.md)
 DEFAULT_BUILD = Path("runs/mini-build")
@@ -24,11 +22,8 @@ def ensure_default_build(progress: bool = False) -> Path:
         raise FileNotFoundError(
             f"{DEFAULT_SRC}: the shipped mini-K3 is missing (it is committed: restore it "
             "with `git checkout -- data/mini-k3`, or retrain it as data/README.md shows)")
-    try:
-        return convert.convert(DEFAULT_SRC, DEFAULT_BUILD, progress=progress)
-    except CheckpointError:  # a cache from an older k3dist: ours to replace
-        shutil.rmtree(DEFAULT_BUILD)
-        return convert.convert(DEFAULT_SRC, DEFAULT_BUILD, progress=progress)
+    return remake_stale(DEFAULT_BUILD,
+                        lambda: convert.convert(DEFAULT_SRC, DEFAULT_BUILD, progress=progress))
 
 
 def ensure_default_rank(rank: int, size: int, rank_dir: Path) -> Path:
@@ -37,12 +32,7 @@ def ensure_default_rank(rank: int, size: int, rank_dir: Path) -> Path:
     each makes its own (deterministic: the same build hash everywhere)."""
     from k3dist.build import slicing
 
-    DEFAULT_BUILD.parent.mkdir(parents=True, exist_ok=True)
-    with open(DEFAULT_BUILD.parent / ".default.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked(DEFAULT_BUILD.parent / ".default.lock"):
         build = ensure_default_build()
-        try:
-            return slicing.slice_rank(build, rank_dir, rank, size, None, progress=False)
-        except CheckpointError:  # a stale cached rank folder: ours to replace
-            shutil.rmtree(rank_dir)
-            return slicing.slice_rank(build, rank_dir, rank, size, None, progress=False)
+        return remake_stale(rank_dir, lambda: slicing.slice_rank(build, rank_dir, rank, size,
+                                                                 None, progress=False))

@@ -38,8 +38,9 @@ from pathlib import Path
 from k3dist import __version__
 from k3dist.build import convert
 from k3dist.build.checkpoint import INDEX_NAME, Source, load_config
-from k3dist.build.convert import JOURNAL, MANIFEST, _unit_done, _write_json_atomic
-from k3dist.format import layout
+from k3dist.format import layout, manifest
+from k3dist.format.journal import JournaledFolder, write_json_atomic
+from k3dist.format.manifest import JOURNAL, MANIFEST
 from k3dist.format.placement import Placement, PlacementError, for_config
 from k3dist.format.sfile import (
     _CHUNK,
@@ -106,39 +107,6 @@ def _describe(ident: dict) -> str:
             f"{ident.get('build_hash')} (placement {ident.get('placement_hash')})")
 
 
-def _open_output(out: Path, ident: dict, source_kind: str) -> dict:
-    """The journal to resume from; refuses a folder holding anything else."""
-    out.mkdir(parents=True, exist_ok=True)
-    for name in (MANIFEST, JOURNAL):
-        p = out / name
-        if not p.exists():
-            continue
-        old = json.loads(p.read_text())
-        if old.get("kind") != "rank":
-            raise CheckpointError(f"{out}: holds a k3dist {old.get('kind') or 'build'} "
-                                  f"({p.name}), not a rank folder; choose another --out")
-        if old.get("identity") != ident:
-            prev = old.get("identity", {})
-            diff = {k: (prev.get(k), v) for k, v in ident.items() if prev.get(k) != v}
-            detail = "; ".join(f"{k}: folder has {a!r}, this run {b!r}"
-                               for k, (a, b) in diff.items())
-            raise CheckpointError(
-                f"{out}: already holds {_describe(prev)}, this run writes "
-                f"{_describe(ident)} ({detail}); choose another --out (e.g. one with "
-                "{rank}) or delete the folder")
-        if name == MANIFEST:
-            return {"kind": "rank", "identity": ident, "input": source_kind, "done": {},
-                    "complete": True}
-        if old.get("input") != source_kind:  # other route: same bytes, other unit names
-            old = {**old, "input": source_kind, "done": {}}
-        return old
-    leftovers = [p.name for p in out.iterdir() if not p.name.endswith((".partial", ".tmp"))]
-    if leftovers:
-        raise CheckpointError(f"{out}: not empty and not a k3dist rank folder (holds "
-                              f"{leftovers[:5]}); choose an empty or new --out")
-    return {"kind": "rank", "identity": ident, "input": source_kind, "done": {}}
-
-
 def _copy_file(src: Path, dst: Path) -> None:
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.copyfile(src, tmp)
@@ -165,11 +133,16 @@ def _runs(ids: list[int], per: int) -> list[tuple[int, int]]:
     return out
 
 
-def _write_manifest(out: Path, ident: dict, placement: Placement, build: Path,
-                    source_kind: str, safetensors: dict[str, dict], small: list[str],
-                    seconds: float) -> dict:
+def _folder(out: Path, ident: dict, source_kind: str) -> JournaledFolder:
+    return JournaledFolder(out, "rank", ident, source=source_kind, describe=_describe,
+                           hint=" (e.g. one with {rank})")
+
+
+def _write_manifest(folder: JournaledFolder, placement: Placement, build: Path,
+                    safetensors: dict[str, dict], small: list[str], seconds: float) -> dict:
     """``k3dist.json``, last: sha256 of the tensor files from the journal (computed
     while writing; never a second read of the folder), of the small files here."""
+    out, ident = folder.path, folder.identity
     files = {name: {"sha256": e["sha256"], "bytes": e["bytes"]}
              for name, e in safetensors.items()}
     for name in small:
@@ -184,13 +157,12 @@ def _write_manifest(out: Path, ident: dict, placement: Placement, build: Path,
         "placement_hash": placement.hash,
         "build_hash": ident["build_hash"],
         "build": str(build.resolve()),
-        "input": source_kind,
+        "input": folder.source,
         "expert_bytes": sum(_expert_bytes(read_header(out / n)) for n in safetensors),
         "files": files,
         "seconds": round(seconds, 2),
     }
-    _write_json_atomic(out / MANIFEST, manifest)
-    (out / JOURNAL).unlink(missing_ok=True)
+    folder.finish(manifest)
     return manifest
 
 
@@ -264,17 +236,7 @@ class BuildSlicer:
                 raise CheckpointError(f"{self.build}: an unfinished conversion (journal, no "
                                       f"{MANIFEST}); finish it with python -m k3dist.build.convert")
             return None  # e.g. an mlx-community build
-        m = json.loads(p.read_text())
-        if m.get("kind") != "build":
-            raise CheckpointError(f"{self.build}: {MANIFEST} says kind {m.get('kind')!r}; "
-                                  "slice the build it came from, not a rank folder")
-        for name, meta in m.get("files", {}).items():
-            f = self.build / name
-            if "bytes" in meta and (not f.exists() or f.stat().st_size != meta["bytes"]):
-                got = f.stat().st_size if f.exists() else "missing"
-                raise CheckpointError(f"{f}: {got} bytes, the build's {MANIFEST} says "
-                                      f"{meta['bytes']}; copy the build again")
-        return m
+        return manifest.verify(self.build, "build")
 
     def _check_index(self) -> None:
         for name, f in self.weight_map.items():
@@ -319,8 +281,8 @@ class BuildSlicer:
                       and not p.name.endswith((".safetensors", ".partial", ".tmp")))
 
     def run(self, progress: bool = True) -> Path:
-        journal = _open_output(self.out, self.ident, "build")
-        if journal.get("complete"):
+        folder = _folder(self.out, self.ident, "build")
+        if folder.open():
             return self.out
         total = sum(sum(n for _, n in ranges) for f in self.files for _, _, ranges in
                     self._plan(f))
@@ -328,22 +290,19 @@ class BuildSlicer:
                    desc=f"rank {self.rank}")
         t0 = time.perf_counter()
         for f in self.files:
-            if _unit_done(self.out, journal["done"].get(f)):
+            if not folder.unit(f, lambda f=f: self._slice_file(f, bar)):
                 bar.update(sum(n for _, _, r in self._plan(f) for _, n in r))
-                continue
-            journal["done"][f] = self._slice_file(f, bar)
-            _write_json_atomic(self.out / JOURNAL, journal)
         bar.close()
-        total_size = sum(journal["done"][f]["bytes"] for f in self.files)
+        total_size = sum(folder.done[f]["bytes"] for f in self.files)
         meta = {**self.index.get("metadata", {}), "total_size": total_size}
-        _write_json_atomic(self.out / INDEX_NAME,
-                           {"metadata": meta, "weight_map": self.weight_map})
+        write_json_atomic(self.out / INDEX_NAME,
+                          {"metadata": meta, "weight_map": self.weight_map})
         small = self._small_files()
         _copy_file(self.build / "config.json", self.out / "config.json")
         for name in small:
             _copy_file(self.build / name, self.out / name)
-        _write_manifest(self.out, self.ident, self.placement, self.build, "build",
-                        {f: journal["done"][f] for f in self.files},
+        _write_manifest(folder, self.placement, self.build,
+                        {f: folder.done[f] for f in self.files},
                         [INDEX_NAME, "config.json", *small], time.perf_counter() - t0)
         return self.out
 
@@ -359,7 +318,7 @@ class SourceSlicer:
         check_rank(rank, size)
         self.src = Source(src)
         tc = self.src.text_config
-        moe = {i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i)}
+        moe = set(layout.moe_layers(tc))
         _check_placement(placement, size, tc.get("num_experts") or 0, moe, str(src))
         self.placement, self.rank, self.out = placement, rank, out
         self.conv = convert.Converter(self.src, out, nonexpert_bits, group_size,
@@ -381,23 +340,21 @@ class SourceSlicer:
         return n
 
     def run(self, progress: bool = True) -> Path:
-        journal = _open_output(self.out, self.ident, "source")
-        if journal.get("complete"):
+        folder = _folder(self.out, self.ident, "source")
+        if folder.open():
             return self.out
         groups = self.conv.units()
         bar = tqdm(total=sum(self._unit_bytes(g) for g in groups), unit="B", unit_scale=True,
                    disable=not progress, desc=f"rank {self.rank}")
         t0 = time.perf_counter()
         for g in groups:
-            if not _unit_done(self.out, journal["done"].get(g)):
-                journal["done"][g] = self.conv.convert_unit(g)
-                _write_json_atomic(self.out / JOURNAL, journal)
+            if folder.unit(g, lambda g=g: self.conv.convert_unit(g)):
                 mx.clear_cache()
             bar.update(self._unit_bytes(g))
         bar.close()
-        done = journal["done"]
+        done = folder.done
         copied = self.conv.write_metadata(done, groups)
-        _write_manifest(self.out, self.ident, self.placement, self.src.path, "source",
+        _write_manifest(folder, self.placement, self.src.path,
                         {done[g]["file"]: done[g] for g in groups},
                         [INDEX_NAME, "config.json", *copied], time.perf_counter() - t0)
         return self.out
@@ -437,33 +394,3 @@ def slice_all(build: str | Path, out_pattern: str, size: int,
     placement = placement or placement_for(build, size)
     return [slice_rank(build, out_pattern.format(rank=r), r, size, placement, progress)
             for r in range(size)]
-
-
-def verify_rank_folder(path: str | Path, sha256: bool = False) -> dict:
-    """The manifest of a complete rank folder, after checking every file's size (and
-    sha256 when asked); CheckpointError naming what is wrong and the fix."""
-    path = Path(path)
-    mp = path / MANIFEST
-    if not mp.exists():
-        hint = " (an unfinished slicing: run it again)" if (path / JOURNAL).exists() else ""
-        raise CheckpointError(f"{path}: no {MANIFEST}{hint}; make rank folders with "
-                              "python slicing/rank_split.py")
-    m = json.loads(mp.read_text())
-    if m.get("kind") != "rank":
-        raise CheckpointError(f"{mp}: kind {m.get('kind')!r}, not a rank folder; make one "
-                              "with python slicing/rank_split.py")
-    bad = []
-    for name, meta in m["files"].items():
-        f = path / name
-        if not f.exists():
-            bad.append(f"{name} missing")
-        elif f.stat().st_size != meta["bytes"]:
-            bad.append(f"{name} has {f.stat().st_size} bytes, manifest {meta['bytes']}")
-        elif sha256 and sha256_file(f) != meta["sha256"]:
-            bad.append(f"{name} sha256 differs from the manifest")
-    if bad:
-        more = "; ..." if len(bad) > 5 else ""
-        raise CheckpointError(f"{path}: rank {m.get('rank')} folder is damaged "
-                              f"({'; '.join(bad[:5])}{more}); slice it again into a new "
-                              "folder or copy it again")
-    return m

@@ -37,9 +37,10 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from k3dist import DATA_DIR
+from k3dist.factory import bpe
 from k3dist.format import tokens as tokenizer
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 CORPUS_DIR = DATA_DIR / "corpus"
 TOKENIZER_DIR = DATA_DIR / "tokenizer"
 CORPUS_FILE = "corpus.jsonl.xz"
@@ -239,7 +240,7 @@ def train_tokenizer(docs: list[Document], out_dir: Path = TOKENIZER_DIR,
                     vocab_size: int = BASE_VOCAB) -> int:
     """BPE on the train documents, written in K3's layout; returns the full vocab size
     (base + 256 control tokens)."""
-    ranks = tokenizer.train_bpe(training_text(docs), vocab_size)
+    ranks = bpe.train_bpe(training_text(docs), vocab_size)
     if len(ranks) != vocab_size:
         raise ValueError(f"the text supports only {len(ranks)} tokens, asked {vocab_size}")
     return tokenizer.write_tokenizer_files(Path(out_dir), ranks)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from k3dist.factory import bpe
 from k3dist.format import layout
 from k3dist.format import tokens as tokenizer
 from k3dist.format.sfile import StreamWriter, f32_to_bf16_bits
@@ -183,7 +184,7 @@ def synthesize(out: str | Path, preset: str = "mini", seed: int = 0,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
 
-    ranks = tokenizer.mini_tokenizer(p.base_vocab)
+    ranks = bpe.mini_tokenizer(p.base_vocab)
     vocab_size = tokenizer.write_tokenizer_files(out, ranks)
     cfg = make_config(p, vocab_size)
     tc = cfg["text_config"]

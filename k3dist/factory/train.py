@@ -206,10 +206,6 @@ def freeze_experts_mxfp4(model: nn.Module) -> dict:
     return errors
 
 
-def experts_frozen(model: nn.Module) -> bool:
-    return any(hasattr(m.switch_mlp.gate_proj, "scales") for m in moe_layers(model))
-
-
 # ----------------------------------------------------------------------------- data
 
 
@@ -296,14 +292,16 @@ class State:
 
 
 def lr_at(i: int, horizon: int | None, lr: float, warmup: int, min_ratio: float) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine to ``min_ratio * lr`` at
-    ``horizon``. Needs the horizon only after warm-up."""
-    if i < warmup:
-        return lr * (i + 1) / warmup
-    if horizon is None:
+    """Linear warm-up over ``warmup`` steps (``lr * (i + 1) / warmup``), then cosine to
+    ``min_ratio * lr`` at ``horizon``: mlx.optimizers' schedules, joined. Needs the
+    horizon only after warm-up."""
+    if i >= warmup and horizon is None:
         raise ValueError(f"step {i} is past warm-up ({warmup}) but no horizon is set")
-    t = min(1.0, (i - warmup) / max(1, horizon - warmup))
-    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(lr / warmup, lr, max(1, warmup - 1)),
+         optim.cosine_decay(lr, max(1, (horizon or warmup) - warmup), min_ratio * lr)],
+        [warmup])
+    return schedule(i).item()
 
 
 def make_optimizer(a: TrainArgs) -> optim.Optimizer:

@@ -77,6 +77,11 @@ def is_moe_layer(tc: dict, layer: int) -> bool:
     )
 
 
+def moe_layers(tc: dict) -> list[int]:
+    """0-based indices of the MoE layers, ascending."""
+    return [i for i in range(tc["num_hidden_layers"]) if is_moe_layer(tc, i)]
+
+
 def layer_of(name: str) -> int | None:
     m = _LAYER_RE.match(name)
     return int(m.group(1)) if m else None
@@ -88,13 +93,6 @@ def parse_expert_key(name: str) -> tuple[int, int, str, str] | None:
     if not m:
         return None
     return int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
-
-
-def group_of(name: str) -> str:
-    if name.startswith(("vision_tower.", "mm_projector.")):
-        return "vision"
-    layer = layer_of(name)
-    return "head" if layer is None else f"layer.{layer}"
 
 
 def expert_specs(tc: dict, layer: int, expert: int) -> list[TensorSpec]:

@@ -55,18 +55,6 @@ def _check_cols(cols: int) -> None:
         raise ValueError(f"MXFP4 needs cols divisible by {GROUP_SIZE}, got cols={cols}")
 
 
-def packed_shape(rows: int, cols: int) -> tuple[int, int]:
-    """Shape of compressed-tensors ``weight_packed`` (uint8, two codes a byte)."""
-    _check_cols(cols)
-    return rows, cols // 2
-
-
-def scale_shape(rows: int, cols: int) -> tuple[int, int]:
-    """Shape of ``weight_scale`` (uint8 E8M0, one per group of 32 along cols)."""
-    _check_cols(cols)
-    return rows, cols // GROUP_SIZE
-
-
 def _is_u8(dtype: np.dtype | mx.Dtype) -> bool:
     return dtype == mx.uint8 if isinstance(dtype, mx.Dtype) else np.dtype(dtype) == np.uint8
 
@@ -182,13 +170,3 @@ def from_mlx(weight: mx.array, scales: mx.array) -> tuple[mx.array, mx.array]:
     packed = weight.view(mx.uint8)
     _check_pair(packed.shape, packed.dtype, scales.shape, scales.dtype)
     return packed, scales
-
-
-def dequantize_mlx(
-    packed: np.ndarray | mx.array,
-    scales: np.ndarray | mx.array,
-    dtype: mx.Dtype = mx.float32,
-) -> mx.array:
-    """Dequantize compressed-tensors MXFP4 with MLX's kernel (mxfp4 has no biases)."""
-    weight, scales = to_mlx(packed, scales)
-    return mx.dequantize(weight, scales, mode="mxfp4", group_size=GROUP_SIZE, bits=4, dtype=dtype)

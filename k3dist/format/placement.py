@@ -142,8 +142,7 @@ def for_config(text_config: dict, size: int, counts_path: str | Path | None = No
     """The placement a deployment uses: load-aware when counts are given."""
     from k3dist.format import layout
 
-    moe = [i for i in range(text_config["num_hidden_layers"])
-           if layout.is_moe_layer(text_config, i)]
+    moe = layout.moe_layers(text_config)
     if counts_path is None:
         return contiguous(text_config["num_experts"], size, moe)
     counts = read_counts(counts_path)

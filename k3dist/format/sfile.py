@@ -127,23 +127,11 @@ def read_numpy(info: TensorInfo) -> np.ndarray:
     return arr.reshape(info.shape)
 
 
-def read_mx(info: TensorInfo):
-    """A tensor as an mx.array in its own dtype (BF16 kept as bfloat16)."""
-    import mlx.core as mx
-
-    a = mx.array(read_numpy(info))
-    return a.view(mx.bfloat16) if info.dtype == "BF16" else a
-
-
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """Round-to-nearest-even float32 -> bfloat16 bit patterns (uint16)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     rounded = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
     return (rounded >> np.uint32(16)).astype(np.uint16)
-
-
-def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
-    return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def mx_dtype_name(a) -> str:
@@ -240,22 +228,9 @@ class StreamWriter:
             self.abort()
 
 
-def write_arrays(path: str | Path, arrays: dict[str, tuple[str, np.ndarray]],
-                 metadata: dict[str, str] | None = None) -> str:
-    """Small files in one call: {name: (dtype, numpy array)}; returns sha256."""
-    entries = [(n, dt, tuple(a.shape)) for n, (dt, a) in arrays.items()]
-    with StreamWriter(path, entries, metadata) as w:
-        for n, (_, a) in arrays.items():
-            w.write(n, np.ascontiguousarray(a).tobytes())
-    return w.sha256
-
-
 def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def iter_chunks(info: TensorInfo, chunk: int = _CHUNK) -> Iterator[bytes]:

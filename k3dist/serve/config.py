@@ -9,6 +9,10 @@ from pathlib import Path
 import yaml
 
 DEFAULT_DEPLOYMENT = Path("deploy/local.yaml")
+# how non-owned (token, expert) pairs are handled (k3dist.serve.model); "auto" picks one
+MOE_FORMS = ("placeholder", "local")
+# compute dtypes a deployment may ask for (MLX names)
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -53,6 +57,9 @@ class Deployment:
     # port of rank 0's watchdog listener; None: first ring port + 1000
     watchdog_port: int | None = None
     # refuse to start unless the folder fits in free memory with this much to spare
+    # (KV cache and activations). The K3 cache is small per token: 24 MLA layers keep
+    # 576 values x 2 B = 27,648 B/token, so 128K tokens take ~3.6 GB; KDA layers keep a
+    # fixed-size state. deploy/tb5.yaml sets 24 for the real model.
     memory_headroom_gb: float = 2.0
 
     def rank_path(self, rank: int) -> Path:
@@ -78,8 +85,8 @@ def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
             raise ValueError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
     values.update({k: v for k, v in overrides.items() if v is not None})
     d = Deployment(**values)
-    if d.moe_form not in ("auto", "placeholder", "local"):
+    if d.moe_form not in ("auto", *MOE_FORMS):
         raise ValueError(f"moe_form must be auto, placeholder or local, not {d.moe_form!r}")
-    if d.dtype not in ("float32", "bfloat16", "float16"):
+    if d.dtype not in DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, not {d.dtype!r}")
     return d

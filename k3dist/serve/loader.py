@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from k3dist.build.slicing import verify_rank_folder
-from k3dist.format import layout
+from k3dist.format import layout, manifest
 from k3dist.format.placement import Placement
 from k3dist.format.sfile import CheckpointError, read_header
+from k3dist.serve.config import DTYPES as DTYPE_NAMES
 from k3dist.serve.model import make_model_class, resolve_form
 
 import mlx.core as mx
@@ -24,7 +24,7 @@ import numpy as np
 from mlx_lm.models import kimi_k3
 from mlx_lm.utils import load_model
 
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+DTYPES = {name: getattr(mx, name) for name in DTYPE_NAMES}
 PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -35,7 +35,7 @@ class RankMismatch(CheckpointError):
 def check_rank_folder(folder: str | Path, rank: int, size: int) -> tuple[dict, Placement]:
     """Everything that can be checked without talking to the other ranks."""
     folder = Path(folder)
-    m = verify_rank_folder(folder)  # manifest, kind, every file's size
+    m = manifest.verify(folder, "rank")  # kind, every file's size
     if m["size"] != size:
         raise RankMismatch(f"{folder}: sliced for {m['size']} ranks but the group has {size}; "
                            f"launch with -n {m['size']} or slice again with --size {size}")

@@ -19,6 +19,8 @@ Pairs (token, expert) a rank does not own are handled in one of two forms:
 from __future__ import annotations
 
 from k3dist.format.placement import Placement
+from k3dist.serve import compat
+from k3dist.serve.config import MOE_FORMS
 from k3dist.serve.warmup import split_length
 
 import mlx.core as mx
@@ -26,8 +28,6 @@ import numpy as np
 from mlx.nn.layers.distributed import shard_inplace
 from mlx_lm.models import kimi_k3
 from mlx_lm.models.switch_layers import SwitchGLU
-
-FORMS = ("placeholder", "local")
 
 
 def resolve_form(form: str) -> str:
@@ -42,8 +42,8 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
     def __init__(self, args: kimi_k3.TextArgs, local_table: np.ndarray,
                  group: mx.distributed.Group | None, form: str = "placeholder"):
         super().__init__(args)
-        if form not in FORMS:
-            raise ValueError(f"moe form must be one of {FORMS}, not {form!r}")
+        if form not in MOE_FORMS:
+            raise ValueError(f"moe form must be one of {MOE_FORMS}, not {form!r}")
         n_local = int((local_table >= 0).sum())
         self.switch_mlp = SwitchGLU(
             self.latent_size or args.hidden_size, args.moe_intermediate_size, n_local,
@@ -63,7 +63,7 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
 
     def _route(self, x: mx.array) -> tuple[mx.array, mx.array]:
         a = self.args
-        return kimi_k3._group_expert_select(
+        return compat.group_expert_select(
             self.gate(x), self.e_score_correction_bias, a.num_experts_per_token,
             a.num_expert_group, a.topk_group, a.routed_scaling_factor, a.moe_renormalize)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from queue import Queue
 from typing import Any
 
-from k3dist.serve import warmup
+from k3dist.serve import compat, warmup
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
@@ -214,7 +214,7 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
         if shared is None or self.token_log is None:
             return shared
         self._request_no += 1
-        rq = shared[0] if self._rank == 0 or not self._is_distributed else None
+        rq = shared[0] if compat.holds_request(self) else None
         return (_TokenLog(rq, self.token_log, self._request_no), *shared[1:])
 
 

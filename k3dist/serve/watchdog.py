@@ -1,16 +1,12 @@
-"""What keeps a multi-rank serve honest: preflight, peer watchdog, device heartbeat.
+"""The peer watchdog of a multi-rank serve.
 
-- ``preflight``: before minutes of loading, does this rank's folder fit in the
-  memory this machine can give it (and, on Metal, under the wired limit)? Refuse
-  with the numbers and the fix; otherwise wire the footprint.
-- ``Watchdog``: a TCP side channel beside the MLX group. When a peer dies, the
-  ring backend on the survivor may fail the pending collective, return garbage, or
-  block forever; nothing in MLX ends the run. The watchdog notices (a closed
-  socket at once, a silent peer after ``timeout_s``) and hard-exits every survivor
-  with a line that names the lost rank. It also carries a requested shutdown
-  (SIGTERM/SIGINT on any rank stops all ranks with exit code 0).
-- ``DeviceHeartbeat``: a tiny op every interval so an idle Metal GPU does not
-  sleep between requests.
+``Watchdog``: a TCP side channel beside the MLX group. When a peer dies, the
+ring backend on the survivor may fail the pending collective, return garbage, or
+block forever; nothing in MLX ends the run. The watchdog notices (a closed
+socket at once, a silent peer after ``timeout_s``) and hard-exits every survivor
+with a line that names the lost rank. It also carries a requested shutdown
+(SIGTERM/SIGINT on any rank stops all ranks with exit code 0). Kept ours: MLX has
+no liveness check for a group, and mlx_lm.server none for its peers.
 
 Exit codes: 0 after a requested stop, 3 (``LOST_EXIT_CODE``) after a lost peer.
 """
@@ -24,174 +20,19 @@ import os
 import selectors
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from k3dist.format.sfile import read_header
-
 import mlx.core as mx
-
-GiB = 1 << 30
-MiB = 1 << 20
-
-# Margin on top of the weights. The K3 cache is small per token: 24 MLA layers keep
-# the 512-wide latent + 64-wide rope key (576 values x 2 B = 27,648 B/token), so
-# 128K tokens take ~3.6 GB; KDA layers keep a fixed-size state, and a prefill chunk's
-# activations are a few hundred MB. 8 GiB covers one long context; raise it for
-# batches or longer contexts.
-DEFAULT_HEADROOM_BYTES = 8 * GiB
 
 LOST_EXIT_CODE = 3
 # mlx.launch's default --starting-port; the watchdog sits PORT_OFFSET above rank
 # 0's first ring port, clear of the ring's own ports (one per rank and connection).
 DEFAULT_RING_PORT = 32323
 PORT_OFFSET = 1000
-
-
-# ---------------------------------------------------------------- preflight
-
-
-class PreflightError(RuntimeError):
-    """This rank cannot fit; the message has the numbers and the fix."""
-
-
-def _gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB ({n:,} bytes)"
-
-
-def folder_weight_bytes(folder: str | Path) -> int:
-    """Bytes of tensor data in the folder's safetensors files (what loading maps in)."""
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise PreflightError(f"{folder}: no *.safetensors files; pass a rank folder made by "
-                             "slicing/rank_split.py (or a build folder)")
-    return sum(h.file_size - h.data_offset for h in map(read_header, files))
-
-
-def parse_meminfo(text: str) -> int:
-    """Linux: MemAvailable (the kernel's estimate of memory usable without swapping)."""
-    for line in text.splitlines():
-        if line.startswith("MemAvailable:"):
-            value, unit = line.split()[1:3]
-            if unit != "kB":
-                raise ValueError(f"/proc/meminfo: unexpected unit {unit!r} for MemAvailable")
-            return int(value) * 1024
-    raise ValueError("/proc/meminfo has no MemAvailable line (Linux >= 3.14 has it)")
-
-
-def parse_vm_stat(text: str) -> int:
-    """macOS: (free + inactive) pages x page size. Speculative and purgeable pages are
-    left out, so this errs on the side of refusing."""
-    lines = text.splitlines()
-    if not lines or "page size of" not in lines[0]:
-        raise ValueError(f"vm_stat: no page size in the first line {lines[:1]}")
-    page = int(lines[0].split("page size of")[1].split()[0])
-    pages = {}
-    for line in lines[1:]:
-        key, _, value = line.partition(":")
-        if value.strip().rstrip(".").isdigit():
-            pages[key.strip()] = int(value.strip().rstrip("."))
-    missing = [k for k in ("Pages free", "Pages inactive") if k not in pages]
-    if missing:
-        raise ValueError(f"vm_stat: no {missing} lines")
-    return (pages["Pages free"] + pages["Pages inactive"]) * page
-
-
-def free_memory() -> tuple[int, str]:
-    """(bytes this process could use now, where the number came from)."""
-    if sys.platform == "darwin":
-        out = subprocess.run(["vm_stat"], capture_output=True, text=True, check=True).stdout
-        return parse_vm_stat(out), "vm_stat free+inactive pages"
-    return parse_meminfo(Path("/proc/meminfo").read_text()), "/proc/meminfo MemAvailable"
-
-
-def _sysctl_int(name: str) -> int | None:
-    try:
-        out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True,
-                             timeout=5)
-        return int(out.stdout.strip()) if out.returncode == 0 else None
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return None
-
-
-def metal_limits() -> dict | None:
-    """The GPU's wired-memory ceiling where Metal is present, else None."""
-    if not mx.metal.is_available():
-        return None
-    try:
-        info = mx.device_info(mx.gpu)
-    except (AttributeError, TypeError):  # older MLX: only the metal namespace has it
-        info = mx.metal.device_info()
-    return {
-        "max_recommended_working_set_bytes": int(info["max_recommended_working_set_size"]),
-        "memory_bytes": int(info["memory_size"]),
-        # 0 means the macOS default (about 3/4 of memory on large machines)
-        "iogpu_wired_limit_mb": _sysctl_int("iogpu.wired_limit_mb"),
-    }
-
-
-def check_memory(folder: str | Path, weights: int, headroom: int, free: int,
-                 free_source: str, metal: Mapping | None = None) -> int:
-    """Refuse (PreflightError) unless weights + headroom fit; returns the footprint.
-    Pure: preflight passes the measured numbers, tests pass pretend ones."""
-    footprint = weights + headroom
-    need = (f"{folder} needs {_gib(footprint)}: {_gib(weights)} of weights + "
-            f"{_gib(headroom)} headroom for KV cache and activations")
-    smaller = ("serve a smaller build (more experts in the 2-bit lo bank) or slice for more "
-               "ranks (slicing/rank_split.py --size N+1)")
-    if footprint > free:
-        raise PreflightError(f"{need}, but only {_gib(free)} is free ({free_source}); fix: "
-                             f"free {_gib(footprint - free)} (quit other programs), {smaller}")
-    if metal is not None:
-        ceiling = metal["max_recommended_working_set_bytes"]
-        if footprint > ceiling:
-            mb = math.ceil(footprint / MiB)
-            # macOS itself needs a few GiB that are never wired.
-            if mb * MiB > metal["memory_bytes"] - 4 * GiB:
-                raise PreflightError(f"{need}, more than this machine can wire "
-                                     f"({_gib(metal['memory_bytes'])} of memory); fix: {smaller}")
-            raise PreflightError(
-                f"{need}, but Metal may wire only {_gib(ceiling)} (iogpu.wired_limit_mb="
-                f"{metal.get('iogpu_wired_limit_mb')}); fix: sudo sysctl iogpu.wired_limit_mb="
-                f"{mb} (resets at reboot), or {smaller}")
-    return footprint
-
-
-def preflight(folder: str | Path, *, headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
-              free_bytes: int | None = None, set_wired: bool = True) -> dict:
-    """Check that this rank's folder fits before loading it; on Metal, wire it.
-
-    ``free_bytes`` replaces the measured free memory (tests, or a deployment that
-    knows better). Returns the numbers, for serve to print as evidence.
-    """
-    weights = folder_weight_bytes(folder)
-    if free_bytes is None:
-        free, source = free_memory()
-    else:
-        free, source = int(free_bytes), "given"
-    metal = metal_limits()
-    footprint = check_memory(folder, weights, headroom_bytes, free, source, metal)
-    report = {"folder": str(folder), "weights_bytes": weights, "headroom_bytes": headroom_bytes,
-              "footprint_bytes": footprint, "free_bytes": free, "free_source": source,
-              "metal": metal, "wired_limit_set_bytes": None, "previous_wired_limit_bytes": None}
-    if metal is not None and set_wired:
-        # Wiring keeps the weights resident: without it macOS may page expert banks
-        # out between requests and the first token after an idle spell stalls.
-        try:
-            report["previous_wired_limit_bytes"] = mx.set_wired_limit(footprint)
-        except (RuntimeError, ValueError) as e:
-            raise PreflightError(f"mx.set_wired_limit({footprint:,}) failed ({e}); fix: sudo "
-                                 f"sysctl iogpu.wired_limit_mb={math.ceil(footprint / MiB)}"
-                                 ) from None
-        report["wired_limit_set_bytes"] = footprint
-    return report
-
-
-# ---------------------------------------------------------------- watchdog
 
 
 class WatchdogError(RuntimeError):
@@ -513,7 +354,8 @@ class Watchdog:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(clean=exc_type is None)
 
-    def _watch_signals(self, fd: int, signals: tuple[int, ...]) -> None:
+    def watch_signals(self, fd: int, signals: tuple[int, ...]) -> None:
+        """Stop every rank when ``signals`` arrive on wakeup fd ``fd``."""
         self._stop_signals = frozenset(int(s) for s in signals)
         self._sig_r = fd
         if self._thread is not None:  # wake the loop so it registers the fd
@@ -746,57 +588,4 @@ def install_signal_handlers(watchdog: Watchdog,
 
     for s in signals:
         signal.signal(s, handler)
-    watchdog._watch_signals(r, signals)
-
-
-# ---------------------------------------------------------------- device heartbeat
-
-
-class DeviceHeartbeat:
-    """Evaluate a one-element op every ``interval_s`` so an idle Metal GPU stays awake
-    (a GPU that has clocked down adds latency to the first token after a pause).
-
-    It runs on its own stream, created inside its thread (MLX streams belong to the
-    thread that made them), and never issues a collective: the ring between ranks
-    is already kept busy by mlx_lm.server's idle poll (an ``all_sum`` every 0.1 s),
-    and a collective from a side thread would break the same-order-on-every-rank
-    rule. On CPU it runs too (cheap), so it is tested here.
-    """
-
-    def __init__(self, interval_s: float = 1.0, device: mx.Device | None = None):
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be positive, not {interval_s}")
-        self.interval_s = interval_s
-        self.device = device or mx.default_device()
-        self.beats = 0
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> DeviceHeartbeat:
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="k3dist-device-heartbeat")
-        self._thread.start()
-        return self
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _run(self) -> None:
-        try:
-            stream = mx.new_stream(self.device)
-            x = mx.zeros((1,), stream=stream)
-            while not self._stop.is_set():
-                x = mx.add(x, 1, stream=stream)
-                mx.eval(x)
-                self.beats += 1
-                self._stop.wait(self.interval_s)
-        except Exception as e:  # noqa: BLE001 - a heartbeat must never take the rank down
-            self.error = e
-            os.write(2, f"[k3dist device heartbeat] stopped: {type(e).__name__}: {e}\n".encode())
+    watchdog.watch_signals(r, signals)
