@@ -50,7 +50,7 @@ import numpy as np
 from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
 from mlx.utils import tree_flatten
 from mlx_lm.models import kimi_k3
-from mlx_lm.utils import load_model
+from mlx_lm.utils import load_model, sharded_load
 
 # ----------------------------------------------------------------------------- reporting
 
@@ -295,13 +295,11 @@ def load_single(build: str | Path, dtype: str = "float32"):
 
 def load_tensor_parallel(build: str | Path, group: mx.distributed.Group,
                          dtype: str = "float32"):
-    """mlx-lm's own tensor parallelism (``kimi_k3.Model.shard``), as ``sharded_load``
-    does it: lazy load, shard, evaluate, barrier."""
-    model, config = load_model(Path(build), lazy=True, strict=True)
+    """mlx-lm's own tensor parallelism: ``sharded_load`` (``kimi_k3.Model.shard``)."""
     try:
-        model.shard(group)
+        model, _, config = sharded_load(str(build), tensor_group=group, return_config=True)
     except ValueError as e:
-        tc = config["text_config"]
+        tc = layout.text_config(load_config(build))
         raise ValueError(
             f"mlx-lm's kimi_k3 shard() cannot split this build over {group.size()} ranks "
             f"({e}); its experts are split by their intermediate dimension "
@@ -310,12 +308,12 @@ def load_tensor_parallel(build: str | Path, group: mx.distributed.Group,
             "experts (the bench preset) or fewer ranks") from None
     model.set_dtype(loader.DTYPES[dtype])
     mx.eval(model.parameters())
-    barrier(group)
     return model, config
 
 
 def load_pipeline(build: str | Path, group: mx.distributed.Group, dtype: str = "float32"):
-    """mlx-lm's own pipeline parallelism (``model.language_model.model.pipeline``)."""
+    """mlx-lm's own pipeline parallelism (``model.language_model.model.pipeline``).
+    Not ``sharded_load``: it pipelines only models with ``model.model.pipeline``."""
     model, config = load_model(Path(build), lazy=True, strict=True)
     model.language_model.model.pipeline(group)
     model.set_dtype(loader.DTYPES[dtype])

@@ -41,6 +41,9 @@ SUPPORTED_QUANT = "mxfp4-pack-quantized"
 
 
 def load_config(src: str | Path) -> dict:
+    """``config.json`` as written. Not ``mlx_lm.utils.load_config``: that merges
+    generation_config.json's ``eos_token_id`` in (a conversion would then write another
+    config.json) and does not name the file when it is missing or broken."""
     path = Path(src) / "config.json"
     if not path.exists():
         raise CheckpointError(f"{path}: missing; a K3 checkpoint folder has config.json")

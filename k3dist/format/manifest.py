@@ -27,6 +27,10 @@ _MAKE = {
     "build": "make a build with python -m k3dist.build.convert",
 }
 _NOUN = {"rank": "a rank folder", "build": "a build"}
+_OTHER_KIND = {
+    "rank": "make one with python slicing/rank_split.py",
+    "build": "slice the build it came from, not a rank folder",
+}
 _FIX = {
     "rank": "slice it again into a new folder or copy it again",
     "build": "copy the build again or convert it again into a new folder",
@@ -44,7 +48,9 @@ def verify(path: str | Path, kind: str, sha256: bool = False) -> dict:
         raise CheckpointError(f"{path}: no {MANIFEST}{hint}; {_MAKE[kind]}")
     m = json.loads(mp.read_text())
     if m.get("kind") != kind:
-        raise CheckpointError(f"{mp}: kind {m.get('kind')!r}, not {_NOUN[kind]}; {_MAKE[kind]}")
+        raise CheckpointError(
+            f"{mp}: kind {m.get('kind')!r}, not {_NOUN[kind]}; {_OTHER_KIND[kind]}"
+        )
     bad = []
     for name, meta in m["files"].items():
         f = path / name

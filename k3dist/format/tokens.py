@@ -8,7 +8,7 @@ small vocabularies in that layout so the real loading code runs on them unchange
 
 Provenance of the control-token table (real model: base 163,584, vocab 163,840):
 
-* Confirmed by the real ``config.json`` (/work/shared/reference/kimi-k3-config.json):
+* Confirmed by the real ``config.json`` (shipped as k3dist/data/kimi-k3-config.json):
   bos 163584 = base+0, eos 163586 = base+2, pad 163839 = base+255, media placeholder
   163605 = base+21; ``image_placeholder`` is the *text* "<|kimi_image_placeholder|>".
 * Confirmed by mlx-vlm 0.7.10 ``models/kimi_k3``: the XTML names ``<|open|>``, ``<|sep|>``,
