@@ -78,6 +78,19 @@ def test_each_layer_imports_only_the_layers_below():
     assert not wrong, wrong
 
 
+def test_no_module_imports_another_ones_private_names():
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("k3dist."):
+                wrong += [
+                    f"{_module(path)}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+    assert not wrong, wrong
+
+
 def test_no_import_cycles():
     graph = _imports()
     state: dict[str, int] = {}

@@ -43,7 +43,7 @@ from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.manifest import JOURNAL, MANIFEST
 from k3dist.format.placement import Placement, PlacementError, for_config
 from k3dist.format.sfile import (
-    _CHUNK,
+    CHUNK_BYTES,
     CheckpointError,
     Header,
     StreamWriter,
@@ -127,8 +127,8 @@ def _runs(ids: list[int], per: int) -> list[tuple[int, int]]:
         while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
             j += 1
         start, end = ids[i] * per, (ids[j] + 1) * per
-        for s in range(start, end, _CHUNK):
-            out.append((s, min(_CHUNK, end - s)))
+        for s in range(start, end, CHUNK_BYTES):
+            out.append((s, min(CHUNK_BYTES, end - s)))
         i = j + 1
     return out
 

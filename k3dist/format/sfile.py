@@ -30,7 +30,7 @@ NP_DTYPES = {
     "U64": np.uint64, "I64": np.int64, "F64": np.float64, "BOOL": np.bool_,
 }
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own limit
-_CHUNK = 64 * 1024 * 1024
+CHUNK_BYTES = 64 * 1024 * 1024  # the most a streamed copy holds in memory at once
 
 
 class CheckpointError(ValueError):
@@ -233,6 +233,6 @@ def sha256_file(path: str | Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def iter_chunks(info: TensorInfo, chunk: int = _CHUNK) -> Iterator[bytes]:
+def iter_chunks(info: TensorInfo, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
     for start in range(0, info.nbytes, chunk):
         yield read_bytes(info, start, min(chunk, info.nbytes - start))
