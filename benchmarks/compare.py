@@ -9,7 +9,7 @@ over a calibration prompt), mlx-lm's ``kimi_k3.Model.shard`` (TP) and
 ``model.language_model.model.pipeline`` (PP), and mlx-lm's model whole on every rank
 (single, no collectives). Prefill and decode are timed in interleaved rounds; EP's
 compute is measured with its collectives bypassed, TP/PP communication is estimated
-from microbenchmarks (see ``k3dist.bench``). Rank 0 writes the JSON (``--out``) and a
+from microbenchmarks (see ``k3dist.bench.kit``). Rank 0 writes the JSON (``--out``) and a
 bar chart (``--png``, default: the JSON's name with .png).
 """
 
@@ -21,7 +21,10 @@ import sys
 from pathlib import Path
 
 import k3dist
-from k3dist import bench, loader, synth
+from k3dist.bench import kit as bench
+from k3dist.factory import synth
+from k3dist.serve import loader
+from k3dist.serve.config import MOE_FORMS
 
 import mlx.core as mx
 
@@ -84,7 +87,7 @@ def main() -> None:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(synth.PRESETS),
                      help="synthesize + convert into --cache-dir (reused); default bench")
-    src.add_argument("--build", help="an MLX build folder (python -m k3dist.convert)")
+    src.add_argument("--build", help="an MLX build folder (python -m k3dist.build.convert)")
     ap.add_argument("--cache-dir", default="runs", help="where --preset builds live")
     d = bench.CompareSettings()
     ap.add_argument("--prompt-len", type=int, default=d.prompt_len)
@@ -97,7 +100,7 @@ def main() -> None:
     ap.add_argument("--comm-trials", type=int, default=d.comm_trials)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--dtype", default=d.dtype, choices=sorted(loader.DTYPES))
-    ap.add_argument("--moe-form", default=d.moe_form, choices=("auto", "placeholder", "local"))
+    ap.add_argument("--moe-form", default=d.moe_form, choices=("auto", *MOE_FORMS))
     ap.add_argument("--blas-threads", type=int, default=1,
                     help="OpenBLAS threads per rank (default 1: ranks share the box)")
     ap.add_argument("--nice-launcher", action="store_true",

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shlex
-import sys
 import tempfile
 from pathlib import Path
 
 import k3dist
-from k3dist import membound, synth
+from k3dist.bench import kit as bench
+from k3dist.bench import membound
+from k3dist.factory import synth
 
 import mlx.core as mx
 import mlx_lm
@@ -36,7 +36,7 @@ def main() -> None:
             Path(tmp) / "src", args.preset, progress=False)
         result = membound.measure(src, Path(tmp) / "build", args.nonexpert_bits)
     report = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "command": bench.command_line(),
         "versions": {"k3dist": k3dist.__version__, "mlx": mx.__version__,
                      "mlx_lm": mlx_lm.__version__, "python": platform.python_version()},
         "machine": platform.platform(),

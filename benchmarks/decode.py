@@ -19,7 +19,11 @@ import tempfile
 from pathlib import Path
 
 import k3dist
-from k3dist import bench, loader, slicing, synth
+from k3dist.bench import kit as bench
+from k3dist.build import slicing
+from k3dist.factory import synth
+from k3dist.serve import loader
+from k3dist.serve.config import MOE_FORMS
 
 import mlx.core as mx
 
@@ -34,7 +38,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", default="runs")
     ap.add_argument("--size", type=int, help="ranks the build is sliced for (= the group)")
     ap.add_argument("--placement-counts", help="routing counts (.npz/.json): load-aware")
-    ap.add_argument("--moe-form", default="auto", choices=("auto", "placeholder", "local"))
+    ap.add_argument("--moe-form", default="auto", choices=("auto", *MOE_FORMS))
     ap.add_argument("--dtype", default="float32", choices=sorted(loader.DTYPES))
     d = bench.DecodeSettings()
     ap.add_argument("--prompt-lens", default=",".join(map(str, d.prompt_lens)))
@@ -75,7 +79,7 @@ def main() -> None:
             folder = bench.slice_for_rank(build, tmp, group, plc)
         model, config, manifest = loader.load_rank(folder, group, args.dtype, args.moe_form)
     mine = bench.decode_report(model, group, config["text_config"]["vocab_size"], s)
-    mine.update(environment=env, folder=str(folder), build_hash=manifest["build_hash"],
+    mine.update(environment=env, folder=bench.repo_path(folder), build_hash=manifest["build_hash"],
                 placement={"kind": manifest["placement"].get("kind"),
                            "hash": manifest["placement_hash"]},
                 moe_form=loader.resolve_form(args.moe_form), dtype=args.dtype,

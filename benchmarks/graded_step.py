@@ -26,9 +26,11 @@ import time
 from pathlib import Path
 
 import k3dist
-from k3dist import banks, layout, placement, synth
-from k3dist.model import ExpertParallelMoE
-from k3dist.plan import QFormat
+from k3dist.build.plan import QFormat
+from k3dist.factory import synth
+from k3dist.format import layout, placement
+from k3dist.serve import banks
+from k3dist.serve.model import ExpertParallelMoE
 
 import mlx.core as mx
 import mlx.nn as nn

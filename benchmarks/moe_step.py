@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shlex
 import statistics
-import sys
 import time
 
 import k3dist
-from k3dist import layout, placement, synth
-from k3dist.model import ExpertParallelMoE
+from k3dist.bench import kit as bench
+from k3dist.factory import synth
+from k3dist.format import layout, placement
+from k3dist.serve.model import ExpertParallelMoE
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -91,7 +91,7 @@ def main() -> None:
             times[c].append((time.perf_counter() - t) * 1e3)
     med = {c: statistics.median(v) for c, v in times.items()}
     report = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "command": bench.command_line(),
         "versions": {"k3dist": k3dist.__version__, "mlx": mx.__version__,
                      "mlx_lm": mlx_lm.__version__},
         "machine": platform.platform(), "blas": k3dist.blas_status(),

@@ -18,7 +18,6 @@ import glob
 import json
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -27,8 +26,10 @@ from importlib import metadata
 from pathlib import Path
 
 import k3dist
-from k3dist import costmodel as cm
-from k3dist import layout, placement, synth
+from k3dist.bench import costmodel as cm
+from k3dist.bench import kit as bench
+from k3dist.factory import synth
+from k3dist.format import layout, placement
 
 PUBLISHED_TB = 1.561  # the mxfp4 build's published size
 
@@ -154,10 +155,11 @@ def main() -> None:
     profs = profiles(args)
 
     res: dict = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "command": bench.command_line(),
         "versions": {"k3dist": k3dist.__version__, "python": platform.python_version(),
                      **{p: metadata.version(p) for p in ("mlx", "mlx-lm", "numpy")}},
-        "config": args.config or "k3dist.synth.real_config() (moonshotai/Kimi-K3 config.json)",
+        "config": args.config
+        or "k3dist.factory.synth.real_config() (moonshotai/Kimi-K3 config.json)",
         "constants": {"hardware": cm.hardware_json(next(iter(hws.values()))),
                       "backends": {b: asdict(h.backend) for b, h in hws.items()},
                       "sources": cm.SOURCES},

@@ -3,7 +3,7 @@
     python benchmarks/verify_rate.py [--preset bench] [--out results.json]
 
 Measures here: sha256 over memory with 1 and 2 threads (and blake3 / xxh3-128 when
-installed, to see whether a faster hash would pay); ``k3dist.verify`` in ``full`` mode on
+installed, to see whether a faster hash would pay); ``k3dist.format.verify`` in ``full`` mode on
 a rank folder of the preset (page cache warm, 1 and 2 threads); ``stamp`` mode on the
 same folder (nothing changed: the restart cost); and ``stamp`` mode on a folder of the
 real size (sparse files: ``stat`` does not read data) with the real file count and a
@@ -26,8 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import k3dist
-from k3dist import convert, slicing, synth, verify
-from k3dist.sfile import read_header
+from k3dist.build import convert, slicing
+from k3dist.factory import synth
+from k3dist.format import verify
+from k3dist.format.sfile import read_header
 
 import mlx.core as mx
 

@@ -1,5 +1,7 @@
 """k3dist: Kimi K3 across Apple Silicon Macs with MLX expert parallelism."""
 
+from pathlib import Path
+
 from k3dist._blas import blas_status, preload
 from k3dist._blas import set_threads as set_blas_threads
 
@@ -7,4 +9,6 @@ from k3dist._blas import set_threads as set_blas_threads
 preload()
 
 __version__ = "0.1.0"
+# the repository's data/: the shipped mini-K3, its corpus and tokenizer (data/README.md)
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 __all__ = ["__version__", "blas_status", "set_blas_threads"]

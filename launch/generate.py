@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import k3dist
-from k3dist import engine, loader
-from k3dist.config import DEFAULT_DEPLOYMENT, load_deployment
+from k3dist.serve import engine, loader
+from k3dist.serve.config import DEFAULT_DEPLOYMENT, MOE_FORMS, load_deployment
 
 import mlx.core as mx
 import numpy as np
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--config", help=f"deployment YAML (default {DEFAULT_DEPLOYMENT} if present)")
     ap.add_argument("--rank-dir", help="rank folder pattern with {rank}")
     ap.add_argument("--dtype", choices=sorted(loader.DTYPES))
-    ap.add_argument("--moe-form", choices=("auto", "placeholder", "local"))
+    ap.add_argument("--moe-form", choices=("auto", *MOE_FORMS))
     ap.add_argument("--blas-threads", type=int, help="OpenBLAS threads per rank")
     ap.add_argument("--verify", choices=("stamp", "full", "size"),
                     help="rank-folder content check before loading (default stamp)")

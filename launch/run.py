@@ -1,4 +1,4 @@
-"""Run a script on every rank through mlx.launch, supervised (k3dist.supervise).
+"""Run a script on every rank through mlx.launch, supervised (k3dist.serve.supervise).
 
     .venv/bin/python launch/run.py --hostfile hostfiles/local.json -- launch/serve.py
     .venv/bin/python launch/run.py --hostfile hostfiles/tb5.json -- launch/serve.py \\
@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from k3dist import supervise
+from k3dist.serve import supervise
 
 
 def main(argv: list[str] | None = None) -> int:

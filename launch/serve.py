@@ -17,9 +17,12 @@ import time
 from pathlib import Path
 
 import k3dist
-from k3dist import default, harness, loader, server, warmup
-from k3dist.config import DEFAULT_DEPLOYMENT, Deployment, load_deployment
-from k3dist.verify import Report
+from k3dist.format import manifest
+from k3dist.format.sfile import CheckpointError
+from k3dist.format.verify import Report
+from k3dist.serve import keepawake, loader, preflight, server, warmup
+from k3dist.serve import watchdog as harness
+from k3dist.serve.config import DEFAULT_DEPLOYMENT, Deployment, load_deployment
 
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
@@ -53,6 +56,23 @@ def log(rank: int, msg: str) -> None:
     print(f"[k3dist rank {rank}] {msg}", file=sys.stderr, flush=True)
 
 
+def rank_folder(dep: Deployment, rank: int, size: int) -> Path:
+    """This rank's folder. The embedded default is made and sliced on first use: only
+    then is the build pipeline imported (serving itself needs the format layer only)."""
+    folder = dep.rank_path(rank)
+    if dep.build != Deployment.build or dep.rank_dir != Deployment.rank_dir:
+        return folder
+    try:
+        manifest.verify(folder, "rank")
+        return folder
+    except CheckpointError:
+        pass
+    from k3dist.build import default
+
+    log(rank, f"embedded default: preparing {folder} (cached after the first run)")
+    return default.ensure_default_rank(rank, size, folder)
+
+
 def main(argv: list[str] | None = None) -> None:
     dep = parse_args(argv)
     if dep.blas_threads:
@@ -74,12 +94,9 @@ def main(argv: list[str] | None = None) -> None:
         harness.install_failure_hook(watchdog)  # a failing rank tells the others why
         log(rank, f"watchdog: coordinator {host}:{port}, timeout {dep.watchdog_timeout_s}s")
 
-    folder = dep.rank_path(rank)
-    if dep.build == Deployment.build and dep.rank_dir == Deployment.rank_dir:
-        log(rank, f"embedded default: preparing {folder} (cached after the first run)")
-        default.ensure_default_rank(rank, size, folder)
+    folder = rank_folder(dep, rank, size)
 
-    pre = harness.preflight(folder, headroom_bytes=int(dep.memory_headroom_gb * 2**30))
+    pre = preflight.preflight(folder, headroom_bytes=int(dep.memory_headroom_gb * 2**30))
     log(rank, f"preflight: {json.dumps(pre)}")
 
     t0 = time.perf_counter()
@@ -99,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         warm = warmup.warm_up(model, dep.prefill_chunk, config["text_config"]["vocab_size"],
                               (*warmup.SAMPLERS, defaults))
         log(rank, f"warm-up: {json.dumps(warm)}")
-    beat = harness.DeviceHeartbeat(dep.heartbeat_s)
+    beat = keepawake.DeviceHeartbeat(dep.heartbeat_s)
     beat.start()
 
     info = {"ranks": size, "build_hash": manifest["build_hash"],

@@ -4,10 +4,10 @@ routed experts the rank owns, and a manifest naming rank, size, placement and bu
     python slicing/rank_split.py --rank 1              # deploy/local.yaml, mini build
     python slicing/rank_split.py --all --size 2 --build BUILD --out 'runs/ranks/rank{rank}'
 
---build takes an MLX build (k3dist.convert, or an mlx-community K3 build) or a
+--build takes an MLX build (k3dist.build.convert, or an mlx-community K3 build) or a
 Moonshot-format checkpoint. Flags override the deployment YAML (--config, by default
-deploy/local.yaml when it exists); k3dist.config.Deployment holds the defaults.
-With the default build missing, it is made first (k3dist.default).
+deploy/local.yaml when it exists); k3dist.serve.config.Deployment holds the defaults.
+With the default build missing, it is made first (k3dist.build.default).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from k3dist import default, slicing
-from k3dist.config import DEFAULT_DEPLOYMENT, load_deployment
-from k3dist.placement import PlacementError
-from k3dist.sfile import CheckpointError
+from k3dist.build import default, slicing
+from k3dist.format import manifest
+from k3dist.format.placement import PlacementError
+from k3dist.format.sfile import CheckpointError
+from k3dist.serve.config import DEFAULT_DEPLOYMENT, load_deployment
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
             paths = [slicing.slice_rank(build, d.rank_path(args.rank), args.rank, d.size,
                                         placement)]
         for p in paths:
-            m = slicing.verify_rank_folder(p)
+            m = manifest.verify(p, "rank")
             print(f"rank {m['rank']}: {p} ({m['expert_bytes']:,} expert bytes)")
     except (CheckpointError, PlacementError, ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None

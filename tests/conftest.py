@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from k3dist import convert, synth
+from k3dist.build import convert
+from k3dist.factory import synth
 
 # conftest imports k3dist before any test module imports mlx (OpenBLAS preload).
 import pytest

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 
-from k3dist import banks, grade, layout, slicing
-from k3dist.engine import greedy
-from k3dist.model import ExpertParallelMoE
-from k3dist.placement import contiguous
-from k3dist.sfile import CheckpointError, read_bytes, read_header
+from k3dist.build import grade, slicing
+from k3dist.format import layout
+from k3dist.format.placement import contiguous
+from k3dist.format.sfile import CheckpointError, read_bytes, read_header
+from k3dist.serve import banks
+from k3dist.serve.engine import greedy
+from k3dist.serve.model import ExpertParallelMoE
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -271,7 +273,7 @@ def test_loader_checks_bank_rows(graded, tmp_path):
     m = json.loads((out / "k3dist.json").read_text())  # past the size check, to the rows
     m["files"]["config.json"]["bytes"] = (out / "config.json").stat().st_size
     (out / "k3dist.json").write_text(json.dumps(m))
-    from k3dist import loader
+    from k3dist.serve import loader
 
     with pytest.raises(CheckpointError, match="stacks"):
         loader.check_rank_folder(out, 0, 1)
@@ -332,7 +334,7 @@ def test_grade_cli_promotes_top_scores(mini_build, tmp_path):
         [
             sys.executable,
             "-m",
-            "k3dist.grade",
+            "k3dist.build.grade",
             "--build",
             str(mini_build),
             "--out",
@@ -383,7 +385,7 @@ def test_plan_then_grade(mini_build, tmp_path):
         [
             sys.executable,
             "-m",
-            "k3dist.plan",
+            "k3dist.build.plan",
             "--config",
             str(mini_build / "config.json"),
             "--budget",
@@ -411,7 +413,7 @@ def test_plan_then_grade(mini_build, tmp_path):
         [
             sys.executable,
             "-m",
-            "k3dist.grade",
+            "k3dist.build.grade",
             "--build",
             str(mini_build),
             "--out",

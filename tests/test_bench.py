@@ -5,9 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import platform
+import shlex
 
-from k3dist import bench, convert, synth
+import k3dist
+from k3dist.bench import kit as bench
+from k3dist.build import convert
+from k3dist.factory import synth
+from k3dist.format import layout
 
+import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
 from util import failed_ranks, load_f32, mlx_launch, prompt_ids
@@ -38,9 +46,14 @@ def _compare(build, out):
 
 def test_compare_all_modes(mini_tp_build, tmp_path):
     rep = _compare(mini_tp_build, tmp_path / "c.json")
-    for key in ("command", "versions", "machine", "backend", "blas", "settings", "placements",
-                "greedy_tokens", "ratios", "summary", "ranks"):
-        assert key in rep, key
+    # the exact command (repository-relative, no machine path) and the versions that ran
+    assert rep["command"] == shlex.join(["python", "benchmarks/compare.py", "--build",
+                                         str(mini_tp_build), *FAST, "--out",
+                                         str(tmp_path / "c.json")])
+    assert rep["versions"] == {"k3dist": k3dist.__version__, "mlx": mx.__version__,
+                               "mlx_lm": mlx_lm.__version__,
+                               "python": platform.python_version()}
+    assert rep["settings"]["prompt_len"] == int(FAST[FAST.index("--prompt-len") + 1])
     assert rep["size"] == 2 and len(rep["ranks"]) == 2 and rep["skipped"] == {}
     assert rep["blas"].get("threads") in (None, 1)  # None: no OpenBLAS on this machine
     assert (tmp_path / "c.png").stat().st_size > 0
@@ -49,9 +62,17 @@ def test_compare_all_modes(mini_tp_build, tmp_path):
     assert set(g["tokens"]) == modes
     assert g["all_modes_agree"], g["vs_single"]
     assert all(g["identical_across_ranks"].values())
-    for k in ("ep_over_tp_decode", "ep_over_pp_decode", "ep_over_single_decode"):
-        assert rep["ratios"][k] > 0
-    assert all(v > 0 for v in rep["ratios"].values())
+    # each ratio is the other mode's time / EP's, per interleaved round, then the median
+    tr = rep["ranks"][0]["trials"]
+    for ep, tag in (("ep_contiguous", "ep"), ("ep_load_aware", "ep_la")):
+        for other in ("tp", "pp", "single"):
+            d = [np.mean(o) / np.mean(e)
+                 for o, e in zip(tr[other]["decode_ms"], tr[ep]["decode_ms"], strict=True)]
+            p = [o / e for o, e in zip(tr[other]["prefill_s"], tr[ep]["prefill_s"], strict=True)]
+            assert rep["ratios"][f"{tag}_over_{other}_decode"] == pytest.approx(
+                np.median(d), abs=1e-4)
+            assert rep["ratios"][f"{tag}_over_{other}_prefill"] == pytest.approx(
+                np.median(p), abs=1e-4)
     for r in rep["ranks"]:
         assert set(r["trials"]) == modes | set(bench.COMPUTE_ONLY.values())
         for t in r["trials"].values():
@@ -81,7 +102,7 @@ def test_routing_counts(mini_build):
     tc = config["text_config"]
     prompt = prompt_ids(tc["vocab_size"], 24)
     counts = bench.routing_counts(model, prompt)
-    assert sorted(counts) == bench.moe_layers(tc)
+    assert sorted(counts) == layout.moe_layers(tc)
     for c in counts.values():
         assert c.shape == (tc["num_experts"],) and c.sum() == 24 * tc["num_experts_per_token"]
     assert not any(isinstance(layer.mlp, bench._RouteRecorder) for layer in model.layers)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import copy
 import json
 
-from k3dist import chat
-from k3dist import tokenizer as tk
+from k3dist.format import tokens as tk
 
+import chat_render as chat
 import pytest
 from jinja2.exceptions import TemplateError
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper

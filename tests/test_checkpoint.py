@@ -13,15 +13,19 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from k3dist import checkpoint, layout, synth
-from k3dist.checkpoint import NO_SHARDS, audit, format_table, main, to_json
-from k3dist.sfile import CheckpointError, read_header
+from k3dist.build import checkpoint
+from k3dist.build.checkpoint import NO_SHARDS, audit, format_table, main, to_json
+from k3dist.factory import synth
+from k3dist.format import layout
+from k3dist.format.sfile import CheckpointError, read_header
 
 import numpy as np
 import pytest
 
-REF = Path("/work/shared/reference")
-REF_CONFIG = REF / "kimi-k3-config.json"
+# the real K3's metadata, beside the repository (../shared/reference) where it is checked out
+REF = Path(__file__).resolve().parents[2] / "shared" / "reference"
+# the real config.json, as the package ships it
+REF_CONFIG = Path(__file__).resolve().parents[1] / "k3dist" / "data" / "kimi-k3-config.json"
 REF_INDEX = REF / "kimi-k3-model.safetensors.index.json.gz"
 L = layout.LAYER_PREFIX
 HEADER_CHECKS = {"shard_headers", "index_vs_headers", "dtypes_shapes", "a_log_padding"}
@@ -101,7 +105,7 @@ def test_real_index_names_counts_and_bytes():
     assert r.a_log == {} and r.seconds < 30
 
     out = subprocess.run(
-        [sys.executable, "-m", "k3dist.checkpoint", "audit", "--json",
+        [sys.executable, "-m", "k3dist.build.checkpoint", "audit", "--json",
          "--config", str(REF_CONFIG), "--index", str(REF_INDEX)],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -9,10 +9,11 @@ import json
 import random
 import sys
 
-from k3dist import corpus
-from k3dist import tokenizer as tk
+from k3dist.factory import corpus
+from k3dist.format import tokens as tk
 
 import pytest
+from fast_tokenizer import build_fast_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_committed_tokenizer_is_k3_layout_and_roundtrips_heldout(enc):
 
 
 def test_fast_tokenizer_matches_tiktoken_on_heldout(enc, tmp_path):
-    fast = tk.build_fast_tokenizer(corpus.TOKENIZER_DIR)
+    fast = build_fast_tokenizer(corpus.TOKENIZER_DIR)
     for d in corpus.load_split("eval")[:6]:
         text = d.text[:4000]
         assert fast.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)

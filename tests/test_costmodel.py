@@ -10,9 +10,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from k3dist import costmodel as cm
-from k3dist import synth
-from k3dist.placement import Placement
+from k3dist.bench import costmodel as cm
+from k3dist.factory import synth
+from k3dist.format.placement import Placement
 
 import numpy as np
 import pytest
@@ -136,7 +136,7 @@ def test_projection_reacts_to_flags(cfg):
 
 
 def test_sampled_routing_with_load_aware_placement(f):
-    from k3dist import placement
+    from k3dist.format import placement
 
     rng = np.random.default_rng(0)
     pop = np.sort(rng.pareto(1.2, 896) + 0.05)[::-1]  # hot experts in low ids

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 
-from k3dist import convert, layout, placement, slicing
-from k3dist.engine import greedy
+from k3dist.build import convert, slicing
+from k3dist.format import layout, placement
+from k3dist.serve.engine import greedy
 
 import numpy as np
 import pytest
@@ -44,7 +45,7 @@ def builds(mini_src, mini_build, tmp_path_factory):
 def _skewed_placement(build, size):
     tc = layout.text_config(json.loads((build / "config.json").read_text()))
     rng = np.random.default_rng(7)
-    moe = [i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i)]
+    moe = layout.moe_layers(tc)
     plc = placement.load_aware({i: rng.pareto(1.0, tc["num_experts"]) for i in moe}, size)
     contiguous = placement.contiguous(tc["num_experts"], size, moe)
     assert plc.owners != contiguous.owners  # really non-contiguous
@@ -61,7 +62,7 @@ def _skewed_placement(build, size):
 def test_ep_matches_single_process(builds, tmp_path, size, kind, form, bits):
     mini_build, oracle = builds[bits]
     tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
-    moe = [i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i)]
+    moe = layout.moe_layers(tc)
     plc = (_skewed_placement(mini_build, size) if kind == "load-aware"
            else placement.contiguous(tc["num_experts"], size, moe))
     pattern = _slice_all(mini_build, tmp_path / "ranks", size, plc)

@@ -19,7 +19,8 @@ import threading
 import time
 from pathlib import Path
 
-from k3dist import slicing, supervise
+from k3dist.build import slicing
+from k3dist.serve import supervise
 
 import pytest
 from util import REPO, free_base_port

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import shutil
 
-from k3dist import convert, layout, loader, placement, slicing
-from k3dist.sfile import CheckpointError
+from k3dist.build import convert, slicing
+from k3dist.format import layout, placement
+from k3dist.format.sfile import CheckpointError
+from k3dist.serve import loader
 
 import pytest
 from util import failed_ranks, mlx_launch
@@ -17,7 +19,7 @@ from util import failed_ranks, mlx_launch
 def ranks2(mini_build, tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks2")
     tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
-    moe = [i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i)]
+    moe = layout.moe_layers(tc)
     plc = placement.contiguous(tc["num_experts"], 2, moe)
     for r in range(2):
         slicing.slice_rank(mini_build, out / f"rank{r}", r, 2, plc, progress=False)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from k3dist import membound, synth
+from k3dist.bench import membound
+from k3dist.factory import synth
 
 
 def test_peak_rss_within_largest_unit_bound(mini_src, tmp_path):

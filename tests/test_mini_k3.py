@@ -6,19 +6,12 @@ from __future__ import annotations
 
 import json
 
-from k3dist import (
-    checkpoint,
-    convert,
-    default,
-    engine,
-    layout,
-    placement,
-    quality,
-    slicing,
-    tokenizer,
-    train,
-)
-from k3dist.corpus import DATA_DIR, TOKENIZER_DIR
+from k3dist.build import checkpoint, convert, default, slicing
+from k3dist.factory import quality, train
+from k3dist.factory.corpus import DATA_DIR, TOKENIZER_DIR
+from k3dist.format import layout, placement
+from k3dist.format import tokens as tokenizer
+from k3dist.serve import engine
 
 import mlx.core as mx
 import numpy as np

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from k3dist import layout, placement
-from k3dist.engine import greedy
-from k3dist.model import make_model_class
+from k3dist.format import layout, placement
+from k3dist.serve.engine import greedy
+from k3dist.serve.model import make_model_class
 
 import mlx.core as mx
 import numpy as np
@@ -19,7 +19,7 @@ from util import load_f32, prompt_ids
 @pytest.mark.parametrize("form", ["placeholder", "local"])
 def test_single_rank_is_mlx_lm(mini_build, form):
     tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
-    moe = [i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i)]
+    moe = layout.moe_layers(tc)
     cls = make_model_class(placement.contiguous(tc["num_experts"], 1, moe), 0, None, form)
     ep, _ = load_model(mini_build, get_model_classes=lambda config: (cls, kimi_k3.ModelArgs))
     ep.set_dtype(mx.float32)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from k3dist import placement
-from k3dist.placement import Placement, PlacementError
+from k3dist.format import placement
+from k3dist.format.placement import Placement, PlacementError
 
 import numpy as np
 import pytest

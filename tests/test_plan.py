@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3dist import layout, plan
-from k3dist.synth import real_config
+from k3dist.build import plan
+from k3dist.factory.synth import real_config
+from k3dist.format import layout
 
 import mlx.core as mx
 import pytest
@@ -130,7 +131,7 @@ def test_cli_json(mini_src, tmp_path):
         [
             sys.executable,
             "-m",
-            "k3dist.plan",
+            "k3dist.build.plan",
             "--src",
             str(mini_src),
             "--budget",
@@ -153,7 +154,7 @@ def test_cli_json(mini_src, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     p = json.loads(out.read_text())
-    assert p["command"].startswith("python -m k3dist.plan --src ")
+    assert p["command"].startswith("python -m k3dist.build.plan --src ")
     # all fit but one lo expert per rank (no fallback: the lo bank is never empty)
     assert p["lo"]["format"] == "2bit-g32" and p["promoted_total"] == 5 * 14
     assert p["bytes_per_rank"]["total"] <= 1e9

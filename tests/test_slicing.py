@@ -10,11 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3dist import convert as convert_mod
-from k3dist import slicing
-from k3dist.config import load_deployment
-from k3dist.placement import Placement, PlacementError, contiguous, load_aware
-from k3dist.sfile import CheckpointError, read_bytes, read_header
+from k3dist.build import convert as convert_mod
+from k3dist.build import slicing
+from k3dist.format import manifest
+from k3dist.format.manifest import JOURNAL
+from k3dist.format.placement import Placement, PlacementError, contiguous, load_aware
+from k3dist.format.sfile import CheckpointError, read_bytes, read_header
+from k3dist.serve.config import load_deployment
 
 import mlx.core as mx
 import numpy as np
@@ -65,7 +67,7 @@ def test_each_rank_holds_exactly_its_experts(mini_build, tmp_path, which):
                               progress=False)
     total = 0
     for rank, folder in enumerate(paths):
-        m = slicing.verify_rank_folder(folder, sha256=True)
+        m = manifest.verify(folder, "rank", sha256=True)
         assert (m["kind"], m["rank"], m["size"]) == ("rank", rank, size)
         assert m["build_hash"] == build_manifest["build_hash"]
         assert m["placement_hash"] == placement.hash
@@ -125,19 +127,19 @@ def test_resume_after_interruption(mini_build, tmp_path, monkeypatch):
     monkeypatch.setattr(slicing, "read_bytes", failing)
     with pytest.raises(KeyboardInterrupt):
         slicing.slice_rank(mini_build, out, 1, 2, placement, progress=False)
-    journal = json.loads((out / convert_mod.JOURNAL).read_text())
+    journal = json.loads((out / JOURNAL).read_text())
     assert list(journal["done"]) == [first]
     assert not (out / "model-layer-001.safetensors").exists()  # no complete-looking file
     assert not (out / "k3dist.json").exists()
     with pytest.raises(CheckpointError, match="unfinished slicing"):
-        slicing.verify_rank_folder(out)
+        manifest.verify(out, "rank")
 
     monkeypatch.setattr(slicing, "read_bytes", real)
     slicing.slice_rank(mini_build, out, 1, 2, placement, progress=False)
     a = json.loads((out / "k3dist.json").read_text())
     b = json.loads((clean / "k3dist.json").read_text())
     assert a["files"] == b["files"]  # same bytes as an uninterrupted run
-    assert not list(out.glob("*.partial")) and not (out / convert_mod.JOURNAL).exists()
+    assert not list(out.glob("*.partial")) and not (out / JOURNAL).exists()
 
 
 def test_source_route_resumes(mini_src, mini_build, tmp_path, monkeypatch):
@@ -155,7 +157,7 @@ def test_source_route_resumes(mini_src, mini_build, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_mod, "iter_chunks", failing)
     with pytest.raises(KeyboardInterrupt):
         slicing.slice_rank(mini_src, out, 0, 2, placement, progress=False)
-    assert list(json.loads((out / convert_mod.JOURNAL).read_text())["done"]) == ["layer.0"]
+    assert list(json.loads((out / JOURNAL).read_text())["done"]) == ["layer.0"]
     monkeypatch.setattr(convert_mod, "iter_chunks", real)
     slicing.slice_rank(mini_src, out, 0, 2, placement, progress=False)
     ref = slicing.slice_rank(mini_build, tmp_path / "ref", 0, 2, placement, progress=False)
@@ -171,7 +173,7 @@ def test_source_route_byte_identical_to_build_route(mini_src, mini_build, tmp_pa
     a = slicing.slice_rank(mini_src, tmp_path / "from-src", rank, 4, placement, progress=False)
     b = slicing.slice_rank(mini_build, tmp_path / "from-build", rank, 4, placement,
                            progress=False)
-    ma, mb = slicing.verify_rank_folder(a, True), slicing.verify_rank_folder(b, True)
+    ma, mb = manifest.verify(a, "rank", sha256=True), manifest.verify(b, "rank", sha256=True)
     assert (ma["input"], mb["input"]) == ("source", "build")
     assert ma["build_hash"] == mb["build_hash"] == json.loads(
         (mini_build / "k3dist.json").read_text())["build_hash"]
@@ -193,7 +195,7 @@ def test_build_without_manifest(mini_build, tmp_path):
     shutil.copytree(mini_build, build)
     (build / "k3dist.json").unlink()
     out = slicing.slice_rank(build, tmp_path / "r", 0, 2, progress=False)
-    m = slicing.verify_rank_folder(out, sha256=True)
+    m = manifest.verify(out, "rank", sha256=True)
     want = hashlib.sha256((build / "model.safetensors.index.json").read_bytes()
                           + (build / "config.json").read_bytes()).hexdigest()[:16]
     assert m["build_hash"] == want
@@ -202,7 +204,7 @@ def test_build_without_manifest(mini_build, tmp_path):
 
 
 def test_converter_refuses_a_subset_build(mini_src, tmp_path):
-    from k3dist.checkpoint import Source
+    from k3dist.build.checkpoint import Source
 
     conv = convert_mod.Converter(Source(mini_src), tmp_path / "x", experts=lambda L: [0, 1])
     with pytest.raises(ValueError, match="rank folder, not a build"):
@@ -226,7 +228,7 @@ def _set_num_experts(folder: Path, n: int) -> None:
 
 
 def _unfinished(folder: Path) -> None:
-    (folder / "k3dist.json").rename(folder / convert_mod.JOURNAL)
+    (folder / "k3dist.json").rename(folder / JOURNAL)
 
 
 def _truncate(folder: Path) -> None:
@@ -250,7 +252,7 @@ BAD = {
                       contiguous(8, 2, MOE)),
         ["switch_mlp", "U32[16,", "num_experts=8"]),
     "unfinished build": (lambda b, t: (_copy(b, t, _unfinished), 0, 2, None),
-                         ["unfinished conversion", "k3dist.convert"]),
+                         ["unfinished conversion", "k3dist.build.convert"]),
     "truncated build file": (lambda b, t: (_copy(b, t, _truncate), 0, 2, None),
                              ["model-layer-002.safetensors", "copy the build again"]),
     "a rank folder as input": (
@@ -321,20 +323,20 @@ def test_refuses_out_folder_of_another_slicing(mini_src, mini_build, tmp_path):
     assert not (tmp_path / "same").exists()
 
 
-def test_verify_rank_folder_finds_damage(mini_build, tmp_path):
+def test_manifest_verify_finds_damage(mini_build, tmp_path):
     out = slicing.slice_rank(mini_build, tmp_path / "r", 1, 2, progress=False)
     f = out / "model-layer-004.safetensors"
     raw = bytearray(f.read_bytes())
     raw[-1] ^= 0xFF
     f.write_bytes(bytes(raw))
-    slicing.verify_rank_folder(out)  # same size: only the sha256 check sees it
+    manifest.verify(out, "rank")  # same size: only the sha256 check sees it
     with pytest.raises(CheckpointError, match="model-layer-004.safetensors sha256"):
-        slicing.verify_rank_folder(out, sha256=True)
+        manifest.verify(out, "rank", sha256=True)
     f.write_bytes(bytes(raw[:-8]))
     with pytest.raises(CheckpointError, match="has .* bytes, manifest"):
-        slicing.verify_rank_folder(out)
+        manifest.verify(out, "rank")
     with pytest.raises(CheckpointError, match="kind 'build', not a rank folder"):
-        slicing.verify_rank_folder(mini_build)
+        manifest.verify(mini_build, "rank")
 
 
 def _cli(*args, cwd=REPO):
@@ -345,7 +347,7 @@ def _cli(*args, cwd=REPO):
 def test_cli(mini_build, tmp_path):
     r = _cli("--rank", 1, "--build", mini_build, "--out", tmp_path / "r{rank}")
     assert r.returncode == 0, r.stderr
-    m = slicing.verify_rank_folder(tmp_path / "r1")
+    m = manifest.verify(tmp_path / "r1", "rank")
     size = load_deployment(REPO / "deploy" / "local.yaml").size
     assert (m["rank"], m["size"]) == (1, size)  # size from deploy/local.yaml
     assert not (tmp_path / "r0").exists()
@@ -356,7 +358,7 @@ def test_cli(mini_build, tmp_path):
         f"placement_counts: {tmp_path / 'counts.npz'}\n")
     r = _cli("--config", tmp_path / "d.yaml", "--all", "--out", tmp_path / "all" / "r{rank}")
     assert r.returncode == 0, r.stderr
-    ms = [slicing.verify_rank_folder(tmp_path / "all" / f"r{k}") for k in range(4)]
+    ms = [manifest.verify(tmp_path / "all" / f"r{k}", "rank") for k in range(4)]
     assert [(m["rank"], m["size"], m["placement"]["kind"]) for m in ms] == [
         (k, 4, "load-aware") for k in range(4)]
     assert not (tmp_path / "yaml").exists()  # --out overrides the YAML's rank_dir

@@ -8,14 +8,16 @@ import random
 import shutil
 from pathlib import Path
 
-from k3dist import chat
-from k3dist import tokenizer as tk
+from k3dist.factory import bpe
+from k3dist.format import tokens as tk
 
 import pytest
 import tiktoken
+from fast_tokenizer import build_fast_tokenizer
 from tiktoken.load import load_tiktoken_bpe
 
-REFERENCE_CONFIG = Path("/work/shared/reference/kimi-k3-config.json")
+# the real K3's config.json, as the package ships it (k3dist.factory.synth.real_config)
+REFERENCE_CONFIG = Path(__file__).resolve().parents[1] / "k3dist" / "data" / "kimi-k3-config.json"
 
 SAMPLES = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -31,7 +33,7 @@ SAMPLES = [
 @pytest.fixture(scope="module")
 def mini_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mini_tok")
-    tk.write_tokenizer_files(out, tk.mini_tokenizer(512))
+    tk.write_tokenizer_files(out, bpe.mini_tokenizer(512))
     return out
 
 
@@ -46,13 +48,19 @@ def test_files_load_with_tiktoken(
     # The loader real K3 code uses; "" disables its path-keyed cache.
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
     ranks = load_tiktoken_bpe(str(mini_dir / "tiktoken.model"))
-    assert ranks == tk.mini_tokenizer(512)
+    assert ranks == bpe.mini_tokenizer(512)
     assert len(ranks) == 512
     assert enc.n_vocab == 512 + tk.NUM_CONTROL_TOKENS
 
 
 def test_write_returns_full_vocab(tmp_path: Path) -> None:
-    assert tk.write_tokenizer_files(tmp_path, tk.mini_tokenizer(300)) == 300 + 256
+    ranks = bpe.mini_tokenizer(300)
+    assert tk.write_tokenizer_files(tmp_path, ranks) == 300 + 256
+    # the vocabulary written: 300 base ranks, control ids right after, the last one PAD
+    assert tk.read_ranks(tmp_path / "tiktoken.model") == ranks
+    enc = tk.load_encoding(tmp_path)
+    assert enc.n_vocab == 300 + 256
+    assert enc.encode(tk.PAD, allowed_special="all") == [300 + 255]
 
 
 @pytest.mark.parametrize("text", SAMPLES)
@@ -75,7 +83,7 @@ def test_roundtrip_arbitrary_bytes(enc: tiktoken.Encoding) -> None:
 
 
 def test_merges_compress_training_text(enc: tiktoken.Encoding) -> None:
-    assert len(enc.encode_ordinary(tk.MINI_TEXT)) < len(tk.MINI_TEXT.encode()) // 2
+    assert len(enc.encode_ordinary(bpe.MINI_TEXT)) < len(bpe.MINI_TEXT.encode()) // 2
 
 
 def test_control_token_layout(mini_dir: Path, enc: tiktoken.Encoding) -> None:
@@ -121,8 +129,6 @@ def test_xtml_turn_encodes(enc: tiktoken.Encoding) -> None:
 
 
 def test_real_size_ids_match_reference_config() -> None:
-    if not REFERENCE_CONFIG.exists():
-        pytest.skip("reference config not available")
     cfg = json.loads(REFERENCE_CONFIG.read_text())
     base = 163_584
     assert cfg["text_config"]["vocab_size"] == base + tk.NUM_CONTROL_TOKENS
@@ -139,7 +145,7 @@ def test_real_size_ids_match_reference_config() -> None:
 
 
 def test_bpe_rank_validity() -> None:
-    ranks = tk.mini_tokenizer(700)
+    ranks = bpe.mini_tokenizer(700)
     assert sorted(ranks.values()) == list(range(700))
     assert all(ranks[bytes([b])] == b for b in range(256))
     for tok, rank in ranks.items():
@@ -152,7 +158,7 @@ def test_bpe_rank_validity() -> None:
 
 def test_tiktoken_reproduces_training_segmentation() -> None:
     text = "the theme of these three thermal threads: the then-thin thesis"
-    ranks = tk.train_bpe(text, 10_000)  # runs out of pairs: every chunk is one token
+    ranks = bpe.train_bpe(text, 10_000)  # runs out of pairs: every chunk is one token
     assert len(ranks) < 10_000
     enc = tiktoken.Encoding("t", pat_str=tk.K3_PAT_STR, mergeable_ranks=ranks, special_tokens={})
     pieces = [enc.decode_single_token_bytes(i) for i in enc.encode_ordinary(text)]
@@ -187,15 +193,15 @@ def test_python_split_matches_tiktoken(text: str) -> None:
 
 def test_determinism(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
-    tk.write_tokenizer_files(a, tk.mini_tokenizer(600))
-    tk.write_tokenizer_files(b, tk.train_bpe(tk.MINI_TEXT, 600))
+    tk.write_tokenizer_files(a, bpe.mini_tokenizer(600))
+    tk.write_tokenizer_files(b, bpe.train_bpe(bpe.MINI_TEXT, 600))
     for name in ("tiktoken.model", "tokenizer_config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes()
 
 
 def test_train_bpe_rejects_tiny_vocab() -> None:
-    with pytest.raises(ValueError):
-        tk.train_bpe("abc", 100)
+    with pytest.raises(ValueError, match="vocab_size must be >= 256, got 100"):
+        bpe.train_bpe("abc", 100)
 
 
 def test_mlx_lm_recognizes_xtml_vocab(mini_dir: Path) -> None:
@@ -242,7 +248,7 @@ FAST_SAMPLES = [
 
 @pytest.fixture(scope="module")
 def fast(mini_dir: Path):
-    return tk.build_fast_tokenizer(mini_dir)
+    return build_fast_tokenizer(mini_dir)
 
 
 @pytest.mark.parametrize("text", FAST_SAMPLES)
@@ -255,7 +261,7 @@ def test_fast_tokenizer_equals_tiktoken(fast, enc: tiktoken.Encoding, text: str)
 
 def test_fast_tokenizer_equals_tiktoken_random(fast, enc: tiktoken.Encoding) -> None:
     rng = random.Random(1)
-    words = tk.split_text(tk.MINI_TEXT) + list(tk.special_tokens(512)) + ["你好", "🚀", " \n"]
+    words = tk.split_text(bpe.MINI_TEXT) + list(tk.special_tokens(512)) + ["你好", "🚀", " \n"]
     for _ in range(200):
         parts = [rng.choice(words) if rng.random() < 0.8 else chr(rng.randrange(0x20, 0x30000))
                  for _ in range(rng.randrange(1, 40))]
@@ -312,7 +318,7 @@ def test_write_hf_tokenizer(mini_dir: Path, tmp_path: Path) -> None:
 
     hf = AutoTokenizer.from_pretrained(out)  # no trust_remote_code, no tiktoken code
     assert isinstance(hf, PreTrainedTokenizerFast)
-    assert hf.chat_template == chat.CHAT_TEMPLATE
+    assert hf.chat_template == tk.CHAT_TEMPLATE
     assert hf.eos_token_id == tk.special_tokens(512)[tk.END_OF_MSG]
     assert (hf.bos_token, hf.pad_token, hf.unk_token) == (tk.BOS, tk.PAD, tk.UNK)
     enc = tk.load_encoding(src)
@@ -358,5 +364,5 @@ def test_fast_pre_tokenizer_splits_like_tiktoken(tmp_path: Path, text: str) -> N
     # Oniguruma regex vs tiktoken's fancy-regex on the same K3 pattern).
     enc = _all_substrings_encoding(text)
     tk.write_tokenizer_files(tmp_path, enc._mergeable_ranks)
-    fast = tk.build_fast_tokenizer(tmp_path)
+    fast = build_fast_tokenizer(tmp_path)
     assert fast.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)

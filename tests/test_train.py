@@ -10,9 +10,11 @@ import subprocess
 import sys
 import time
 
-from k3dist import checkpoint, convert, corpus, layout, mxfp4, train
-from k3dist import tokenizer as tk
-from k3dist.sfile import read_numpy
+from k3dist.build import checkpoint, convert
+from k3dist.factory import corpus, train
+from k3dist.format import layout, mxfp4
+from k3dist.format import tokens as tk
+from k3dist.format.sfile import read_numpy
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -34,6 +36,11 @@ def batch() -> tuple[mx.array, mx.array]:
     enc = tk.load_encoding(corpus.TOKENIZER_DIR)
     stream = train.token_stream(corpus.load_split("train", "code")[:3], enc)
     return train.fixed_windows(stream, 32, 4)
+
+
+def experts_frozen(model) -> bool:
+    """The routed experts are MXFP4 (quantized modules with scales), as after the freeze."""
+    return any(hasattr(m.switch_mlp.gate_proj, "scales") for m in train.moe_layers(model))
 
 
 def _args(**kw) -> train.TrainArgs:
@@ -134,7 +141,7 @@ def test_freeze_keeps_experts_fixed_and_trains_the_rest(tmp_path):
     tr.run(progress=False)
     event = tr.freeze()
     assert event["rel_rms_error"] and all(0 < e < 0.2 for e in event["rel_rms_error"].values())
-    assert train.experts_frozen(tr.model)
+    assert experts_frozen(tr.model)
     trainable = dict(tree_flatten(tr.model.trainable_parameters()))
     assert not any("switch_mlp" in k for k in trainable)
     experts = {k: v for k, v in tree_flatten(tr.model.parameters()) if "switch_mlp" in k}
@@ -145,7 +152,7 @@ def test_freeze_keeps_experts_fixed_and_trains_the_rest(tmp_path):
     assert any(not mx.array_equal(v, after[k]) for k, v in others.items())
     # Resuming a frozen run rebuilds the quantized experts before loading.
     again = train.Trainer(tmp_path / "run")
-    assert again.state.phase == "freeze" and train.experts_frozen(again.model)
+    assert again.state.phase == "freeze" and experts_frozen(again.model)
     assert all(mx.array_equal(v, dict(tree_flatten(again.model.parameters()))[k])
                for k, v in after.items())
 

@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from k3dist import layout, loader, placement, slicing, verify
-from k3dist.sfile import read_header
+from k3dist.build import slicing
+from k3dist.format import layout, placement, verify
+from k3dist.format.sfile import read_header
+from k3dist.serve import loader
 
 import pytest
 from util import failed_ranks, mlx_launch
@@ -277,7 +279,7 @@ def test_server_never_serves_a_corrupted_rank1(ranks2, tmp_path):
 
 
 def test_config_key_and_command_line(rank1, capsys):
-    from k3dist.config import load_deployment
+    from k3dist.serve.config import load_deployment
 
     assert load_deployment(None).verify == "stamp"
     assert load_deployment(None, verify="full").verify == "full"

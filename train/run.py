@@ -9,11 +9,11 @@
 
 Sizes, schedule and the run folder's files: ``k3dist/train.py``; measured speeds and the
 recommended run: ``train/README.md``. Measure a size first:
-``python -m k3dist.train speed --size m --seq 256 --batch 8``.
+``python -m k3dist.factory.train speed --size m --seq 256 --batch 8``.
 """
 
 import k3dist  # noqa: F401  (loads OpenBLAS before mlx)
-from k3dist import train
+from k3dist.factory import train
 
 if __name__ == "__main__":
     train.main()

@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from k3dist import harness
+from k3dist.serve import watchdog as harness
 
 import mlx.core as mx
 

@@ -1,0 +1,356 @@
+"""Moonshot-format K3 checkpoint -> MLX build that mlx-lm's ``kimi_k3`` loads.
+
+Streamed one conversion unit at a time (a decoder layer, the head, the vision
+tower), each into its own safetensors file:
+
+- routed experts are stacked per layer in MLX ``mxfp4`` by copying the source
+  bytes expert by expert into the output file (``weight_packed`` viewed as uint32,
+  ``weight_scale`` unchanged), so they are bit-exact and never all in memory;
+- every other tensor goes through mlx-lm's own ``Model.sanitize`` (renames, q/k/v
+  fusion, the MLA ``kv_b_proj`` split) after our ``A_log`` padding check, and is
+  kept in its source dtype (``--nonexpert-bits 16``) or quantized affine 8/4-bit
+  with mlx-lm's modules and ``quant_predicate``;
+- the vision tower is carried through as-is.
+
+A journal (``.k3dist-progress.json``) records each finished file with its sha256;
+a re-run skips finished units and redoes the first incomplete one. Files appear
+under their final names only when complete. ``k3dist.json`` is written last.
+
+With an expert subset (``experts``: layer -> global ids to keep, in local order) the
+same units hold only those experts: ``k3dist.build.slicing`` uses it to write a rank
+folder straight from the source; ``run`` itself refuses it (that is not a build).
+
+    python -m k3dist.build.convert --src SRC --out BUILD [--nonexpert-bits 16|8|4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from k3dist import __version__
+from k3dist.build.checkpoint import Source, check_a_log_tail, quantization_format
+from k3dist.format import layout
+from k3dist.format import tokens as tokenizer
+from k3dist.format.journal import JournaledFolder, write_json_atomic
+from k3dist.format.sfile import (
+    CheckpointError,
+    StreamWriter,
+    iter_chunks,
+    mx_dtype_name,
+    mx_to_bytes,
+    read_header,
+    sha256_file,
+)
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import kimi_k3
+from tqdm import tqdm
+
+FORMAT_VERSION = 2  # 2: HF tokenizer files, no auto_map
+MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+# source expert projection -> mlx-lm SwitchGLU name
+EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json",
+                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+
+
+def output_file(group: str) -> str:
+    if group.startswith("layer."):
+        return f"model-layer-{int(group.split('.')[1]):03d}.safetensors"
+    return f"model-{group}.safetensors"
+
+
+def identity(src: Source, nonexpert_bits: int, group_size: int) -> dict:
+    """What makes two builds the same build: the source and the profile."""
+    cfg_bytes = (src.path / "config.json").read_bytes()
+    return {
+        "format_version": FORMAT_VERSION,
+        "source_index_sha256": src.index_sha256,
+        "source_config_sha256": hashlib.sha256(cfg_bytes).hexdigest(),
+        "nonexpert_bits": nonexpert_bits,
+        "nonexpert_group_size": group_size if nonexpert_bits < 16 else None,
+        "experts": "mxfp4",
+    }
+
+
+def build_hash(ident: dict) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
+              group_size: int, predicate) -> dict:
+    """mlx-lm's module-level quantization, restricted to modules we loaded weights
+    into; returns the per-path parameters for the config's quantization block."""
+    recorded: dict = {}
+    default = {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+    def pred(path: str, m: nn.Module):
+        full = prefix + path
+        if not hasattr(m, "to_quantized") or f"{full}.weight" not in loaded:
+            return False
+        if m.weight.shape[-1] % group_size != 0:
+            return False
+        r = predicate(full, m)
+        if r is False:
+            return False
+        params = dict(default, **r) if isinstance(r, dict) else dict(default)
+        recorded[full] = params
+        return params
+
+    nn.quantize(module, group_size, bits, class_predicate=pred)
+    return recorded
+
+
+class Converter:
+    def __init__(self, src: Source, out: Path, nonexpert_bits: int = 16,
+                 group_size: int = 64,
+                 experts: Callable[[int], Sequence[int]] | None = None):
+        if nonexpert_bits not in (16, 8, 4):
+            raise ValueError(f"--nonexpert-bits must be 16, 8 or 4, not {nonexpert_bits}")
+        quantization_format(src.config)
+        self.src, self.out = src, out
+        self.bits, self.group_size = nonexpert_bits, group_size
+        self.tc = src.text_config
+        # mlx-lm's classes: sanitize/predicates from a model whose weights stay lazy
+        # (never evaluated), fresh modules per unit for quantization.
+        self.args = kimi_k3.ModelArgs.from_dict(src.config)
+        self.model = kimi_k3.Model(self.args)
+        self.specs: dict[str, list[layout.TensorSpec]] = {}
+        for s in layout.source_specs(src.config):
+            self.specs.setdefault(s.group, []).append(s)
+        self.ident = identity(src, nonexpert_bits, group_size)
+        self.experts = experts
+
+    def expert_ids(self, layer: int) -> list[int]:
+        """Global ids of the experts this conversion stacks for ``layer``, in order."""
+        E = self.tc["num_experts"]
+        if self.experts is None:
+            return list(range(E))
+        ids = [int(e) for e in self.experts(layer)]
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= e < E for e in ids):
+            raise ValueError(f"layer {layer}: expert subset {ids[:8]} must be one or more "
+                             f"distinct ids in 0..{E - 1}")
+        return ids
+
+    # -- one unit ---------------------------------------------------------------
+    def _dense(self, group: str) -> tuple[list[tuple[str, mx.array]], dict]:
+        """Non-expert tensors of a unit in mlx-lm naming (sanitized, maybe quantized)."""
+        specs = [s for s in self.specs[group] if s.family != "experts"]
+        weights, files = {}, {}
+        for s in specs:  # A_log tails were checked in preflight
+            path = self.src.info(s.name, s).path  # checked against the config
+            if path not in files:  # lazy: a tensor is read when it is evaluated
+                files[path] = mx.load(str(path))
+            weights[s.name] = files[path][s.name]
+        weights = self.model.sanitize(weights)
+        qconfig: dict = {}
+        if self.bits < 16:
+            if group.startswith("layer."):
+                layer = int(group.split(".")[1])
+                module = kimi_k3.KimiK3DecoderLayer(self.args.text_config, layer)
+                prefix = f"language_model.model.layers.{layer}."
+            else:
+                module, prefix = kimi_k3.Model(self.args), ""
+            local = {k[len(prefix):]: v for k, v in weights.items()}
+            module.load_weights(list(local.items()), strict=False)
+            qconfig = _quantize(module, prefix, set(weights), self.bits, self.group_size,
+                                self.model.quant_predicate)
+            params = dict(tree_flatten(module.parameters()))
+            keep = {k for k in params if (prefix + k) in weights
+                    or (prefix + k.rsplit(".", 1)[0] + ".weight") in weights}
+            weights = {prefix + k: params[k] for k in sorted(keep)}
+        return sorted(weights.items()), qconfig
+
+    def _expert_entries(self, layer: int):
+        """(name, dtype, shape, chunk-iterator factory) of the stacked experts."""
+        ids = self.expert_ids(layer)
+        infos = {}
+        for s in self.specs[f"layer.{layer}"]:
+            if s.family == "experts":
+                infos[s.name] = self.src.info(s.name, s)  # check all before writing
+        out = []
+        base = f"language_model.model.layers.{layer}"
+        for w, dst in EXPERT_PROJ.items():
+            p0 = infos[f"{base}.block_sparse_moe.experts.0.{w}.weight_packed"]
+            s0 = infos[f"{base}.block_sparse_moe.experts.0.{w}.weight_scale"]
+            rows, pcols = p0.shape
+            for kind, dtype, shape, suffix in (
+                ("weight_packed", "U32", (len(ids), rows, pcols // 4), "weight"),
+                ("weight_scale", "U8", (len(ids), rows, s0.shape[1]), "scales"),
+            ):
+                names = [f"{base}.block_sparse_moe.experts.{e}.{w}.{kind}" for e in ids]
+
+                def chunks(names=names):
+                    for n in names:
+                        yield from iter_chunks(infos[n])
+
+                out.append((f"{base}.mlp.switch_mlp.{dst}.{suffix}", dtype, shape, chunks))
+        return out
+
+    def convert_unit(self, group: str) -> dict:
+        path = self.out / output_file(group)
+        qconfig: dict = {}
+        if group == "vision":
+            infos = [self.src.info(s.name) for s in self.specs[group]]
+            entries = [(t.name, t.dtype, t.shape) for t in infos]
+            with StreamWriter(path, entries, {"format": "mlx"}) as w:
+                for t in infos:
+                    w.write(t.name, iter_chunks(t))
+            return {"file": path.name, "bytes": w.size, "sha256": w.sha256,
+                    "tensors": len(entries), "quantization": {},
+                    "header_sha256": w.header_sha256, "tensor_sha256": w.tensor_sha256}
+
+        dense, qconfig = self._dense(group)
+        experts = []
+        if group.startswith("layer.") and layout.is_moe_layer(self.tc, int(group.split(".")[1])):
+            experts = self._expert_entries(int(group.split(".")[1]))
+            for name, *_ in experts:
+                if name.endswith(".weight"):
+                    qconfig[name[: -len(".weight")]] = dict(MXFP4)
+        entries = [(n, mx_dtype_name(a), tuple(a.shape)) for n, a in dense]
+        entries += [(n, dt, shape) for n, dt, shape, _ in experts]
+        with StreamWriter(path, entries, {"format": "mlx"}) as w:
+            for n, a in dense:
+                w.write(n, mx_to_bytes(a))
+            for n, _, _, chunks in experts:
+                w.write(n, chunks())
+        return {"file": path.name, "bytes": w.size, "sha256": w.sha256,
+                "tensors": len(entries), "quantization": qconfig,
+                "header_sha256": w.header_sha256, "tensor_sha256": w.tensor_sha256}
+
+    def preflight(self) -> None:
+        """Every header entry against the config, and the A_log tails, before any
+        byte is written: bad input fails here and leaves the output untouched."""
+        expected = {s.name for specs in self.specs.values() for s in specs}
+        extra = sorted(set(self.src.weight_map) - expected)
+        if extra:
+            raise CheckpointError(
+                f"{self.src.index_path}: {len(extra)} tensors that config.json does not imply "
+                f"(e.g. {extra[:3]}); converting would drop them silently. Is config.json "
+                "from this checkpoint?")
+        heads = self.tc["linear_attn_config"]["num_heads"]
+        for specs in self.specs.values():
+            for s in specs:
+                # vision shapes are ours, not Moonshot's: carried as-is, not enforced
+                t = self.src.info(s.name, None if s.family == "vision" else s)
+                if s.name.endswith("self_attn.A_log"):
+                    check_a_log_tail(t, heads)
+
+    # -- whole build --------------------------------------------------------------
+    def units(self) -> list[str]:
+        """Conversion units in order (one output file each)."""
+        groups = layout.groups(self.src.config)
+        if not self.src.config.get("vision_config") or "vision" not in self.specs:
+            groups = [g for g in groups if g != "vision"]
+        return groups
+
+    def run(self, progress: bool = True) -> Path:
+        if self.experts is not None:
+            raise ValueError("an expert subset makes a rank folder, not a build; use "
+                             "k3dist.build.slicing.slice_rank")
+        self.preflight()
+        folder = JournaledFolder(self.out, "build", self.ident)
+        if folder.open():
+            return self.out  # same identity, already complete
+        groups = self.units()
+        total = sum(s.nbytes for g in groups for s in self.specs.get(g, []))
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert",
+                   disable=not progress)
+        t0 = time.perf_counter()
+        for g in groups:
+            if folder.unit(g, lambda g=g: self.convert_unit(g)):
+                mx.clear_cache()
+            bar.update(sum(s.nbytes for s in self.specs.get(g, [])))
+        bar.close()
+        self._finish(folder, groups, time.perf_counter() - t0)
+        return self.out
+
+    def write_metadata(self, done: dict, groups: list[str]) -> dict[str, str]:
+        """Index, config.json and tokenizer files for the finished units ``done``;
+        returns {tokenizer file: sha256} of the files copied."""
+        weight_map = {}
+        for g in groups:
+            for name in read_header(self.out / done[g]["file"]).tensors:
+                weight_map[name] = done[g]["file"]
+        total = sum((self.out / done[g]["file"]).stat().st_size for g in groups)
+        write_json_atomic(self.out / "model.safetensors.index.json",
+                           {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+        cfg = json.loads(json.dumps(self.src.config))
+        # auto_map points at Moonshot's remote code: transformers would prompt for
+        # trust_remote_code on load. mlx-lm needs none of it.
+        for d in (cfg, cfg.get("text_config", {})):
+            d.pop("quantization_config", None)
+            d.pop("auto_map", None)
+        quant = dict(MXFP4) if self.bits == 16 else {
+            "group_size": self.group_size, "bits": self.bits, "mode": "affine"}
+        for g in groups:
+            quant.update(done[g].get("quantization", {}))
+        cfg["quantization"] = quant
+        write_json_atomic(self.out / "config.json", cfg)
+
+        copied = {}
+        for name in TOKENIZER_FILES:
+            p = self.src.path / name
+            if p.exists():
+                shutil.copyfile(p, self.out / name)
+                copied[name] = sha256_file(self.out / name)
+        # K3 ships tiktoken.model + a remote-code tokenizer_config.json: add tokenizer.json,
+        # a plain tokenizer_config.json and the chat template, so serving needs nothing else.
+        if "tiktoken.model" in copied and "tokenizer.json" not in copied:
+            for name in tokenizer.write_hf_tokenizer(self.src.path, self.out):
+                copied[name] = sha256_file(self.out / name)
+        return copied
+
+    def _finish(self, folder: JournaledFolder, groups: list[str], seconds: float) -> None:
+        done = folder.done
+        copied = self.write_metadata(done, groups)
+        manifest = {
+            "tool": f"k3dist {__version__}",
+            "kind": "build",
+            "identity": self.ident,
+            "build_hash": build_hash(self.ident),
+            "source": str(self.src.path.resolve()),
+            "profile": {"experts": "mxfp4 (source bytes)",
+                        "nonexpert_bits": self.bits,
+                        "nonexpert_group_size": self.group_size if self.bits < 16 else None},
+            "files_by_group": done,
+            "files": {done[g]["file"]: {"sha256": done[g]["sha256"], "bytes": done[g]["bytes"]}
+                      for g in groups} | {n: {"sha256": h} for n, h in copied.items()},
+            "seconds": round(seconds, 2),
+        }
+        folder.finish(manifest)
+
+
+def convert(src: str | Path, out: str | Path, nonexpert_bits: int = 16, group_size: int = 64,
+            progress: bool = True) -> Path:
+    """Convert a Moonshot-format K3 folder into an MLX build; resumable."""
+    return Converter(Source(src), Path(out), nonexpert_bits, group_size).run(progress)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Convert Moonshot's K3 checkpoint to an MLX "
+                                 "build (experts mxfp4 bit-exact), one layer at a time.")
+    ap.add_argument("--src", required=True, help="Moonshot-format checkpoint folder")
+    ap.add_argument("--out", required=True, help="output build folder (resumes if partial)")
+    ap.add_argument("--nonexpert-bits", type=int, default=16, choices=(16, 8, 4),
+                    help="16 keeps source dtypes; 8/4 quantize affine like mlx_lm.convert")
+    ap.add_argument("--group-size", type=int, default=64, help="affine group size (8/4-bit)")
+    args = ap.parse_args()
+    try:
+        path = convert(args.src, args.out, args.nonexpert_bits, args.group_size)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

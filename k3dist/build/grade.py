@@ -1,0 +1,369 @@
+"""MXFP4 build (``python -m k3dist.convert``) + promotion list -> graded build.
+
+For every MoE layer the routed-expert stack ``mlp.switch_mlp`` (MXFP4) becomes two:
+
+- hi bank ``mlp.switch_hi``: the promoted experts, their MXFP4 weight and scale bytes
+  copied byte range by byte range (bit-exact; never decoded);
+- lo bank ``mlp.switch_mlp``: every other expert (every expert with ``lo_fallback``),
+  dequantized from MXFP4 and quantized affine low-bit with ``mx.quantize`` (scales and
+  biases in bf16, the build's dtype), one expert at a time.
+
+Every other tensor is copied byte for byte. ``config.json`` gains the ``graded`` block
+(``k3dist.format.graded.GradedMap``) and per-path ``quantization`` entries for both banks.
+
+Streamed one output file (a decoder layer) at a time; within a layer one expert matrix
+is decoded at a time. Held per layer: the lo bank's scales and biases of one projection
+(they follow its codes in the file; 2-bit g64: 1/5 of the lo bytes of one projection,
+~0.6 GB for a real K3 layer). Resumable like the converter: a journal records finished
+files, files appear under their final names only when complete, ``k3dist.json`` last.
+
+    python -m k3dist.build.grade --build BUILD --out GRADED --scores SCORES --plan PLAN.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+from k3dist import __version__
+from k3dist.build.checkpoint import INDEX_NAME
+from k3dist.build.plan import MXFP4, QFormat
+from k3dist.format import layout
+from k3dist.format.journal import JournaledFolder, write_json_atomic
+from k3dist.format.manifest import JOURNAL, MANIFEST
+from k3dist.format.placement import read_counts
+from k3dist.format.sfile import (
+    CheckpointError,
+    Header,
+    StreamWriter,
+    TensorInfo,
+    iter_chunks,
+    mx_to_bytes,
+    read_bytes,
+    read_header,
+    sha256_file,
+)
+from k3dist.serve.banks import GRADED_KEY, HI, LO, GradedMap, bank_of
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _identity(build_manifest: dict, gmap: GradedMap, lo: QFormat) -> dict:
+    return {
+        "kind": "graded",
+        "from_build": build_manifest["build_hash"],
+        "lo": lo.qconfig(),
+        "graded_sha256": hashlib.sha256(
+            json.dumps(gmap.to_json(), sort_keys=True).encode()
+        ).hexdigest(),
+    }
+
+
+class GradedBuilder:
+    def __init__(
+        self,
+        build: str | Path,
+        out: str | Path,
+        gmap: GradedMap,
+        lo: QFormat,
+        plan: dict | None = None,
+    ):
+        self.build, self.out, self.gmap, self.lo = Path(build), Path(out), gmap, lo
+        self.plan = plan
+        mp = self.build / MANIFEST
+        if not mp.exists():
+            raise CheckpointError(
+                f"{self.build}: no {MANIFEST}; grade a finished MXFP4 "
+                "build (python -m k3dist.convert)"
+            )
+        self.manifest = json.loads(mp.read_text())
+        self.config = json.loads((self.build / "config.json").read_text())
+        if GRADED_KEY in self.config:
+            raise CheckpointError(
+                f"{self.build}: already a graded build; grade the MXFP4 build it came from"
+            )
+        if not lo.quantized or lo.mode != "affine":
+            raise ValueError(f"lo bank format must be affine low-bit, not {lo.name}")
+        self.tc = layout.text_config(self.config)
+        E = self.tc["num_experts"]
+        if gmap.num_experts != E:
+            raise ValueError(f"graded map is for {gmap.num_experts} experts, the build has {E}")
+        moe = {i for i in range(self.tc["num_hidden_layers"]) if layout.is_moe_layer(self.tc, i)}
+        bad = sorted(set(gmap.hi) - moe)
+        if bad:
+            raise ValueError(f"promoted experts for layers {bad}, which are not MoE layers")
+        index = json.loads((self.build / INDEX_NAME).read_text())["weight_map"]
+        self.files = list(dict.fromkeys(index.values()))
+        self.headers: dict[str, Header] = {f: read_header(self.build / f) for f in self.files}
+        for h in self.headers.values():
+            for n, t in h.tensors.items():
+                b = bank_of(n)
+                if b is None:
+                    continue
+                if b[1] == HI or t.shape[0] != E:
+                    raise CheckpointError(
+                        f"{h.path}: {n!r} is {list(t.shape)}, not a full "
+                        f"{E}-expert stack; grade an MXFP4 build"
+                    )
+                q = self.config["quantization"].get(n.rsplit(".", 1)[0], {})
+                if q.get("mode") != "mxfp4":
+                    raise CheckpointError(
+                        f"{h.path}: {n!r} is {q or 'unquantized'}, not mxfp4; grade an MXFP4 build"
+                    )
+                mats = t.shape[-1] * (8 if t.dtype == "U32" else 32)
+                if n.endswith(".weight") and not lo.fits(mats):
+                    raise ValueError(
+                        f"{lo.name} cannot store {n!r} ({mats} columns); "
+                        "choose another lo group size"
+                    )
+        self.ident = _identity(self.manifest, gmap, lo)
+
+    # -- one file ---------------------------------------------------------------
+    def _entries(self, h: Header):
+        """(name, dtype, shape, chunk factory) of the output file, in order."""
+        out = []
+        stacks: dict[tuple[int, str], dict[str, TensorInfo]] = {}
+        for t in sorted(h.tensors.values(), key=lambda t: t.start):
+            b = bank_of(t.name)
+            if b is None:
+                out.append((t.name, t.dtype, t.shape, lambda t=t: iter_chunks(t)))
+                continue
+            proj = t.name.split(f".{LO}.")[1].split(".")[0]
+            stacks.setdefault((b[0], proj), {})[t.name.rsplit(".", 1)[1]] = t
+        for (layer, proj), parts in stacks.items():
+            out += self._bank_entries(layer, proj, parts["weight"], parts["scales"])
+        return out
+
+    def _bank_entries(self, layer: int, proj: str, w: TensorInfo, s: TensorInfo):
+        base = f"language_model.model.layers.{layer}.mlp"
+        E, rows = w.shape[0], w.shape[1]
+        cols = w.shape[2] * 8
+        hi, lo = self.gmap.hi_ids(layer), self.gmap.lo_ids(layer)
+        out = []
+        if hi:
+            for t, suffix in ((w, "weight"), (s, "scales")):
+                per = t.nbytes // E
+
+                def copy(t=t, per=per):  # byte ranges of the promoted rows
+                    for e in hi:
+                        yield read_bytes(t, e * per, per)
+
+                out.append((f"{base}.{HI}.{proj}.{suffix}", t.dtype, (len(hi), *t.shape[1:]), copy))
+        q = self.lo
+        held: dict[str, list[bytes]] = {"scales": [], "biases": []}
+
+        def codes():
+            wper, sper = w.nbytes // E, s.nbytes // E
+            for e in lo:
+                wq = mx.array(np.frombuffer(read_bytes(w, e * wper, wper), np.uint32))
+                sq = mx.array(np.frombuffer(read_bytes(s, e * sper, sper), np.uint8))
+                dense = mx.dequantize(
+                    wq.reshape(rows, -1),
+                    sq.reshape(rows, -1),
+                    mode="mxfp4",
+                    group_size=32,
+                    bits=4,
+                    dtype=mx.bfloat16,
+                )
+                qw, qs, qb = mx.quantize(dense, group_size=q.group_size, bits=q.bits, mode="affine")
+                held["scales"].append(mx_to_bytes(qs))
+                held["biases"].append(mx_to_bytes(qb))
+                yield mx_to_bytes(qw)
+
+        def pop(key):
+            yield from held[key]
+            held[key].clear()
+
+        n = len(lo)
+        out.append((f"{base}.{LO}.{proj}.weight", "U32", (n, rows, cols * q.bits // 32), codes))
+        out.append(
+            (
+                f"{base}.{LO}.{proj}.scales",
+                "BF16",
+                (n, rows, cols // q.group_size),
+                lambda: pop("scales"),
+            )
+        )
+        out.append(
+            (
+                f"{base}.{LO}.{proj}.biases",
+                "BF16",
+                (n, rows, cols // q.group_size),
+                lambda: pop("biases"),
+            )
+        )
+        return out
+
+    def grade_file(self, fname: str) -> dict:
+        h = self.headers[fname]
+        entries = self._entries(h)
+        with StreamWriter(
+            self.out / fname, [(n, d, s) for n, d, s, _ in entries], h.metadata or None
+        ) as wr:
+            for n, _, _, chunks in entries:
+                wr.write(n, chunks())
+        return {"file": fname, "bytes": wr.size, "sha256": wr.sha256, "tensors": len(entries)}
+
+    # -- whole build ----------------------------------------------------------------
+    def config_out(self) -> dict:
+        cfg = json.loads(json.dumps(self.config))
+        quant = cfg["quantization"]
+        moe = [i for i in range(self.tc["num_hidden_layers"]) if layout.is_moe_layer(self.tc, i)]
+        for layer in moe:
+            for proj in PROJS:
+                quant[f"language_model.model.layers.{layer}.mlp.{LO}.{proj}"] = self.lo.qconfig()
+                if self.gmap.hi_ids(layer):
+                    quant[f"language_model.model.layers.{layer}.mlp.{HI}.{proj}"] = MXFP4.qconfig()
+        cfg[GRADED_KEY] = self.gmap.to_json()
+        return cfg
+
+    def run(self, progress: bool = True) -> Path:
+        out = self.out
+        folder = JournaledFolder(out, "build", self.ident)
+        if folder.open():
+            return out
+        t0 = time.perf_counter()
+        for f in tqdm(self.files, desc="grade", disable=not progress):
+            if folder.unit(f, lambda f=f: self.grade_file(f)):
+                mx.clear_cache()
+        weight_map = {n: f for f in self.files for n in read_header(out / f).tensors}
+        total = sum(folder.done[f]["bytes"] for f in self.files)
+        write_json_atomic(
+            out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map}
+        )
+        write_json_atomic(out / "config.json", self.config_out())
+        small = sorted(
+            p.name
+            for p in self.build.iterdir()
+            if p.is_file()
+            and not p.name.startswith(".")
+            and p.suffix != ".safetensors"
+            and p.name not in (INDEX_NAME, MANIFEST, JOURNAL, "config.json")
+        )
+        for name in small:
+            shutil.copyfile(self.build / name, out / name)
+        files = {
+            f: {"sha256": folder.done[f]["sha256"], "bytes": folder.done[f]["bytes"]}
+            for f in self.files
+        }
+        for name in (*small, INDEX_NAME, "config.json"):
+            files[name] = {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
+        folder.finish(
+            {
+                "tool": f"k3dist {__version__}",
+                "kind": "build",
+                "identity": self.ident,
+                "build_hash": hashlib.sha256(
+                    json.dumps(self.ident, sort_keys=True).encode()
+                ).hexdigest()[:16],
+                "from_build": str(self.build.resolve()),
+                "profile": {
+                    "experts": f"graded: hi mxfp4 (source bytes), lo {self.lo.name}",
+                    "lo_fallback": self.gmap.lo_fallback,
+                    "promoted": {str(k): len(v) for k, v in sorted(self.gmap.hi.items())},
+                },
+                "plan": self.plan,
+                "files": files,
+                "seconds": round(time.perf_counter() - t0, 2),
+            }
+        )
+        return out
+
+
+def grade(
+    build: str | Path,
+    out: str | Path,
+    promoted: dict[int, list[int]],
+    k_hi: dict[int, int] | int,
+    lo: str | QFormat = "2bit-g64",
+    lo_fallback: bool = False,
+    progress: bool = True,
+    plan: dict | None = None,
+) -> Path:
+    """Write a graded build of an MXFP4 ``build``: ``promoted`` global expert ids per MoE
+    layer keep their MXFP4 bytes (hi bank), the rest become ``lo``; resumable. ``plan``
+    (k3dist.build.plan) is stored in the build manifest."""
+    cfg = json.loads((Path(build) / "config.json").read_text())
+    E = layout.text_config(cfg)["num_experts"]
+    if isinstance(k_hi, int):
+        k_hi = {layer: k_hi for layer in promoted}
+    gmap = GradedMap(
+        E,
+        {int(k): tuple(sorted(int(e) for e in v)) for k, v in promoted.items() if len(v)},
+        {int(k): int(v) for k, v in k_hi.items()},
+        lo_fallback,
+        QFormat.parse(lo).name if isinstance(lo, str) else lo.name,
+    )
+    lo = QFormat.parse(lo) if isinstance(lo, str) else lo
+    return GradedBuilder(build, out, gmap, lo, plan).run(progress)
+
+
+def promote_top(scores: dict[int, np.ndarray], counts: dict[int, int]) -> dict[int, list[int]]:
+    """The ``counts[layer]`` highest-scoring experts of each layer (scores: routing
+    counts for the frequency baseline, or a sensitivity score from calibration)."""
+    out = {}
+    for layer, n in counts.items():
+        if layer not in scores:
+            raise ValueError(f"no scores for MoE layer {layer}; score every MoE layer")
+        s = np.asarray(scores[layer], dtype=np.float64)
+        out[layer] = sorted(int(e) for e in np.argsort(-s, kind="stable")[:n])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description="Graded build from an MXFP4 build: promoted "
+        "experts keep their MXFP4 bytes, the rest affine low-bit."
+    )
+    ap.add_argument("--build", required=True, help="MXFP4 build (python -m k3dist.convert)")
+    ap.add_argument("--out", required=True, help="output folder (resumes if partial)")
+    ap.add_argument(
+        "--scores",
+        required=True,
+        help="per-expert scores per MoE layer (.npz layer_L arrays or JSON "
+        '{"layers": {"L": [...]}}, as routing counts): highest promoted',
+    )
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument(
+        "--plan",
+        help="plan JSON (python -m k3dist.build.plan --json): its lo format, "
+        "promoted count and k_hi per layer",
+    )
+    g.add_argument("--per-layer", type=int, help="promoted experts per MoE layer")
+    ap.add_argument("--lo", help="lo-bank format (default: the plan's, else 2bit-g64)")
+    ap.add_argument("--k-hi", type=int, help="hi routes per token (default: the plan's)")
+    ap.add_argument("--lo-fallback", action="store_true")
+    args = ap.parse_args()
+    scores = read_counts(args.scores)
+    p = None
+    if args.plan:
+        p = json.loads(Path(args.plan).read_text())
+        counts = {int(k): int(v) for k, v in p["promoted_per_layer"].items()}
+        k_hi = {int(k): int(v) for k, v in p["k_hi_uniform"].items()}
+        lo = args.lo or p["lo"]["format"]
+    else:
+        counts = {layer: args.per_layer for layer in scores}
+        k_hi = {}
+        lo = args.lo or "2bit-g64"
+    if args.k_hi is not None:
+        k_hi = dict.fromkeys(counts, args.k_hi)
+    if not k_hi:
+        ap.error("give --k-hi (or a --plan that has k_hi)")
+    try:
+        promoted = promote_top(scores, counts)
+        path = grade(args.build, args.out, promoted, k_hi, lo, args.lo_fallback, plan=p)
+    except (CheckpointError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

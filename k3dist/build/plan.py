@@ -1,0 +1,788 @@
+"""Byte-budget planner for graded builds: what fits, per rank, before anything is built.
+
+Three parts, each usable alone:
+
+- **Formats** (:class:`QFormat`): the exact bytes MLX 0.32.4 stores for a weight matrix
+  in every quantization mode — affine 1–8 bits at group 32/64/128 (packed uint32 codes +
+  one scale and one bias per group, in the model dtype: bf16 on disk), ``mxfp4`` (4-bit,
+  group 32, one uint8 E8M0 scale), ``mxfp8`` (8-bit, group 32, uint8 scale), ``nvfp4``
+  (4-bit, group 16, uint8 E4M3 scale). ``tests/test_plan.py`` checks each against
+  ``mx.quantize`` output sizes.
+- **Accounting** (:func:`account`): every tensor of a checkpoint (names from its
+  ``model.safetensors.index.json``, shapes and dtypes from its config through
+  ``k3dist.layout``, which reproduces the real index's ``total_size`` exactly) in a
+  class — routed experts, attention, shared experts, latent projections, router, dense
+  MLP, embedding, ``lm_head``, small tensors kept in their source dtype (norms, convs,
+  ``A_log``, ``dt_bias``, AttnRes), vision (carried in the build, dropped at load).
+- **Memory model** (:class:`Box`) and **plan** (:func:`make_plan`): per box, the usable
+  memory (below), the KV/state at the context the server supports and the activations
+  of a prefill chunk at that context; what is left holds the weights. The plan picks the
+  lo-bank format of the routed experts, how many experts per layer keep their MXFP4
+  bytes (the hi bank) and the format of each non-expert class, and reports bytes per
+  rank. Which experts are promoted is for calibration (``k3dist`` sensitivity scoring)
+  to decide; the plan fixes how many.
+
+Memory assumptions (:class:`Box` fields; every one a flag of ``python -m k3dist.build.plan``):
+
+- a "512 GB" M3 Ultra has 512 GiB (549.76 GB) of unified memory; GPU-wired memory is
+  capped by macOS at ``iogpu.wired_limit_mb`` (default ~75% of RAM on large machines).
+  We assume it is raised to 499712 MB (488 GiB), leaving 24 GiB to macOS and the
+  process's unwired memory (Python, tokenizer, HTTP server, file cache pressure);
+- of the wired memory, ``runtime_reserve`` (4 GiB) stays free for MLX's allocator cache
+  and fragmentation, Metal command buffers and the collective buffers;
+- KV/state (batch 1, requests are served one at a time): the MLA latent cache
+  ``(kv_lora_rank + qk_rope_head_dim) x 2 B`` per token for each MLA layer (mlx-lm's
+  ``KVCache`` holds the latent, growing in steps of 256), and the KDA recurrent state
+  (``heads x head_dim^2`` F32) + conv state (``3 x (kernel - 1) x heads x head_dim``,
+  bf16) for each KDA layer — whole on every rank (attention replicated; split by heads
+  with ``--attention split``);
+- activations: the peak of one prefill chunk at full context — an MLA layer decompresses
+  k and v for the whole context (``heads x context x (nope + v) x 2 B``) and builds the
+  rope scores and the attention scores (``2 x heads x chunk x context x 2 B``: mlx-lm's
+  fallback path materialises both) — plus the chunk's logits (F32) and hidden states of
+  the AttnRes block stack.
+
+Promoted experts keep **no** 2-bit fallback copy in the lo bank by default: a route the
+hi bank cannot take (more than ``k_hi`` promoted routes in one token) is dropped and
+counted. A fallback copy costs one lo-format expert per promoted expert (the plan
+reports it: ``fallback_copy_bytes``); at the K3 plan's promotion counts that is tens of
+GB, i.e. roughly half the promotions, for routes that ``k_hi`` from calibration makes
+rare (~4e-6 of token-layers at ``k_hi`` = 6 under uniform routing).
+
+    python -m k3dist.build.plan --config CONFIG --index INDEX [--budget auto|BYTES] --dry-run --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from k3dist.format import layout
+
+GiB = 1 << 30
+
+# --------------------------------------------------------------------------- formats
+
+AFFINE_BITS = (1, 2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QFormat:
+    """How one weight matrix is stored. ``mode`` "source" keeps the source dtype."""
+
+    mode: str  # "affine" | "mxfp4" | "mxfp8" | "nvfp4" | "source"
+    bits: int = 16
+    group_size: int = 0
+    scale_bytes: int = 2  # affine: scale and bias in the model dtype (bf16 on disk)
+
+    def __post_init__(self):
+        fixed = {"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}
+        if self.mode == "affine":
+            if self.bits not in AFFINE_BITS or self.group_size not in GROUP_SIZES:
+                raise ValueError(
+                    f"affine needs bits in {AFFINE_BITS} and group size in "
+                    f"{GROUP_SIZES}, not {self.bits}-bit g{self.group_size}"
+                )
+        elif self.mode in fixed:
+            if (self.bits, self.group_size) != fixed[self.mode]:
+                raise ValueError(
+                    f"{self.mode} is {fixed[self.mode][0]}-bit group "
+                    f"{fixed[self.mode][1]}, not {self.bits}-bit "
+                    f"g{self.group_size}"
+                )
+        elif self.mode != "source":
+            raise ValueError(
+                f"unknown format mode {self.mode!r}; one of affine, mxfp4, mxfp8, nvfp4, source"
+            )
+
+    @property
+    def name(self) -> str:
+        if self.mode == "affine":
+            return f"{self.bits}bit-g{self.group_size}"
+        return self.mode
+
+    @property
+    def quantized(self) -> bool:
+        return self.mode != "source"
+
+    def fits(self, cols: int) -> bool:
+        """Whether a matrix with ``cols`` input columns can be stored this way."""
+        if not self.quantized:
+            return True
+        return cols % self.group_size == 0 and (cols * self.bits) % 32 == 0
+
+    def nbytes(self, rows: int, cols: int) -> int:
+        """Exact bytes of a ``[rows, cols]`` matrix (``mx.quantize``'s outputs)."""
+        if not self.fits(cols):
+            raise ValueError(
+                f"{self.name} cannot store {cols} columns (group "
+                f"{self.group_size}, {self.bits}-bit words)"
+            )
+        codes = rows * cols * self.bits // 8
+        groups = rows * cols // self.group_size
+        per_group = 2 * self.scale_bytes if self.mode == "affine" else 1
+        return codes + groups * per_group
+
+    @property
+    def bpw(self) -> float:
+        if not self.quantized:
+            return 16.0
+        per_group = 2 * self.scale_bytes if self.mode == "affine" else 1
+        return self.bits + 8 * per_group / self.group_size
+
+    def qconfig(self) -> dict:
+        """The per-path block mlx-lm's loader reads from config.json ``quantization``."""
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
+    @classmethod
+    def parse(cls, s: str) -> QFormat:
+        """``2bit-g64`` | ``mxfp4`` | ``mxfp8`` | ``nvfp4`` | ``bf16``/``source``."""
+        s = s.strip().lower()
+        if s in ("bf16", "source", "16"):
+            return cls("source")
+        if s in ("mxfp4", "mxfp8", "nvfp4"):
+            return cls(s, *{"mxfp4": (4, 32), "mxfp8": (8, 32), "nvfp4": (4, 16)}[s])
+        try:
+            b, g = s.split("bit-g")
+            return cls("affine", int(b), int(g))
+        except ValueError:
+            raise ValueError(
+                f"format {s!r}: write <bits>bit-g<group> (e.g. 2bit-g64), "
+                "mxfp4, mxfp8, nvfp4 or bf16"
+            ) from None
+
+
+MXFP4 = QFormat.parse("mxfp4")
+SOURCE = QFormat("source")
+
+
+def all_formats() -> list[QFormat]:
+    """Every storage format MLX 0.32.4 offers for a weight matrix."""
+    out = [QFormat("affine", b, g) for b in AFFINE_BITS for g in GROUP_SIZES]
+    return out + [QFormat.parse(s) for s in ("mxfp4", "mxfp8", "nvfp4")]
+
+
+# --------------------------------------------------------------------------- accounting
+
+# Non-expert classes the plan gives a precision to; "small" stays in its source dtype.
+CLASSES = ("attention", "shared", "latent", "router", "dense_mlp", "embed", "lm_head")
+# mlx-lm's kimi_k3 quant_predicate: the router at 8-bit g64, AttnRes projections never.
+ROUTER_FORMAT = QFormat("affine", 8, 64)
+# A starting point, not a measurement (sensitivity scoring replaces it): every class
+# that every token reads at <= ~6 bits (the cost model's 12 tok/s condition), the
+# latent projections and lm_head at 8 (few, wide, on every token's path).
+DEFAULT_NONEXPERT = {
+    "attention": "6bit-g64",
+    "shared": "6bit-g64",
+    "latent": "8bit-g64",
+    "router": "8bit-g64",
+    "dense_mlp": "6bit-g64",
+    "embed": "6bit-g64",
+    "lm_head": "8bit-g64",
+}
+
+
+def tensor_class(s: layout.TensorSpec) -> str:
+    """experts | one of CLASSES | small | vision."""
+    if s.family in ("experts", "vision"):
+        return s.family
+    if s.shape is None or len(s.shape) != 2 or min(s.shape) == 1:
+        return "small"  # norms, biases, convs, A_log, dt_bias, AttnRes projections
+    return {
+        "kda": "attention",
+        "mla": "attention",
+        "shared_experts": "shared",
+        "latent": "latent",
+        "router": "router",
+        "dense_mlp": "dense_mlp",
+        "embed": "lm_head" if s.name.endswith("lm_head.weight") else "embed",
+        "norm": "small",
+        "attn_res": "small",
+    }[s.family]
+
+
+def read_index(path: str | Path) -> dict:
+    """A ``model.safetensors.index.json`` (plain or ``.gz``)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+@dataclass
+class Accounting:
+    """Source bytes and weight counts per class, and the routed experts' shape."""
+
+    tc: dict
+    classes: dict[str, dict]  # class -> {"tensors", "params", "source_bytes"}
+    tensors: dict[str, list[layout.TensorSpec]]  # class -> specs
+    moe_layers: list[int]
+    num_experts: int
+    expert_mats: list[tuple[int, int]]  # (rows, cols) of w1, w2, w3 of one expert
+    source_total: int
+    index_total: int | None
+
+    @property
+    def expert_params(self) -> int:
+        return sum(r * c for r, c in self.expert_mats)
+
+    def expert_bytes(self, fmt: QFormat) -> int:
+        """One routed expert (w1 + w2 + w3) in ``fmt``; mxfp4 equals the source bytes."""
+        return sum(fmt.nbytes(r, c) for r, c in self.expert_mats)
+
+    def class_bytes(self, cls: str, fmt: QFormat) -> int:
+        """A non-expert class in ``fmt``; matrices it cannot store keep their dtype."""
+        n = 0
+        for s in self.tensors.get(cls, []):
+            if fmt.quantized and fmt.fits(s.shape[1]):
+                n += fmt.nbytes(*s.shape)
+            else:
+                n += s.nbytes
+        return n
+
+
+def account(config: dict, index: dict | None = None, where: str = "index") -> Accounting:
+    """Every tensor of the checkpoint in its class. With an index, its names must be
+    exactly the ones the config implies (and its ``total_size`` the sum)."""
+    tc = layout.text_config(config)
+    specs = layout.source_specs(config)
+    total = sum(s.nbytes for s in specs)
+    index_total = None
+    if index is not None:
+        names = set(index["weight_map"])
+        implied = {s.name for s in specs}
+        missing, extra = sorted(implied - names), sorted(names - implied)
+        if missing or extra:
+            raise ValueError(
+                f"{where}: {len(missing)} tensors the config implies are not "
+                f"in the index (e.g. {missing[:3]}) and {len(extra)} index "
+                f"tensors the config does not imply (e.g. {extra[:3]}); pass "
+                "the config.json of this checkpoint"
+            )
+        index_total = index.get("metadata", {}).get("total_size")
+        vision = {s.name for s in specs if s.family == "vision"}
+        if index_total is not None and not vision and index_total != total:
+            raise ValueError(
+                f"{where}: total_size {index_total} but the config implies "
+                f"{total} bytes; pass the config.json of this checkpoint"
+            )
+    classes: dict[str, dict] = {}
+    tensors: dict[str, list] = {}
+    for s in specs:
+        c = tensor_class(s)
+        tensors.setdefault(c, []).append(s)
+        e = classes.setdefault(c, {"tensors": 0, "params": 0, "source_bytes": 0})
+        e["tensors"] += 1
+        n = math.prod(s.shape) if s.shape else 0
+        if s.family == "experts":  # two codes a packed byte; scales hold no weights
+            n = 2 * n if s.name.endswith("weight_packed") else 0
+        e["params"] += n
+        e["source_bytes"] += s.nbytes
+    moe = [i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i)]
+    mats = []
+    if moe:
+        for s in layout.expert_specs(tc, moe[0], 0):
+            if s.name.endswith("weight_packed"):
+                mats.append((s.shape[0], s.shape[1] * 2))
+    return Accounting(
+        tc, classes, tensors, moe, tc.get("num_experts") or 0, mats, total, index_total
+    )
+
+
+# --------------------------------------------------------------------------- memory model
+
+
+@dataclass(frozen=True)
+class Box:
+    """One machine and what its resident set must leave room for (see module doc)."""
+
+    name: str = "M3 Ultra 512 GB"
+    physical: int = 512 * GiB
+    wired_limit_mb: int = 499712  # sysctl iogpu.wired_limit_mb (raised from the default)
+    runtime_reserve: int = 4 * GiB  # MLX allocator cache, command buffers, collectives
+    context: int = 131072  # tokens of one request (prompt + completion)
+    prefill_chunk: int = 256
+    cache_step: int = 256  # mlx-lm KVCache growth step
+    act_bytes: int = 2  # bf16 activations and caches on Metal
+
+    @property
+    def wired(self) -> int:
+        return self.wired_limit_mb * (1 << 20)
+
+
+def kv_state(tc: dict, box: Box, attention_split: int = 1) -> dict:
+    """Bytes of the MLA latent cache and the KDA state of one request on one rank."""
+    kda = layout.kda_layers(tc)
+    n = tc["num_hidden_layers"]
+    mla = [i for i in range(n) if i not in kda]
+    lc = tc["linear_attn_config"]
+    ctx = -(-box.context // box.cache_step) * box.cache_step
+    latent = len(mla) * ctx * (tc["kv_lora_rank"] + tc["qk_rope_head_dim"]) * box.act_bytes
+    per_kda = (
+        4 * lc["num_heads"] * lc["head_dim"] ** 2
+        + box.act_bytes * 3 * (lc["short_conv_kernel_size"] - 1) * lc["num_heads"] * lc["head_dim"]
+    )
+    state = len(kda) * per_kda // attention_split
+    return {
+        "mla_layers": len(mla),
+        "kda_layers": len(kda),
+        "context": box.context,
+        "mla_latent_cache": latent,
+        "kda_state": state,
+        "total": latent + state,
+    }
+
+
+def activations(tc: dict, box: Box, attention_split: int = 1) -> dict:
+    """Peak transient bytes of one prefill chunk at full context (see module doc)."""
+    C, T, b = box.context, box.prefill_chunk, box.act_bytes
+    heads = tc["num_attention_heads"] // attention_split
+    kv = heads * C * (tc["qk_nope_head_dim"] + tc["v_head_dim"]) * b
+    scores = 2 * heads * T * C * b
+    logits = T * tc["vocab_size"] * 4
+    blocks = -(-tc["num_hidden_layers"] // (tc.get("attn_res_block_size") or 1))
+    hidden = T * tc["hidden_size"] * b * (2 * blocks + 4)
+    moe = T * tc["num_experts_per_token"] * tc["moe_intermediate_size"] * 3 * b
+    total = kv + scores + logits + hidden + moe
+    return {
+        "prefill_chunk": T,
+        "mla_kv_decompressed": kv,
+        "attention_scores": scores,
+        "logits": logits,
+        "hidden_and_attnres_stack": hidden,
+        "moe": moe,
+        "total": total,
+    }
+
+
+ASSUMPTIONS = [
+    "512 GB M3 Ultra = 512 GiB unified memory; sysctl iogpu.wired_limit_mb raised to "
+    "499712 (488 GiB wired for the GPU), 24 GiB left to macOS and unwired process memory",
+    "runtime_reserve of the wired memory kept free: MLX allocator cache and fragmentation, "
+    "Metal command buffers, collective buffers",
+    "one request at a time (batch 1) at `context` tokens: MLA latent cache (kv_lora_rank + "
+    "qk_rope_head_dim) x 2 B per token per MLA layer in 256-token steps; KDA recurrent "
+    "state heads x head_dim^2 F32 + conv state per KDA layer",
+    "activations: peak of one prefill chunk at full context: MLA k/v decompressed for the "
+    "whole context, rope and attention scores (bf16, materialised), F32 logits of the "
+    "chunk, hidden states of the AttnRes block stack, MoE intermediates",
+    "attention replicated on every rank (k3dist.model today), shared experts split by "
+    "their intermediate dimension; routed experts split evenly, promoted experts balanced",
+    "non-expert formats are a starting point (<= 6 bits for what every token reads, "
+    "8 bits for latent projections, router and lm_head), not measured sensitivities",
+    "MLA kv_b_proj counted as its source matrix; mlx-lm splits it into embed_q / "
+    "unembed_out at load (same element count; group boundaries may differ slightly)",
+    "lo-format choice 'auto': the richest lo format that still promotes "
+    "min_promoted_fraction; which of the alternatives (equal bytes) is better is for the "
+    "quality evaluation to decide",
+]
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@dataclass
+class PlanRequest:
+    ranks: int = 2
+    budget_per_rank: int | None = None  # weights + KV + activations; None: the box's
+    target_expert_bpw: float | None = None  # instead of a budget
+    lo: str = "auto"  # a QFormat name, or "auto"
+    lo_candidates: tuple[str, ...] = ("3bit-g64", "2bit-g32", "2bit-g64", "2bit-g128", "1bit-g64")
+    min_promoted_fraction: float = 0.05  # "auto": the richest lo format leaving this
+    nonexpert: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NONEXPERT))
+    attention: str = "replicated"  # "replicated" (k3dist.model today) | "split"
+    lo_fallback: bool = False
+    headroom: int = 8 * GiB  # kept free per rank beyond every modelled need
+    k_hi_drop_target: float = 1e-5  # k_hi from uniform routing: P(overflow) below this
+
+
+def overflow_probability(E: int, k: int, promoted: int, k_hi: int) -> float:
+    """P(more than ``k_hi`` of a token's ``k`` routes hit ``promoted`` of ``E``
+    experts) under uniform routing (hypergeometric)."""
+    total = math.comb(E, k)
+    return (
+        sum(
+            math.comb(promoted, j) * math.comb(E - promoted, k - j)
+            for j in range(k_hi + 1, min(k, promoted) + 1)
+        )
+        / total
+    )
+
+
+def k_hi_uniform(E: int, k: int, promoted: int, target: float) -> int:
+    """Smallest ``k_hi`` whose uniform-routing overflow probability is below
+    ``target``; calibration on real routing replaces it (skew raises it)."""
+    for kh in range(0, min(k, promoted) + 1):
+        if overflow_probability(E, k, promoted, kh) <= target:
+            return kh
+    return min(k, promoted)
+
+
+def _nonexpert_bytes(acc: Accounting, req: PlanRequest) -> dict[str, dict]:
+    """Per class: format, build bytes and resident bytes on one rank."""
+    out = {}
+    for c in CLASSES:
+        if c not in acc.tensors:
+            continue
+        fmt = QFormat.parse(req.nonexpert.get(c, "bf16"))
+        nb = acc.class_bytes(c, fmt)
+        split = 1
+        if c == "shared":
+            split = req.ranks  # split by intermediate dim, in the MoE all_sum
+        elif c == "attention" and req.attention == "split":
+            split = req.ranks
+        out[c] = {
+            "format": fmt.name,
+            "bpw": round(fmt.bpw, 4),
+            "bytes": nb,
+            "per_rank": -(-nb // split),
+            "params": acc.classes[c]["params"],
+            "source_bytes": acc.classes[c]["source_bytes"],
+        }
+    small = acc.classes.get("small", {}).get("source_bytes", 0)
+    out["small"] = {
+        "format": "source",
+        "bytes": small,
+        "per_rank": small,
+        "params": acc.classes.get("small", {}).get("params", 0),
+        "source_bytes": small,
+    }
+    return out
+
+
+def _per_layer(total: int, layers: int, ranks: int, cap: int) -> list[int]:
+    """``total`` promotions spread over layers, each a multiple of ``ranks`` (hi bytes
+    balanced across ranks) and at most ``cap``."""
+    per = min(cap, (total // layers) // ranks * ranks)
+    counts = [per] * layers
+    left = total - per * layers
+    i = 0
+    while left >= ranks and i < layers:
+        if counts[i] + ranks <= cap:
+            counts[i] += ranks
+            left -= ranks
+        i += 1
+    return counts
+
+
+def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None = None) -> dict:
+    """The plan: lo format, promoted experts per layer, non-expert formats, bytes per
+    rank against the box. Raises ValueError (with the numbers) when nothing fits."""
+    box, req = box or Box(), req or PlanRequest()
+    tc, N = acc.tc, req.ranks
+    E, L = acc.num_experts, len(acc.moe_layers)
+    if not L:
+        raise ValueError("the config has no MoE layers; nothing to grade")
+    if E % N:
+        raise ValueError(f"{E} experts do not split over {N} ranks")
+    asplit = N if req.attention == "split" else 1
+    kv = kv_state(tc, box, asplit)
+    act = activations(tc, box, asplit)
+    usable = box.wired - box.runtime_reserve
+    budget = req.budget_per_rank if req.budget_per_rank is not None else usable
+    ne = _nonexpert_bytes(acc, req)
+    ne_rank = sum(v["per_rank"] for v in ne.values())
+    fixed = ne_rank + kv["total"] + act["total"]
+    hi_b = acc.expert_bytes(MXFP4)
+    params = acc.expert_params
+
+    def option(fmt: QFormat) -> dict:
+        lo_b = acc.expert_bytes(fmt)
+        step = hi_b if req.lo_fallback else hi_b - lo_b  # bytes one promotion adds
+        base = L * E * lo_b // N
+        room = budget - req.headroom - fixed - base
+        if req.target_expert_bpw is not None:
+            want = (req.target_expert_bpw * params / 8 - lo_b) / (hi_b - lo_b)
+            promoted = max(0, min(L * E, int(want * L * E)))
+            promoted = promoted // (L * N) * (L * N) if promoted >= L * N else 0
+        else:
+            promoted = max(0, min(L * E, room * N // step)) if room > 0 else 0
+        counts = _per_layer(promoted, L, N, E if req.lo_fallback else E - N)  # lo never empty
+        promoted = sum(counts)
+        experts_rank = base + promoted * step // N
+        fits = fixed + experts_rank <= budget - req.headroom and room >= 0
+        expert_bpw = (
+            (promoted * hi_b + (L * E - promoted + (promoted if req.lo_fallback else 0)) * lo_b)
+            * 8
+            / (L * E * params)
+        )
+        return {
+            "lo": fmt.name,
+            "lo_bpw": round(fmt.bpw, 4),
+            "lo_expert_bytes": lo_b,
+            "fits": bool(fits),
+            "promoted_total": promoted,
+            "promoted_fraction": round(promoted / (L * E), 4),
+            "promoted_per_layer": counts,
+            "expert_bpw": round(expert_bpw, 4),
+            "experts_per_rank": experts_rank,
+            "headroom_per_rank": budget - fixed - experts_rank,
+        }
+
+    cands = [QFormat.parse(s) for s in req.lo_candidates]
+    cands = [f for f in cands if all(f.fits(c) for _, c in acc.expert_mats)]
+    options = [option(f) for f in cands]
+    if req.lo != "auto":
+        chosen = option(QFormat.parse(req.lo))
+    else:
+        ok = [
+            o for o in options if o["fits"] and o["promoted_fraction"] >= req.min_promoted_fraction
+        ]
+        ok = ok or [o for o in options if o["fits"]]
+        if not ok:
+            raise ValueError(
+                f"nothing fits {budget} bytes per rank: non-experts {ne_rank}, KV/state "
+                f"{kv['total']}, activations {act['total']} leave {budget - fixed} for "
+                f"routed experts, but the smallest lo format needs "
+                f"{min(o['experts_per_rank'] for o in options)}; lower the context, "
+                "quantize non-experts further or add ranks"
+            )
+        chosen = max(ok, key=lambda o: (o["lo_bpw"], o["promoted_total"]))
+    if not chosen["fits"]:
+        raise ValueError(
+            f"lo format {chosen['lo']} does not fit {budget} bytes per rank "
+            f"(routed experts {chosen['experts_per_rank']} + fixed {fixed}); "
+            "choose a smaller --lo or raise --budget"
+        )
+    k = tc["num_experts_per_token"]
+    counts = chosen["promoted_per_layer"]
+    k_his = [k_hi_uniform(E, k, c, req.k_hi_drop_target) if c else 0 for c in counts]
+    lo_b = chosen["lo_expert_bytes"]
+    experts_rank = chosen["experts_per_rank"]
+    per_rank = {
+        "nonexpert": ne_rank,
+        "routed_experts": experts_rank,
+        "kv_state": kv["total"],
+        "activations": act["total"],
+    }
+    per_rank["total"] = sum(per_rank.values())
+    build_bytes = (
+        sum(v["bytes"] for v in ne.values())
+        + acc.classes.get("vision", {}).get("source_bytes", 0)
+        + sum(counts) * hi_b
+        + (L * E - (0 if req.lo_fallback else sum(counts))) * lo_b
+    )
+    return {
+        "ranks": N,
+        "box": {**asdict(box), "usable_wired": usable, "os_reserve": box.physical - box.wired},
+        "budget_per_rank": budget,
+        "attention": req.attention,
+        "lo": {"format": chosen["lo"], **QFormat.parse(chosen["lo"]).qconfig()},
+        "hi": {
+            "format": "mxfp4",
+            **MXFP4.qconfig(),
+            "expert_bytes": hi_b,
+            "source": "original MXFP4 bytes, bit-exact",
+        },
+        "lo_fallback": req.lo_fallback,
+        "fallback_copy_bytes": sum(counts) * lo_b,
+        "promoted_total": sum(counts),
+        "promoted_fraction": chosen["promoted_fraction"],
+        "promoted_per_layer": dict(zip(map(str, acc.moe_layers), counts, strict=True)),
+        "k_hi_uniform": {str(layer): kh for layer, kh in zip(acc.moe_layers, k_his, strict=True)},
+        "k_hi_drop_target": req.k_hi_drop_target,
+        "expert_bpw": chosen["expert_bpw"],
+        "nonexpert": ne,
+        "kv_state": kv,
+        "activations": act,
+        "bytes_per_rank": per_rank,
+        "headroom_per_rank": budget - per_rank["total"],
+        "headroom_requested": req.headroom,
+        "build_bytes": build_bytes,
+        "source_bytes": acc.source_total,
+        "routed_expert_params": L * E * acc.expert_params,
+        "assumptions": ASSUMPTIONS,
+        "alternatives": [
+            {k2: v for k2, v in o.items() if k2 != "promoted_per_layer"} for o in options
+        ],
+    }
+
+
+def graded_map(plan: dict, promoted: dict[int, list[int]]) -> dict:
+    """The config.json ``graded`` block of a build made from ``plan`` with the given
+    promoted expert ids per layer (chosen by calibration)."""
+    for layer, ids in promoted.items():
+        want = plan["promoted_per_layer"].get(str(layer))
+        if want is not None and len(ids) != want:
+            raise ValueError(f"layer {layer}: {len(ids)} promoted experts, the plan says {want}")
+    return {
+        "k_hi": {str(k): int(v) for k, v in plan["k_hi_uniform"].items()},
+        "hi": {str(k): sorted(int(e) for e in v) for k, v in promoted.items()},
+        "lo_fallback": plan["lo_fallback"],
+        "lo": plan["lo"]["format"],
+    }
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _relpath(p: str) -> str:
+    try:
+        return os.path.relpath(Path(p).resolve(), Path(__file__).resolve().parents[1])
+    except ValueError:
+        return p
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"
+
+
+def summary(plan: dict) -> str:
+    pr = plan["bytes_per_rank"]
+    lines = [
+        f"ranks {plan['ranks']}, budget per rank {_gb(plan['budget_per_rank'])} "
+        f"(wired {_gb(plan['box']['wired_limit_mb'] << 20)} - reserve "
+        f"{_gb(plan['box']['runtime_reserve'])})",
+        f"lo bank {plan['lo']['format']}, hi bank mxfp4 ({plan['hi']['expert_bytes']:,} B "
+        f"per expert); promoted {plan['promoted_total']:,} "
+        f"({100 * plan['promoted_fraction']:.1f}%), expert bpw {plan['expert_bpw']}",
+        "per rank: " + ", ".join(f"{k} {_gb(v)}" for k, v in pr.items()),
+        f"headroom per rank {_gb(plan['headroom_per_rank'])}; build {_gb(plan['build_bytes'])}"
+        f" (source {_gb(plan['source_bytes'])})",
+        "non-experts: "
+        + ", ".join(
+            f"{k} {v['format']} {_gb(v['per_rank'])}" for k, v in plan["nonexpert"].items()
+        ),
+        "alternatives: "
+        + "; ".join(
+            f"{o['lo']}: {'fits' if o['fits'] else 'no'} {o['promoted_total']:,} promoted "
+            f"({o['expert_bpw']} bpw)"
+            for o in plan["alternatives"]
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description="Plan a graded build: lo-bank format, promoted "
+        "experts per layer, non-expert formats, bytes per rank."
+    )
+    ap.add_argument("--src", help="checkpoint folder (config.json + index)")
+    ap.add_argument("--config", help="config.json (instead of --src)")
+    ap.add_argument("--index", help="model.safetensors.index.json[.gz] (instead of --src)")
+    ap.add_argument("--ranks", type=int, default=2)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument(
+        "--budget",
+        default="auto",
+        help="bytes per rank for weights + KV + activations, e.g. 480e9; auto: "
+        "the box's wired limit less the runtime reserve",
+    )
+    g.add_argument("--budget-total", type=float, help="bytes over all ranks")
+    g.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
+    ap.add_argument("--lo", default="auto", help="lo-bank format (e.g. 2bit-g128) or auto")
+    ap.add_argument(
+        "--min-promoted",
+        type=float,
+        default=0.05,
+        help="auto lo: richest format that still promotes this fraction",
+    )
+    ap.add_argument(
+        "--nonexpert",
+        action="append",
+        default=[],
+        metavar="CLASS=FORMAT",
+        help=f"override a class ({', '.join(CLASSES)}), e.g. attention=8bit-g64",
+    )
+    ap.add_argument("--attention", choices=("replicated", "split"), default="replicated")
+    ap.add_argument(
+        "--lo-fallback",
+        action="store_true",
+        help="promoted experts also keep a lo copy (overflow routes use it)",
+    )
+    ap.add_argument(
+        "--headroom-gib",
+        type=float,
+        default=PlanRequest.headroom / GiB,
+        help="kept free per rank beyond weights, KV/state and activations",
+    )
+    ap.add_argument("--context", type=int, default=Box.context)
+    ap.add_argument("--prefill-chunk", type=int, default=Box.prefill_chunk)
+    ap.add_argument("--wired-limit-mb", type=int, default=Box.wired_limit_mb)
+    ap.add_argument("--physical-gib", type=int, default=512)
+    ap.add_argument("--runtime-reserve-gib", type=float, default=Box.runtime_reserve / GiB)
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan, build nothing "
+        "(the only mode today: the graded build takes the plan's counts)",
+    )
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args(argv)
+
+    if args.src:
+        cfg_path = Path(args.src) / "config.json"
+        idx_path = Path(args.src) / "model.safetensors.index.json"
+    elif args.config:
+        cfg_path, idx_path = Path(args.config), Path(args.index) if args.index else None
+    else:
+        ap.error("give --src or --config [--index]")
+    config = json.loads(cfg_path.read_text())
+    index = read_index(idx_path) if idx_path and idx_path.exists() else None
+    acc = account(config, index, str(idx_path))
+    box = replace(
+        Box(),
+        physical=args.physical_gib * GiB,
+        wired_limit_mb=args.wired_limit_mb,
+        runtime_reserve=int(args.runtime_reserve_gib * GiB),
+        context=args.context,
+        prefill_chunk=args.prefill_chunk,
+    )
+    nonexpert = dict(DEFAULT_NONEXPERT)
+    for kv in args.nonexpert:
+        c, _, f = kv.partition("=")
+        if c not in CLASSES:
+            ap.error(f"--nonexpert {kv}: class must be one of {CLASSES}")
+        QFormat.parse(f)
+        nonexpert[c] = f
+    budget = None
+    if args.budget_total is not None:
+        budget = int(args.budget_total) // args.ranks
+    elif args.budget != "auto":
+        budget = int(float(args.budget))
+    req = PlanRequest(
+        ranks=args.ranks,
+        budget_per_rank=budget,
+        target_expert_bpw=args.target_bpw,
+        lo=args.lo,
+        min_promoted_fraction=args.min_promoted,
+        nonexpert=nonexpert,
+        attention=args.attention,
+        lo_fallback=args.lo_fallback,
+        headroom=int(args.headroom_gib * GiB),
+    )
+    try:
+        plan = make_plan(acc, box, req)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    argv = list(sys.argv[1:] if argv is None else argv)
+    paths = {"--src", "--config", "--index", "--out"}
+    rel = [_relpath(a) if i and argv[i - 1] in paths else a for i, a in enumerate(argv)]
+    plan = {
+        "command": "python -m k3dist.build.plan " + " ".join(rel),
+        "inputs": {
+            "config": _relpath(str(cfg_path)),
+            "index": _relpath(str(idx_path)) if index is not None else None,
+            "index_total_size": acc.index_total,
+            "source_bytes_from_config": acc.source_total,
+        },
+        **plan,
+    }
+    text = json.dumps(plan, indent=1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text if args.json else summary(plan))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,415 @@
+"""MLX build (or Moonshot-format source) -> one folder per rank for expert parallelism.
+
+A rank folder has the build's file names; each file holds every non-expert tensor of
+that build file (byte copies) and, for each stacked expert tensor
+(``...layers.L.mlp.switch_mlp.*``, leading dim = num_experts in global order), the
+sub-stack of the experts the rank owns in local order (ascending global id), shape
+``[E_local, ...]``. Expert ``e``'s slice of a stack is the contiguous byte range
+``[e*n/E, (e+1)*n/E)`` of its data, so a rank folder is written by copying byte
+ranges, expert run by expert run: nothing larger than a 64 MiB chunk is in memory.
+
+Beside the tensors: the build's ``config.json`` unchanged (mlx-lm reads it), its
+index (same weight map, this folder's ``total_size``), its tokenizer files, and
+``k3dist.json`` naming ``rank``, ``size``, the placement and the ``build_hash`` of
+the build, so a loader can refuse a folder from another build, rank or placement.
+
+A Moonshot-format source folder is sliced without an intermediate build: the
+converter runs with the rank's expert subset. Its ``build_hash`` is the one a full
+(16-bit non-expert) conversion would have, and its files are byte-identical to
+slicing that build, so the two routes are interchangeable.
+
+Resumable like ``k3dist.build.convert``: a journal records each finished file; files appear
+under their final names only when complete; ``k3dist.json`` is written last.
+
+    python slicing/rank_split.py --rank 1          # or --all; see --help
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from k3dist import __version__
+from k3dist.build import convert
+from k3dist.build.checkpoint import INDEX_NAME, Source, load_config
+from k3dist.format import graded, layout, manifest, verify
+from k3dist.format.journal import JournaledFolder, write_json_atomic
+from k3dist.format.manifest import JOURNAL, MANIFEST
+from k3dist.format.placement import Placement, PlacementError, for_config
+from k3dist.format.sfile import (
+    CHUNK_BYTES,
+    CheckpointError,
+    Header,
+    StreamWriter,
+    TensorInfo,
+    read_bytes,
+    read_header,
+    sha256_file,
+)
+
+import mlx.core as mx
+from tqdm import tqdm
+
+FORMAT_VERSION = 2  # 2: per-tensor sha256 in the manifest (k3dist.format.verify)
+# a stacked routed-expert tensor of an mlx-lm build: leading dim = num_experts (a graded
+# build's two banks: the rows k3dist.graded.stack_rows names)
+_STACK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.switch_(?:mlp|hi)\.")
+
+
+def stacked_layer(name: str) -> int | None:
+    """The layer of a stacked expert tensor, None for any other tensor."""
+    m = _STACK_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def is_source(path: str | Path) -> bool:
+    """A Moonshot-format checkpoint rather than an mlx-lm build: per-expert keys
+    (``...block_sparse_moe.experts.E.w1.weight_packed``) in the index; without an
+    index, a compressed-tensors ``quantization_config``. (mlx-lm-converted builds
+    may keep the source's config block in ``text_config``: the keys decide.)"""
+    path = Path(path)
+    cfg = load_config(path)
+    index = path / INDEX_NAME
+    if index.exists():
+        names = json.loads(index.read_text()).get("weight_map", {})
+        return any(layout.parse_expert_key(n) for n in names)
+    blocks = (cfg.get("quantization_config"), layout.text_config(cfg).get("quantization_config"))
+    return any(b and b.get("quant_method") == "compressed-tensors" for b in blocks)
+
+
+def check_rank(rank: int, size: int) -> None:
+    if size < 1:
+        raise CheckpointError(f"--size {size} must be at least 1")
+    if not 0 <= rank < size:
+        raise CheckpointError(f"--rank {rank} must be in 0..{size - 1} (0..size-1 for "
+                              f"--size {size})")
+
+
+def placement_for(build: str | Path, size: int, counts_path: str | Path | None = None
+                  ) -> Placement:
+    """The placement for a build or source folder: contiguous, or load-aware from
+    routing counts."""
+    config = load_config(build)
+    placement = for_config(layout.text_config(config), size, counts_path)
+    gmap = graded.GradedMap.from_config(config)
+    return placement if gmap is None else graded.balance_hi(placement, gmap)
+
+
+def _identity(build_hash: str, rank: int, size: int, placement: Placement) -> dict:
+    return {"format_version": FORMAT_VERSION, "kind": "rank", "build_hash": build_hash,
+            "rank": rank, "size": size, "placement_hash": placement.hash}
+
+
+def _describe(ident: dict) -> str:
+    return (f"rank {ident.get('rank')} of {ident.get('size')} of build "
+            f"{ident.get('build_hash')} (placement {ident.get('placement_hash')})")
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _expert_bytes(header: Header) -> int:
+    return sum(t.nbytes for n, t in header.tensors.items() if stacked_layer(n) is not None)
+
+
+def _runs(ids: list[int], per: int) -> list[tuple[int, int]]:
+    """(byte offset, length) ranges of experts ``ids`` in a stack of ``per``-byte
+    experts: consecutive ids merged, split into chunks of at most 64 MiB."""
+    out: list[tuple[int, int]] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        start, end = ids[i] * per, (ids[j] + 1) * per
+        for s in range(start, end, CHUNK_BYTES):
+            out.append((s, min(CHUNK_BYTES, end - s)))
+        i = j + 1
+    return out
+
+
+def _folder(out: Path, ident: dict, source_kind: str) -> JournaledFolder:
+    return JournaledFolder(out, "rank", ident, source=source_kind, describe=_describe,
+                           hint=" (e.g. one with {rank})")
+
+
+def _write_manifest(folder: JournaledFolder, placement: Placement, build: Path,
+                    safetensors: dict[str, dict], small: list[str], seconds: float) -> dict:
+    """``k3dist.json``, last: sha256 of the tensor files from the journal (computed
+    while writing; never a second read of the folder), of the small files here."""
+    out, ident = folder.path, folder.identity
+    files = {name: {"sha256": e["sha256"], "bytes": e["bytes"],
+                    "header_sha256": e["header_sha256"], "tensors": e["tensor_sha256"]}
+             for name, e in safetensors.items()}
+    for name in small:
+        files[name] = {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
+    manifest = {
+        "tool": f"k3dist {__version__}",
+        "kind": "rank",
+        "identity": ident,
+        "rank": ident["rank"],
+        "size": ident["size"],
+        "placement": placement.to_json(),
+        "placement_hash": placement.hash,
+        "build_hash": ident["build_hash"],
+        "build": str(build.resolve()),
+        "input": folder.source,
+        "expert_bytes": sum(_expert_bytes(read_header(out / n)) for n in safetensors),
+        "files": files,
+        "seconds": round(seconds, 2),
+    }
+    folder.finish(manifest)
+    verify.stamp_folder(out, manifest)  # hashed while written: the first start hashes nothing
+    return manifest
+
+
+def _check_placement(placement: Placement, size: int, num_experts: int, layers: set[int],
+                     where: str) -> None:
+    placement.validate()
+    if placement.size != size:
+        raise PlacementError(f"placement is for {placement.size} ranks but --size is {size}; "
+                             "make the placement for this size (or pass --size "
+                             f"{placement.size})")
+    if placement.num_experts != num_experts:
+        raise PlacementError(f"placement maps {placement.num_experts} experts per layer but "
+                             f"{where} has {num_experts}; make the placement from its config")
+    missing, extra = sorted(layers - set(placement.owners)), sorted(set(placement.owners) - layers)
+    if missing or extra:
+        raise PlacementError(
+            f"placement covers MoE layers {_short(placement.owners)} but {where} has expert "
+            f"stacks for {_short(layers)} (missing {_short(missing)}, extra {_short(extra)}); "
+            "make the placement from this model's config")
+
+
+def _short(xs, n: int = 8) -> str:
+    xs = sorted(xs)
+    return str(xs) if len(xs) <= n else f"{str(xs[:n])[:-1]}, ... ({len(xs)} in all)]"
+
+
+# ----------------------------------------------------------------------------- build input
+
+class BuildSlicer:
+    """Slice an mlx-lm-format build (ours or a community one) for one rank."""
+
+    def __init__(self, build: Path, out: Path, rank: int, size: int, placement: Placement):
+        check_rank(rank, size)
+        self.build, self.out, self.rank = build, out, rank
+        self.config = load_config(build)
+        self.config_bytes = (build / "config.json").read_bytes()
+        if not (build / INDEX_NAME).exists():
+            raise CheckpointError(f"{build}: no {INDEX_NAME}; an MLX build folder has an "
+                                  "index (python -m k3dist.build.convert writes one)")
+        self.index_bytes = (build / INDEX_NAME).read_bytes()
+        self.manifest = self._build_manifest()
+        self.index = json.loads(self.index_bytes)
+        self.weight_map: dict[str, str] = self.index["weight_map"]
+        self.build_hash = (self.manifest["build_hash"] if self.manifest else
+                           hashlib.sha256(self.index_bytes + self.config_bytes).hexdigest()[:16])
+        self.files = list(dict.fromkeys(self.weight_map.values()))
+        self.headers = {f: read_header(build / f) for f in self.files}
+        self._check_index()
+        tc = layout.text_config(self.config)
+        E = tc.get("num_experts")
+        self.stacks = {n: layer for h in self.headers.values() for n in h.tensors
+                       if (layer := stacked_layer(n)) is not None}
+        if self.stacks and not E:
+            raise CheckpointError(f"{build}/config.json: no num_experts but the build has "
+                                  "stacked experts; is config.json from this build?")
+        self.gmap = graded.GradedMap.from_config(self.config)
+        for h in self.headers.values():
+            for n, t in h.tensors.items():
+                rows = len(graded.stack_rows(self.gmap, n, E) or ()) if n in self.stacks else 0
+                if n in self.stacks and (not t.shape or t.shape[0] != rows):
+                    raise CheckpointError(
+                        f"{h.path}: stacked expert tensor {n!r} is {t.dtype}{list(t.shape)} "
+                        f"but config.json implies {rows} experts (num_experts={E}, graded "
+                        f"map {'yes' if self.gmap else 'no'}); the leading dim must match "
+                        "(a rank folder cannot be sliced again)")
+        _check_placement(placement, size, E, set(self.stacks.values()), str(build))
+        if self.gmap is not None:
+            for layer, ids in self.gmap.hi.items():
+                held = {placement.owners[layer][e] for e in ids}
+                if ids and len(held) < size:
+                    raise PlacementError(
+                        f"placement gives rank(s) {sorted(set(range(size)) - held)} none of "
+                        f"layer {layer}'s {len(ids)} promoted experts (an empty hi bank); "
+                        "use k3dist.graded.balance_hi(placement, GradedMap.from_config(cfg))")
+        self.placement = placement
+        self.ident = _identity(self.build_hash, rank, size, placement)
+
+    def _build_manifest(self) -> dict | None:
+        p = self.build / MANIFEST
+        if not p.exists():
+            if (self.build / JOURNAL).exists():
+                raise CheckpointError(f"{self.build}: an unfinished conversion (journal, no "
+                                      f"{MANIFEST}); finish it with python -m k3dist.build.convert")
+            return None  # e.g. an mlx-community build
+        return manifest.verify(self.build, "build")
+
+    def _check_index(self) -> None:
+        for name, f in self.weight_map.items():
+            if name not in self.headers[f].tensors:
+                raise CheckpointError(f"{self.build / f}: the index places {name!r} here but "
+                                      "the file does not hold it; copy the build again")
+
+    def _plan(self, fname: str) -> list[tuple[TensorInfo, tuple[int, ...], list]]:
+        """(tensor, output shape, byte ranges) in the file's data order."""
+        plan = []
+        for t in sorted(self.headers[fname].tensors.values(), key=lambda t: t.start):
+            layer = self.stacks.get(t.name)
+            if layer is None:
+                plan.append((t, t.shape, _runs([0], t.nbytes)))
+            else:
+                mine = graded.local_rows(self.gmap, t.name, self.placement.num_experts,
+                                        self.placement, self.rank)
+                per = t.nbytes // t.shape[0]
+                plan.append((t, (len(mine), *t.shape[1:]), _runs(mine, per)))
+        return plan
+
+    def _slice_file(self, fname: str, bar: tqdm) -> dict:
+        plan = self._plan(fname)
+        entries = [(t.name, t.dtype, shape) for t, shape, _ in plan]
+
+        def chunks(t: TensorInfo, ranges) -> Iterator[bytes]:
+            for start, length in ranges:
+                data = read_bytes(t, start, length)
+                bar.update(len(data))
+                yield data
+
+        with StreamWriter(self.out / fname, entries,
+                          self.headers[fname].metadata or None) as w:
+            for t, _, ranges in plan:
+                w.write(t.name, chunks(t, ranges))
+        return {"file": fname, "bytes": w.size, "sha256": w.sha256, "tensors": len(entries),
+                "header_sha256": w.header_sha256, "tensor_sha256": w.tensor_sha256}
+
+    def _small_files(self) -> list[str]:
+        """Tokenizer and other files to carry: not tensors, index, manifest or journal."""
+        skip = {INDEX_NAME, MANIFEST, JOURNAL, "config.json"}
+        return sorted(p.name for p in self.build.iterdir()
+                      if p.is_file() and not p.name.startswith(".") and p.name not in skip
+                      and not p.name.endswith((".safetensors", ".partial", ".tmp")))
+
+    def run(self, progress: bool = True) -> Path:
+        folder = _folder(self.out, self.ident, "build")
+        if folder.open():
+            return self.out
+        total = sum(sum(n for _, n in ranges) for f in self.files for _, _, ranges in
+                    self._plan(f))
+        bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
+                   desc=f"rank {self.rank}")
+        t0 = time.perf_counter()
+        for f in self.files:
+            if not folder.unit(f, lambda f=f: self._slice_file(f, bar)):
+                bar.update(sum(n for _, _, r in self._plan(f) for _, n in r))
+        bar.close()
+        total_size = sum(folder.done[f]["bytes"] for f in self.files)
+        meta = {**self.index.get("metadata", {}), "total_size": total_size}
+        write_json_atomic(self.out / INDEX_NAME,
+                          {"metadata": meta, "weight_map": self.weight_map})
+        small = self._small_files()
+        _copy_file(self.build / "config.json", self.out / "config.json")
+        for name in small:
+            _copy_file(self.build / name, self.out / name)
+        _write_manifest(folder, self.placement, self.build,
+                        {f: folder.done[f] for f in self.files},
+                        [INDEX_NAME, "config.json", *small], time.perf_counter() - t0)
+        return self.out
+
+
+# ----------------------------------------------------------------------------- source input
+
+class SourceSlicer:
+    """Write a rank folder straight from a Moonshot-format source: the converter,
+    unit by unit, with this rank's expert subset."""
+
+    def __init__(self, src: Path, out: Path, rank: int, size: int, placement: Placement,
+                 nonexpert_bits: int = 16, group_size: int = 64):
+        check_rank(rank, size)
+        self.src = Source(src)
+        tc = self.src.text_config
+        moe = set(layout.moe_layers(tc))
+        _check_placement(placement, size, tc.get("num_experts") or 0, moe, str(src))
+        self.placement, self.rank, self.out = placement, rank, out
+        self.conv = convert.Converter(self.src, out, nonexpert_bits, group_size,
+                                      experts=lambda layer: placement.experts_of(layer, rank))
+        self.conv.preflight()  # every header and A_log tail before anything is written
+        self.build_hash = convert.build_hash(self.conv.ident)
+        self.ident = _identity(self.build_hash, rank, size, placement)
+
+    def _unit_bytes(self, group: str) -> int:
+        """Source bytes this rank reads for a unit (the progress bar's measure)."""
+        n = 0
+        for s in self.conv.specs.get(group, []):
+            if s.family == "experts":
+                layer = s.layer
+                E = self.placement.num_experts
+                n += s.nbytes * len(self.placement.experts_of(layer, self.rank)) // E
+            else:
+                n += s.nbytes
+        return n
+
+    def run(self, progress: bool = True) -> Path:
+        folder = _folder(self.out, self.ident, "source")
+        if folder.open():
+            return self.out
+        groups = self.conv.units()
+        bar = tqdm(total=sum(self._unit_bytes(g) for g in groups), unit="B", unit_scale=True,
+                   disable=not progress, desc=f"rank {self.rank}")
+        t0 = time.perf_counter()
+        for g in groups:
+            if folder.unit(g, lambda g=g: self.conv.convert_unit(g)):
+                mx.clear_cache()
+            bar.update(self._unit_bytes(g))
+        bar.close()
+        done = folder.done
+        copied = self.conv.write_metadata(done, groups)
+        _write_manifest(folder, self.placement, self.src.path,
+                        {done[g]["file"]: done[g] for g in groups},
+                        [INDEX_NAME, "config.json", *copied], time.perf_counter() - t0)
+        return self.out
+
+
+# ----------------------------------------------------------------------------- entry points
+
+def slice_rank(build: str | Path, out: str | Path, rank: int, size: int,
+               placement: Placement | None = None, progress: bool = True, *,
+               nonexpert_bits: int = 16, group_size: int = 64) -> Path:
+    """Write rank ``rank`` of ``size``'s folder from an MLX build or a Moonshot-format
+    source (``nonexpert_bits``/``group_size``: source input only, as in convert).
+    ``placement`` defaults to contiguous. Everything is checked before anything is
+    written; a partial folder of the same slicing is resumed."""
+    build, out = Path(build), Path(out)
+    check_rank(rank, size)
+    if not build.is_dir():
+        raise CheckpointError(f"{build}: not a folder; --build names an MLX build (python -m "
+                              "k3dist.build.convert) or a Moonshot-format checkpoint")
+    if out.resolve() == build.resolve():
+        raise CheckpointError(f"{out}: is the input folder itself; choose another --out")
+    if placement is None:
+        placement = placement_for(build, size)
+    if is_source(build):
+        slicer = SourceSlicer(build, out, rank, size, placement, nonexpert_bits, group_size)
+    else:
+        slicer = BuildSlicer(build, out, rank, size, placement)
+    return slicer.run(progress)
+
+
+def slice_all(build: str | Path, out_pattern: str, size: int,
+              placement: Placement | None = None, progress: bool = True) -> list[Path]:
+    """Every rank's folder; ``out_pattern`` holds ``{rank}``."""
+    if size > 1 and "{rank}" not in out_pattern:
+        raise CheckpointError(f"--out {out_pattern!r} has no {{rank}}; every rank needs its "
+                              "own folder (e.g. runs/ranks/rank{rank})")
+    placement = placement or placement_for(build, size)
+    return [slice_rank(build, out_pattern.format(rank=r), r, size, placement, progress)
+            for r in range(size)]

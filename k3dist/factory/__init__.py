@@ -1,0 +1,1 @@
+"""Mini-K3 factory: synthetic checkpoints, the corpus, the trainer, quality measures."""

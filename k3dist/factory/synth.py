@@ -1,0 +1,228 @@
+"""mini-K3 checkpoints in Moonshot's own source format, at small dimensions.
+
+The config is the real ``config.json`` (shipped in ``k3dist/data``) with sizes
+overridden, so the key set is K3's; the tensors are the ones ``k3dist.format.layout``
+derives from it, one shard per decoder layer like the real checkpoint, experts as
+compressed-tensors MXFP4 bytes, ``A_log`` zero-padded to ``head_dim``. Weights are
+random but deterministic per (seed, tensor name), so the order of writing does not
+matter and every tool sees the same bytes.
+
+    python -m k3dist.factory.synth --out mini-src --preset mini
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from k3dist.factory import bpe
+from k3dist.format import layout
+from k3dist.format import tokens as tokenizer
+from k3dist.format.sfile import StreamWriter, f32_to_bf16_bits
+
+import numpy as np
+from tqdm import tqdm
+
+# E2M1 codes drawn uniformly have this RMS; scales put experts at ~1/sqrt(fan_in).
+_E2M1_RMS = math.sqrt((0 + 0.25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8)
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_layers: int
+    attn_res_block_size: int
+    kda_heads: int
+    kda_head_dim: int
+    mla_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    num_experts: int
+    experts_per_token: int
+    moe_intermediate_size: int
+    latent_size: int
+    base_vocab: int
+    vision_hidden: int = 32
+    vision_layers: int = 2
+
+
+PRESETS = {
+    # Tests: seconds to write, convert and run; 16 experts split 2 or 4 ways.
+    "mini": Preset(hidden_size=64, num_layers=6, attn_res_block_size=2, kda_heads=4,
+                   kda_head_dim=16, mla_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                   intermediate_size=128, num_experts=16, experts_per_token=4,
+                   moe_intermediate_size=32, latent_size=32, base_vocab=512),
+    # Benchmarks: routed experts are ~85% of ~450 MB, as they dominate the real model.
+    "bench": Preset(hidden_size=1024, num_layers=8, attn_res_block_size=4, kda_heads=8,
+                    kda_head_dim=128, mla_heads=8, q_lora_rank=256, kv_lora_rank=128,
+                    qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+                    intermediate_size=2048, num_experts=128, experts_per_token=8,
+                    moe_intermediate_size=512, latent_size=512, base_vocab=512),
+}
+
+
+def real_config() -> dict:
+    """Moonshot's config.json for Kimi K3, unmodified."""
+    text = resources.files("k3dist").joinpath("data/kimi-k3-config.json").read_text()
+    return json.loads(text)
+
+
+def k3_layer_pattern(num_layers: int) -> tuple[list[int], list[int]]:
+    """K3's 1-based layer lists: MLA at every 4th layer and the last, KDA elsewhere."""
+    full = [i for i in range(1, num_layers + 1) if i % 4 == 0 or i == num_layers]
+    kda = [i for i in range(1, num_layers + 1) if i not in full]
+    return kda, full
+
+
+def make_config(p: Preset, vocab_size: int) -> dict:
+    """The real config with the preset's sizes; special-token ids keep their offsets."""
+    cfg = copy.deepcopy(real_config())
+    real_base = 163584  # real base vocab: ids past it are the 256 control tokens
+
+    def remap(token_id: int) -> int:
+        return token_id - real_base + (vocab_size - tokenizer.NUM_CONTROL_TOKENS)
+
+    for d in (cfg, cfg["text_config"]):
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            d[k] = remap(d[k])
+    cfg["media_placeholder_token_id"] = remap(cfg["media_placeholder_token_id"])
+
+    kda, full = k3_layer_pattern(p.num_layers)
+    tc = cfg["text_config"]
+    tc.update(
+        hidden_size=p.hidden_size, num_hidden_layers=p.num_layers,
+        attn_res_block_size=p.attn_res_block_size, num_attention_heads=p.mla_heads,
+        num_key_value_heads=p.mla_heads, q_lora_rank=p.q_lora_rank,
+        kv_lora_rank=p.kv_lora_rank, qk_nope_head_dim=p.qk_nope_head_dim,
+        qk_rope_head_dim=p.qk_rope_head_dim, v_head_dim=p.v_head_dim,
+        intermediate_size=p.intermediate_size, num_experts=p.num_experts,
+        num_experts_per_token=p.experts_per_token,
+        moe_intermediate_size=p.moe_intermediate_size,
+        routed_expert_hidden_size=p.latent_size, vocab_size=vocab_size,
+        max_position_embeddings=4096,
+    )
+    tc["linear_attn_config"].update(kda_layers=kda, full_attn_layers=full,
+                                    num_heads=p.kda_heads, head_dim=p.kda_head_dim)
+    vc = cfg["vision_config"]
+    vc.update(vt_hidden_size=p.vision_hidden, mm_hidden_size=p.vision_hidden,
+              qkv_hidden_size=p.vision_hidden, vt_intermediate_size=2 * p.vision_hidden,
+              vt_num_attention_heads=2, vt_num_hidden_layers=p.vision_layers,
+              init_pos_emb_height=4, init_pos_emb_width=4, text_hidden_size=p.hidden_size)
+    return cfg
+
+
+def shard_names(tc: dict) -> dict[str, str]:
+    """Group -> shard file, as the real checkpoint: layer L in shard L+1, then the
+    head (embeddings, norm, output AttnRes, lm_head), the projector, the vision tower."""
+    n = tc["num_hidden_layers"] + 3
+
+    def name(i: int) -> str:
+        return f"model-{i:05d}-of-{n:06d}.safetensors"
+
+    out = {f"layer.{i}": name(i + 1) for i in range(tc["num_hidden_layers"])}
+    out.update(head=name(n - 2), projector=name(n - 1), vision=name(n))
+    return out
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def tensor_bytes(spec: layout.TensorSpec, tc: dict, seed: int) -> bytes:
+    """Deterministic contents of one source tensor."""
+    rng = _rng(seed, spec.name)
+    shape = spec.shape
+    leaf = spec.name.rsplit(".", 2)
+    if spec.dtype == "U8":
+        if spec.name.endswith("weight_packed"):
+            return rng.integers(0, 256, size=shape, dtype=np.uint8).tobytes()
+        fan_in = shape[1] * 32
+        e = round(math.log2(1.0 / math.sqrt(fan_in) / _E2M1_RMS))
+        return (127 + e + rng.integers(-1, 2, size=shape)).astype(np.uint8).tobytes()
+    if spec.name.endswith("A_log"):
+        heads = tc["linear_attn_config"]["num_heads"]
+        x = np.zeros(shape, np.float32)
+        x[:heads] = np.log(rng.uniform(1.0, 16.0, size=heads))
+    elif spec.name.endswith("dt_bias"):
+        x = rng.normal(0.0, 0.5, size=shape)
+    elif spec.name.endswith("e_score_correction_bias"):
+        x = rng.normal(0.0, 0.05, size=shape)
+    elif "conv1d" in spec.name:
+        x = rng.normal(0.0, 0.4, size=shape)
+    elif len(shape) == 1:  # norm weights: near 1, not exactly, so a swap shows
+        x = 1.0 + rng.normal(0.0, 0.1, size=shape)
+    elif leaf[-2].endswith("res_proj"):
+        x = rng.normal(0.0, 0.5, size=shape) / math.sqrt(shape[-1])
+    elif "embed_tokens" in spec.name:
+        x = rng.normal(0.0, 1.0, size=shape)
+    else:
+        fan_in = int(np.prod(shape[1:]))
+        x = rng.normal(0.0, 1.0 / math.sqrt(fan_in), size=shape)
+    x = np.asarray(x, np.float32)
+    if spec.dtype == "F32":
+        return x.tobytes()
+    return f32_to_bf16_bits(x).tobytes()
+
+
+def synthesize(out: str | Path, preset: str = "mini", seed: int = 0,
+               progress: bool = True) -> Path:
+    """Write a mini-K3 source checkpoint; returns its folder."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    ranks = bpe.mini_tokenizer(p.base_vocab)
+    vocab_size = tokenizer.write_tokenizer_files(out, ranks)
+    cfg = make_config(p, vocab_size)
+    tc = cfg["text_config"]
+    files = shard_names(tc)
+
+    by_file: dict[str, list[layout.TensorSpec]] = {}
+    for s in layout.source_specs(cfg):
+        key = "projector" if s.name.startswith("mm_projector.") else s.group
+        by_file.setdefault(files[key], []).append(s)
+
+    weight_map, total = {}, 0
+    bar = tqdm(total=sum(s.nbytes for v in by_file.values() for s in v), unit="B",
+               unit_scale=True, desc=f"synth {preset}", disable=not progress)
+    for fname, specs in by_file.items():
+        entries = [(s.name, s.dtype, s.shape) for s in specs]
+        with StreamWriter(out / fname, entries, {"format": "pt"}) as w:
+            for s in specs:
+                w.write(s.name, tensor_bytes(s, tc, seed))
+                weight_map[s.name] = fname
+                total += s.nbytes
+                bar.update(s.nbytes)
+    bar.close()
+
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Write a mini-K3 checkpoint in Moonshot's format.")
+    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--preset", default="mini", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    path = synthesize(args.out, args.preset, args.seed)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

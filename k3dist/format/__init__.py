@@ -1,0 +1,1 @@
+"""Format layer: safetensors files, the layout a config implies, MXFP4, placement, tokens."""

@@ -1,0 +1,69 @@
+"""The manifest (``k3dist.json``) every k3dist output folder ends with, and its one check.
+
+Written last, so its presence means the folder is complete. One schema for every kind:
+
+- ``tool``: the k3dist that wrote it; ``kind``: ``"build"`` (``k3dist.build.convert``)
+  or ``"rank"`` (``k3dist.build.slicing``); ``identity``: what makes two folders the same
+  (a re-run with another identity is refused); ``build_hash``: the build it is or was
+  sliced from;
+- ``files``: ``{name: {"sha256", "bytes"}}`` for every file the folder holds (``bytes``
+  may be absent for small copied files of a build);
+- ``seconds``; kind-specific keys: a build's ``source``, ``profile``, ``files_by_group``;
+  a rank folder's ``rank``, ``size``, ``placement``, ``placement_hash``, ``build``,
+  ``input``, ``expert_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from k3dist.format.sfile import CheckpointError, sha256_file
+
+MANIFEST = "k3dist.json"
+JOURNAL = ".k3dist-progress.json"
+_MAKE = {
+    "rank": "make rank folders with python slicing/rank_split.py",
+    "build": "make a build with python -m k3dist.build.convert",
+}
+_NOUN = {"rank": "a rank folder", "build": "a build"}
+_OTHER_KIND = {
+    "rank": "make one with python slicing/rank_split.py",
+    "build": "slice the build it came from, not a rank folder",
+}
+_FIX = {
+    "rank": "slice it again into a new folder or copy it again",
+    "build": "copy the build again or convert it again into a new folder",
+}
+
+
+def verify(path: str | Path, kind: str, sha256: bool = False) -> dict:
+    """The manifest of a complete folder of ``kind``, after checking every file's size
+    (and sha256 when asked); CheckpointError naming what is wrong and the fix."""
+    path = Path(path)
+    mp = path / MANIFEST
+    if not mp.exists():
+        run = "slicing" if kind == "rank" else "conversion"
+        hint = f" (an unfinished {run}: run it again)" if (path / JOURNAL).exists() else ""
+        raise CheckpointError(f"{path}: no {MANIFEST}{hint}; {_MAKE[kind]}")
+    m = json.loads(mp.read_text())
+    if m.get("kind") != kind:
+        raise CheckpointError(
+            f"{mp}: kind {m.get('kind')!r}, not {_NOUN[kind]}; {_OTHER_KIND[kind]}"
+        )
+    bad = []
+    for name, meta in m["files"].items():
+        f = path / name
+        if not f.exists():
+            bad.append(f"{name} missing")
+        elif "bytes" in meta and f.stat().st_size != meta["bytes"]:
+            bad.append(f"{name} has {f.stat().st_size} bytes, manifest {meta['bytes']}")
+        elif sha256 and sha256_file(f) != meta["sha256"]:
+            bad.append(f"{name} sha256 differs from the manifest")
+    if bad:
+        more = "; ..." if len(bad) > 5 else ""
+        what = f"rank {m.get('rank')} folder" if kind == "rank" else "build"
+        raise CheckpointError(
+            f"{path}: {what} is damaged ({'; '.join(bad[:5])}{more}); {_FIX[kind]}"
+        )
+    return m

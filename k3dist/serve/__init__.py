@@ -1,0 +1,1 @@
+"""Serving runtime: EP model, rank-folder loader, server, warm-up, watchdog, deployment."""

@@ -1,0 +1,58 @@
+"""Every private mlx-lm name k3dist relies on, in one place (mlx-lm 0.32.2, pinned).
+
+k3dist's server subclasses mlx_lm.server and overrides or reads a few of its private
+names; the EP model calls kimi_k3's router. ``missing()`` names whichever of them a
+new mlx-lm no longer has (tests/test_compat.py fails with that list).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from mlx_lm.models import kimi_k3
+
+# "module:Class.name" or "module:name" -> how k3dist uses it
+PRIVATE = {
+    "mlx_lm.server:ResponseGenerator._share_request":
+        "overridden (k3dist.serve.server): wraps the shared request to log each rank's tokens",
+    "mlx_lm.server:ResponseGenerator._is_batchable":
+        "overridden (k3dist.serve.server): requests are served one at a time",
+    "mlx_lm.server:ResponseGenerator._rank": "read by holds_request",
+    "mlx_lm.server:ResponseGenerator._is_distributed": "read by holds_request",
+    "mlx_lm.server:APIHandler._set_stream_headers":
+        "overridden (k3dist.serve.server): open SSE streams are tracked for abort_streams",
+    "mlx_lm.server:APIHandler.rfile":
+        "replaced (k3dist.serve.server): do_POST reads the validated body from self.rfile",
+    "mlx_lm.models.kimi_k3:_group_expert_select": "called by group_expert_select",
+}
+
+
+def _has(path: str) -> bool:
+    module, _, name = path.partition(":")
+    obj = importlib.import_module(module)
+    *owners, attr = name.split(".")
+    for o in owners:
+        obj = getattr(obj, o, None)
+        if obj is None:
+            return False
+    if hasattr(obj, attr):
+        return True
+    # an attribute set on the instance: the class's code must assign or read it
+    return inspect.isclass(obj) and f"self.{attr}" in inspect.getsource(obj)
+
+
+def missing() -> list[str]:
+    """The names of ``PRIVATE`` this mlx-lm does not have, with what k3dist uses each for."""
+    return [f"{p} ({why})" for p, why in PRIVATE.items() if not _has(p)]
+
+
+def holds_request(generator) -> bool:
+    """Whether this rank of an mlx_lm.server ResponseGenerator holds the real request
+    (rank 0, or the only process); the others get a placeholder from ``_share_request``."""
+    return generator._rank == 0 or not generator._is_distributed
+
+
+def group_expert_select(*args, **kwargs):
+    """kimi_k3's sigmoid router with grouped top-k: (expert ids, weights)."""
+    return kimi_k3._group_expert_select(*args, **kwargs)

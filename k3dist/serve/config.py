@@ -1,0 +1,110 @@
+"""Deployment settings: read once from YAML/flags at the edge, passed down as a
+dataclass. Nothing below the entry points reads files or the environment for them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+DEFAULT_DEPLOYMENT = Path("deploy/local.yaml")
+# how non-owned (token, expert) pairs are handled (k3dist.serve.model); "auto" picks one
+MOE_FORMS = ("placeholder", "local")
+# compute dtypes a deployment may ask for (MLX names)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class Deployment:
+    # MLX build folder (k3dist.build.convert output) or Moonshot-format source to slice
+    build: str = "runs/mini-build"
+    # per-rank folders; "{rank}" is replaced by the rank
+    rank_dir: str = "runs/ranks/rank{rank}"
+    size: int = 2
+    # routing counts (.npz / .json) for a load-aware placement; None: contiguous
+    placement_counts: str | None = None
+    # compute dtype: float32 on CPU (bf16 matmuls are ~10x slower there), bfloat16 on Metal
+    dtype: str = "float32"
+    # how non-owned (token, expert) pairs are handled: "placeholder" (sync-free),
+    # "local" (host sync per MoE layer, only owned pairs computed) or "auto":
+    # placeholder on Metal, local on CPU (benchmarks/moe_step.py measured it faster)
+    moe_form: str = "auto"
+    # OpenBLAS threads per rank (Linux CPU); None leaves OpenBLAS's default (all cores),
+    # which oversubscribes a box that runs several ranks
+    blas_threads: int | None = None
+    # rank-folder content check before serving (k3dist.format.verify): "stamp" hashes only
+    # files whose stat changed since they last matched, "full" every file, "size" none
+    verify: str = "stamp"
+    # -- serving (launch/serve.py) --
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model_id: str = "kimi-k3"
+    # prompt + completion tokens a request may use; longer prompts get a 400 at once
+    max_context: int = 4096
+    # prefill runs in power-of-two chunks up to this; all of them are warmed up
+    prefill_chunk: int = 256
+    max_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    warmup: bool = True
+    # per-rank JSONL of generated tokens ("{rank}" allowed); None: off
+    token_log: str | None = None
+    # device keep-awake op (side stream) while idle
+    heartbeat_s: float = 5.0
+    # side-channel peer watchdog: a silent peer is declared lost after this long
+    watchdog_timeout_s: float = 10.0
+    # stop every rank when this rank's launcher (its parent process) exits: killing
+    # mlx.launch alone would otherwise leave the ranks serving, orphaned
+    stop_with_launcher: bool = True
+    # port of rank 0's watchdog listener; None: first ring port + 1000
+    watchdog_port: int | None = None
+    # refuse to start unless the folder fits in free memory with this much to spare
+    # (KV cache and activations). The K3 cache is small per token: 24 MLA layers keep
+    # 576 values x 2 B = 27,648 B/token, so 128K tokens take ~3.6 GB; KDA layers keep a
+    # fixed-size state. deploy/tb5.yaml sets 24 for the real model.
+    memory_headroom_gb: float = 2.0
+    # completions in flight (queued or generating); past this a request gets 429 with
+    # Retry-After instead of waiting
+    max_queued_requests: int = 64
+    # HTTP handler threads; further connections wait in the listen backlog (1024)
+    max_connections: int = 2048
+    # origins a web page may call the API from ("*": any); empty: no CORS headers
+    cors_origins: list[str] = field(default_factory=list)
+
+    def rank_path(self, rank: int) -> Path:
+        return Path(self.rank_dir.format(rank=rank))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
+    """YAML (if any) then flags (``overrides`` that are not None) on top."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"deployment file {path} does not exist")
+        values = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a mapping of settings, got {type(values)}")
+        known = {f.name for f in fields(Deployment)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    d = Deployment(**values)
+    if d.moe_form not in ("auto", *MOE_FORMS):
+        raise ValueError(f"moe_form must be auto, placeholder or local, not {d.moe_form!r}")
+    if d.verify not in ("stamp", "full", "size"):
+        raise ValueError(f"verify must be stamp, full or size, not {d.verify!r}")
+    if d.max_queued_requests < 1 or d.max_connections < 1:
+        raise ValueError(f"max_queued_requests ({d.max_queued_requests}) and max_connections "
+                         f"({d.max_connections}) must be at least 1")
+    if not isinstance(d.cors_origins, list) or not all(isinstance(o, str)
+                                                       for o in d.cors_origins):
+        raise ValueError(f"cors_origins must be a list of origins, not {d.cors_origins!r}")
+    if d.dtype not in DTYPES:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, not {d.dtype!r}")
+    return d

@@ -1,0 +1,156 @@
+"""Memory preflight: before minutes of loading, does this rank's folder fit in the
+memory this machine can give it (and, on Metal, under the wired limit)? Refuse with
+the numbers and the fix; otherwise wire the footprint. The headroom is the
+deployment's ``memory_headroom_gb`` (``k3dist.serve.config``).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from k3dist.format.sfile import read_header
+
+import mlx.core as mx
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class PreflightError(RuntimeError):
+    """This rank cannot fit; the message has the numbers and the fix."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB ({n:,} bytes)"
+
+
+def folder_weight_bytes(folder: str | Path) -> int:
+    """Bytes of tensor data in the folder's safetensors files (what loading maps in)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise PreflightError(f"{folder}: no *.safetensors files; pass a rank folder made by "
+                             "slicing/rank_split.py (or a build folder)")
+    return sum(h.file_size - h.data_offset for h in map(read_header, files))
+
+
+def parse_meminfo(text: str) -> int:
+    """Linux: MemAvailable (the kernel's estimate of memory usable without swapping)."""
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            value, unit = line.split()[1:3]
+            if unit != "kB":
+                raise ValueError(f"/proc/meminfo: unexpected unit {unit!r} for MemAvailable")
+            return int(value) * 1024
+    raise ValueError("/proc/meminfo has no MemAvailable line (Linux >= 3.14 has it)")
+
+
+def parse_vm_stat(text: str) -> int:
+    """macOS: (free + inactive) pages x page size. Speculative and purgeable pages are
+    left out, so this errs on the side of refusing."""
+    lines = text.splitlines()
+    if not lines or "page size of" not in lines[0]:
+        raise ValueError(f"vm_stat: no page size in the first line {lines[:1]}")
+    page = int(lines[0].split("page size of")[1].split()[0])
+    pages = {}
+    for line in lines[1:]:
+        key, _, value = line.partition(":")
+        if value.strip().rstrip(".").isdigit():
+            pages[key.strip()] = int(value.strip().rstrip("."))
+    missing = [k for k in ("Pages free", "Pages inactive") if k not in pages]
+    if missing:
+        raise ValueError(f"vm_stat: no {missing} lines")
+    return (pages["Pages free"] + pages["Pages inactive"]) * page
+
+
+def free_memory() -> tuple[int, str]:
+    """(bytes this process could use now, where the number came from)."""
+    if sys.platform == "darwin":
+        out = subprocess.run(["vm_stat"], capture_output=True, text=True, check=True).stdout
+        return parse_vm_stat(out), "vm_stat free+inactive pages"
+    return parse_meminfo(Path("/proc/meminfo").read_text()), "/proc/meminfo MemAvailable"
+
+
+def _sysctl_int(name: str) -> int | None:
+    try:
+        out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True,
+                             timeout=5)
+        return int(out.stdout.strip()) if out.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def metal_limits() -> dict | None:
+    """The GPU's wired-memory ceiling where Metal is present, else None."""
+    if not mx.metal.is_available():
+        return None
+    try:
+        info = mx.device_info(mx.gpu)
+    except (AttributeError, TypeError):  # older MLX: only the metal namespace has it
+        info = mx.metal.device_info()
+    return {
+        "max_recommended_working_set_bytes": int(info["max_recommended_working_set_size"]),
+        "memory_bytes": int(info["memory_size"]),
+        # 0 means the macOS default (about 3/4 of memory on large machines)
+        "iogpu_wired_limit_mb": _sysctl_int("iogpu.wired_limit_mb"),
+    }
+
+
+def check_memory(folder: str | Path, weights: int, headroom: int, free: int,
+                 free_source: str, metal: Mapping | None = None) -> int:
+    """Refuse (PreflightError) unless weights + headroom fit; returns the footprint.
+    Pure: preflight passes the measured numbers, tests pass pretend ones."""
+    footprint = weights + headroom
+    need = (f"{folder} needs {_gib(footprint)}: {_gib(weights)} of weights + "
+            f"{_gib(headroom)} headroom for KV cache and activations")
+    smaller = ("serve a smaller build (more experts in the 2-bit lo bank) or slice for more "
+               "ranks (slicing/rank_split.py --size N+1)")
+    if footprint > free:
+        raise PreflightError(f"{need}, but only {_gib(free)} is free ({free_source}); fix: "
+                             f"free {_gib(footprint - free)} (quit other programs), {smaller}")
+    if metal is not None:
+        ceiling = metal["max_recommended_working_set_bytes"]
+        if footprint > ceiling:
+            mb = math.ceil(footprint / MiB)
+            # macOS itself needs a few GiB that are never wired.
+            if mb * MiB > metal["memory_bytes"] - 4 * GiB:
+                raise PreflightError(f"{need}, more than this machine can wire "
+                                     f"({_gib(metal['memory_bytes'])} of memory); fix: {smaller}")
+            raise PreflightError(
+                f"{need}, but Metal may wire only {_gib(ceiling)} (iogpu.wired_limit_mb="
+                f"{metal.get('iogpu_wired_limit_mb')}); fix: sudo sysctl iogpu.wired_limit_mb="
+                f"{mb} (resets at reboot), or {smaller}")
+    return footprint
+
+
+def preflight(folder: str | Path, *, headroom_bytes: int,
+              free_bytes: int | None = None, set_wired: bool = True) -> dict:
+    """Check that this rank's folder fits before loading it; on Metal, wire it.
+
+    ``free_bytes`` replaces the measured free memory (tests, or a deployment that
+    knows better). Returns the numbers, for serve to print as evidence.
+    """
+    weights = folder_weight_bytes(folder)
+    if free_bytes is None:
+        free, source = free_memory()
+    else:
+        free, source = int(free_bytes), "given"
+    metal = metal_limits()
+    footprint = check_memory(folder, weights, headroom_bytes, free, source, metal)
+    report = {"folder": str(folder), "weights_bytes": weights, "headroom_bytes": headroom_bytes,
+              "footprint_bytes": footprint, "free_bytes": free, "free_source": source,
+              "metal": metal, "wired_limit_set_bytes": None, "previous_wired_limit_bytes": None}
+    if metal is not None and set_wired:
+        # Wiring keeps the weights resident: without it macOS may page expert banks
+        # out between requests and the first token after an idle spell stalls.
+        try:
+            report["previous_wired_limit_bytes"] = mx.set_wired_limit(footprint)
+        except (RuntimeError, ValueError) as e:
+            raise PreflightError(f"mx.set_wired_limit({footprint:,}) failed ({e}); fix: sudo "
+                                 f"sysctl iogpu.wired_limit_mb={math.ceil(footprint / MiB)}"
+                                 ) from None
+        report["wired_limit_set_bytes"] = footprint
+    return report

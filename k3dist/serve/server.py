@@ -1,0 +1,743 @@
+"""OpenAI-compatible HTTP serving of an expert-parallel K3, on mlx-lm's server.
+
+mlx_lm.server already runs generation in lockstep on every rank (rank 0 shares
+each request with an ``all_sum``; all ranks run the same steps). We add only what
+expert parallelism and a two-box deployment need:
+
+- ``K3ModelProvider``: the model is this rank's EP model, loaded before serving;
+  a request naming another model is refused (mlx-lm would try to load that path).
+- ``K3ResponseGenerator``: requests are served one at a time (the warm-up covers
+  batch 1 only; mlx-lm's batching would bring new batch shapes mid-flight), and
+  each rank can log the tokens it generated, so ranks can be compared.
+- ``K3APIHandler``: every request is validated before it reaches the generation
+  loop (OpenAI-style 4xx errors), prompts longer than the context are refused at
+  once, ``/v1/models`` lists the served model without scanning a Hugging Face
+  cache, and ``/v1/k3dist`` reports the deployment (in full to loopback callers
+  only); CORS is off unless origins are configured.
+- ``K3HTTPServer``: a deep listen backlog and a bounded number of handler threads,
+  so a burst of clients is queued, never reset; past ``max_queued_requests``
+  completions in flight a request gets 429 with ``Retry-After``.
+
+Lockstep: every rank runs the same generation steps, so anything that ends a
+request early must end it on every rank at the same token. mlx-lm stops a request
+whose client went away on rank 0 alone (``ctx.stop()``); here that only marks the
+request, and the ranks agree to stop every ``STOP_CHECK_EVERY`` tokens (one scalar
+``all_sum``, read one check later so it never stalls decoding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import ipaddress
+import json
+import logging
+import math
+import resource
+import socket
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from queue import Queue
+from typing import Any
+
+from k3dist import __version__ as k3dist_version
+from k3dist.serve import compat, warmup
+
+import mlx.core as mx
+from mlx_lm import server as mlx_server
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+ROLES = ("system", "user", "assistant", "tool", "developer")
+# A token is rarely more than ~16 characters: longer prompts are refused before
+# tokenizing them at all.
+MAX_CHARS_PER_TOKEN = 16
+# Bounds on what a request may carry into the generation loop (OpenAI's where it has
+# one): each costs time or memory before the first token, or crashes out of range.
+MAX_STOP = 4  # stop sequences (OpenAI: up to 4)
+MAX_STOP_CHARS = 256  # characters per stop sequence
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI: 300)
+MAX_TOOLS = 128  # tools (OpenAI: 128)
+MAX_TOP_LOGPROBS = 11  # mlx-lm's own bound
+MAX_TEMPLATE_KWARGS = 16
+SEED_MAX = 2**64 - 1  # mx.random.seed takes a uint64
+MAX_JSON_DEPTH = 64  # the request is pickled to the other ranks: no deep recursion
+MAX_JSON_VALUES = 100_000
+# Keys mlx-lm passes to apply_chat_template itself: a request may not override them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "tokenize", "add_generation_prompt", "chat_template",
+    "return_dict", "return_tensors", "continue_final_message", "documents", "tokenizer_kwargs",
+    "return_assistant_tokens_mask", "padding", "truncation", "max_length"})
+# Tokens between the ranks' checks whether a request's client went away.
+STOP_CHECK_EVERY = 8
+
+
+class RequestError(ValueError):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": "invalid_request_error",
+                          "param": self.param, "code": self.code}}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_content(content: Any, where: str) -> int:
+    """Message content: a string, null (assistant with tool calls) or a list of
+    text parts. Returns its character count."""
+    if content is None or isinstance(content, str):
+        return len(content or "")
+    if isinstance(content, list):
+        n = 0
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise RequestError(400, f"{where}.content[{i}] must be an object with a type",
+                                   f"{where}.content")
+            if part["type"] == "text":
+                if not isinstance(part.get("text"), str):
+                    raise RequestError(400, f"{where}.content[{i}].text must be a string",
+                                       f"{where}.content")
+                n += len(part["text"])
+            else:
+                raise RequestError(400, f"{where}.content[{i}] has type {part['type']!r}; this "
+                                   "deployment serves text only", f"{where}.content")
+        return n
+    raise RequestError(400, f"{where}.content must be a string or a list of parts, not "
+                       f"{type(content).__name__}", f"{where}.content")
+
+
+def _json_shape(value: Any) -> tuple[int, int]:
+    """(deepest nesting, number of values) of parsed JSON, without recursion; stops
+    counting past the limits (the request is refused then anyway)."""
+    depth, count = 0, 0
+    stack = [(value, 1)]
+    while stack and depth <= MAX_JSON_DEPTH and count <= MAX_JSON_VALUES:
+        v, d = stack.pop()
+        count += 1
+        if isinstance(v, dict):
+            depth = max(depth, d)
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            depth = max(depth, d)
+            stack.extend((x, d + 1) for x in v)
+    return depth, count
+
+
+def _check_range(body: dict, key: str, lo: float, hi: float, *, integer: bool = False) -> None:
+    v = body.get(key)
+    if v is None:
+        return
+    ok = _is_int(v) if integer else _is_num(v)
+    # NaN and the infinities (Python's json accepts them) fail the comparison too
+    if not ok or not lo <= v <= hi:
+        kind = "an integer" if integer else "a number"
+        raise RequestError(400, f"{key} must be {kind} in [{lo}, {hi}], not {v!r}", key)
+
+
+def _check_logit_bias(lb: Any, vocab_size: int) -> dict[str, float] | None:
+    if lb is None:
+        return None
+    if not isinstance(lb, dict):
+        raise RequestError(400, "logit_bias must be an object of token id to bias", "logit_bias")
+    if len(lb) > MAX_LOGIT_BIAS:
+        raise RequestError(400, f"logit_bias has {len(lb)} entries; at most {MAX_LOGIT_BIAS}",
+                           "logit_bias")
+    out = {}
+    for k, v in lb.items():
+        if not (k.isascii() and k.isdigit() and len(k) <= 10 and int(k) < vocab_size):
+            raise RequestError(400, f"logit_bias key {k[:32]!r} is not a token id in "
+                               f"[0, {vocab_size})", "logit_bias")
+        if not _is_num(v) or not -100 <= v <= 100:
+            raise RequestError(400, f"logit_bias[{k}] must be a number in [-100, 100], not "
+                               f"{v!r}", "logit_bias")
+        out[str(int(k))] = float(v)
+    return out
+
+
+def _check_stop(stop: Any) -> None:
+    if stop is None:
+        return
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError(400, "stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP:
+        raise RequestError(400, f"stop has {len(stops)} sequences; at most {MAX_STOP}", "stop")
+    for s in stops:
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise RequestError(400, f"each stop sequence must have 1 to {MAX_STOP_CHARS} "
+                               f"characters, not {len(s)}", "stop")
+
+
+def _check_template_kwargs(kw: Any) -> None:
+    if kw is None:
+        return
+    if not isinstance(kw, dict) or len(kw) > MAX_TEMPLATE_KWARGS:
+        raise RequestError(400, "chat_template_kwargs must be an object of at most "
+                           f"{MAX_TEMPLATE_KWARGS} entries", "chat_template_kwargs")
+    for k, v in kw.items():
+        if not k.isidentifier() or k in RESERVED_TEMPLATE_KWARGS:
+            raise RequestError(400, f"chat_template_kwargs may not set {k[:32]!r}",
+                               "chat_template_kwargs")
+        if not (v is None or isinstance(v, (bool, int, float))
+                or (isinstance(v, str) and len(v) <= 256)):
+            raise RequestError(400, f"chat_template_kwargs[{k!r}] must be a number, a bool, "
+                               "null or a string of at most 256 characters",
+                               "chat_template_kwargs")
+
+
+def validate_request(path: str, body: Any, *, model_id: str, max_context: int,
+                     vocab_size: int) -> int:
+    """Check a completion request's shape and values before it is queued, and
+    normalise what mlx-lm would otherwise trip over later (``body`` is updated in
+    place). Every field mlx-lm 0.32.2's server reads is checked here; values that
+    reach the lockstep loop out of range can crash both ranks (a ``logit_bias`` id
+    past the vocabulary corrupts memory) or fail after the response has begun.
+    Returns the prompt's character count (for the cheap length pre-check)."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "request body must be a JSON object")
+    depth, count = _json_shape(body)
+    if depth > MAX_JSON_DEPTH or count > MAX_JSON_VALUES:
+        raise RequestError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} or has "
+                           f"more than {MAX_JSON_VALUES} values")
+    model = body.get("model", model_id)
+    if not isinstance(model, str):
+        raise RequestError(400, "model must be a string", "model")
+    if model not in (model_id, "default_model"):
+        raise RequestError(404, f"model {model!r} does not exist; this server serves "
+                           f"{model_id!r}", "model", "model_not_found")
+
+    if path.endswith("chat/completions"):
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise RequestError(400, "messages must be a non-empty list", "messages")
+        chars = 0
+        for i, m in enumerate(msgs):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise RequestError(400, f"{where} must be an object", "messages")
+            role = m.get("role")
+            if role not in ROLES:
+                raise RequestError(400, f"{where}.role must be one of {list(ROLES)}, not "
+                                   f"{role!r}", "messages")
+            chars += _check_content(m.get("content"), where)
+            if m.get("tool_calls") is not None:
+                if not isinstance(m["tool_calls"], list):
+                    raise RequestError(400, f"{where}.tool_calls must be a list", "messages")
+                chars += len(json.dumps(m["tool_calls"], ensure_ascii=False))
+        tools = body.get("tools")
+        if tools is not None:
+            if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+                raise RequestError(400, "tools must be a list of objects", "tools")
+            if len(tools) > MAX_TOOLS:
+                raise RequestError(400, f"tools has {len(tools)} entries; at most {MAX_TOOLS}",
+                                   "tools")
+            chars += len(json.dumps(tools, ensure_ascii=False))  # rendered into the prompt
+        _check_template_kwargs(body.get("chat_template_kwargs"))
+        if body.get("role_mapping") is not None:
+            raise RequestError(400, "role_mapping is not supported (the model has a chat "
+                               "template)", "role_mapping")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise RequestError(400, "prompt must be a string", "prompt")
+        chars = len(prompt)
+        for key in ("messages", "tools", "chat_template_kwargs", "role_mapping"):
+            if body.get(key) is not None:
+                raise RequestError(400, f"{key} belongs to /v1/chat/completions", key)
+
+    n = body.get("n", 1)
+    if not _is_int(n) or n != 1:
+        raise RequestError(400, f"n must be 1 (one choice per request), not {n!r}", "n")
+    for key in ("max_tokens", "max_completion_tokens"):
+        _check_range(body, key, 1, max_context, integer=True)
+    for key, lo, hi in (("temperature", 0, 2), ("top_p", 0, 1), ("min_p", 0, 1),
+                        ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2),
+                        ("repetition_penalty", 0, 10), ("xtc_probability", 0, 1),
+                        ("xtc_threshold", 0, 0.5)):
+        _check_range(body, key, lo, hi)
+    for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+        _check_range(body, key, 0, max_context, integer=True)
+    _check_range(body, "top_k", 0, vocab_size - 1, integer=True)  # mlx-lm: k < vocab
+    _check_range(body, "seed", 0, SEED_MAX, integer=True)
+    _check_range(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
+    for key in ("stream", "logprobs"):
+        v = body.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise RequestError(400, f"{key} must be true or false, not {v!r}", key)
+    _check_stop(body.get("stop"))
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
+            raise RequestError(400, "stream_options must be an object with include_usage "
+                               "true or false", "stream_options")
+        so.setdefault("include_usage", False)  # mlx-lm reads it unguarded at the end
+    lb = _check_logit_bias(body.get("logit_bias"), vocab_size)
+    if lb is not None:
+        body["logit_bias"] = lb
+    for key in ("xtc_probability", "xtc_threshold"):  # mlx-lm wants floats
+        if body.get(key) is not None:
+            body[key] = float(body[key])
+    for key in ("adapters", "draft_model", "num_draft_tokens", "images"):
+        if body.get(key) is not None:
+            raise RequestError(400, f"{key} is not supported by the expert-parallel server", key)
+    return chars
+
+
+class K3ModelProvider(mlx_server.ModelProvider):
+    """Holds the already loaded EP model; never loads anything per request."""
+
+    def __init__(self, cli_args: argparse.Namespace, model, tokenizer, model_id: str):
+        super().__init__(cli_args)
+        self.served_id = model_id
+        self.model, self.tokenizer = model, tokenizer
+        self.processor = None
+        self.draft_model = None
+        self.is_batchable = False
+        self.model_key = (model_id, None, None)
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        if model_path not in (self.served_id, "default_model") or adapter_path:
+            raise ValueError(f"model {model_path!r} is not served here ({self.served_id!r})")
+        return self.model, self.tokenizer
+
+    def load_default(self):
+        pass
+
+
+class _RequestQueue(Queue):
+    """One request's response queue on every rank (rank 1's has no reader).
+
+    It keeps the ranks in lockstep when a client goes away: mlx-lm's handler calls
+    ``ctx.stop()`` on rank 0 alone, and its loop then abandons the request on rank 0
+    while the other ranks go on (their next collective meets rank 0's next request:
+    seen here, every later request hung while /health said ok). Here ``ctx.stop()``
+    only marks the request; every
+    ``STOP_CHECK_EVERY`` tokens the ranks ``all_sum`` rank 0's mark and all stop at
+    the same token. It also logs the generated tokens when asked (``log``), so the
+    tokens of every rank can be compared."""
+
+    def __init__(self, inner: Queue | None, rank: int, size: int, log: Path | None,
+                 request_no: int):
+        super().__init__()
+        self.inner, self.rank, self.size = inner, rank, size
+        self.log, self.no = log, request_no
+        self.tokens: list[int] = []
+        self.ctx = None
+        self.client_gone = False
+        self.pending: mx.array | None = None
+
+    def _client_gone(self) -> None:
+        self.client_gone = True
+        if self.size == 1 and self.ctx is not None:
+            self.ctx._should_stop = True
+
+    def _agree_on_stop(self) -> None:
+        # Read the previous check's sum (long done: no stall of the decode pipeline),
+        # then queue this one behind the step already in flight. Every rank reads the
+        # same sums at the same tokens, so all stop together, 8-16 tokens after.
+        if self.pending is not None and self.pending.item():
+            self.ctx._should_stop = True
+            return
+        mark = mx.array(1 if self.rank == 0 and self.client_gone else 0)
+        self.pending = mx.distributed.all_sum(mark)
+        mx.async_eval(self.pending)
+
+    def put(self, item, block=True, timeout=None):
+        if isinstance(item, mlx_server.GenerationContext):
+            self.ctx = item
+            item.stop = self._client_gone  # shadows the method, for this request only
+        elif isinstance(item, mlx_server.Response):
+            self.tokens.append(int(item.token))
+            if self.size > 1 and len(self.tokens) % STOP_CHECK_EVERY == 0:
+                self._agree_on_stop()
+        elif (item is None or isinstance(item, Exception)) and self.log is not None:
+            error = None if item is None else (str(item) or type(item).__name__)
+            with open(self.log, "a") as f:
+                f.write(json.dumps({"request": self.no, "tokens": self.tokens,
+                                    "error": error}) + "\n")
+        if self.inner is not None:
+            self.inner.put(item, block, timeout)
+
+
+class K3ResponseGenerator(mlx_server.ResponseGenerator):
+    def __init__(self, model_provider, prompt_cache, token_log: Path | None = None):
+        self.token_log = token_log
+        self._request_no = 0
+        super().__init__(model_provider, prompt_cache)
+
+    def _is_batchable(self, args) -> bool:
+        return False
+
+    def _share_request(self, request):
+        shared = super()._share_request(request)
+        if shared is None:
+            return shared
+        self._request_no += 1
+        group = mx.distributed.init()
+        rq = shared[0] if compat.holds_request(self) else None
+        return (_RequestQueue(rq, group.rank(), group.size(), self.token_log, self._request_no),
+                *shared[1:])
+
+
+# Handlers with a completion in flight (rank 0): what each has written so far.
+_OPEN: dict = {}  # handler -> "queued" (nothing sent) or "stream" (SSE headers sent)
+_OPEN_LOCK = threading.Lock()
+# What /v1/k3dist tells a caller that is not on this machine (no paths, no memory).
+PUBLIC_INFO = ("ranks", "build_hash", "placement", "placement_hash", "moe_form", "dtype",
+               "max_context", "prefill_chunks", "vocab_size")
+
+
+def _error_body(message: str, kind: str = "server_error", code: str | None = None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": code}}).encode()
+
+
+def abort_streams(message: str) -> int:
+    """End every open completion with an explicit error: an SSE ``error`` event on a
+    stream (the openai client raises on it; a bare closed socket would look like a
+    normal end), a 503 on a request that has not been answered yet. Called by the
+    watchdog when a rank is lost or the group stops. Returns how many."""
+    event = f"data: {_error_body(message).decode()}\n\n".encode()
+    body = _error_body(message)
+    reply = (f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    with _OPEN_LOCK:
+        handlers = list(_OPEN.items())
+        _OPEN.clear()
+    for h, state in handlers:
+        h.aborted = True
+        try:
+            h.wfile.write(event if state == "stream" else reply)
+            h.wfile.flush()
+        except OSError:
+            pass
+    return len(handlers)
+
+
+class Admission:
+    """How many completions may be in flight (queued or generating) at once; past
+    that a request gets 429 with a Retry-After from the recent time per request."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_flight, self.seconds = limit, 0, 1.0
+        self.lock = threading.Lock()
+
+    def enter(self) -> bool:
+        with self.lock:
+            if self.in_flight >= self.limit:
+                return False
+            self.in_flight += 1
+            return True
+
+    def leave(self, seconds: float) -> None:
+        with self.lock:
+            self.in_flight -= 1
+            self.seconds = 0.8 * self.seconds + 0.2 * seconds
+
+    def retry_after(self) -> int:
+        return max(1, min(60, math.ceil(self.seconds)))
+
+
+class K3APIHandler(mlx_server.APIHandler):
+    # Set by serve(): what the handler needs to know about the deployment.
+    model_id = "kimi-k3"
+    max_context = 4096
+    vocab_size = 0
+    info: dict = {}
+    admission = Admission(64)
+    # socket timeout: a client that sends nothing (or reads nothing) for this long
+    # gives its handler thread back
+    timeout = 30
+    aborted = False  # set by abort_streams: the answer was written from elsewhere
+    _in_completion = False
+
+    def log_message(self, format, *args):  # noqa: A002 - http.server's name
+        logging.info("%s %s", self.address_string(), format % args)
+
+    def _set_cors_headers(self):
+        origins = self.response_generator.cli_args.allowed_origins
+        origin = self.headers.get("Origin")
+        if "*" in origins:
+            self.send_header("Access-Control-Allow-Origin", "*")
+        elif origin is not None and origin in origins:
+            self.send_header("Access-Control-Allow-Origin", origin)
+            self.send_header("Vary", "Origin")
+        else:
+            return  # no cross-origin access configured: no CORS headers at all
+        self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+
+    def _set_completion_headers(self, status_code: int = 200):
+        if self._in_completion and status_code == 404:
+            # mlx-lm answers 404 when generate() fails (the request was valid): the
+            # generation loop is gone (503) or failed on this request (500).
+            status_code = 500 if self.response_generator.generation_available() else 503
+        super()._set_completion_headers(status_code)
+
+    def _set_stream_headers(self, status_code: int = 200):
+        super()._set_stream_headers(status_code)
+        with _OPEN_LOCK:
+            if self in _OPEN:
+                _OPEN[self] = "stream"
+
+    def handle_completion(self, request, stop_words):
+        with _OPEN_LOCK:
+            _OPEN[self] = "queued"
+        self._in_completion = True
+        try:
+            super().handle_completion(request, stop_words)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            # the client went away: ctx.stop() (in mlx-lm's finally) ends the
+            # request on every rank at the next agreed token
+            logging.info("client %s went away mid-request (%s)", self.address_string(), e)
+        except Exception as e:  # noqa: BLE001 - the client must hear about it
+            logging.exception("request failed")
+            self._fail(e)
+        finally:
+            with _OPEN_LOCK:
+                _OPEN.pop(self, None)
+
+    def _fail(self, e: Exception) -> None:
+        """End a request that failed after mlx-lm took it, explicitly: an SSE error
+        event if the stream has begun, else a 5xx instead of the pending 200."""
+        if self.aborted:
+            return
+        alive = self.response_generator.generation_available()
+        message = f"generation failed: {e or type(e).__name__}" if alive else (
+            f"the generation loop has stopped ({e or type(e).__name__}); the server must be "
+            "restarted")
+        try:
+            if self.stream and getattr(self, "_headers_buffer", None) == []:
+                self.wfile.write(f"data: {_error_body(message).decode()}\n\n".encode())
+            else:
+                self._headers_buffer = []  # drop the unsent "200 OK"
+                body = _error_body(message)
+                super()._set_completion_headers(500 if alive else 503)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            self.wfile.flush()
+        except OSError:
+            pass
+
+    def _error(self, e: RequestError, headers: dict | None = None) -> None:
+        body = json.dumps(e.body()).encode()
+        self._set_completion_headers(e.status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        if e.status == 413:
+            self._linger()
+
+    def _linger(self, seconds: float = 5.0) -> None:
+        """The body was not read: closing now would reset the connection (unread data)
+        before a client still sending it reads the answer. Half-close, then discard
+        what is still coming for a few seconds (nginx's lingering close)."""
+        self.close_connection = True
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + seconds
+            while (left := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(left)
+                if not self.connection.recv(1 << 20):
+                    break
+        except OSError:
+            pass
+
+    def _prompt_tokens(self, body: dict) -> int:
+        tok = self.response_generator.model_provider.tokenizer
+        if self.path.endswith("chat/completions"):
+            kwargs = body.get("chat_template_kwargs") or {}
+            ids = tok.apply_chat_template(body["messages"], tools=body.get("tools"),
+                                          add_generation_prompt=True, tokenize=True, **kwargs)
+            return len(ids)
+        return len(tok.encode(body["prompt"]))
+
+    def do_POST(self):
+        if self.path not in ("/v1/completions", "/v1/chat/completions", "/chat/completions"):
+            return super().do_POST()
+        try:
+            length = int(self.headers.get("Content-Length", "-1"))
+        except ValueError:
+            length = -1
+        try:
+            if length < 0:
+                raise RequestError(411, "a Content-Length header with a length is required")
+            if length > MAX_BODY_BYTES:
+                raise RequestError(413, f"request body of {length} bytes exceeds "
+                                   f"{MAX_BODY_BYTES}", code="request_too_large")
+            raw = self.rfile.read(length)
+            if not self.response_generator.generation_available():
+                raise RequestError(503, "the generation loop has stopped; the server must be "
+                                   "restarted", code="generation_stopped")
+            try:
+                body = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise RequestError(400, f"request body is not valid UTF-8 ({e})") from None
+            except json.JSONDecodeError as e:
+                raise RequestError(400, f"request body is not valid JSON ({e})") from None
+            except RecursionError:
+                raise RequestError(400, "request body is nested too deeply (at most "
+                                   f"{MAX_JSON_DEPTH} levels)") from None
+            chars = validate_request(self.path, body, model_id=self.model_id,
+                                     max_context=self.max_context, vocab_size=self.vocab_size)
+            asked = body.get("max_completion_tokens") or body.get("max_tokens")
+            if chars > MAX_CHARS_PER_TOKEN * self.max_context:
+                raise RequestError(400, f"prompt of {chars} characters cannot fit the context "
+                                   f"of {self.max_context} tokens", code="context_length_exceeded")
+            try:
+                n_prompt = self._prompt_tokens(body)
+            except Exception as e:  # a template that cannot render these messages
+                raise RequestError(400, f"messages cannot be rendered: {e}") from None
+            room = self.max_context - n_prompt
+            if room < 1 or (asked is not None and asked > room):
+                raise RequestError(400, f"prompt of {n_prompt} tokens plus max_tokens "
+                                   f"{asked or 1} exceeds the context of {self.max_context} "
+                                   "tokens", code="context_length_exceeded")
+            if asked is None:  # unasked: the server default, capped to what fits
+                body["max_tokens"] = min(self.response_generator.cli_args.max_tokens, room)
+        except RequestError as e:
+            return self._error(e)
+        if not self.admission.enter():
+            return self._error(
+                RequestError(429, f"{self.admission.limit} requests are already in flight; "
+                             "retry later", code="too_many_requests"),
+                {"Retry-After": str(self.admission.retry_after())})
+        # Valid and admitted: hand the (normalised) body to mlx-lm's handler.
+        raw = json.dumps(body).encode()
+        self.headers.replace_header("Content-Length", str(len(raw)))
+        self.rfile = io.BytesIO(raw)
+        t0 = time.monotonic()
+        try:
+            return super().do_POST()
+        finally:
+            self.admission.leave(time.monotonic() - t0)
+
+    def _is_local(self) -> bool:
+        try:
+            addr = ipaddress.ip_address(self.client_address[0])
+        except ValueError:
+            return False
+        mapped = getattr(addr, "ipv4_mapped", None)
+        return (mapped or addr).is_loopback
+
+    def do_GET(self):
+        if self.path.startswith("/v1/models"):
+            self._set_completion_headers(200)
+            self.end_headers()
+            self.wfile.write(json.dumps({"object": "list", "data": [
+                {"id": self.model_id, "object": "model", "created": self.created,
+                 "owned_by": "k3dist"}]}).encode())
+        elif self.path == "/v1/k3dist":
+            self._set_completion_headers(200)
+            self.end_headers()
+            if self._is_local():
+                info = dict(self.info, jit_kernels=warmup.jit_kernel_count())
+            else:  # folders, free memory and library paths stay on this machine
+                info = {k: self.info[k] for k in PUBLIC_INFO if k in self.info}
+            self.wfile.write(json.dumps(info).encode())
+        else:
+            super().do_GET()
+
+
+class K3HTTPServer(ThreadingHTTPServer):
+    """mlx-lm's ThreadingHTTPServer with a deep listen backlog (the default of 5 reset
+    bursts of clients) and at most ``max_connections`` handler threads: past that,
+    connections wait in the backlog until a thread is free."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+    def __init__(self, address, handler, *, max_connections: int):
+        _raise_open_files(max_connections + 256)
+        self.slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        self.slots.acquire()
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def _raise_open_files(needed: int) -> None:
+    """One socket per connection: lift the soft open-files limit (macOS shells start at
+    256) towards ``needed``, as far as the hard limit allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:
+            logging.warning("open-files limit stays %d (< %d wanted): %s", soft, want, e)
+
+
+def fingerprint() -> str:
+    """``system_fingerprint``: what serves, not the host's kernel (mlx-lm's has it)."""
+    return f"k3dist-{k3dist_version}-mlx-{mx.__version__}"
+
+
+def cli_args(*, model_id: str, max_tokens: int, temp: float, top_p: float,
+             prefill_step_size: int, cors_origins: list[str] | None = None
+             ) -> argparse.Namespace:
+    """The settings mlx_lm.server reads, with its defaults where we have no say."""
+    return argparse.Namespace(
+        model=model_id, adapter_path=None, draft_model=None, num_draft_tokens=3,
+        trust_remote_code=False, chat_template="", use_default_chat_template=False,
+        chat_template_args={}, allowed_origins=list(cors_origins or []), temp=temp,
+        top_p=top_p, top_k=0, min_p=0.0, max_tokens=max_tokens, decode_concurrency=1,
+        prompt_concurrency=1, prefill_step_size=prefill_step_size, prompt_cache_size=4,
+        prompt_cache_bytes=None, kv_bits=None, kv_group_size=64, quantized_kv_start=5000,
+        pipeline=False)
+
+
+def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, info: dict,
+          vocab_size: int, max_queued_requests: int = 64, max_connections: int = 2048,
+          token_log: Path | None = None) -> None:
+    """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves."""
+    group = mx.distributed.init()
+    prompt_cache = mlx_server.LRUPromptCache(provider.cli_args.prompt_cache_size)
+    generator = K3ResponseGenerator(provider, prompt_cache, token_log)
+    if group.rank() != 0:
+        generator.join()
+        return
+    handler = type("Handler", (K3APIHandler,), {
+        "model_id": provider.served_id, "max_context": max_context, "info": info,
+        "vocab_size": vocab_size, "admission": Admission(max_queued_requests)})
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    server_class = type("Server", (K3HTTPServer,), {"address_family": family})
+    fp = fingerprint()
+    httpd = server_class(address, lambda *a, **k: handler(generator, *a, system_fingerprint=fp,
+                                                          **k),
+                         max_connections=max_connections)
+    logging.info("serving %s on http://%s:%d", provider.served_id, host, port)
+    print(f"k3dist: serving {provider.served_id} on http://{host}:{port} (at most "
+          f"{max_queued_requests} requests in flight, {max_connections} connections; CORS "
+          f"{provider.cli_args.allowed_origins or 'off'})", flush=True)
+    try:
+        httpd.serve_forever()
+    finally:
+        httpd.server_close()
+        generator.stop_and_join()

@@ -1,0 +1,445 @@
+"""mlx.launch under supervision: hosts checked first, an honest exit code, no rank left.
+
+mlx.launch (MLX 0.32.4) has three gaps a supervisor (launchd, systemd, a script)
+cannot work around from outside:
+
+- it starts ``ssh`` with no connect timeout: a hostfile naming an unreachable host
+  hangs with no output and no time limit;
+- it returns 0 whatever its ranks did (it only logs ``Node with rank R exited with
+  code C``);
+- after one rank fails it SIGTERMs the others and waits for them without a bound: a
+  rank that cannot take the signal (stopped with SIGSTOP, a wedged driver) keeps it
+  waiting forever.
+
+``run`` closes them. Before any rank starts, every host mlx.launch will reach over
+ssh (every ``ssh`` name but ``127.0.0.1``, mlx.launch's own test) must answer
+``ssh -o BatchMode=yes -o ConnectTimeout=N host test -x PYTHON`` within
+``host_timeout_s`` (+5 s for the exchange), all hosts at once; a host that does not
+is named with the fix and nothing starts. Then mlx.launch runs in its own process
+group; its output passes through and two kinds of line are read from it:
+
+- mlx.launch's ``Node with rank R exited with code C``: a non-zero ``C`` is the exit
+  code (a rank killed by signal N, ``C = -N``, gives ``128 + N``); of several, the
+  first that is not 3 (the watchdog's "a peer was lost", which only says that rank
+  went because another did: the other's code names the cause), else the first;
+- the watchdog's ``[k3dist watchdog rank R] ... pid P)``: rank R's process on its
+  host (ranks are the hostfile's hosts in order).
+
+Why read the output rather than have ranks write status files: it works unchanged
+across machines (ssh hands the remote rank's exit status to mlx.launch, which
+prints it), needs no shared folder, and the line is pinned with MLX (the tests read
+it from a real mlx.launch, so a change of format fails them).
+
+A stop asked of the wrapper (SIGTERM, SIGINT, SIGHUP) goes to the ranks as SIGTERM
+(those on this machine, else one over ssh): the watchdog stops the whole group, every
+rank exits 0 and so does the wrapper. A second one does not wait.
+
+After the first failure (or a stop asked of the wrapper), mlx.launch gets
+``grace_s`` to end on its own: the watchdog normally ends every rank within a
+second or two, and a frozen rank on the same machine is ended by its peers. If it
+has not ended by then, its process group (mlx.launch, its local ranks, its ssh
+clients) gets SIGTERM and SIGCONT, then SIGKILL after ``kill_grace_s``. Last, every
+rank on another machine whose pid was announced and whose end mlx.launch did not
+report is ended over ssh the same way (mlx.launch's own teardown only sends it
+SIGTERM, which a stopped process never acts on).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+# Exit code when nothing could be started (an unreachable host, bad arguments).
+START_FAILED_EXIT_CODE = 2
+# k3dist.serve.watchdog.LOST_EXIT_CODE: a rank that exits because a peer was lost (not imported:
+# the wrapper loads no MLX).
+LOST_EXIT_CODE = 3
+# mlx.launch runs a rank without ssh only on exactly this host name (RemoteProcess).
+LOCAL_HOST = "127.0.0.1"
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_NODE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
+_PID = re.compile(r"\[k3dist watchdog rank (\d+)\] .*; pid (\d+)\)")
+
+
+class HostUnreachable(RuntimeError):
+    """A host mlx.launch must reach over ssh did not answer; the message names it and
+    the fix."""
+
+
+@dataclass(frozen=True)
+class Host:
+    rank: int
+    ssh: str
+
+    @property
+    def local(self) -> bool:
+        return self.ssh == LOCAL_HOST
+
+
+def read_hosts(hostfile: str | None = None, hosts: str = LOCAL_HOST, n: int = 1) -> list[Host]:
+    """The ranks' hosts exactly as mlx.launch reads them (its own parser)."""
+    from mlx._distributed_utils.common import Hostfile
+
+    hf = Hostfile.from_file(hostfile) if hostfile else Hostfile.from_list(hosts, n)
+    return [Host(h.rank, h.ssh_hostname) for h in hf.hosts]
+
+
+def _ssh(host: str, timeout_s: float, command: str) -> list[str]:
+    return [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={math.ceil(timeout_s)}",
+        "-o",
+        "LogLevel=ERROR",
+        host,
+        command,
+    ]
+
+
+def _fix(host: str, error: str, python: str) -> str:
+    e = error.lower()
+    if "could not resolve" in e or "name or service not known" in e:
+        return (
+            f"correct the `ssh` name {host!r} in the hostfile (or make it resolve: "
+            "~/.ssh/config, /etc/hosts)"
+        )
+    if "permission denied" in e:
+        return f"install your key so ssh needs no password: ssh-copy-id {host}"
+    if "host key verification failed" in e:
+        return f"run `ssh {host}` once by hand and accept its host key"
+    if "refused" in e:
+        return (
+            f"{host} answers but runs no ssh server: on a Mac turn on Remote Login "
+            "(System Settings > General > Sharing)"
+        )
+    if "python" in e:
+        return (
+            f"put the same checkout and virtual environment at the same path on "
+            f"{host}, or pass --python with its path there ({python} is missing)"
+        )
+    return (
+        f"check that {host} is powered on and reachable from here (ping {host}), that "
+        "the hostfile's `ssh` name is right, and that Remote Login is on"
+    )
+
+
+def probe_host(host: str, timeout_s: float = 5.0, python: str = sys.executable) -> str | None:
+    """None when ``host`` answers ssh without a password and has ``python``; else what
+    went wrong. Bounded: ssh's ConnectTimeout covers the connect and the handshake,
+    and the whole probe is killed after ``timeout_s + 5`` s."""
+    cmd = _ssh(host, timeout_s, f"test -x {shlex.quote(python)} || exit 97")
+    try:
+        r = subprocess.run(
+            cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s + 5
+        )
+    except FileNotFoundError:
+        return "ssh is not installed on this machine (mlx.launch starts remote ranks with it)"
+    except subprocess.TimeoutExpired:
+        return f"no answer within {timeout_s + 5:g} s"
+    if r.returncode == 0:
+        return None
+    if r.returncode == 97:
+        return f"python {python} is not there"
+    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else f"ssh exited with code {r.returncode}"
+
+
+def preflight_hosts(
+    hosts: Sequence[Host],
+    timeout_s: float = 5.0,
+    python: str = sys.executable,
+    source: str = "the hostfile",
+) -> float:
+    """Probe every remote host at once; raise HostUnreachable naming each that failed.
+    Returns the seconds it took (at most about ``timeout_s + 5``)."""
+    remote = sorted({h.ssh for h in hosts if not h.local})
+    t0 = time.monotonic()
+    if not remote:
+        return 0.0
+    with ThreadPoolExecutor(len(remote)) as pool:
+        errors = dict(
+            zip(remote, pool.map(lambda h: probe_host(h, timeout_s, python), remote), strict=True)
+        )
+    bad = {h: e for h, e in errors.items() if e is not None}
+    dt = time.monotonic() - t0
+    if bad:
+        lines = []
+        for h, e in bad.items():
+            ranks = ", ".join(str(x.rank) for x in hosts if x.ssh == h)
+            lines.append(
+                f"host {h} (rank {ranks} in {source}) is unreachable over ssh ({e}); "
+                f"fix: {_fix(h, e, python)}"
+            )
+        raise HostUnreachable("; ".join(lines) + f" [checked in {dt:.1f} s; no rank was started]")
+    return dt
+
+
+# ---------------------------------------------------------------- the supervised run
+
+
+@dataclass
+class _State:
+    """What the output said so far (written by the pump threads)."""
+
+    failures: list[tuple[int, int]] = field(default_factory=list)  # (rank, code) as reported
+    pids: dict[int, int] = field(default_factory=dict)  # rank -> pid on its host
+    ended: set[int] = field(default_factory=set)  # ranks whose exit mlx.launch saw
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def scan(self, line: str) -> None:
+        line = _ANSI.sub("", line)
+        # mlx.launch prints from one thread per rank: two reports can share a line.
+        for m in _NODE.finditer(line):
+            rank, code = int(m[1]), m[2]
+            with self.lock:
+                if code is not None:  # "was killed": sent SIGTERM, which may not have ended it
+                    self.ended.add(rank)
+                    if int(code) != 0:
+                        self.failures.append((rank, int(code)))
+        if m := _PID.search(line):
+            with self.lock:
+                self.pids[int(m[1])] = int(m[2])
+
+    @property
+    def first_failure(self) -> tuple[int, int] | None:
+        return self.failures[0] if self.failures else None
+
+    def cause(self) -> tuple[int, int] | None:
+        """The failure to report: the first whose code is not the watchdog's "a peer was
+        lost" (3), which only says that rank went because another did; else the first."""
+        with self.lock:
+            causes = [f for f in self.failures if f[1] != LOST_EXIT_CODE]
+            return (causes or self.failures or [None])[0]
+
+
+def exit_code(code: int) -> int:
+    """A process's return code as a shell reports it: -N (killed by signal N) -> 128+N."""
+    return 128 - code if code < 0 else code
+
+
+def _pump(src: BinaryIO, dst: BinaryIO, state: _State) -> None:
+    for raw in iter(src.readline, b""):
+        try:
+            dst.write(raw)
+            dst.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # our own output is gone; keep reading so mlx.launch never blocks
+        state.scan(raw.decode(errors="replace"))
+
+
+def _end_group(pgid: int, kill_grace_s: float, log, leader: subprocess.Popen | None = None) -> None:
+    """SIGTERM the process group, SIGKILL what is left after ``kill_grace_s``. SIGCONT
+    follows the SIGTERM, so a stopped process can act on it (only SIGKILL ends a
+    stopped one otherwise). ``leader``: reaped as it goes, so it does not linger as a
+    zombie member of the group."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, signal.SIGCONT)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + kill_grace_s
+    while time.monotonic() < deadline:
+        if leader is not None:
+            leader.poll()
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+        log(f"sent SIGKILL to what was left of process group {pgid}")
+    except ProcessLookupError:
+        pass
+
+
+def end_remote_rank_command(host: str, pid: int, kill_grace_s: float) -> list[str]:
+    """ssh command that ends ``pid`` on ``host``: SIGTERM (and SIGCONT, for a stopped
+    process), SIGKILL if still there after ``kill_grace_s`` (the same script runs under
+    ``sh -c`` anywhere)."""
+    ticks = max(1, math.ceil(kill_grace_s * 10))
+    script = (
+        f"kill -TERM {pid} 2>/dev/null || exit 0; kill -CONT {pid}; i=0; "
+        f"while kill -0 {pid} 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; "
+        f"i=$((i+1)); done; kill -KILL {pid} 2>/dev/null; exit 0"
+    )
+    return _ssh(host, 5.0, script)
+
+
+def run(
+    launch_cmd: Sequence[str],
+    hosts: Sequence[Host],
+    *,
+    grace_s: float = 5.0,
+    kill_grace_s: float = 5.0,
+    stdout: BinaryIO | None = None,
+    stderr: BinaryIO | None = None,
+) -> int:
+    """Run mlx.launch (``launch_cmd``, hosts already checked), watch it, end it if it
+    hangs, and return an honest exit code: 0 when no rank failed, else the first
+    failing rank's code (``exit_code``), or the launcher's own non-zero code."""
+    stdout = stdout or sys.stdout.buffer
+    stderr = stderr or sys.stderr.buffer
+
+    def log(msg: str) -> None:
+        try:
+            stderr.write(f"[k3dist run] {msg}\n".encode())
+            stderr.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    state = _State()
+    # Its own process group: the wrapper can end mlx.launch and everything it started
+    # on this machine at once; stdin a pipe nobody writes (mlx.launch polls it).
+    proc = subprocess.Popen(
+        list(launch_cmd),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        process_group=0,
+    )
+    pumps = [
+        threading.Thread(target=_pump, args=(src, dst, state), daemon=True)
+        for src, dst in ((proc.stdout, stdout), (proc.stderr, stderr))
+    ]
+    for t in pumps:
+        t.start()
+
+    signals: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            previous[s] = signal.signal(s, lambda signum, frame: signals.append(signum))
+
+    deadline = math.inf
+    handled = 0  # signals acted on
+    escalated = False
+    try:
+        while proc.poll() is None:
+            now = time.monotonic()
+            if len(signals) > handled:
+                if handled == 0:
+                    _request_stop(proc.pid, signals[0], hosts, state, log)
+                    deadline = min(deadline, now + grace_s)
+                else:  # asked twice: do not wait
+                    deadline = now
+                handled = len(signals)
+            if state.first_failure is not None and deadline == math.inf:
+                rank, code = state.first_failure
+                log(
+                    f"rank {rank} exited with code {code}; waiting up to {grace_s:g} s for "
+                    "mlx.launch to end the others"
+                )
+                deadline = now + grace_s
+            if now >= deadline:
+                log(
+                    f"mlx.launch did not end within {grace_s:g} s: ending it and its "
+                    f"local ranks (SIGTERM, SIGKILL after {kill_grace_s:g} s)"
+                )
+                _end_group(proc.pid, kill_grace_s, log, leader=proc)
+                escalated = True
+                break
+            time.sleep(0.05)
+        proc.wait()
+        if escalated or state.first_failure is not None or signals:
+            _end_group(proc.pid, kill_grace_s, log)  # anything of ours still on this machine
+        for t in pumps:
+            t.join(2.0)  # a survivor holding the pipe must not hold the wrapper
+        _end_remote(
+            hosts,
+            state,
+            kill_grace_s,
+            log,
+            failed=escalated or state.first_failure is not None or proc.returncode != 0,
+        )
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if proc.stdin:
+            proc.stdin.close()
+
+    cause = state.cause()
+    if cause is not None:
+        rank, code = cause
+        rc = exit_code(code)
+        log(
+            f"exit code {rc}: rank {rank} failed (it exited with {code}; every report: "
+            f"{state.failures})"
+        )
+        return rc
+    if proc.returncode != 0:
+        return exit_code(proc.returncode)
+    return 0
+
+
+def _request_stop(pgid: int, signum: int, hosts: Sequence[Host], state: _State, log) -> None:
+    """Pass a stop on as SIGTERM to the ranks (any rank's SIGTERM makes the watchdog stop
+    the whole group, exit 0, and mlx.launch reports it): to this machine's directly,
+    else to one on another machine over ssh (a hostfile may name this Mac by its
+    hostname). Before any rank announced itself, to the whole process group."""
+    with state.lock:
+        running = {
+            r: pid for r, pid in state.pids.items() if r < len(hosts) and r not in state.ended
+        }
+    name = signal.Signals(signum).name
+    local = [pid for r, pid in running.items() if hosts[r].local]
+    if local:
+        log(f"{name}: stopping the group through its ranks here (pids {local})")
+        for pid in local:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    elif running:
+        r, pid = min(running.items())
+        log(f"{name}: stopping the group through rank {r} (pid {pid} on {hosts[r].ssh})")
+        subprocess.Popen(_ssh(hosts[r].ssh, 5.0, f"kill -TERM {pid}"), stdin=subprocess.DEVNULL)
+    else:
+        log(f"{name}: no rank has announced itself yet; stopping process group {pgid}")
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _end_remote(
+    hosts: Sequence[Host], state: _State, kill_grace_s: float, log, failed: bool
+) -> None:
+    if not failed:
+        return
+    with state.lock:
+        left = {
+            r: pid
+            for r, pid in state.pids.items()
+            if r < len(hosts) and not hosts[r].local and r not in state.ended
+        }
+    procs = []
+    for r, pid in left.items():
+        log(
+            f"rank {r} (pid {pid} on {hosts[r].ssh}) was not reported ended: ending it over "
+            f"ssh (SIGTERM, SIGKILL after {kill_grace_s:g} s)"
+        )
+        procs.append(
+            subprocess.Popen(
+                end_remote_rank_command(hosts[r].ssh, pid, kill_grace_s), stdin=subprocess.DEVNULL
+            )
+        )
+    for p in procs:
+        try:
+            p.wait(kill_grace_s + 15)
+        except subprocess.TimeoutExpired:
+            p.kill()

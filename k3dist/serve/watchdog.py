@@ -1,0 +1,736 @@
+"""The peer watchdog of a multi-rank serve.
+
+``Watchdog``: a TCP side channel beside the MLX group. When a peer dies, the
+ring backend on the survivor may fail the pending collective, return garbage, or
+block forever; nothing in MLX ends the run. The watchdog notices (a closed
+socket at once, a silent peer after ``timeout_s``) and hard-exits every survivor
+with a line that names the lost rank. It also carries a requested shutdown
+(SIGTERM/SIGINT on any rank stops all ranks with exit code 0). Kept ours: MLX has
+no liveness check for a group, and mlx_lm.server none for its peers.
+
+Exit codes: 0 after a requested stop, 3 (``LOST_EXIT_CODE``) after a lost peer,
+1 after this rank failed (``Watchdog.fail``: the peers are told why).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import select
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import mlx.core as mx
+
+LOST_EXIT_CODE = 3
+# mlx.launch's default --starting-port; the watchdog sits PORT_OFFSET above rank
+# 0's first ring port, clear of the ring's own ports (one per rank and connection).
+DEFAULT_RING_PORT = 32323
+PORT_OFFSET = 1000
+
+
+class WatchdogError(RuntimeError):
+    """The side channel could not be formed; the message says where and the fix."""
+
+
+def coordinator_address(group: mx.distributed.Group | None = None, *, port: int | None = None,
+                        environ: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """Where rank 0's watchdog listens: (rank 0's IP, its first ring port + 1000).
+
+    mlx.launch (ring backend) hands every rank ``MLX_HOSTFILE``: a file holding a JSON
+    list, per rank, of the "ip:port" pairs the ring uses; rank 0's first pair names
+    its host. With jaccl, ``MLX_JACCL_COORDINATOR`` ("ip:port") does. With neither
+    (one process) it is 127.0.0.1 and mlx.launch's default port + 1000. ``port``
+    overrides the port (a deployment where that one is taken).
+    """
+    env = os.environ if environ is None else environ
+    size = group.size() if group is not None else None
+    path = env.get("MLX_HOSTFILE")
+    text = Path(path).read_text().strip() if path and Path(path).exists() else ""
+    if text:
+        try:
+            hosts = json.loads(text)
+            host, ring_port = hosts[0][0].rsplit(":", 1)
+            ring_port = int(ring_port)
+        except (json.JSONDecodeError, IndexError, KeyError, TypeError, ValueError):
+            raise WatchdogError(f"MLX_HOSTFILE {path}: expected the ring backend's JSON list "
+                                f"of per-rank ['ip:port', ...] lists, got {text[:200]!r}; "
+                                "pass the watchdog host and port explicitly") from None
+        if size is not None and len(hosts) != size:
+            raise WatchdogError(f"MLX_HOSTFILE {path} lists {len(hosts)} ranks but the group "
+                                f"has {size}")
+    elif env.get("MLX_JACCL_COORDINATOR"):
+        host, ring_port = env["MLX_JACCL_COORDINATOR"].rsplit(":", 1)
+        ring_port = int(ring_port)
+    else:
+        host, ring_port = "127.0.0.1", DEFAULT_RING_PORT
+    return host, port if port is not None else ring_port + PORT_OFFSET
+
+
+class _Conn:
+    """One peer socket with a line buffer. Protocol: ASCII lines, see Watchdog."""
+
+    def __init__(self, sock: socket.socket, rank: int):
+        self.sock, self.rank = sock, rank
+        self.buf = b""
+        self.last_seen = time.monotonic()
+        self.acked = False  # acknowledged a stop
+        self.left = False  # said BYE: left normally
+        self.pid: int | None = None  # the peer's process id (its PID line)
+        # Same machine: the peer connects from this socket's own address (loopback, or
+        # one interface talking to itself). Only then can a pid be signalled.
+        try:
+            self.local = sock.getpeername()[0] == sock.getsockname()[0]
+        except OSError:
+            self.local = False
+
+    def send(self, line: str) -> None:
+        self.sock.sendall(line.encode() + b"\n")
+
+    def read_lines(self) -> list[str] | None:
+        """Lines available now; None once the peer has closed (EOF or reset)."""
+        try:
+            data = self.sock.recv(4096)
+        except (ConnectionError, TimeoutError, OSError):
+            return None
+        if not data:
+            return None
+        self.last_seen = time.monotonic()
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
+        return [x.decode(errors="replace") for x in lines]
+
+
+def _readline(sock: socket.socket, deadline: float) -> str | None:
+    """A single line during the join, before the event loop; None on EOF or deadline."""
+    buf = b""
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        sock.settimeout(left)
+        try:
+            b = sock.recv(1)
+        except (TimeoutError, OSError):
+            return None
+        if not b:
+            return None
+        buf += b
+    return buf[:-1].decode(errors="replace")
+
+
+def _flush_stdio(timeout_s: float = 0.5) -> None:
+    # os._exit skips Python's flush. Flush from a helper thread: a main thread
+    # blocked mid-write could hold the stream's lock, and we must still exit.
+    def flush() -> None:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+
+    t = threading.Thread(target=flush, daemon=True)
+    t.start()
+    t.join(timeout_s)
+
+
+def _start_callback(fn: Callable | None, args: tuple) -> threading.Thread | None:
+    """Run a user callback in its own thread, so the caller can bound the wait (join)."""
+    if fn is None:
+        return None
+    t = threading.Thread(target=fn, args=args, daemon=True, name="k3dist-watchdog-callback")
+    t.start()
+    return t
+
+
+class Watchdog:
+    """Peer liveness and shutdown for a group of ranks, over plain TCP (a star).
+
+    Rank 0 listens on ``port``; every other rank connects (retrying until
+    ``connect_timeout_s``) and says ``HELLO rank size``; rank 0 answers ``READY``
+    once all have joined, so ``start()`` returns on every rank together. Then a
+    thread on each rank sends ``H`` every ``interval_s`` and watches its sockets:
+
+    - a peer's socket closes (process killed, crashed, machine rebooted): lost at
+      once (< 1 s); a peer silent for ``timeout_s`` (hung machine, cable pulled):
+      lost then. Rank 0 relays ``LOST r reason`` to the other ranks, so every
+      survivor logs ``lost rank r (reason)`` and exits with code 3 within
+      ``timeout_s + interval_s``.
+    - ``broadcast_stop(reason)`` on any rank: the request goes to rank 0, which
+      relays ``STOP origin reason`` to all; each rank logs
+      ``stopping: reason (from rank origin)``, acknowledges, runs ``on_stop``
+      (at most ``stop_grace_s``) and exits with code 0; rank 0 waits (same bound)
+      for the acknowledgements first, so it is the last to go. A peer whose socket
+      closes without acknowledging was lost, not stopped: exit 3.
+    - ``parent_pid`` (the launcher): once this process's parent is another, the
+      launcher died and the rank asks for the group stop above (checked every beat).
+    - ``close()`` (or leaving a ``with`` block without an exception) says ``BYE``:
+      a rank that finished its work normally is not a loss.
+    - ``fail(reason)``: this rank cannot go on (a bad folder, a port in use); the
+      peers are told why (``FAIL``), log ``lost rank r (failed: reason)`` and exit 3
+      at once; this rank exits 1 (``install_failure_hook`` calls it on an uncaught
+      exception).
+    - A silent peer on the same machine (frozen: SIGSTOP, a debugger, a wedged
+      driver) is ended before the survivor exits: SIGTERM + SIGCONT (a stopped
+      process resumes, sees the group gone and exits), SIGKILL after
+      ``stop_grace_s``, so the launcher sees it end. Every rank tells its peers its
+      pid (``PID``) after the join; a peer on another machine is left to the
+      launcher (``k3dist.serve.supervise``). A rank that was itself stopped reads its
+      sockets before it judges anyone silent.
+
+    Why exits are hard (``os._exit``): the main thread may be blocked inside a
+    collective whose peer is gone; it never returns to Python, so no exception or
+    ``sys.exit`` can reach it. Ending the process is the only bounded way out.
+    MLX releases the GIL while it evaluates, so this thread runs during a blocked
+    collective. No collective is ever issued here (collectives must be issued in
+    the same order on every rank; a side thread would break that).
+
+    ``hard_exit`` is for in-process tests only (record the code instead of exiting).
+    """
+
+    def __init__(self, group_rank: int, group_size: int, coordinator_host: str, port: int, *,
+                 interval_s: float = 1.0, timeout_s: float = 10.0,
+                 connect_timeout_s: float = 60.0, stop_grace_s: float = 2.0,
+                 on_lost: Callable[[int, str], None] | None = None,
+                 on_stop: Callable[[str, int], None] | None = None,
+                 parent_pid: int | None = None, kill_silent_peers: bool = True,
+                 hard_exit: Callable[[int], None] = os._exit):
+        if not 0 <= group_rank < group_size:
+            raise ValueError(f"rank {group_rank} is outside a group of {group_size}")
+        if not 0 < interval_s < timeout_s:
+            raise ValueError(f"need 0 < interval_s ({interval_s}) < timeout_s ({timeout_s}): a "
+                             "peer must get several heartbeats in before it counts as silent")
+        self.rank, self.size = group_rank, group_size
+        self.host, self.port = coordinator_host, port
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.connect_timeout_s, self.stop_grace_s = connect_timeout_s, stop_grace_s
+        self.on_lost, self.on_stop, self._hard_exit = on_lost, on_stop, hard_exit
+        # The launcher's pid: when it exits (SIGTERM/SIGKILL to mlx.launch kills only
+        # the launcher), this rank is re-parented and stops instead of serving on orphaned.
+        self.parent_pid = parent_pid
+        self.kill_silent_peers = kill_silent_peers
+        self.peer_failures: dict[int, str] = {}  # rank -> the reason it sent with FAIL
+        self.conns: dict[int, _Conn] = {}
+        self.exit_code: int | None = None  # what the watchdog exited (or would exit) with
+        self.events: list[str] = []  # every line it logged, for tests and post-mortems
+        self._decided = threading.Event()  # set once exit_code is final
+        self._thread: threading.Thread | None = None
+        self._ctl_r, self._ctl_w = os.pipe()  # requests from other threads/signal handlers
+        for fd in (self._ctl_r, self._ctl_w):
+            os.set_blocking(fd, False)
+        self._sig_r: int | None = None
+        self._stop_signals: frozenset[int] = frozenset()
+        self._stopping = False  # STOP received (peer) or begun (rank 0)
+        self._requested = False  # a peer asked rank 0 to stop, awaiting the relay
+        self._stop_deadline = math.inf
+        self._stop_cb: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+        if self.rank == 0 and self.size > 1:
+            # Listen now, not in start(): peers that come up first queue in the backlog
+            # instead of retrying, and port=0 (tests) is resolved before they need it.
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((coordinator_host, port))
+            except OSError as e:
+                s.close()
+                raise WatchdogError(f"rank 0 cannot listen on {coordinator_host}:{port} ({e}); "
+                                    "another run may hold the port: stop it, or pick another "
+                                    "watchdog port on every rank") from None
+            s.listen(max(8, self.size))
+            self._listener = s
+            self.port = s.getsockname()[1]
+
+    # ------------------------------------------------------------ join
+
+    def start(self) -> Watchdog:
+        """Form the star (blocks until every rank has joined), then start watching."""
+        if self.size > 1:
+            (self._accept_all if self.rank == 0 else self._join)()
+        for c in self.conns.values():
+            try:
+                c.send(f"PID {os.getpid()}")
+            except OSError:
+                pass  # gone already: the loop will see it
+        # k3dist.serve.supervise reads "pid N" from this line: the rank's process to end if
+        # the group is torn down.
+        self._log(f"{self.size} rank(s) joined via {self.host}:{self.port} (heartbeat "
+                  f"{self.interval_s:g} s, lost after {self.timeout_s:g} s of silence; pid "
+                  f"{os.getpid()})", quiet=self.size == 1)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="k3dist-watchdog")
+        self._thread.start()
+        atexit.register(self._at_exit)
+        return self
+
+    def _accept_all(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout_s
+        assert self._listener is not None
+        try:
+            while len(self.conns) < self.size - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(1, self.size)) - set(self.conns))
+                    raise WatchdogError(
+                        f"rank 0: ranks {missing} did not join the watchdog on {self.host}:"
+                        f"{self.port} within {self.connect_timeout_s:g} s; check that they "
+                        "started and can reach this address (firewall, hostfile IPs)")
+                self._listener.settimeout(left)
+                try:
+                    sock, addr = self._listener.accept()
+                except TimeoutError:
+                    continue
+                hello = _readline(sock, min(deadline, time.monotonic() + 5.0))
+                r, problem = self._check_hello(hello)
+                if problem:
+                    # A stray process (an old run, a wrong hostfile) must not take a slot.
+                    self._log(f"refused a watchdog connection from {addr[0]}: it {problem}")
+                    try:
+                        sock.sendall(f"ERR {problem}\n".encode())
+                    except OSError:
+                        pass
+                    sock.close()
+                    continue
+                self.conns[r] = _Conn(sock, r)
+            for c in self.conns.values():
+                c.sock.settimeout(self.timeout_s)  # a send can never block past the bound
+                c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                c.send("READY")
+                c.last_seen = time.monotonic()
+        finally:
+            self._listener.close()
+
+    def _check_hello(self, hello: str | None) -> tuple[int, str | None]:
+        """(rank, None) for a valid newcomer, else (-1, what is wrong with it)."""
+        parts = (hello or "").split()
+        if not (len(parts) == 3 and parts[0] == "HELLO" and parts[1].isdigit()
+                and parts[2].isdigit()):
+            return -1, f"sent {hello!r}, not HELLO rank size"
+        r, n = int(parts[1]), int(parts[2])
+        if n != self.size:
+            return -1, f"is from a group of {n}, this one has {self.size}"
+        if not 0 < r < self.size:
+            return -1, f"claims rank {r}, outside 1..{self.size - 1}"
+        if r in self.conns:
+            return -1, f"claims rank {r}, which already joined"
+        return r, None
+
+    def _join(self) -> None:
+        deadline = time.monotonic() + self.connect_timeout_s
+        last = "no attempt"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WatchdogError(
+                    f"rank {self.rank}: the watchdog coordinator (rank 0) at {self.host}:"
+                    f"{self.port} did not let this rank join within {self.connect_timeout_s:g}"
+                    f" s (last: {last}); check that rank 0 is running and listening there, "
+                    "that the port is free and reachable, or pass the same watchdog port "
+                    "to every rank")
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=min(left, 5.0))
+            except OSError as e:
+                last = f"connect: {e}"
+                time.sleep(min(0.2, max(0.0, left)))
+                continue
+            sock.sendall(f"HELLO {self.rank} {self.size}\n".encode())
+            reply = _readline(sock, deadline)
+            if reply == "READY":
+                sock.settimeout(self.timeout_s)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.conns[0] = _Conn(sock, 0)
+                return
+            sock.close()
+            if reply is not None and reply.startswith("ERR "):
+                raise WatchdogError(f"rank {self.rank}: rank 0 refused this rank: it "
+                                    f"{reply[4:]}; launch every rank with the same group")
+            last = f"rank 0 closed before all ranks joined ({reply!r})"
+
+    # ------------------------------------------------------------ requests
+
+    def broadcast_stop(self, reason: str) -> None:
+        """Stop every rank (exit 0). Safe from any thread and from a signal handler:
+        it only writes to a pipe (no locks) that the watchdog thread reads."""
+        line = "S " + " ".join(str(reason).split())[:200]
+        try:
+            os.write(self._ctl_w, line.encode() + b"\n")
+        except (BlockingIOError, OSError):
+            pass  # pipe full: stops already queued; closed: the watchdog is gone
+
+    def fail(self, reason: str, wait_s: float = 1.0) -> None:
+        """This rank cannot go on: tell the peers why (they exit 3 naming it), stop
+        watching, and let this process exit 1 (the next ``_at_exit``). Returns once
+        the peers were told (at most ``wait_s``); safe from any thread."""
+        line = "F " + " ".join(str(reason).split())[:400]
+        try:
+            os.write(self._ctl_w, line.encode() + b"\n")
+        except (BlockingIOError, OSError):
+            return
+        self._decided.wait(wait_s)
+
+    def close(self, *, clean: bool = True) -> None:
+        """Stop watching without exiting. ``clean``: tell the peers this rank finished
+        normally (BYE); otherwise they see a loss, which is right after a failure."""
+        atexit.unregister(self._at_exit)
+        if self._thread is None or not self._thread.is_alive():
+            self._close_sockets(clean)
+            return
+        try:
+            os.write(self._ctl_w, b"B\n" if clean else b"C\n")
+        except OSError:
+            pass
+        self._thread.join(self.timeout_s)
+
+    def __enter__(self) -> Watchdog:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(clean=exc_type is None)
+
+    def watch_signals(self, fd: int, signals: tuple[int, ...]) -> None:
+        """Stop every rank when ``signals`` arrive on wakeup fd ``fd``."""
+        self._stop_signals = frozenset(int(s) for s in signals)
+        self._sig_r = fd
+        if self._thread is not None:  # wake the loop so it registers the fd
+            os.write(self._ctl_w, b"W\n")
+
+    # ------------------------------------------------------------ the loop
+
+    def _log(self, msg: str, quiet: bool = False) -> None:
+        self.events.append(msg)
+        if quiet:
+            return
+        # os.write, not print: no Python-level lock a blocked main thread might hold.
+        try:
+            os.write(2, f"[k3dist watchdog rank {self.rank}] {msg}\n".encode())
+        except OSError:
+            pass
+
+    def _close_sockets(self, clean: bool) -> None:
+        for c in self.conns.values():
+            if clean and not c.left:
+                try:
+                    c.send("BYE")
+                except OSError:
+                    pass
+            c.sock.close()
+        self.conns.clear()
+        if self._listener is not None:
+            self._listener.close()
+
+    def _exit(self, code: int) -> None:
+        self.exit_code = code
+        self._decided.set()
+        _flush_stdio(0.2)
+        self._hard_exit(code)
+
+    def _at_exit(self) -> None:
+        """The main thread is leaving Python without close(): finish the exit here.
+
+        Why: when a collective fails ("[ring] connection to a peer was lost"), the main
+        thread raises while this thread is deciding; interpreter shutdown then freezes
+        daemon threads (this one) and can itself hang in the ring backend, so the
+        process would end only by mlx.launch's SIGTERM, with the wrong code. Exiting
+        from the main thread's atexit keeps the watchdog's code (3) and bounds it.
+        """
+        if self._hard_exit is not os._exit:
+            return  # in-process tests: never end the test runner
+        uncaught = getattr(sys, "last_value", None) is not None
+        stopping = self._stopping or self._requested  # e.g. on_stop ended the server
+        if self.exit_code is None and (uncaught or stopping):
+            # The watchdog usually has seen the closed socket or finished the stop.
+            self._decided.wait(self.stop_grace_s + 1.0)
+        if self.exit_code is not None or uncaught or stopping:
+            _flush_stdio(0.2)
+            os._exit(self.exit_code if self.exit_code is not None else 1 if uncaught else 0)
+
+    def _lost(self, rank: int, reason: str, silent: _Conn | None = None) -> None:
+        self.exit_code = LOST_EXIT_CODE  # first: the main thread's atexit may read it
+        if self.rank == 0:
+            for c in self.conns.values():
+                if c.rank != rank:
+                    try:
+                        c.send(f"LOST {rank} {reason}")
+                    except OSError:
+                        pass
+        self._log(f"lost rank {rank} ({reason}); exiting with code {LOST_EXIT_CODE}: the "
+                  "group cannot continue without it")
+        t = _start_callback(self.on_lost, (rank, reason))
+        deadline = time.monotonic() + self.stop_grace_s
+        if silent is not None and self.kill_silent_peers:
+            self._terminate_peer(silent)
+        if t is not None:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._exit(LOST_EXIT_CODE)
+
+    def _terminate_peer(self, c: _Conn) -> None:
+        """End a silent peer on this machine: SIGTERM, SIGKILL after ``stop_grace_s``.
+        SIGCONT follows the SIGTERM: a stopped process (SIGSTOP, Ctrl-Z, a debugger)
+        acts on no signal but SIGKILL; resumed, it finds this rank's socket closed and
+        exits on its own (code 3). A wedged one gets SIGKILL; either way its launcher
+        then sees it exit."""
+        if not c.local or c.pid is None:
+            where = "on another machine" if not c.local else "of unknown pid"
+            self._log(f"rank {c.rank} is {where}: left to the launcher to end")
+            return
+        c.sock.close()  # resumed, the peer sees this rank gone at once
+        try:
+            os.kill(c.pid, signal.SIGTERM)
+            os.kill(c.pid, signal.SIGCONT)
+        except OSError:
+            return  # already gone
+        deadline = time.monotonic() + self.stop_grace_s
+        while time.monotonic() < deadline:
+            if not _alive(c.pid):
+                self._log(f"rank {c.rank} (pid {c.pid}) ended after SIGTERM")
+                return
+            time.sleep(0.05)
+        try:
+            os.kill(c.pid, signal.SIGKILL)
+            self._log(f"rank {c.rank} (pid {c.pid}) did not end within {self.stop_grace_s:g}"
+                      " s of SIGTERM: sent SIGKILL")
+        except OSError:
+            pass
+
+    def _failed(self, reason: str) -> None:
+        """This rank failed (``fail``): tell the peers, then stop watching (exit 1)."""
+        # A peer that is already gone (or failed first) is a loss, exit 3, not this
+        # rank's failure: the exception that led here may be the collective that
+        # noticed it. Read what the peers have sent before deciding.
+        for c in list(self.conns.values()):
+            while select.select([c.sock], [], [], 0)[0]:
+                lines = c.read_lines()
+                if lines is None:
+                    self._lost(c.rank, self.peer_failures.get(c.rank, "connection closed"))
+                    return
+                if any(self._on_line(c, line) for line in lines):
+                    return
+        self.exit_code = 1
+        for c in self.conns.values():
+            try:
+                c.send(f"LOST 0 failed: {reason}" if self.rank == 0 else f"FAIL {reason}")
+            except OSError:
+                pass
+        self._log(f"failed: {reason}; exiting with code 1")
+        self._decided.set()
+
+    def _begin_stop(self, origin: int, reason: str) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._log(f"stopping: {reason} (from rank {origin})")
+        for c in list(self.conns.values()):
+            try:
+                c.send(f"STOP {origin} {reason}" if self.rank == 0 else "ACK")
+            except OSError:
+                pass  # a peer that is gone shows up as a close without ACK
+        self._stop_cb = _start_callback(self.on_stop, (reason, origin))
+        self._stop_deadline = time.monotonic() + self.stop_grace_s
+
+    def _stop_done(self) -> bool:
+        cb_done = self._stop_cb is None or not self._stop_cb.is_alive()
+        if self.rank != 0:
+            return cb_done  # peers go as soon as their callback is done
+        return cb_done and not self.conns  # rank 0 goes last: all peers acked and closed
+
+    def _request_stop(self, reason: str) -> None:
+        if self._stopping or self._requested:
+            return
+        if self.rank == 0 or 0 not in self.conns:
+            self._begin_stop(self.rank, reason)
+            return
+        self._requested = True
+        try:
+            self.conns[0].send(f"STOP {self.rank} {reason}")
+        except OSError as e:
+            self._lost(0, f"could not send the stop request: {e}")
+
+    def _on_line(self, c: _Conn, line: str) -> bool:
+        """Handle one message; True when the loop must end (the process exits)."""
+        kind, _, rest = line.partition(" ")
+        if kind == "H":
+            return False
+        if kind == "PID" and rest.isdigit():
+            c.pid = int(rest)
+        elif kind == "FAIL":
+            self.peer_failures[c.rank] = rest
+            self._lost(c.rank, f"failed: {rest}")
+            return True
+        elif kind == "STOP":
+            origin, _, reason = rest.partition(" ")
+            self._begin_stop(int(origin), reason)
+        elif kind == "ACK":
+            c.acked = True
+        elif kind == "BYE":
+            c.left = True
+        elif kind == "LOST" and self.rank != 0:
+            r, _, reason = rest.partition(" ")
+            if reason.startswith("failed: "):
+                self.peer_failures[int(r)] = reason.removeprefix("failed: ")
+            self._lost(int(r), f"{reason}; reported by rank 0")
+            return True
+        return False
+
+    def _on_close(self, c: _Conn, sel: selectors.BaseSelector) -> bool:
+        sel.unregister(c.sock)
+        c.sock.close()
+        del self.conns[c.rank]
+        if c.left or c.acked or (self._stopping and self.rank != 0):
+            return False  # finished, or stopping as asked: not a loss
+        self._lost(c.rank, "connection closed" + (" without acknowledging the stop"
+                                                  if self._stopping else ""))
+        return True
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:  # noqa: BLE001 - an unwatched rank must not keep serving
+            self._log(f"watchdog failed ({type(e).__name__}: {e}); exiting with code "
+                      f"{LOST_EXIT_CODE} because peer loss can no longer be detected")
+            self._exit(LOST_EXIT_CODE)
+        finally:
+            self._close_sockets(clean=False)
+
+    def _loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        for c in self.conns.values():
+            sel.register(c.sock, selectors.EVENT_READ, c)
+        sel.register(self._ctl_r, selectors.EVENT_READ, "ctl")
+        sig_registered = None
+        next_beat = last_tick = time.monotonic()
+        while True:
+            if self._sig_r is not None and sig_registered != self._sig_r:
+                sel.register(self._sig_r, selectors.EVENT_READ, "sig")
+                sig_registered = self._sig_r
+            now = time.monotonic()
+            gap, last_tick = now - last_tick, now
+            # After a gap this loop did not run (the process was stopped, or starved of
+            # CPU), the peers' silence may be its own: read what they sent (a closed
+            # socket says the group is gone) before judging anyone silent.
+            judge = gap <= 2 * self.interval_s
+            if gap > self.timeout_s / 2:
+                self._log(f"this rank did not run for {gap:.1f} s (stopped, or starved of CPU)")
+            if now >= next_beat:
+                for c in list(self.conns.values()):
+                    try:
+                        c.send("H")
+                    except OSError as e:
+                        if not (c.left or c.acked or (self._stopping and self.rank != 0)):
+                            self._lost(c.rank, f"heartbeat send failed: {e}")
+                            return
+                next_beat = now + self.interval_s
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    self._request_stop(f"launcher (pid {self.parent_pid}) exited")
+            for c in list(self.conns.values()) if judge else ():
+                if not c.left and now - c.last_seen > self.timeout_s:
+                    self._lost(c.rank, f"silent for {now - c.last_seen:.1f} s", silent=c)
+                    return
+            if self._stopping and (self._stop_done() or now >= self._stop_deadline):
+                if self.rank == 0 and self.conns and now >= self._stop_deadline:
+                    self._log(f"ranks {sorted(self.conns)} did not finish stopping within "
+                              f"{self.stop_grace_s:g} s; exiting anyway")
+                self._exit(0)
+                return
+            wake = min([next_beat, self._stop_deadline]
+                       + [c.last_seen + self.timeout_s for c in self.conns.values()])
+            events = sel.select(max(0.0, min(wake - now, self.interval_s)) if judge else 0)
+            # Sockets before requests: a peer that is already gone is a loss, even when
+            # a stop (e.g. mlx.launch's SIGTERM after that very death) arrives with it.
+            events.sort(key=lambda e: isinstance(e[0].data, str))
+            for key, _ in events:
+                if key.data == "ctl":
+                    data = os.read(self._ctl_r, 4096).decode(errors="replace")
+                    for line in data.splitlines():
+                        if line.startswith("S "):
+                            self._request_stop(line[2:])
+                        elif line.startswith("F "):
+                            self._failed(line[2:])
+                            return
+                        elif line in ("B", "C"):
+                            self._close_sockets(clean=line == "B")
+                            return
+                elif key.data == "sig":
+                    try:
+                        sigs = os.read(self._sig_r, 64)
+                    except BlockingIOError:
+                        sigs = b""
+                    for s in sigs:
+                        # The wakeup fd carries every signal that has a Python handler
+                        # (transformers' SIGALRM prompt timer too): stop only on ours.
+                        if s in self._stop_signals:
+                            self._request_stop(signal.Signals(s).name)
+                else:
+                    c = key.data
+                    if c.rank not in self.conns:
+                        continue
+                    lines = c.read_lines()
+                    if lines is None:
+                        if self._on_close(c, sel):
+                            return
+                        continue
+                    for line in lines:
+                        if self._on_line(c, line):
+                            return
+
+
+def install_signal_handlers(watchdog: Watchdog,
+                            signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """SIGTERM/SIGINT on this rank stop every rank (exit 0). Call from the main thread.
+
+    A Python signal handler runs only when the main thread is back in Python, which
+    a rank blocked in a collective never is. So the signal is also delivered through
+    ``signal.set_wakeup_fd`` (written by the C-level handler at once) to the
+    watchdog thread; the Python handler is the fallback if other code replaces the
+    wakeup fd (asyncio does; mlx_lm.server does not use asyncio).
+    """
+    r, w = os.pipe()
+    for fd in (r, w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+    def handler(signum: int, frame) -> None:
+        watchdog.broadcast_stop(signal.Signals(signum).name)
+
+    for s in signals:
+        signal.signal(s, handler)
+    watchdog.watch_signals(r, signals)
+
+
+def install_failure_hook(watchdog: Watchdog) -> None:
+    """An uncaught exception on this rank (a bad folder, a port in use) is sent to the
+    peers before the process exits, so they say why the group ended instead of
+    "connection closed"; this rank exits 1 without waiting for a loss to be noticed."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        previous(kind, value, tb)  # this rank's own traceback first
+        if not issubclass(kind, KeyboardInterrupt):
+            watchdog.fail(f"{kind.__name__}: {value}")
+
+    sys.excepthook = hook
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie awaiting its parent has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    status = Path(f"/proc/{pid}/status")
+    if status.exists():  # Linux; macOS has no /proc and reaps through launchd
+        try:
+            return "\nState:\tZ" not in status.read_text()
+        except OSError:
+            return False
+    return True
+
+
