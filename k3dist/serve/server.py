@@ -461,9 +461,6 @@ class K3APIHandler(mlx_server.APIHandler):
     aborted = False  # set by abort_streams: the answer was written from elsewhere
     _in_completion = False
 
-    def log_message(self, format, *args):  # noqa: A002 - http.server's name
-        logging.info("%s %s", self.address_string(), format % args)
-
     def _set_cors_headers(self):
         origins = self.response_generator.cli_args.allowed_origins
         origin = self.headers.get("Origin")
@@ -513,9 +510,9 @@ class K3APIHandler(mlx_server.APIHandler):
         if self.aborted:
             return
         alive = self.response_generator.generation_available()
-        message = f"generation failed: {e or type(e).__name__}" if alive else (
-            f"the generation loop has stopped ({e or type(e).__name__}); the server must be "
-            "restarted")
+        why = str(e) or type(e).__name__
+        message = f"generation failed: {why}" if alive else (
+            f"the generation loop has stopped ({why}); the server must be restarted")
         try:
             if self.stream and getattr(self, "_headers_buffer", None) == []:
                 self.wfile.write(f"data: {_error_body(message).decode()}\n\n".encode())
