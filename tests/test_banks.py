@@ -8,6 +8,7 @@ import json
 
 from k3dist.build import grade, slicing
 from k3dist.format import layout
+from k3dist.format.graded import GradedMap, balance_hi
 from k3dist.format.placement import contiguous
 from k3dist.format.sfile import CheckpointError, read_bytes, read_header
 from k3dist.serve import banks
@@ -205,7 +206,7 @@ def graded(mini_build, tmp_path_factory):
 
 def test_promoted_bytes_identical_to_source(graded, mini_build, mini_src):
     cfg = json.loads((graded / "config.json").read_text())
-    gmap = banks.GradedMap.from_config(cfg)
+    gmap = GradedMap.from_config(cfg)
     idx = json.loads((graded / "model.safetensors.index.json").read_text())["weight_map"]
     src_idx = json.loads((mini_src / "model.safetensors.index.json").read_text())["weight_map"]
     src_proj = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
@@ -354,7 +355,7 @@ def test_grade_cli_promotes_top_scores(mini_build, tmp_path):
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    gmap = banks.GradedMap.from_config(json.loads((tmp_path / "g" / "config.json").read_text()))
+    gmap = GradedMap.from_config(json.loads((tmp_path / "g" / "config.json").read_text()))
     for i in moe:
         assert list(gmap.hi[i]) == sorted(np.argsort(scores[str(i)])[-2:].tolist())
         assert gmap.k_hi[i] == 1
@@ -363,8 +364,8 @@ def test_grade_cli_promotes_top_scores(mini_build, tmp_path):
 def test_balance_hi_spreads_promoted_experts():
     moe = [1, 2]
     plc = contiguous(16, 2, moe)  # rank 0: 0..7, rank 1: 8..15
-    gmap = banks.GradedMap(16, {1: (0, 1, 2, 3), 2: (2, 9)}, {1: 2, 2: 1})
-    out = banks.balance_hi(plc, gmap)
+    gmap = GradedMap(16, {1: (0, 1, 2, 3), 2: (2, 9)}, {1: 2, 2: 1})
+    out = balance_hi(plc, gmap)
     for layer, ids in gmap.hi.items():
         own = np.asarray(out.owners[layer])
         assert np.bincount(own[list(ids)], minlength=2).tolist() == [len(ids) // 2] * 2
@@ -429,7 +430,7 @@ def test_plan_then_grade(mini_build, tmp_path):
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    gmap = banks.GradedMap.from_config(json.loads((tmp_path / "g" / "config.json").read_text()))
+    gmap = GradedMap.from_config(json.loads((tmp_path / "g" / "config.json").read_text()))
     for layer, n in plan["promoted_per_layer"].items():
         assert list(gmap.hi[int(layer)]) == list(range(16 - n, 16))  # highest counts
         assert gmap.k_hi[int(layer)] == plan["k_hi_uniform"][layer]

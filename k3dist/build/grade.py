@@ -33,6 +33,7 @@ from k3dist import __version__
 from k3dist.build.checkpoint import INDEX_NAME
 from k3dist.build.plan import MXFP4, QFormat
 from k3dist.format import layout
+from k3dist.format.graded import GRADED_KEY, HI, LO, GradedMap, bank_of
 from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.manifest import JOURNAL, MANIFEST
 from k3dist.format.placement import read_counts
@@ -47,7 +48,6 @@ from k3dist.format.sfile import (
     read_header,
     sha256_file,
 )
-from k3dist.serve.banks import GRADED_KEY, HI, LO, GradedMap, bank_of
 
 import mlx.core as mx
 import numpy as np
