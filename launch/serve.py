@@ -18,7 +18,6 @@ from pathlib import Path
 
 import k3dist
 from k3dist.format import manifest
-from k3dist.format.sfile import CheckpointError
 from k3dist.format.verify import Report
 from k3dist.serve import keepawake, loader, preflight, server, warmup
 from k3dist.serve import watchdog as harness
@@ -57,16 +56,14 @@ def log(rank: int, msg: str) -> None:
 
 
 def rank_folder(dep: Deployment, rank: int, size: int) -> Path:
-    """This rank's folder. The embedded default is made and sliced on first use: only
-    then is the build pipeline imported (serving itself needs the format layer only)."""
+    """This rank's folder. The embedded default is made and sliced on first use, and
+    again when its cache is stale (data/mini-k3 or k3dist's formats changed): only then
+    is the build pipeline imported (serving itself needs the format layer only)."""
     folder = dep.rank_path(rank)
     if dep.build != Deployment.build or dep.rank_dir != Deployment.rank_dir:
         return folder
-    try:
-        manifest.verify(folder, "rank")
+    if manifest.slices_current_build(folder, k3dist.DATA_DIR / "mini-k3"):
         return folder
-    except CheckpointError:
-        pass
     from k3dist.build import default
 
     log(rank, f"embedded default: preparing {folder} (cached after the first run)")

@@ -7,7 +7,9 @@ import json
 import subprocess
 import sys
 
-from k3dist.build import slicing
+import k3dist
+from k3dist.build import convert, slicing
+from k3dist.format import manifest
 
 from util import REPO
 
@@ -113,9 +115,10 @@ def test_no_import_cycles():
             visit(m, [])
 
 
-def test_serving_entry_point_imports_the_format_layer_only(mini_build, tmp_path):
+def test_serving_entry_point_imports_the_format_layer_only(tmp_path):
     # the embedded default's rank folder already in place (cwd-relative runs/ranks/rank0)
-    slicing.slice_rank(mini_build, tmp_path / "runs" / "ranks" / "rank0", 0, 2, progress=False)
+    build = convert.convert(k3dist.DATA_DIR / "mini-k3", tmp_path / "build", progress=False)
+    slicing.slice_rank(build, tmp_path / "runs" / "ranks" / "rank0", 0, 2, progress=False)
     code = f"""
 import importlib.util, json, sys
 spec = importlib.util.spec_from_file_location("serve_entry", {str(REPO / "launch" / "serve.py")!r})
@@ -135,3 +138,24 @@ print(json.dumps(sorted(m for m in sys.modules if m == "k3dist" or m.startswith(
         "extra": sorted(loaded - SERVING),
         "missing": sorted(SERVING - loaded),
     }
+
+
+def test_a_stale_default_cache_is_not_trusted(mini_src, mini_build, tmp_path):
+    """launch/serve.py serves a cached default rank folder only while it slices the
+    current build of data/mini-k3 in this k3dist's formats; anything else is remade."""
+    shipped = k3dist.DATA_DIR / "mini-k3"
+    build = convert.convert(shipped, tmp_path / "build", progress=False)
+    rank0 = slicing.slice_rank(build, tmp_path / "rank0", 0, 2, progress=False)
+    assert manifest.slices_current_build(rank0, shipped)
+    # another source (a retrained data/mini-k3 looks like this)
+    other = slicing.slice_rank(mini_build, tmp_path / "other", 0, 2, progress=False)
+    assert not manifest.slices_current_build(other, shipped)
+    assert not manifest.slices_current_build(rank0, mini_src)
+    # an older rank-folder format
+    mp = rank0 / manifest.MANIFEST
+    m = json.loads(mp.read_text())
+    m["identity"]["format_version"] = manifest.RANK_FORMAT_VERSION - 1
+    mp.write_text(json.dumps(m))
+    assert not manifest.slices_current_build(rank0, shipped)
+    # an incomplete folder, or none
+    assert not manifest.slices_current_build(tmp_path / "missing", shipped)

@@ -38,6 +38,7 @@ from k3dist.build.checkpoint import Source, check_a_log_tail, quantization_forma
 from k3dist.format import layout
 from k3dist.format import tokens as tokenizer
 from k3dist.format.journal import JournaledFolder, write_json_atomic
+from k3dist.format.manifest import BUILD_FORMAT_VERSION
 from k3dist.format.sfile import (
     CheckpointError,
     StreamWriter,
@@ -54,7 +55,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import kimi_k3
 from tqdm import tqdm
 
-FORMAT_VERSION = 2  # 2: HF tokenizer files, no auto_map
+FORMAT_VERSION = BUILD_FORMAT_VERSION
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 # source expert projection -> mlx-lm SwitchGLU name
 EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}

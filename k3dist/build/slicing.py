@@ -56,7 +56,7 @@ from k3dist.format.sfile import (
 import mlx.core as mx
 from tqdm import tqdm
 
-FORMAT_VERSION = 2  # 2: per-tensor sha256 in the manifest (k3dist.format.verify)
+FORMAT_VERSION = manifest.RANK_FORMAT_VERSION
 # a stacked routed-expert tensor of an mlx-lm build: leading dim = num_experts (a graded
 # build's two banks: the rows k3dist.graded.stack_rows names)
 _STACK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.switch_(?:mlp|hi)\.")

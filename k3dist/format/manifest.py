@@ -22,6 +22,10 @@ from k3dist.format.sfile import CheckpointError, sha256_file
 
 MANIFEST = "k3dist.json"
 JOURNAL = ".k3dist-progress.json"
+# Each kind's format version, stamped in ``identity`` by its writer; a folder of another
+# version is another identity (a cache of an older k3dist is remade, never served).
+BUILD_FORMAT_VERSION = 2  # 2: HF tokenizer files, no auto_map
+RANK_FORMAT_VERSION = 2  # 2: per-tensor sha256 in the manifest (k3dist.format.verify)
 _MAKE = {
     "rank": "make rank folders with python slicing/rank_split.py",
     "build": "make a build with python -m k3dist.build.convert",
@@ -67,3 +71,25 @@ def verify(path: str | Path, kind: str, sha256: bool = False) -> dict:
             f"{path}: {what} is damaged ({'; '.join(bad[:5])}{more}); {_FIX[kind]}"
         )
     return m
+
+
+def slices_current_build(folder: str | Path, source: str | Path) -> bool:
+    """Whether ``folder`` is a complete rank folder of this k3dist's format, sliced from
+    the current build of the Moonshot checkpoint ``source`` (by the source's index and
+    config digests): how a cached embedded default is trusted without importing the
+    build pipeline."""
+    try:
+        m = verify(folder, "rank")
+        b = json.loads((Path(m["build"]) / MANIFEST).read_text())
+        src = Path(source)
+        ident = b["identity"]
+        return (
+            m["identity"].get("format_version") == RANK_FORMAT_VERSION
+            and ident.get("format_version") == BUILD_FORMAT_VERSION
+            and m["build_hash"] == b.get("build_hash")
+            and ident.get("source_index_sha256")
+            == sha256_file(src / "model.safetensors.index.json")
+            and ident.get("source_config_sha256") == sha256_file(src / "config.json")
+        )
+    except (CheckpointError, OSError, KeyError, ValueError):
+        return False
