@@ -22,6 +22,10 @@ PRIVATE = {
     "mlx_lm.server:ResponseGenerator._is_distributed": "read by holds_request",
     "mlx_lm.server:APIHandler._set_stream_headers":
         "overridden (k3dist.serve.server): open SSE streams are tracked for abort_streams",
+    "mlx_lm.server:APIHandler._set_completion_headers":
+        "overridden (k3dist.serve.server): a failure after acceptance is 500/503, not 404",
+    "mlx_lm.server:GenerationContext._should_stop":
+        "set by stop_generation: the ranks stop a request together (client gone)",
     "mlx_lm.server:APIHandler.rfile":
         "replaced (k3dist.serve.server): do_POST reads the validated body from self.rfile",
     "mlx_lm.models.kimi_k3:_group_expert_select": "called by group_expert_select",
@@ -51,6 +55,12 @@ def holds_request(generator) -> bool:
     """Whether this rank of an mlx_lm.server ResponseGenerator holds the real request
     (rank 0, or the only process); the others get a placeholder from ``_share_request``."""
     return generator._rank == 0 or not generator._is_distributed
+
+
+def stop_generation(ctx) -> None:
+    """Make mlx-lm's generation loop end the request of ``ctx`` at its next token
+    (``ctx.stop()`` is replaced per request by k3dist's lockstep stop)."""
+    ctx._should_stop = True
 
 
 def group_expert_select(*args, **kwargs):

@@ -339,14 +339,14 @@ class _RequestQueue(Queue):
     def _client_gone(self) -> None:
         self.client_gone = True
         if self.size == 1 and self.ctx is not None:
-            self.ctx._should_stop = True
+            compat.stop_generation(self.ctx)
 
     def _agree_on_stop(self) -> None:
         # Read the previous check's sum (long done: no stall of the decode pipeline),
         # then queue this one behind the step already in flight. Every rank reads the
         # same sums at the same tokens, so all stop together, 8-16 tokens after.
         if self.pending is not None and self.pending.item():
-            self.ctx._should_stop = True
+            compat.stop_generation(self.ctx)
             return
         mark = mx.array(1 if self.rank == 0 and self.client_gone else 0)
         self.pending = mx.distributed.all_sum(mark)
