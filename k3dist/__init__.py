@@ -9,6 +9,8 @@ from k3dist._blas import set_threads as set_blas_threads
 preload()
 
 __version__ = "0.1.0"
-# the repository's data/: the shipped mini-K3, its corpus and tokenizer (data/README.md)
-DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+# the repository (an editable install's checkout) and its data/: the shipped mini-K3, its
+# corpus and tokenizer (data/README.md)
+REPO = Path(__file__).resolve().parents[1]
+DATA_DIR = REPO / "data"
 __all__ = ["__version__", "blas_status", "set_blas_threads"]

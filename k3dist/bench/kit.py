@@ -66,7 +66,7 @@ def stats(xs: Sequence[float], digits: int = 4) -> dict:
             "mean": round(float(a.mean()), digits), "n": int(a.size)}
 
 
-REPO = Path(k3dist.__file__).resolve().parents[1]
+REPO = k3dist.REPO
 
 
 def repo_path(path: str | Path) -> str:

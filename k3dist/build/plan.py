@@ -63,6 +63,7 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from k3dist import REPO
 from k3dist.format import layout
 
 GiB = 1 << 30
@@ -624,8 +625,10 @@ def graded_map(plan: dict, promoted: dict[int, list[int]]) -> dict:
 
 
 def _relpath(p: str) -> str:
+    """``p`` relative to the repository, as results record paths (``../shared/...`` for
+    the reference beside it)."""
     try:
-        return os.path.relpath(Path(p).resolve(), Path(__file__).resolve().parents[1])
+        return os.path.relpath(Path(p).resolve(), REPO)
     except ValueError:
         return p
 
