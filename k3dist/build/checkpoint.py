@@ -137,7 +137,7 @@ class Source:
                    root: str | Path | None = None) -> Source:
         """A checkpoint whose config and index are named explicitly; either may be
         gzipped (``.gz``), as the real K3's ``kimi-k3-config.json`` and
-        ``kimi-k3-model.safetensors.index.json.gz`` in ``shared/reference``. Shard
+        ``kimi-k3-model.safetensors.index.json.gz`` shipped in ``k3dist/data``. Shard
         files are looked for in ``root``, by default the index's folder;
         ``index_sha256`` is the digest of the uncompressed index."""
         self = cls.__new__(cls)
@@ -648,8 +648,8 @@ def main(argv: list[str] | None = None) -> None:
             "examples:\n"
             "  python -m k3dist.build.checkpoint audit mini-src\n"
             "  python -m k3dist.build.checkpoint audit --json \\\n"
-            "      --config shared/reference/kimi-k3-config.json \\\n"
-            "      --index shared/reference/kimi-k3-model.safetensors.index.json.gz\n\n"
+            "      --config k3dist/data/kimi-k3-config.json \\\n"
+            "      --index k3dist/data/kimi-k3-model.safetensors.index.json.gz\n\n"
             "exit status: 0 ok, 1 findings (all are printed), 2 nothing to audit"))
     a.add_argument("src", nargs="?", help="checkpoint folder (config.json, "
                    f"{INDEX_NAME} or model.safetensors, shard files)")
