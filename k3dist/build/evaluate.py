@@ -172,10 +172,13 @@ def evaluate(
     scores: list[str | None] | None = None,
     names: list[str | None] | None = None,
     corpus_dir: Path = corpus.CORPUS_DIR,
-    tokenizer_dir: Path = corpus.TOKENIZER_DIR,
+    tokenizer_dir: Path | None = None,
     progress: bool = True,
 ) -> dict:
-    """The quality report (the issue's schema): ``{"teacher", "rows": [...]}``."""
+    """The quality report (the issue's schema): ``{"teacher", "rows": [...]}``. Windows
+    are the shipped corpus's held-out split encoded with ``tokenizer_dir`` (default: the
+    teacher build's own tokenizer)."""
+    tokenizer_dir = Path(teacher) if tokenizer_dir is None else tokenizer_dir
     t0 = time.perf_counter()
 
     def say(what: str) -> None:
