@@ -7,6 +7,7 @@ import json
 import math
 
 from k3dist.build import evaluate, grade
+from k3dist.build.plan import MXFP4, QFormat
 from k3dist.format import layout
 
 import pytest
@@ -71,6 +72,10 @@ def test_schema_and_bytes(report, mini_build, students):
     assert report["tokens_per_domain"] == {"code": WINDOWS * SEQ, "prose": WINDOWS * SEQ}
     teacher, uniform, graded = report["rows"]
     assert teacher["expert_bpw"] == pytest.approx(4.25)  # mxfp4: 4 bits + 8-bit scale / 32
+    # the planner's byte arithmetic (k3dist.build.plan) agrees with the files
+    params = report["teacher"]["expert_params"]
+    assert report["teacher"]["bytes"] == params * MXFP4.bpw / 8
+    assert uniform["bytes"] == params * QFormat.parse("2bit-g32").bpw / 8
     assert uniform["expert_bpw"] == pytest.approx(3.0)  # 2-bit g32: + bf16 scale and bias
     assert uniform["build"] == "2bit-g32" and graded["build"] == "graded-25"
     # 4 of 16 promoted at 4.25 bpw, 12 at 3.0
