@@ -25,8 +25,15 @@ PY = sys.executable
 RUNS = Path("runs/quality")
 COUNTS = Path("data/mini-k3-routing.npz")
 UNIFORM = ("1bit-g32", "2bit-g32", "3bit-g32")
-# (percent promoted, lo format)
-GRADED = ((5, "2bit-g32"), (10, "2bit-g32"), (20, "2bit-g32"), (40, "1bit-g32"))
+# (percent promoted, lo format, k_hi; None: --k-hi). 40 % over 1-bit is at the bytes of
+# uniform 2-bit g32; with k_hi 4 (= top-k) nothing can drop, so it isolates the drops.
+GRADED = (
+    (5, "2bit-g32", None),
+    (10, "2bit-g32", None),
+    (20, "2bit-g32", None),
+    (40, "1bit-g32", None),
+    (40, "1bit-g32", 4),
+)
 SCORES = ("frequency", "random")
 
 
@@ -61,18 +68,33 @@ def main() -> None:
     }
     E = len(next(iter(np.load(COUNTS).values())))
     students: list[tuple[Path, str, str]] = []  # (build, name, score)
-    grade = ("k3dist.build.grade", "--build", str(mxfp4), "--k-hi", str(a.k_hi))
+    grade = ("k3dist.build.grade", "--build", str(mxfp4))
     for fmt in UNIFORM:
         out = RUNS / fmt
-        run(*grade, "--out", str(out), "--scores", str(COUNTS), "--per-layer", "0", "--lo", fmt)
+        run(
+            *grade,
+            "--k-hi",
+            str(a.k_hi),
+            "--out",
+            str(out),
+            "--scores",
+            str(COUNTS),
+            "--per-layer",
+            "0",
+            "--lo",
+            fmt,
+        )
         students.append((out, fmt, "-"))
-    for pct, lo in GRADED:
+    for pct, lo, k_hi in GRADED:
         for score in SCORES:
             name = f"graded-{pct}" + ("" if lo == "2bit-g32" else f"-{lo}")
+            name += "" if k_hi is None else f"-khi{k_hi}"
             out = RUNS / f"{name}-{score}"
             n = round(pct * E / 100)
             run(
                 *grade,
+                "--k-hi",
+                str(k_hi or a.k_hi),
                 "--out",
                 str(out),
                 "--scores",
