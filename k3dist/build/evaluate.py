@@ -315,14 +315,32 @@ def plot(rep: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     colors = {"frequency": "tab:blue", "random": "tab:orange", None: "black"}
+    uniform = sorted((r["expert_bpw"], r["kl"]) for r in rep["rows"] if r["score"] is None)
+    if len(uniform) > 1:
+        ax.plot(*zip(*uniform, strict=True), color="gray", ls="--", lw=0.8, zorder=0)
+    labelled = set()
     for r in rep["rows"]:
-        ax.scatter(r["expert_bpw"], r["kl"], color=colors.get(r["score"], "tab:green"))
-        label = r["build"] + (f" ({r['score']})" if r["score"] else "")
-        ax.annotate(
-            label, (r["expert_bpw"], r["kl"]), fontsize=7, xytext=(3, 3), textcoords="offset points"
+        score = r["score"]
+        ax.scatter(
+            r["expert_bpw"],
+            r["kl"],
+            color=colors.get(score, "tab:green"),
+            label=None if score in labelled else (score or "uniform"),
+            s=18,
         )
+        labelled.add(score)
+        if r["build"] not in labelled:  # one label per build, at its first point
+            labelled.add(r["build"])
+            ax.annotate(
+                r["build"],
+                (r["expert_bpw"], r["kl"]),
+                fontsize=7,
+                xytext=(4, 4),
+                textcoords="offset points",
+            )
+    ax.legend(fontsize=8)
     ax.set_xlabel("expert bits per weight (bytes x 8 / routed expert parameters)")
     ax.set_ylabel("KL(teacher || student), nats/token")
     ax.set_yscale("log")
