@@ -1,5 +1,5 @@
 """The quality table of issue 12: graded and uniform low-bit builds of the trained
-mini-K3 against its MXFP4 teacher (``python -m k3dist.build.evaluate``).
+mini-K3 against its MXFP4 teacher (``python -m k3dist.bench.evaluate``).
 
 Builds (reused when present) under ``runs/quality/``: the MXFP4 build of ``data/mini-k3``
 (``k3dist.build.convert``), uniform lo-bank formats (``k3dist.build.grade --per-layer 0``)
@@ -107,7 +107,7 @@ def main() -> None:
             students.append((out, name, score))
     out = Path(a.out)
     ev = [
-        "k3dist.build.evaluate",
+        "k3dist.bench.evaluate",
         "--teacher",
         str(mxfp4),
         "--windows",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import math
 
-from k3dist.build import evaluate, grade
+from k3dist.bench import evaluate
+from k3dist.build import grade
 from k3dist.build.plan import MXFP4, QFormat
 from k3dist.format import layout
 
@@ -120,5 +121,5 @@ def test_deterministic_and_cli(report, mini_build, students, tmp_path):
     for a, b in zip(report["rows"], again["rows"], strict=True):
         for k in ("kl", "flip", "ppl", "bytes", "expert_bpw", "k_hi_drop_rate"):
             assert a[k] == b[k], k
-    assert again["command"].startswith("python -m k3dist.build.evaluate --teacher")
+    assert again["command"].startswith("python -m k3dist.bench.evaluate --teacher")
     assert "graded-25" in md.read_text() and (tmp_path / "q.png").stat().st_size > 0

@@ -21,7 +21,7 @@ over the routed expert parameters, each counted once); for a graded student the 
 ``k_hi`` drop rate (routes past ``k_hi`` that had no lo-bank fallback, over all routes;
 ``k3dist.serve.banks``). Float32 activations on CPU; deterministic across re-runs.
 
-    python -m k3dist.build.evaluate --teacher runs/mini-build \\
+    python -m k3dist.bench.evaluate --teacher runs/mini-build \\
         --student runs/quality/2bit-g32 --student runs/quality/graded-10-frequency \\
         --windows 8 --out quality.json --markdown quality.md --plot quality.png
 """
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
         rep = evaluate(a.teacher, a.student, a.windows, a.seq, scores, a.name)
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    rep["command"] = "python -m k3dist.build.evaluate " + " ".join(
+    rep["command"] = "python -m k3dist.bench.evaluate " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     a.out.write_text(json.dumps(rep, indent=1) + "\n")
