@@ -1,15 +1,23 @@
 """The quality table of issue 12: graded and uniform low-bit builds of the trained
 mini-K3 against its MXFP4 teacher (``python -m k3dist.bench.evaluate``).
 
-Builds (reused when present) under ``runs/quality/``: the MXFP4 build of ``data/mini-k3``
-(``k3dist.build.convert``), uniform lo-bank formats (``k3dist.build.grade --per-layer 0``)
-and graded builds promoting 5 / 10 / 20 % of each MoE layer's experts (and 40 % over a
-1-bit lo bank: the equal-bytes partner of uniform 2-bit) by ``frequency`` (the shipped
-calibration routing counts ``data/mini-k3-routing.npz``) or ``random`` (seeded scores).
+Steps (each reused when its output exists) under ``runs/quality/``:
+
+1. the MXFP4 build of ``data/mini-k3`` (``k3dist.build.convert``) and the uniform
+   lo-bank builds (``k3dist.build.grade --per-layer 0``);
+2. the calibration token set (``k3dist.factory.windows``, the ``calib`` split), the
+   streamed teacher on it (``k3dist.build.teacher``) and the sensitivity scores on the
+   uniform 2-bit build (``k3dist.build.calibrate``: output-error, fisher, taylor,
+   frequency, random);
+3. graded builds promoting 5 / 10 / 20 % of each MoE layer's experts by every score,
+   ``k_hi`` per layer from the calibration routes (observed maximum), and the
+   ``--global`` variants (the same number of promotions chosen over all layers at once);
+4. ``evaluate`` of every build on the held-out windows.
+
 The mini-K3's routed experts are 96 x 96, so only group size 32 divides their columns:
 g64 / g128 formats cannot store them (``grade`` refuses).
 
-    python benchmarks/quality.py --windows 8 --out benchmarks/results/quality-DATE.json
+    python benchmarks/quality.py --windows 12 --out benchmarks/results/quality-DATE.json
 """
 
 from __future__ import annotations
@@ -23,18 +31,9 @@ import numpy as np
 
 PY = sys.executable
 RUNS = Path("runs/quality")
-COUNTS = Path("data/mini-k3-routing.npz")
 UNIFORM = ("1bit-g32", "2bit-g32", "3bit-g32")
-# (percent promoted, lo format, k_hi; None: --k-hi). 40 % over 1-bit is at the bytes of
-# uniform 2-bit g32; with k_hi 4 (= top-k) nothing can drop, so it isolates the drops.
-GRADED = (
-    (5, "2bit-g32", None),
-    (10, "2bit-g32", None),
-    (20, "2bit-g32", None),
-    (40, "1bit-g32", None),
-    (40, "1bit-g32", 4),
-)
-SCORES = ("frequency", "random")
+LEVELS = (5, 10, 20)
+SCORES = ("output-error", "fisher", "taylor", "frequency", "random")
 
 
 def run(*cmd: str) -> None:
@@ -42,69 +41,104 @@ def run(*cmd: str) -> None:
     subprocess.run([PY, "-m", *cmd], check=True)
 
 
-def random_scores(counts: Path, out: Path, seed: int) -> Path:
-    """Seeded random scores, one per expert of every layer of ``counts``."""
-    rng = np.random.default_rng(seed)
-    layers = np.load(counts)
-    np.savez(out, **{k: rng.permutation(len(v)).astype(np.int64) for k, v in layers.items()})
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--windows", type=int, default=8, help="held-out windows per domain")
+    ap.add_argument("--windows", type=int, default=12, help="held-out windows per domain")
+    ap.add_argument("--calib-windows", type=int, default=8, help="calibration windows per domain")
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--k-hi", type=int, default=2, help="hi routes per token (top-4 model)")
     ap.add_argument("--seed", type=int, default=0, help="random promotion scores")
+    ap.add_argument("--scores", default=",".join(SCORES))
+    ap.add_argument("--global-for", default="", help="scores that also get global-budget rows")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     RUNS.mkdir(parents=True, exist_ok=True)
     mxfp4 = RUNS / "mxfp4"
     if not (mxfp4 / "k3dist.json").exists():
         run("k3dist.build.convert", "--src", "data/mini-k3", "--out", str(mxfp4))
-    scores = {
-        "frequency": COUNTS,
-        "random": random_scores(COUNTS, RUNS / f"random-{a.seed}.npz", a.seed),
-    }
-    E = len(next(iter(np.load(COUNTS).values())))
-    students: list[tuple[Path, str, str]] = []  # (build, name, score)
     grade = ("k3dist.build.grade", "--build", str(mxfp4))
+    students: list[tuple[Path, str, str]] = []  # (build, name, score)
     for fmt in UNIFORM:
         out = RUNS / fmt
-        run(
-            *grade,
-            "--k-hi",
-            str(a.k_hi),
-            "--out",
-            str(out),
-            "--scores",
-            str(COUNTS),
-            "--per-layer",
-            "0",
-            "--lo",
-            fmt,
-        )
-        students.append((out, fmt, "-"))
-    for pct, lo, k_hi in GRADED:
-        for score in SCORES:
-            name = f"graded-{pct}" + ("" if lo == "2bit-g32" else f"-{lo}")
-            name += "" if k_hi is None else f"-khi{k_hi}"
-            out = RUNS / f"{name}-{score}"
-            n = round(pct * E / 100)
+        if not (out / "k3dist.json").exists():
             run(
                 *grade,
                 "--k-hi",
-                str(k_hi or a.k_hi),
+                "1",
                 "--out",
                 str(out),
                 "--scores",
-                str(scores[score]),
+                "data/mini-k3-routing.npz",
                 "--per-layer",
-                str(n),
+                "0",
                 "--lo",
-                lo,
+                fmt,
             )
-            students.append((out, name, score))
+        students.append((out, fmt, "-"))
+    calib_tokens = RUNS / f"calib-{a.calib_windows}x{a.seq}.npz"
+    if not calib_tokens.exists():
+        run(
+            "k3dist.factory.windows",
+            "--split",
+            "calib",
+            "--seq",
+            str(a.seq),
+            "--windows",
+            str(a.calib_windows),
+            "--out",
+            str(calib_tokens),
+        )
+    teacher = RUNS / f"teacher-{calib_tokens.stem}"
+    run(
+        "k3dist.build.teacher",
+        "--build",
+        str(mxfp4),
+        "--tokens",
+        str(calib_tokens),
+        "--out",
+        str(teacher),
+    )
+    calib = RUNS / f"calib-2bit-g32-{calib_tokens.stem}"
+    if not (calib / "calibrate.json").exists():
+        run(
+            "k3dist.build.calibrate",
+            "--student",
+            str(RUNS / "2bit-g32"),
+            "--teacher-build",
+            str(mxfp4),
+            "--teacher",
+            str(teacher),
+            "--tokens",
+            str(calib_tokens),
+            "--out",
+            str(calib),
+            "--seed",
+            str(a.seed),
+        )
+    E = len(next(iter(np.load(calib / "scores-frequency.npz").values())))
+    scores = a.scores.split(",")
+    glob = [s for s in a.global_for.split(",") if s]
+    for pct in LEVELS:
+        n = round(pct * E / 100)
+        for score in scores:
+            for mode in ("per-layer", *(("global",) if score in glob else ())):
+                name = f"graded-{pct}" + ("-global" if mode == "global" else "")
+                out = RUNS / f"{name}-{score}"
+                if not (out / "k3dist.json").exists():
+                    run(
+                        *grade,
+                        "--out",
+                        str(out),
+                        "--scores",
+                        str(calib / f"scores-{score}.npz"),
+                        "--per-layer",
+                        str(n),
+                        "--lo",
+                        "2bit-g32",
+                        "--routes",
+                        str(calib / "routes.npz"),
+                        *(("--global",) if mode == "global" else ()),
+                    )
+                students.append((out, name, score))
     out = Path(a.out)
     ev = [
         "k3dist.bench.evaluate",

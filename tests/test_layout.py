@@ -17,7 +17,9 @@ PACKAGE = REPO / "k3dist"
 # what each subpackage may import from k3dist (besides itself and the package root)
 MAY_IMPORT = {
     "format": set(),
-    "build": {"format"},
+    # build runs serve's model (a block of a graded build: the streamed teacher,
+    # calibration); serving never imports build (SERVING below)
+    "build": {"format", "serve"},
     "serve": {"format"},
     "factory": {"format", "build"},
     "bench": {"format", "build", "serve", "factory"},

@@ -32,19 +32,21 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from k3dist.build import stream
+from k3dist.build import teacher as teacher_mod
 from k3dist.build.checkpoint import INDEX_NAME
-from k3dist.factory import corpus, quality, train
+from k3dist.build.teacher import log_softmax
+from k3dist.factory import corpus, quality
 from k3dist.format import layout
 from k3dist.format.graded import GRADED_KEY, GradedMap, bank_of
 from k3dist.format.sfile import CheckpointError, read_header
-from k3dist.serve import banks
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
 SPLIT = "eval"  # the held-out split
@@ -98,16 +100,6 @@ def expert_bytes(build: str | Path) -> ExpertBytes:
     return ExpertBytes(nbytes, sum(params.values()))
 
 
-def load(path: str | Path) -> tuple[nn.Module, GradedMap | None]:
-    """A build in one process, float32, eval mode: (model, graded map or None)."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    if GRADED_KEY in config:
-        model, _ = banks.load_build(path, "float32")
-        model.eval()
-        return model, GradedMap.from_config(config)
-    return quality.load_teacher(path), None
-
-
 def build_name(path: str | Path) -> str:
     """``mxfp4``, ``2bit-g32`` (uniform: a graded build with nothing promoted) or
     ``graded-<percent>`` (promoted share of the routed experts, rounded)."""
@@ -141,27 +133,28 @@ class Sums:
         self.tokens += tokens
 
 
-def _log_softmax(logits: mx.array) -> mx.array:
-    logits = logits.astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def compare(t_logp: mx.array, s_logits: mx.array, y: mx.array) -> tuple[float, int, float]:
-    """Summed KL(teacher || student), top-1 flips and student NLL over one window."""
-    s_logp = _log_softmax(s_logits)
-    kl = (mx.exp(t_logp) * (t_logp - s_logp)).sum(axis=-1)
-    flips = (mx.argmax(t_logp, axis=-1) != mx.argmax(s_logp, axis=-1)).sum()
-    nll = -mx.take_along_axis(s_logp, y[..., None], axis=-1).sum()
+def row_sums(
+    t_ids: mx.array | None, t_logp: mx.array, s_logits: mx.array, y: mx.array
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per window of a batch: summed KL(teacher || student), top-1 flips and student
+    NLL. A top-k teacher (``t_ids``) compares on its k entries plus one bucket for the
+    rest of the vocabulary on each side (exact when k is the vocabulary)."""
+    s_logp = log_softmax(s_logits)
+    if t_ids is None:
+        kl = (mx.exp(t_logp) * (t_logp - s_logp)).sum(axis=-1)
+        t_top = mx.argmax(t_logp, axis=-1)
+    else:
+        s_top = mx.take_along_axis(s_logp, t_ids, axis=-1)
+        p = mx.exp(t_logp)
+        tail_p = mx.maximum(1.0 - p.sum(-1), 1e-12)
+        tail_q = mx.maximum(1.0 - mx.exp(s_top).sum(-1), 1e-12)
+        kl = (p * (t_logp - s_top)).sum(-1) + tail_p * (mx.log(tail_p) - mx.log(tail_q))
+        t_top = mx.take_along_axis(t_ids, mx.argmax(t_logp, axis=-1)[..., None], axis=-1)[..., 0]
+    flips = (t_top != mx.argmax(s_logp, axis=-1)).sum(axis=-1)
+    nll = -mx.take_along_axis(s_logp, y[..., None], axis=-1)[..., 0].sum(axis=-1)
+    kl = kl.sum(axis=-1)
     mx.eval(kl, flips, nll)
-    return float(np.asarray(kl, dtype=np.float64).sum()), int(flips.item()), float(nll.item())
-
-
-@dataclass
-class Student:
-    path: Path
-    model: nn.Module
-    gmap: GradedMap | None
-    sums: dict[str, Sums] = field(default_factory=dict)
+    return (np.asarray(kl, dtype=np.float64), np.asarray(flips), np.asarray(nll, dtype=np.float64))
 
 
 def evaluate(
@@ -174,10 +167,17 @@ def evaluate(
     corpus_dir: Path = corpus.CORPUS_DIR,
     tokenizer_dir: Path | None = None,
     progress: bool = True,
+    batch: int = 4,
+    cap: int = 2 * stream.GiB,
+    top_k: int = 0,
+    work: str | Path | None = None,
 ) -> dict:
     """The quality report (the issue's schema): ``{"teacher", "rows": [...]}``. Windows
     are the shipped corpus's held-out split encoded with ``tokenizer_dir`` (default: the
-    teacher build's own tokenizer)."""
+    teacher build's own tokenizer). The teacher runs once through the streamed teacher
+    (``k3dist.build.teacher``: log-probabilities to ``work``, a temporary folder unless
+    given; ``top_k`` 0 keeps the whole vocabulary), then each student streams the same
+    windows a layer at a time and is compared batch by batch."""
     tokenizer_dir = Path(teacher) if tokenizer_dir is None else tokenizer_dir
     t0 = time.perf_counter()
 
@@ -191,64 +191,79 @@ def evaluate(
         raise ValueError(
             f"{len(scores)} scores, {len(names)} names for {len(students)} students; one each"
         )
-    t_model, t_gmap = load(teacher)
-    if t_gmap is not None:
+    if GRADED_KEY in json.loads((Path(teacher) / "config.json").read_text()):
         raise ValueError(f"{teacher}: the teacher must be the MXFP4 build, not a graded one")
-    studs = []
-    for p in students:
-        model, gmap = load(p)
-        if gmap is not None:
-            model.count_routes(True)
-        studs.append(Student(Path(p), model, gmap))
-    for m in (t_model, *(s.model for s in studs)):
-        train.reset_caches(m)
-    teacher_nll: dict[str, Sums] = {}
+    xs, ys, doms = [], [], []
     for dom in corpus.DOMAINS:
         x, y = quality.windows(SPLIT, dom, seq, windows, corpus_dir, tokenizer_dir)
-        teacher_nll[dom] = Sums()
-        for s in studs:
-            s.sums[dom] = Sums()
-        for w in range(x.shape[0]):
-            xw, yw = x[w : w + 1], y[w : w + 1]
-            t_logp = _log_softmax(t_model(xw))
-            mx.eval(t_logp)
-            nll = -mx.take_along_axis(t_logp, yw[..., None], axis=-1).sum().item()
-            teacher_nll[dom].add(0.0, 0, nll, yw.size)
-            for s in studs:
-                s.sums[dom].add(*compare(t_logp, s.model(xw), yw), yw.size)
-            del t_logp
-        say(f"{dom}: {x.shape[0]} windows x {seq} tokens")
+        xs.append(np.array(x))
+        ys.append(np.array(y))
+        doms += [dom] * x.shape[0]
+    tokens, targets = np.concatenate(xs).astype(np.int32), np.concatenate(ys).astype(np.int32)
+    rows_of = stream.batches(len(tokens), batch)
+    with tempfile.TemporaryDirectory(prefix="k3dist-eval-") as tmp:
+        t_dir = teacher_mod.run(
+            teacher,
+            tokens,
+            Path(work or tmp) / "teacher",
+            cap=cap,
+            batch=batch,
+            top_k=top_k,
+            targets=targets,
+            progress=False,
+        )
+        t_out = teacher_mod.TeacherOutput(t_dir)
+        say(f"teacher: {len(tokens)} windows x {seq} tokens")
+        teacher_nll = {d: Sums() for d in corpus.DOMAINS}
+        for b, r in enumerate(rows_of):
+            nll = -np.asarray(t_out.target_logp(b).sum(axis=-1), dtype=np.float64)
+            for j, w in enumerate(range(r.start, r.stop)):
+                teacher_nll[doms[w]].add(0.0, 0, float(nll[j]), seq)
+        studs = []
+        for p in students:
+            st = stream.LayerStream(p)
+            gmap = GradedMap.from_config(st.config)
+            if gmap is not None:
+                st.model.count_routes(True)
+            sums = {d: Sums() for d in corpus.DOMAINS}
+            for b, (r, logits) in enumerate(stream.forward(st, tokens, batch=batch, cap=cap)):
+                ids, t_logp = t_out.logits(b)
+                kl, flips, nll = row_sums(ids, t_logp, logits, mx.array(targets[r]))
+                for j, w in enumerate(range(r.start, r.stop)):
+                    sums[doms[w]].add(float(kl[j]), int(flips[j]), float(nll[j]), seq)
+            stats = st.model.route_stats() if gmap is not None else None
+            studs.append((Path(p), gmap, sums, stats, st))
+            say(f"student {p}")
     t_bytes = expert_bytes(teacher)
 
     def ppl(sums: Sums) -> float:
         return round(math.exp(sums.nll / sums.tokens), 4)
 
     rows = []
-    for s, score, name in zip(studs, scores, names, strict=True):
-        eb = expert_bytes(s.path)
-        tok = sum(v.tokens for v in s.sums.values())
+    for (path, gmap, sums, st, stm), score, name in zip(studs, scores, names, strict=True):
+        eb = expert_bytes(path)
+        tok = sum(v.tokens for v in sums.values())
         row = {
-            "build": name or build_name(s.path),
-            "path": _rel(s.path),
+            "build": name or build_name(path),
+            "path": _rel(path),
             "score": score,
-            "kl": round(sum(v.kl for v in s.sums.values()) / tok, 6),
-            "flip": round(sum(v.flips for v in s.sums.values()) / tok, 6),
-            "ppl": {d: ppl(v) for d, v in s.sums.items()},
-            "kl_by_domain": {d: round(v.kl / v.tokens, 6) for d, v in s.sums.items()},
-            "flip_by_domain": {d: round(v.flips / v.tokens, 6) for d, v in s.sums.items()},
+            "kl": round(sum(v.kl for v in sums.values()) / tok, 6),
+            "flip": round(sum(v.flips for v in sums.values()) / tok, 6),
+            "ppl": {d: ppl(v) for d, v in sums.items()},
+            "kl_by_domain": {d: round(v.kl / v.tokens, 6) for d, v in sums.items()},
+            "flip_by_domain": {d: round(v.flips / v.tokens, 6) for d, v in sums.items()},
             "expert_bpw": round(eb.bpw, 4),
             "bytes": eb.bytes,
             "k_hi_drop_rate": None,
         }
-        if s.gmap is not None:
-            st = s.model.route_stats()
+        if gmap is not None:
             row["k_hi_drop_rate"] = round(st["drop_rate"], 6)
-            row["promoted"] = sum(len(v) for v in s.gmap.hi.values())
+            row["promoted"] = sum(len(v) for v in gmap.hi.values())
             row["promoted_share"] = round(
-                row["promoted"] / (len(s.model.moe_layers()) * s.gmap.num_experts), 4
+                row["promoted"] / (len(stm.model.moe_layers()) * gmap.num_experts), 4
             )
-            row["k_hi"] = sorted(set(s.gmap.k_hi.values())) if s.gmap.hi else None
-            row["lo"] = s.gmap.lo
+            row["k_hi"] = sorted(set(gmap.k_hi.values())) if gmap.hi else None
+            row["lo"] = gmap.lo
             row["overflow_token_layer_rate"] = round(st["overflow_token_layer_rate"], 6)
         rows.append(row)
     return {
@@ -258,10 +273,12 @@ def evaluate(
             "expert_bpw": round(t_bytes.bpw, 4),
             "bytes": t_bytes.bytes,
             "expert_params": t_bytes.params,
+            "top_k": top_k or None,
         },
         "split": SPLIT,
         "seq": seq,
         "windows_per_domain": windows,
+        "batch": batch,
         "tokens_per_domain": {d: v.tokens for d, v in teacher_nll.items()},
         "rows": rows,
         "seconds": round(time.perf_counter() - t0, 1),

@@ -318,6 +318,37 @@ def promote_top(scores: dict[int, np.ndarray], counts: dict[int, int]) -> dict[i
     return out
 
 
+def promote_global(scores: dict[int, np.ndarray], total: int) -> dict[int, list[int]]:
+    """The ``total`` highest-scoring experts over all layers at once (a global budget:
+    layers whose experts matter more get more of it)."""
+    layers = sorted(scores)
+    flat = np.concatenate([np.asarray(scores[i], dtype=np.float64) for i in layers])
+    E = len(scores[layers[0]])
+    top = np.argsort(-flat, kind="stable")[:total]
+    out = {i: [] for i in layers}
+    for j in sorted(int(t) for t in top):
+        out[layers[j // E]].append(j % E)
+    return out
+
+
+def k_hi_calibrated(
+    routes: str | Path, promoted: dict[int, list[int]], build: str | Path, target: float = 0.0
+) -> dict[int, int]:
+    """k_hi per layer from calibration routes (``k3dist.build.calibrate``)."""
+    from k3dist.build.calibrate import k_hi_from_routes
+
+    cfg = json.loads((Path(build) / "config.json").read_text())
+    top_k = layout.text_config(cfg)["num_experts_per_token"]
+    r = read_counts(routes)
+    missing = sorted(set(promoted) - set(r))
+    if missing:
+        raise ValueError(f"{routes}: no routes for MoE layers {missing}; calibrate every layer")
+    return {
+        layer: max(1, k_hi_from_routes(r[layer], ids, top_k, target))
+        for layer, ids in promoted.items()
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description="Graded build from an MXFP4 build: promoted "
@@ -340,7 +371,21 @@ def main() -> None:
     g.add_argument("--per-layer", type=int, help="promoted experts per MoE layer")
     ap.add_argument("--lo", help="lo-bank format (default: the plan's, else 2bit-g64)")
     ap.add_argument("--k-hi", type=int, help="hi routes per token (default: the plan's)")
+    ap.add_argument(
+        "--routes",
+        help="calibration routes (python -m k3dist.build.calibrate: routes.npz): k_hi "
+        "per layer = the fewest hi slots that overflow on at most --k-hi-target of the "
+        "calibration tokens (0: the observed maximum)",
+    )
+    ap.add_argument("--k-hi-target", type=float, default=0.0)
     ap.add_argument("--lo-fallback", action="store_true")
+    ap.add_argument(
+        "--global",
+        dest="global_budget",
+        action="store_true",
+        help="choose the same total number of promotions over all layers at once "
+        "(scores must be comparable across layers: a sensitivity, not counts)",
+    )
     args = ap.parse_args()
     scores = read_counts(args.scores)
     p = None
@@ -353,12 +398,19 @@ def main() -> None:
         counts = {layer: args.per_layer for layer in scores}
         k_hi = {}
         lo = args.lo or "2bit-g64"
+    if args.k_hi is not None and args.routes:
+        ap.error("give --k-hi or --routes, not both")
     if args.k_hi is not None:
         k_hi = dict.fromkeys(counts, args.k_hi)
-    if not k_hi:
-        ap.error("give --k-hi (or a --plan that has k_hi)")
+    if not k_hi and not args.routes:
+        ap.error("give --k-hi, --routes (calibration) or a --plan that has k_hi")
     try:
-        promoted = promote_top(scores, counts)
+        if args.global_budget:
+            promoted = promote_global(scores, sum(counts.values()))
+        else:
+            promoted = promote_top(scores, counts)
+        if args.routes:
+            k_hi = k_hi_calibrated(args.routes, promoted, args.build, args.k_hi_target)
         path = grade(args.build, args.out, promoted, k_hi, lo, args.lo_fallback, plan=p)
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None

@@ -239,8 +239,11 @@ def make_model_class(
     return GradedK3
 
 
-def load_build(path: str | Path, dtype: str = "float32", form: str = "placeholder"):
-    """A graded build in one process (every expert local): (model, config)."""
+def load_build(
+    path: str | Path, dtype: str = "float32", form: str = "placeholder", lazy: bool = False
+):
+    """A graded build in one process (every expert local): (model, config); ``lazy``:
+    nothing is read until used (k3dist.build.stream runs it a layer at a time)."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     gmap = GradedMap.from_config(config)
@@ -256,6 +259,7 @@ def load_build(path: str | Path, dtype: str = "float32", form: str = "placeholde
         path, lazy=True, strict=True, get_model_classes=lambda config: (cls, kimi_k3.ModelArgs)
     )
     model.set_dtype({"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype])
-    mx.eval(model.parameters())
+    if not lazy:
+        mx.eval(model.parameters())
     return model, config
 

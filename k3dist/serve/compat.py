@@ -29,6 +29,7 @@ PRIVATE = {
     "mlx_lm.server:APIHandler.rfile":
         "replaced (k3dist.serve.server): do_POST reads the validated body from self.rfile",
     "mlx_lm.models.kimi_k3:_group_expert_select": "called by group_expert_select",
+    "mlx_lm.models.kimi_k3:_attn_res_mix": "called by attn_res_mix (k3dist.build.stream)",
 }
 
 
@@ -66,3 +67,8 @@ def stop_generation(ctx) -> None:
 def group_expert_select(*args, **kwargs):
     """kimi_k3's sigmoid router with grouped top-k: (expert ids, weights)."""
     return kimi_k3._group_expert_select(*args, **kwargs)
+
+
+def attn_res_mix(blocks, partial_sum, w_eff, eps: float):
+    """kimi_k3's Attention Residuals mix of the block stack and the partial sum."""
+    return kimi_k3._attn_res_mix(blocks, partial_sum, w_eff, eps, True)

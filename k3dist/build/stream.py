@@ -1,0 +1,282 @@
+"""A build run over a token set one decoder layer at a time, in bounded memory.
+
+The streamed teacher (``k3dist.build.teacher``), calibration (``k3dist.build.calibrate``)
+and evaluation run every model through this: the model is loaded lazily (mlx-lm's
+``load_model(lazy=True)``: nothing is read until used), each layer's weights are read
+when the whole token set reaches it and released (swapped for fresh lazy arrays) once it
+has passed, so a real K3 layer (~17 GB of MXFP4 experts) is the weight working set,
+never the model.
+
+Between layers the token set is described completely by a :class:`State`: the hidden
+state ``h`` and K3's Attention Residuals block stack (``raw``, one entry per finished
+block, with its inverse RMS): running layer by layer from a state equals the full
+forward (``tests/test_stream.py``: bitwise on CPU, float32).
+
+Memory bound (enforced: :func:`check_cap`): the states of the whole token set,
+``tokens x hidden x (blocks + 1) x 4`` bytes at the deepest layer (float32), plus one
+layer's weights and the activations of one batch of windows. Real K3 (hidden 7168, 8
+AttnRes blocks): 258 KB per token, 1.06 GB for 4,096 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from k3dist.format import layout
+from k3dist.format.graded import GRADED_KEY
+from k3dist.serve import compat
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models import kimi_k3
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.utils import load_model
+
+INDEX_NAME = "model.safetensors.index.json"
+GiB = 1024**3
+
+
+class StreamError(ValueError):
+    pass
+
+
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
+
+
+def parse_bytes(s: str) -> int:
+    """``2GiB``, ``500MB``, ``1.5e9`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.e+]+)\s*([kmgt]i?)?b?\s*", s.lower())
+    if not m:
+        raise StreamError(f"{s!r}: not a size; write e.g. 2GiB, 500MB or 1e9")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+@dataclass
+class State:
+    """Everything a decoder layer needs about a batch of windows (float32)."""
+
+    h: mx.array  # [B, L, D]
+    raw: mx.array | None = None  # [blocks, B, L, D]: AttnRes block stack
+    inv_rms: mx.array | None = None  # [blocks, B, L]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.h, self.raw, self.inv_rms) if a is not None)
+
+    def arrays(self) -> dict[str, mx.array]:
+        out = {"h": self.h}
+        if self.raw is not None:
+            out |= {"raw": self.raw, "inv_rms": self.inv_rms}
+        return out
+
+    @classmethod
+    def from_arrays(cls, d: dict[str, mx.array]) -> State:
+        return cls(d["h"], d.get("raw"), d.get("inv_rms"))
+
+
+def blocks_before(tc: dict, layer: int) -> int:
+    """AttnRes block-stack depth at the input of ``layer`` (0-based)."""
+    size = tc.get("attn_res_block_size")
+    return 0 if not size else math.ceil(layer / size)
+
+
+def state_bytes(tc: dict, tokens: int) -> int:
+    """Bytes of the states of ``tokens`` at the deepest point (float32): hidden state +
+    block stack + its inverse RMS."""
+    depth = blocks_before(tc, tc["num_hidden_layers"])
+    return tokens * (tc["hidden_size"] * 4 * (depth + 1) + 4 * depth)
+
+
+def check_cap(tc: dict, tokens: int, cap: int, copies: int = 1, what: str = "states") -> int:
+    """The bound for ``tokens`` (``copies`` state sets: 2 when cotangents are held
+    too); raises with the numbers and the fix when over ``cap``."""
+    need = copies * state_bytes(tc, tokens)
+    if need > cap:
+        per = copies * state_bytes(tc, 1)
+        raise StreamError(
+            f"{tokens:,} tokens need {need / GiB:.2f} GiB of {what} "
+            f"({per:,} bytes per token x {copies}) over the cap of {cap / GiB:.2f} GiB; "
+            f"use at most {cap // per:,} tokens or raise --cap"
+        )
+    return need
+
+
+def load_lazy(path: str | Path, dtype: str = "float32") -> nn.Module:
+    """Any k3dist build (MXFP4 or graded) with nothing read yet; eval mode."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    if GRADED_KEY in config:
+        from k3dist.serve import banks
+
+        model, _ = banks.load_build(path, dtype, lazy=True)
+    else:
+        model, _ = load_model(path, lazy=True)
+        model.set_dtype({"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype])
+    model.eval()
+    return model
+
+
+class LayerStream:
+    """One build, loaded lazily, run a layer at a time (module doc)."""
+
+    def __init__(self, path: str | Path, dtype: str = "float32"):
+        self.path = Path(path)
+        self.config = json.loads((self.path / "config.json").read_text())
+        self.tc = layout.text_config(self.config)
+        index = self.path / INDEX_NAME
+        if not index.exists():
+            raise StreamError(f"{index}: missing; stream a k3dist build (k3dist.build.convert)")
+        self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        self.model = load_lazy(self.path, dtype)
+        self.text = self.model.language_model.model
+        self.args: kimi_k3.TextArgs = self.text.args
+        self.num_layers = len(self.text.layers)
+
+    # -- weights ------------------------------------------------------------------
+    def layer(self, i: int) -> nn.Module:
+        return self.text.layers[i]
+
+    def release(self, module: nn.Module, prefix: str) -> None:
+        """Swap ``module``'s (evaluated) weights for fresh lazy ones from the files:
+        the memory goes back, and the next use reads them again."""
+        files = sorted({f for n, f in self.weight_map.items() if n.startswith(prefix)})
+        current = dict(_flatten(module.parameters()))
+        fresh = []
+        for f in files:
+            for n, a in mx.load(str(self.path / f)).items():
+                if n.startswith(prefix):
+                    key = n[len(prefix) :]
+                    if key in current:
+                        fresh.append((key, a.astype(current[key].dtype)))
+        module.load_weights(fresh, strict=False)
+
+    def release_layer(self, i: int) -> None:
+        self.release(self.layer(i), f"language_model.model.layers.{i}.")
+
+    # -- running ------------------------------------------------------------------
+    def embed(self, tokens: mx.array) -> State:
+        return State(self.text.embed_tokens(tokens).astype(mx.float32))
+
+    def run_layer(self, i: int, s: State) -> State:
+        layer = self.layer(i)
+        blocks = None
+        if self.text.use_attn_res:
+            blocks = kimi_k3.ResidualBlocks(self.args.rms_norm_eps)
+            blocks.raw, blocks.inv_rms = s.raw, s.inv_rms
+        if layer.is_linear:
+            mask = create_ssm_mask(s.h, None)
+        else:
+            mask = create_attention_mask(s.h, None, return_array=True)
+        h, blocks = layer(s.h, mask=mask, cache=None, blocks=blocks)
+        if blocks is None:
+            return State(h)
+        return State(h, blocks.raw, blocks.inv_rms)
+
+    def head(self, s: State) -> mx.array:
+        """Logits [B, L, V] from the state after the last layer."""
+        t = self.text
+        h = s.h
+        if t.use_attn_res:
+            w = t.output_attn_res_norm.weight.astype(mx.float32) * (
+                t.output_attn_res_proj.weight.reshape(-1)
+            )
+            blocks = kimi_k3.ResidualBlocks(self.args.rms_norm_eps)
+            blocks.raw, blocks.inv_rms = s.raw, s.inv_rms
+            h = compat.attn_res_mix(blocks, h, w, self.args.rms_norm_eps)
+        h = t.norm(h)
+        lm = self.model.language_model
+        return t.embed_tokens.as_linear(h) if lm.lm_head is None else lm.lm_head(h)
+
+    def release_head(self) -> None:
+        for name in ("embed_tokens", "norm", "output_attn_res_norm", "output_attn_res_proj"):
+            m = getattr(self.text, name, None)
+            if m is not None:
+                self.release(m, f"language_model.model.{name}.")
+        if self.model.language_model.lm_head is not None:
+            self.release(self.model.language_model.lm_head, "language_model.lm_head.")
+
+
+def _flatten(tree, prefix: str = "") -> Iterator[tuple[str, mx.array]]:
+    if isinstance(tree, mx.array):
+        yield prefix[:-1], tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, f"{prefix}{k}.")
+    elif isinstance(tree, list):
+        for k, v in enumerate(tree):
+            yield from _flatten(v, f"{prefix}{k}.")
+
+
+def batches(n: int, batch: int) -> list[slice]:
+    return [slice(i, min(n, i + batch)) for i in range(0, n, batch)]
+
+
+def forward(
+    stream: LayerStream,
+    tokens: np.ndarray,
+    *,
+    batch: int = 4,
+    cap: int = 2 * GiB,
+    start: tuple[int, list[State]] | None = None,
+    on_state: Callable[[int, list[State]], None] | None = None,
+    on_layer: Callable[[int, int, State], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Iterator[tuple[slice, mx.array]]:
+    """Logits of ``tokens`` [N, L], one batch of windows at a time (``(rows, logits)``),
+    after every window has gone through every layer. ``start`` resumes from saved
+    states at a layer's input; ``on_state(i, states)`` sees the states at each layer's
+    input (the teacher saves block boundaries there); ``on_layer(i, b, out)`` sees each
+    batch's output of layer ``i`` (weights still loaded)."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2:
+        raise StreamError(f"tokens must be [windows, seq], not {list(tokens.shape)}")
+    check_cap(stream.tc, tokens.size, cap)
+    rows = batches(tokens.shape[0], batch)
+    if start is None:
+        first = 0
+        states = []
+        for r in rows:
+            s = stream.embed(mx.array(tokens[r]))
+            mx.eval(s.arrays())
+            states.append(s)
+        stream.release(stream.text.embed_tokens, "language_model.model.embed_tokens.")
+    else:
+        first, states = start
+    for i in range(first, stream.num_layers):
+        if on_state is not None:
+            on_state(i, states)
+        for b, s in enumerate(states):
+            out = stream.run_layer(i, s)
+            mx.eval(out.arrays())
+            if on_layer is not None:
+                on_layer(i, b, out)
+            states[b] = out
+        stream.release_layer(i)
+        mx.clear_cache()
+        if progress is not None:
+            progress(f"layer {i + 1}/{stream.num_layers}")
+    if on_state is not None:
+        on_state(stream.num_layers, states)
+    for b, (r, s) in enumerate(zip(rows, states, strict=True)):
+        logits = stream.head(s)
+        mx.eval(logits)
+        states[b] = None  # the state is done with: keep only this batch's logits
+        yield r, logits
+    stream.release_head()
+    mx.clear_cache()
