@@ -320,15 +320,19 @@ def promote_top(scores: dict[int, np.ndarray], counts: dict[int, int]) -> dict[i
 
 def promote_global(scores: dict[int, np.ndarray], total: int) -> dict[int, list[int]]:
     """The ``total`` highest-scoring experts over all layers at once (a global budget:
-    layers whose experts matter more get more of it)."""
+    layers whose experts matter more get more of it); each layer keeps at least one
+    expert in its lo bank."""
     layers = sorted(scores)
-    flat = np.concatenate([np.asarray(scores[i], dtype=np.float64) for i in layers])
     E = len(scores[layers[0]])
-    top = np.argsort(-flat, kind="stable")[:total]
-    out = {i: [] for i in layers}
-    for j in sorted(int(t) for t in top):
-        out[layers[j // E]].append(j % E)
-    return out
+    flat = np.concatenate([np.asarray(scores[i], dtype=np.float64) for i in layers])
+    out: dict[int, list[int]] = {i: [] for i in layers}
+    for j in np.argsort(-flat, kind="stable"):
+        if sum(map(len, out.values())) == total:
+            break
+        layer = layers[int(j) // E]
+        if len(out[layer]) < E - 1:
+            out[layer].append(int(j) % E)
+    return {i: sorted(v) for i, v in out.items()}
 
 
 def k_hi_calibrated(

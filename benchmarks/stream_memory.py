@@ -1,0 +1,133 @@
+"""Peak RSS of the streamed teacher and of calibration against the whole model in
+memory, on the ``bench`` preset (routed experts ~85% of ~500 MB, as in the real model).
+
+    python benchmarks/stream_memory.py --windows 16 --seq 256 --out results.json
+
+Each measurement is a child process (Linux VmHWM minus the RSS after imports): the
+streamed teacher (``k3dist.build.teacher``), calibration (``k3dist.build.calibrate``,
+forward + streamed backward) and, for comparison, mlx-lm's whole model loaded and run
+on the same windows. The bound each streamed run promises: the token set's states
+(``k3dist.build.stream.state_bytes``; x2 for calibration: cotangents) + the largest
+layer's weights as held in float32 (x2 for calibration: student and teacher layer) +
+one batch's logits and activations. Prints JSON with its command; also states the
+bound for real K3 (hidden 7168, 8 AttnRes blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from k3dist.bench import kit as bench
+from k3dist.build import convert, grade, stream
+from k3dist.factory import synth
+from k3dist.format import layout
+
+import numpy as np
+
+_CHILD = """
+import json, resource, sys
+import numpy as np
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+from k3dist.build import calibrate, stream, teacher
+import mlx.core as mx
+from mlx_lm.utils import load_model
+from pathlib import Path
+what, build, student, tokens, out = sys.argv[1:6]
+tokens = np.load(tokens)
+base = rss()
+if what == "teacher":
+    teacher.run(build, tokens, out, batch=4, progress=False)
+elif what == "calibrate":
+    calibrate.calibrate(student, build, out + "-teacher", tokens, out, batch=4, progress=False)
+else:
+    model = stream.load_lazy(build)
+    mx.eval(model.parameters())
+    for r in stream.batches(len(tokens), 4):
+        mx.eval(model(mx.array(tokens[r])))
+print(json.dumps({"baseline_rss": base, "peak_rss": teacher.peak_rss()}))
+"""
+
+
+def child(*args: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(r.stderr[-3000:])
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    return {**m, "over_baseline": m["peak_rss"] - m["baseline_rss"]}
+
+
+def largest_layer_f32(config: dict) -> int:
+    """The largest decoder layer as the stream holds it: quantized tensors as stored,
+    floating tensors in float32."""
+    tc = layout.text_config(config)
+    best = 0
+    for i in range(tc["num_hidden_layers"]):
+        n = 0
+        for s in layout.layer_specs(tc, i):
+            f32 = s.nbytes // layout.DTYPE_BYTES[s.dtype] * 4
+            n += s.nbytes if s.family == "experts" else f32
+        best = max(best, n)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="bench", choices=sorted(synth.PRESETS))
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--out", help="also write the JSON here")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        src = synth.synthesize(tmp / "src", a.preset, progress=False)
+        build = convert.convert(src, tmp / "build", progress=False)
+        config = json.loads((build / "config.json").read_text())
+        tc = layout.text_config(config)
+        moe = layout.moe_layers(tc)
+        student = grade.grade(build, tmp / "2bit", {i: [] for i in moe}, 1, "2bit-g64",
+                              progress=False)
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, tc["vocab_size"], size=(a.windows, a.seq)).astype(np.int32)
+        np.save(tmp / "tokens.npy", tokens)
+        args = (str(build), str(student), str(tmp / "tokens.npy"))
+        whole = child("whole", *args, str(tmp / "w"))
+        t = child("teacher", *args, str(tmp / "c-teacher"))
+        c = child("calibrate", *args, str(tmp / "c"))
+        model_bytes = sum(f.stat().st_size for f in build.glob("*.safetensors"))
+    states = stream.state_bytes(tc, tokens.size)
+    layer = largest_layer_f32(config)
+    logits = 4 * a.seq * tc["vocab_size"] * 4 * 2  # one batch's logits + log-probs
+    real = synth.real_config()
+    rtc = layout.text_config(real)
+    report = {
+        "command": bench.command_line(),
+        "preset": a.preset,
+        "tokens": int(tokens.size),
+        "model_bytes": model_bytes,
+        "largest_layer_bytes_f32": layer,
+        "state_bytes": states,
+        "whole_model": whole,
+        "teacher": {**t, "bound": states + layer + logits,
+                    "within_bound": t["over_baseline"] <= states + layer + logits},
+        "calibrate": {**c, "bound": 2 * states + 2 * layer + logits,
+                      "within_bound": c["over_baseline"] <= 2 * states + 2 * layer + logits},
+        "real_k3": {
+            "state_bytes_per_token": stream.state_bytes(rtc, 1),
+            "states_4096_tokens": stream.state_bytes(rtc, 4096),
+            "largest_layer_bytes_f32": largest_layer_f32(real),
+        },
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
