@@ -9,7 +9,10 @@ tower), each into its own safetensors file:
 - every other tensor goes through mlx-lm's own ``Model.sanitize`` (renames, q/k/v
   fusion, the MLA ``kv_b_proj`` split) after our ``A_log`` padding check, and is
   kept in its source dtype (``--nonexpert-bits 16``) or quantized affine 8/4-bit
-  with mlx-lm's modules and ``quant_predicate``;
+  with mlx-lm's modules and ``quant_predicate``, or per class with ``--nonexpert
+  attention=6bit-g64,shared=8bit-g64,...`` (classes of ``k3dist.build.plan``; a
+  class's group size drops to the largest that divides a matrix's columns, e.g. g32
+  for 96 columns; config.json records every module's format);
 - the vision tower is carried through as-is.
 
 A journal (``.k3dist-progress.json``) records each finished file with its sha256;
@@ -21,6 +24,7 @@ same units hold only those experts: ``k3dist.build.slicing`` uses it to write a 
 folder straight from the source; ``run`` itself refuses it (that is not a build).
 
     python -m k3dist.build.convert --src SRC --out BUILD [--nonexpert-bits 16|8|4]
+        [--nonexpert attention=6bit-g64,shared=6bit-g64,latent=8bit-g64,...]
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 
 from k3dist import __version__
 from k3dist.build.checkpoint import Source, check_a_log_tail, quantization_format
+from k3dist.build.plan import CLASSES, SOURCE, QFormat, module_class
 from k3dist.format import layout
 from k3dist.format import tokens as tokenizer
 from k3dist.format.journal import JournaledFolder, write_json_atomic
@@ -69,10 +74,11 @@ def output_file(group: str) -> str:
     return f"model-{group}.safetensors"
 
 
-def identity(src: Source, nonexpert_bits: int, group_size: int) -> dict:
+def identity(src: Source, nonexpert_bits: int, group_size: int,
+             nonexpert: dict[str, QFormat] | None = None) -> dict:
     """What makes two builds the same build: the source and the profile."""
     cfg_bytes = (src.path / "config.json").read_bytes()
-    return {
+    ident = {
         "format_version": FORMAT_VERSION,
         "source_index_sha256": src.index_sha256,
         "source_config_sha256": hashlib.sha256(cfg_bytes).hexdigest(),
@@ -80,6 +86,36 @@ def identity(src: Source, nonexpert_bits: int, group_size: int) -> dict:
         "nonexpert_group_size": group_size if nonexpert_bits < 16 else None,
         "experts": "mxfp4",
     }
+    if nonexpert is not None:  # per class (plan.CLASSES); a uniform build has no key
+        ident["nonexpert_bits"] = ident["nonexpert_group_size"] = None
+        ident["nonexpert"] = {c: nonexpert.get(c, SOURCE).name for c in CLASSES}
+    return ident
+
+
+def parse_nonexpert(spec: str | dict | None) -> dict[str, QFormat] | None:
+    """``attention=6bit-g64,shared=8bit-g64,...`` (or a dict) -> {class: QFormat}.
+    Classes are ``k3dist.build.plan.CLASSES``; ``*=FORMAT`` sets every class not named;
+    a class not named keeps its source dtype (``bf16``)."""
+    if spec is None:
+        return None
+    items = spec.items() if isinstance(spec, dict) else (
+        kv.partition("=")[::2] for kv in spec.split(",") if kv.strip())
+    out: dict[str, QFormat] = {}
+    rest = None
+    for c, f in items:
+        c = c.strip()
+        fmt = f if isinstance(f, QFormat) else QFormat.parse(str(f))
+        if fmt.quantized and fmt.mode != "affine":
+            raise ValueError(f"--nonexpert {c}={fmt.name}: non-expert classes take affine "
+                             "formats (<bits>bit-g<group>) or bf16")
+        if c == "*":
+            rest = fmt
+        elif c in CLASSES:
+            out[c] = fmt
+        else:
+            raise ValueError(f"--nonexpert: unknown class {c!r}; one of {', '.join(CLASSES)} "
+                             "or * (e.g. attention=6bit-g64,shared=8bit-g64)")
+    return {c: out.get(c, rest or SOURCE) for c in CLASSES}
 
 
 def build_hash(ident: dict) -> str:
@@ -87,9 +123,14 @@ def build_hash(ident: dict) -> str:
 
 
 def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
-              group_size: int, predicate) -> dict:
+              group_size: int, predicate,
+              nonexpert: dict[str, QFormat] | None = None) -> dict:
     """mlx-lm's module-level quantization, restricted to modules we loaded weights
-    into; returns the per-path parameters for the config's quantization block."""
+    into; returns the per-path parameters for the config's quantization block.
+    ``nonexpert`` (class -> format) replaces the uniform ``bits``/``group_size``: each
+    module gets its class's format (``plan.module_class``), at a smaller group size
+    where its columns need one (``QFormat.for_cols``); mlx-lm's predicate still
+    decides what is never quantized (AttnRes projections)."""
     recorded: dict = {}
     default = {"group_size": group_size, "bits": bits, "mode": "affine"}
 
@@ -97,12 +138,19 @@ def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
         full = prefix + path
         if not hasattr(m, "to_quantized") or f"{full}.weight" not in loaded:
             return False
-        if m.weight.shape[-1] % group_size != 0:
-            return False
         r = predicate(full, m)
         if r is False:
             return False
-        params = dict(default, **r) if isinstance(r, dict) else dict(default)
+        if nonexpert is not None:
+            fmt = nonexpert.get(module_class(full), SOURCE)
+            fmt = fmt.for_cols(m.weight.shape[-1]) if fmt.quantized else None
+            if fmt is None:
+                return False
+            params = fmt.qconfig()
+        else:
+            if m.weight.shape[-1] % group_size != 0:
+                return False
+            params = dict(default, **r) if isinstance(r, dict) else dict(default)
         recorded[full] = params
         return params
 
@@ -113,9 +161,13 @@ def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
 class Converter:
     def __init__(self, src: Source, out: Path, nonexpert_bits: int = 16,
                  group_size: int = 64,
-                 experts: Callable[[int], Sequence[int]] | None = None):
+                 experts: Callable[[int], Sequence[int]] | None = None,
+                 nonexpert: str | dict | None = None):
         if nonexpert_bits not in (16, 8, 4):
             raise ValueError(f"--nonexpert-bits must be 16, 8 or 4, not {nonexpert_bits}")
+        self.nonexpert = parse_nonexpert(nonexpert)
+        if self.nonexpert is not None and nonexpert_bits != 16:
+            raise ValueError("give --nonexpert-bits or per-class --nonexpert, not both")
         quantization_format(src.config)
         self.src, self.out = src, out
         self.bits, self.group_size = nonexpert_bits, group_size
@@ -127,7 +179,7 @@ class Converter:
         self.specs: dict[str, list[layout.TensorSpec]] = {}
         for s in layout.source_specs(src.config):
             self.specs.setdefault(s.group, []).append(s)
-        self.ident = identity(src, nonexpert_bits, group_size)
+        self.ident = identity(src, nonexpert_bits, group_size, self.nonexpert)
         self.experts = experts
 
     def expert_ids(self, layer: int) -> list[int]:
@@ -153,7 +205,9 @@ class Converter:
             weights[s.name] = files[path][s.name]
         weights = self.model.sanitize(weights)
         qconfig: dict = {}
-        if self.bits < 16:
+        quantize = self.bits < 16 or (
+            self.nonexpert is not None and any(f.quantized for f in self.nonexpert.values()))
+        if quantize:
             if group.startswith("layer."):
                 layer = int(group.split(".")[1])
                 module = kimi_k3.KimiK3DecoderLayer(self.args.text_config, layer)
@@ -163,7 +217,7 @@ class Converter:
             local = {k[len(prefix):]: v for k, v in weights.items()}
             module.load_weights(list(local.items()), strict=False)
             qconfig = _quantize(module, prefix, set(weights), self.bits, self.group_size,
-                                self.model.quant_predicate)
+                                self.model.quant_predicate, self.nonexpert)
             params = dict(tree_flatten(module.parameters()))
             keep = {k for k in params if (prefix + k) in weights
                     or (prefix + k.rsplit(".", 1)[0] + ".weight") in weights}
@@ -291,6 +345,7 @@ class Converter:
         for d in (cfg, cfg.get("text_config", {})):
             d.pop("quantization_config", None)
             d.pop("auto_map", None)
+        # the default block applies to no module here: every quantized one has its own
         quant = dict(MXFP4) if self.bits == 16 else {
             "group_size": self.group_size, "bits": self.bits, "mode": "affine"}
         for g in groups:
@@ -311,6 +366,27 @@ class Converter:
                 copied[name] = sha256_file(self.out / name)
         return copied
 
+    def profile(self, done: dict, groups: list[str]) -> dict:
+        """The manifest's profile: expert format and non-expert formats; per class, how
+        many modules got each format (a group size may drop where columns need it)."""
+        if self.nonexpert is None:
+            return {"experts": "mxfp4 (source bytes)", "nonexpert_bits": self.bits,
+                    "nonexpert_group_size": self.group_size if self.bits < 16 else None}
+        used: dict[str, dict[str, int]] = {}
+        for g in groups:
+            for path, q in done[g].get("quantization", {}).items():
+                c = module_class(path)
+                if c == "experts":
+                    continue
+                name = QFormat(q["mode"], q["bits"], q["group_size"]).name
+                used.setdefault(c, {}).setdefault(name, 0)
+                used[c][name] += 1
+        return {"experts": "mxfp4 (source bytes)",
+                "nonexpert": {c: f.name for c, f in self.nonexpert.items()},
+                "nonexpert_modules": used,
+                "nonexpert_rule": "a class's format at the largest group size up to the "
+                                  "one asked that divides the columns; else source dtype"}
+
     def _finish(self, folder: JournaledFolder, groups: list[str], seconds: float) -> None:
         done = folder.done
         copied = self.write_metadata(done, groups)
@@ -320,9 +396,7 @@ class Converter:
             "identity": self.ident,
             "build_hash": build_hash(self.ident),
             "source": str(self.src.path.resolve()),
-            "profile": {"experts": "mxfp4 (source bytes)",
-                        "nonexpert_bits": self.bits,
-                        "nonexpert_group_size": self.group_size if self.bits < 16 else None},
+            "profile": self.profile(done, groups),
             "files_by_group": done,
             "files": {done[g]["file"]: {"sha256": done[g]["sha256"], "bytes": done[g]["bytes"]}
                       for g in groups} | {n: {"sha256": h} for n, h in copied.items()},
@@ -332,9 +406,11 @@ class Converter:
 
 
 def convert(src: str | Path, out: str | Path, nonexpert_bits: int = 16, group_size: int = 64,
-            progress: bool = True) -> Path:
-    """Convert a Moonshot-format K3 folder into an MLX build; resumable."""
-    return Converter(Source(src), Path(out), nonexpert_bits, group_size).run(progress)
+            progress: bool = True, nonexpert: str | dict | None = None) -> Path:
+    """Convert a Moonshot-format K3 folder into an MLX build; resumable. ``nonexpert``:
+    a format per non-expert class (``parse_nonexpert``) instead of ``nonexpert_bits``."""
+    return Converter(Source(src), Path(out), nonexpert_bits, group_size,
+                     nonexpert=nonexpert).run(progress)
 
 
 def main() -> None:
@@ -345,10 +421,15 @@ def main() -> None:
     ap.add_argument("--nonexpert-bits", type=int, default=16, choices=(16, 8, 4),
                     help="16 keeps source dtypes; 8/4 quantize affine like mlx_lm.convert")
     ap.add_argument("--group-size", type=int, default=64, help="affine group size (8/4-bit)")
+    ap.add_argument("--nonexpert", metavar="CLASS=FORMAT,...",
+                    help="a format per non-expert class instead of --nonexpert-bits, e.g. "
+                    "attention=6bit-g64,shared=8bit-g64,*=bf16 (classes: "
+                    f"{', '.join(CLASSES)}; unnamed ones keep bf16)")
     args = ap.parse_args()
     try:
-        path = convert(args.src, args.out, args.nonexpert_bits, args.group_size)
-    except CheckpointError as e:
+        path = convert(args.src, args.out, args.nonexpert_bits, args.group_size,
+                       nonexpert=args.nonexpert)
+    except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {path}")
 

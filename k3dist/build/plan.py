@@ -131,6 +131,21 @@ class QFormat:
         per_group = 2 * self.scale_bytes if self.mode == "affine" else 1
         return codes + groups * per_group
 
+    def for_cols(self, cols: int) -> QFormat | None:
+        """This format for a matrix with ``cols`` columns: the same bits at the largest
+        group size up to this one that divides ``cols`` (``6bit-g64`` on 96 columns is
+        ``6bit-g32``); ``None`` when no group size fits (the matrix keeps its dtype).
+        The converter and :meth:`Accounting.class_bytes` both apply it."""
+        if self.fits(cols) or not self.quantized:
+            return self
+        if self.mode != "affine":
+            return None
+        for g in sorted((g for g in GROUP_SIZES if g < self.group_size), reverse=True):
+            f = QFormat("affine", self.bits, g, self.scale_bytes)
+            if f.fits(cols):
+                return f
+        return None
+
     @property
     def bpw(self) -> float:
         if not self.quantized:
@@ -209,6 +224,36 @@ def tensor_class(s: layout.TensorSpec) -> str:
     }[s.family]
 
 
+def module_class(path: str) -> str:
+    """The class of a quantizable module of an MLX build by its mlx-lm path (after
+    ``kimi_k3.Model.sanitize``: fused ``qkv_proj``, MLA ``embed_q`` / ``unembed_out``):
+    experts | one of CLASSES | small (AttnRes projections, never quantized) | vision."""
+    if path.startswith(("vision_tower.", "mm_projector.")):
+        return "vision"
+    if path.endswith("lm_head"):
+        return "lm_head"
+    if path.endswith("embed_tokens"):
+        return "embed"
+    if ".self_attn." in path:
+        return "attention"
+    if path.endswith("res_proj"):
+        return "small"
+    if ".mlp." not in path:
+        raise ValueError(f"{path}: not a module of a kimi_k3 build")
+    tail = path.split(".mlp.", 1)[1]
+    if tail.startswith(("switch_mlp", "switch_hi")):
+        return "experts"
+    if tail.startswith("shared_experts."):
+        return "shared"
+    if tail.startswith("routed_expert_"):
+        return "latent"
+    if tail == "gate":
+        return "router"
+    if tail in ("gate_proj", "up_proj", "down_proj"):
+        return "dense_mlp"
+    raise ValueError(f"{path}: not a module of a kimi_k3 build")
+
+
 def read_index(path: str | Path) -> dict:
     """A ``model.safetensors.index.json`` (plain or ``.gz``)."""
     path = Path(path)
@@ -242,10 +287,8 @@ class Accounting:
         """A non-expert class in ``fmt``; matrices it cannot store keep their dtype."""
         n = 0
         for s in self.tensors.get(cls, []):
-            if fmt.quantized and fmt.fits(s.shape[1]):
-                n += fmt.nbytes(*s.shape)
-            else:
-                n += s.nbytes
+            f = fmt.for_cols(s.shape[1]) if fmt.quantized else None
+            n += f.nbytes(*s.shape) if f is not None else s.nbytes
         return n
 
 
