@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 
 from k3dist.build import convert
-from k3dist.build.plan import CLASSES, DEFAULT_NONEXPERT, module_class
 from k3dist.build.checkpoint import INDEX_NAME
+from k3dist.build.plan import CLASSES, DEFAULT_NONEXPERT, module_class
 from k3dist.format.sfile import read_header
 
 PY = sys.executable

@@ -49,7 +49,14 @@ reports it: ``fallback_copy_bytes``); at the K3 plan's promotion counts that is 
 GB, i.e. roughly half the promotions, for routes that ``k_hi`` from calibration makes
 rare (~4e-6 of token-layers at ``k_hi`` = 6 under uniform routing).
 
+Non-expert formats come from measurement with ``--nonexpert-sensitivity FILE`` (the
+JSON of ``benchmarks/nonexpert.py``: KL(teacher || student) with one class quantized at a
+time): each class takes the fewest bits whose KL is at most ``--kl-tolerance``
+(default :data:`DEFAULT_KL_TOLERANCE` = 0.002 nats/token; why: ``DEFAULT_KL_TOLERANCE_WHY``);
+without the file, :data:`DEFAULT_NONEXPERT`. Each class's ``from`` in the plan says which.
+
     python -m k3dist.build.plan --config CONFIG --index INDEX [--budget auto|BYTES] --dry-run --json
+        [--nonexpert-sensitivity benchmarks/results/nonexpert-2026-12-01.json]
 """
 
 from __future__ import annotations
@@ -203,6 +210,57 @@ DEFAULT_NONEXPERT = {
     "embed": "6bit-g64",
     "lm_head": "8bit-g64",
 }
+
+
+# Measured non-expert formats (``--nonexpert-sensitivity``): per class, the fewest bits
+# whose KL(teacher || student) with that class alone quantized (everything else bf16,
+# experts MXFP4) is at most this many nats per token. DEFAULT_KL_TOLERANCE_WHY says why.
+DEFAULT_KL_TOLERANCE = 0.002
+DEFAULT_KL_TOLERANCE_WHY = (
+    "0.002 nats/token per class: KL of independent small perturbations roughly adds, so "
+    "the seven classes together stay near 7 x 0.002 = 0.014 at worst, under half the "
+    "0.036 of the 2-bit routed experts (quality-2026-12-01) and about the 3-bit experts' "
+    "0.0096: the non-experts never dominate the expert error the budget is spent on"
+)
+
+
+def read_sensitivity(path: str | Path) -> dict[str, dict[str, float]]:
+    """``{class: {format: KL}}`` from a ``benchmarks/nonexpert.py`` result (its rows
+    that quantize one class; combined rows are ignored)."""
+    rep = json.loads(Path(path).read_text())
+    out: dict[str, dict[str, float]] = {}
+    for r in rep.get("rows", []):
+        if r.get("class") in CLASSES and isinstance(r.get("format"), str):
+            out.setdefault(r["class"], {})[QFormat.parse(r["format"]).name] = float(r["kl"])
+    if not out:
+        raise ValueError(f"{path}: no per-class rows (class, format, kl); write it with "
+                         "python benchmarks/nonexpert.py")
+    return out
+
+
+def measured_nonexpert(
+    sens: dict[str, dict[str, float]],
+    tolerance: float = DEFAULT_KL_TOLERANCE,
+    where: str = "measured",
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Per class the format with the fewest bits per weight whose measured KL is at most
+    ``tolerance`` (none: the source dtype); classes not measured keep
+    ``DEFAULT_NONEXPERT``. Returns (formats, where each came from)."""
+    formats, origin = dict(DEFAULT_NONEXPERT), dict.fromkeys(DEFAULT_NONEXPERT, "default")
+    for c in CLASSES:
+        if c not in sens:
+            continue
+        ok = [(QFormat.parse(f).bpw, f, kl) for f, kl in sens[c].items() if kl <= tolerance]
+        if ok:
+            _, f, kl = min(ok)
+            formats[c] = f
+            origin[c] = f"{where}: KL {kl:.5f} <= {tolerance}"
+        else:
+            best = min(sens[c].items(), key=lambda x: x[1])
+            formats[c] = "bf16"
+            origin[c] = (f"{where}: no format within {tolerance} (best {best[0]}, KL "
+                         f"{best[1]:.5f}); source dtype")
+    return formats, origin
 
 
 def tensor_class(s: layout.TensorSpec) -> str:
@@ -419,8 +477,11 @@ ASSUMPTIONS = [
     "chunk, hidden states of the AttnRes block stack, MoE intermediates",
     "attention replicated on every rank (k3dist.model today), shared experts split by "
     "their intermediate dimension; routed experts split evenly, promoted experts balanced",
-    "non-expert formats are a starting point (<= 6 bits for what every token reads, "
-    "8 bits for latent projections, router and lm_head), not measured sensitivities",
+    "non-expert formats: DEFAULT_NONEXPERT is a starting point (<= 6 bits for what every "
+    "token reads, 8 bits for latent projections, router and lm_head); with "
+    "--nonexpert-sensitivity each measured class takes the fewest bits within the KL "
+    "tolerance (measured on the mini-K3: the real model's sensitivities may differ); "
+    "each class's 'from' says which",
     "MLA kv_b_proj counted as its source matrix; mlx-lm splits it into embed_q / "
     "unembed_out at load (same element count; group boundaries may differ slightly)",
     "lo-format choice 'auto': the richest lo format that still promotes "
@@ -441,6 +502,7 @@ class PlanRequest:
     lo_candidates: tuple[str, ...] = ("3bit-g64", "2bit-g32", "2bit-g64", "2bit-g128", "1bit-g64")
     min_promoted_fraction: float = 0.05  # "auto": the richest lo format leaving this
     nonexpert: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NONEXPERT))
+    nonexpert_from: dict[str, str] = field(default_factory=dict)  # class -> why its format
     attention: str = "replicated"  # "replicated" (k3dist.model today) | "split"
     lo_fallback: bool = False
     headroom: int = 8 * GiB  # kept free per rank beyond every modelled need
@@ -484,6 +546,7 @@ def _nonexpert_bytes(acc: Accounting, req: PlanRequest) -> dict[str, dict]:
             split = req.ranks
         out[c] = {
             "format": fmt.name,
+            "from": req.nonexpert_from.get(c, "default"),
             "bpw": round(fmt.bpw, 4),
             "bytes": nb,
             "per_rank": -(-nb // split),
@@ -533,6 +596,11 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
     budget = req.budget_per_rank if req.budget_per_rank is not None else usable
     ne = _nonexpert_bytes(acc, req)
     ne_rank = sum(v["per_rank"] for v in ne.values())
+    # a decoded token reads every non-expert byte on its rank but one embedding row
+    H = tc["hidden_size"]
+    efmt = QFormat.parse(ne["embed"]["format"]) if "embed" in ne else SOURCE
+    erow = efmt.nbytes(1, H) if efmt.quantized and efmt.fits(H) else 2 * H
+    ne_read = ne_rank - ne.get("embed", {}).get("per_rank", 0) + (erow if "embed" in ne else 0)
     fixed = ne_rank + kv["total"] + act["total"]
     hi_b = acc.expert_bytes(MXFP4)
     params = acc.expert_params
@@ -634,6 +702,7 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
         "k_hi_drop_target": req.k_hi_drop_target,
         "expert_bpw": chosen["expert_bpw"],
         "nonexpert": ne,
+        "nonexpert_read_per_token_per_rank": ne_read,
         "kv_state": kv,
         "activations": act,
         "bytes_per_rank": per_rank,
@@ -738,6 +807,19 @@ def main(argv: list[str] | None = None) -> None:
         metavar="CLASS=FORMAT",
         help=f"override a class ({', '.join(CLASSES)}), e.g. attention=8bit-g64",
     )
+    ap.add_argument(
+        "--nonexpert-sensitivity",
+        metavar="JSON",
+        help="per-class measurements (benchmarks/nonexpert.py): each class takes the "
+        "fewest bits within --kl-tolerance; without it DEFAULT_NONEXPERT",
+    )
+    ap.add_argument(
+        "--kl-tolerance",
+        type=float,
+        default=DEFAULT_KL_TOLERANCE,
+        help=f"nats/token a class may add (default {DEFAULT_KL_TOLERANCE}: "
+        "KL of seven classes adds to well under the 2-bit experts' error)",
+    )
     ap.add_argument("--attention", choices=("replicated", "split"), default="replicated")
     ap.add_argument(
         "--lo-fallback",
@@ -783,13 +865,21 @@ def main(argv: list[str] | None = None) -> None:
         context=args.context,
         prefill_chunk=args.prefill_chunk,
     )
-    nonexpert = dict(DEFAULT_NONEXPERT)
+    nonexpert, origin = dict(DEFAULT_NONEXPERT), dict.fromkeys(DEFAULT_NONEXPERT, "default")
+    if args.nonexpert_sensitivity:
+        try:
+            sens = read_sensitivity(args.nonexpert_sensitivity)
+        except (OSError, ValueError) as e:
+            ap.error(f"--nonexpert-sensitivity: {e}")
+        nonexpert, origin = measured_nonexpert(
+            sens, args.kl_tolerance, f"measured ({_relpath(args.nonexpert_sensitivity)})"
+        )
     for kv in args.nonexpert:
         c, _, f = kv.partition("=")
         if c not in CLASSES:
             ap.error(f"--nonexpert {kv}: class must be one of {CLASSES}")
         QFormat.parse(f)
-        nonexpert[c] = f
+        nonexpert[c], origin[c] = f, "--nonexpert"
     budget = None
     if args.budget_total is not None:
         budget = int(args.budget_total) // args.ranks
@@ -802,6 +892,7 @@ def main(argv: list[str] | None = None) -> None:
         lo=args.lo,
         min_promoted_fraction=args.min_promoted,
         nonexpert=nonexpert,
+        nonexpert_from=origin,
         attention=args.attention,
         lo_fallback=args.lo_fallback,
         headroom=int(args.headroom_gib * GiB),
@@ -821,6 +912,13 @@ def main(argv: list[str] | None = None) -> None:
             "index_total_size": acc.index_total,
             "source_bytes_from_config": acc.source_total,
         },
+        "nonexpert_sensitivity": {
+            "file": _relpath(args.nonexpert_sensitivity),
+            "kl_tolerance": args.kl_tolerance,
+            "why": DEFAULT_KL_TOLERANCE_WHY,
+        }
+        if args.nonexpert_sensitivity
+        else None,
         **plan,
     }
     text = json.dumps(plan, indent=1)
