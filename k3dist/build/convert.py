@@ -413,11 +413,176 @@ def convert(src: str | Path, out: str | Path, nonexpert_bits: int = 16, group_si
                      nonexpert=nonexpert).run(progress)
 
 
+# ----------------------------------------------------------------------------- profiles
+
+PROFILES = ("mxfp4", "2bit", "3bit", "mixed2", "graded")
+CALIBRATE_HINT = ("python -m k3dist.build.calibrate (per-expert sensitivity scores: npz of "
+                  "layer_L arrays); routing counts (a frequency baseline) also work")
+
+
+def lo_format(tc: dict, bits: int, group: int = 64) -> QFormat:
+    """``bits``-bit affine at group ``group`` where every routed-expert matrix's
+    columns allow it, else the largest smaller group that does (mini-K3: 96 columns,
+    g32)."""
+    acc_cols = {tc["hidden_size"] if tc.get("routed_expert_hidden_size") is None
+                else tc["routed_expert_hidden_size"], tc["moe_intermediate_size"]}
+    for g in sorted((g for g in (32, 64, 128) if g <= group), reverse=True):
+        f = QFormat("affine", bits, g)
+        if all(f.fits(c) for c in acc_cols):
+            return f
+    raise ValueError(f"no {bits}-bit group size fits the routed experts' columns {acc_cols}")
+
+
+def mixed2_formats(tc: dict) -> dict[tuple[int, str], QFormat]:
+    """The ``mixed2`` recipe (mlx-lm's ``mixed_2_6`` idea, at 2/3 bits for the routed
+    experts): every expert's ``down_proj`` (its output feeds the residual stream
+    directly; mlx-lm keeps ``down_proj`` richer for the same reason) and all three
+    projections of the first and last MoE layer (mlx-lm: the first and last eighth of
+    layers) at 3-bit, every other projection 2-bit. (layer, projection) -> format."""
+    lo2, lo3 = lo_format(tc, 2), lo_format(tc, 3)
+    moe = layout.moe_layers(tc)
+    out = {}
+    for layer in moe:
+        for proj in EXPERT_PROJ.values():
+            rich = proj == "down_proj" or layer in (moe[0], moe[-1])
+            out[(layer, proj)] = lo3 if rich else lo2
+    return out
+
+
+def _per_projection_builder():
+    """``grade.GradedBuilder`` whose lo bank format is chosen per (layer, projection):
+    one graded build, two lo formats (the quantization block is per path, and the
+    loader builds each projection from its own entry)."""
+    from k3dist.build.grade import PROJS, GradedBuilder
+    from k3dist.format.graded import LO
+
+    class PerProjection(GradedBuilder):
+        def __init__(self, build, out, gmap, lo_of: dict[tuple[int, str], QFormat], plan=None):
+            base = min(lo_of.values(), key=lambda f: f.bits)
+            super().__init__(build, out, gmap, base, plan)
+            self.lo_of = lo_of
+            self.ident = {**self.ident, "lo_by_projection": {
+                f"{layer}.{proj}": f.name for (layer, proj), f in sorted(lo_of.items())}}
+
+        def _bank_entries(self, layer, proj, w, s):
+            base, self.lo = self.lo, self.lo_of[(layer, proj)]
+            try:
+                return super()._bank_entries(layer, proj, w, s)
+            finally:
+                self.lo = base
+
+        def config_out(self) -> dict:
+            cfg = super().config_out()
+            for (layer, proj), f in self.lo_of.items():
+                assert proj in PROJS
+                cfg["quantization"][f"language_model.model.layers.{layer}.mlp.{LO}.{proj}"] = (
+                    f.qconfig())
+            return cfg
+
+    return PerProjection
+
+
+def plan_graded(src: Source, ranks: int = 2, budget: int | None = None,
+                budget_total: int | None = None, target_bpw: float | None = None,
+                lo: str = "auto", nonexpert: dict[str, str] | None = None,
+                nonexpert_from: dict[str, str] | None = None, context: int | None = None,
+                headroom: int | None = None) -> dict:
+    """The byte-budget plan (``k3dist.build.plan``) from the source's own config and
+    index. ValueError with the numbers when nothing fits."""
+    from dataclasses import replace
+
+    from k3dist.build import plan as planner
+
+    if sum(x is not None for x in (budget, budget_total, target_bpw)) != 1:
+        raise ValueError("--profile graded needs one of --budget BYTES (per rank), "
+                         "--budget-total BYTES or --target-bpw BITS")
+    index = json.loads(src.index_path.read_text()) if src.index_path.exists() else None
+    acc = planner.account(src.config, index, str(src.index_path))
+    box = planner.Box() if context is None else replace(planner.Box(), context=context)
+    req = planner.PlanRequest(
+        ranks=ranks,
+        budget_per_rank=budget if budget is not None else (
+            budget_total // ranks if budget_total is not None else None),
+        target_expert_bpw=target_bpw,
+        lo=lo,
+        nonexpert=dict(nonexpert or planner.DEFAULT_NONEXPERT),
+        nonexpert_from=dict(nonexpert_from or {}),
+    )
+    if headroom is not None:
+        req = replace(req, headroom=headroom)
+    return planner.make_plan(acc, box, req)
+
+
+def convert_profile(src: str | Path, out: str | Path, profile: str = "mxfp4", *,
+                    mxfp4_dir: str | Path | None = None, nonexpert_bits: int = 16,
+                    group_size: int = 64, nonexpert: str | dict | None = None,
+                    scores: str | Path | None = None, plan_kw: dict | None = None,
+                    k_hi: int | None = None, progress: bool = True) -> Path:
+    """One ``--profile``; every stage streamed and resumable (module doc)."""
+    from k3dist.build import grade as grader
+    from k3dist.format.graded import GradedMap
+    from k3dist.format.manifest import MANIFEST
+    from k3dist.format.placement import read_counts
+
+    if profile not in PROFILES:
+        raise ValueError(f"--profile {profile!r}: one of {', '.join(PROFILES)}")
+    if profile == "mxfp4":
+        return convert(src, out, nonexpert_bits, group_size, progress, nonexpert)
+    source, out = Source(src), Path(out)
+    stage = Path(mxfp4_dir) if mxfp4_dir else out.with_name(out.name + ".mxfp4")
+    tc = source.text_config
+    plan = None
+    if profile == "graded":
+        if scores is None:
+            raise ValueError(f"--profile graded needs --scores FILE: {CALIBRATE_HINT}")
+        if not Path(scores).exists():
+            raise ValueError(f"--scores {scores}: no such file; make it with {CALIBRATE_HINT}")
+        kw = dict(plan_kw or {})
+        if nonexpert is not None:  # explicit formats beat the plan's
+            fmts = parse_nonexpert(nonexpert)
+            kw["nonexpert"] = {c: f.name if f.quantized else "bf16" for c, f in fmts.items()}
+            kw["nonexpert_from"] = dict.fromkeys(fmts, "--nonexpert")
+        plan = plan_graded(source, **kw)
+        nonexpert = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
+        nonexpert_bits = 16
+    build = Converter(source, stage, nonexpert_bits, group_size,
+                      nonexpert=nonexpert).run(progress)
+    E = tc["num_experts"]
+    if profile == "graded":
+        counts = {int(k): int(v) for k, v in plan["promoted_per_layer"].items()}
+        promoted = grader.promote_top(read_counts(scores), counts)
+        khi = {int(k): int(v) for k, v in plan["k_hi_uniform"].items()}
+        if k_hi is not None:
+            khi = dict.fromkeys(khi, k_hi)
+        grader.grade(build, out, promoted, khi, plan["lo"]["format"], progress=progress,
+                     plan=plan)
+    elif profile in ("2bit", "3bit"):
+        grader.grade(build, out, {}, 0, lo_format(tc, int(profile[0])), progress=progress)
+    else:  # mixed2
+        lo_of = mixed2_formats(tc)
+        gmap = GradedMap(E, {}, {}, False, "mixed2")
+        _per_projection_builder()(build, out, gmap, lo_of).run(progress)
+    m = json.loads((out / MANIFEST).read_text())
+    m["convert_profile"] = {"profile": profile, "mxfp4_build": str(build.resolve()),
+                            "scores": str(scores) if scores else None}
+    write_json_atomic(out / MANIFEST, m)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="Convert Moonshot's K3 checkpoint to an MLX "
-                                 "build (experts mxfp4 bit-exact), one layer at a time.")
+                                 "build (experts mxfp4 bit-exact, or a low-bit / graded "
+                                 "profile), one layer at a time.")
     ap.add_argument("--src", required=True, help="Moonshot-format checkpoint folder")
     ap.add_argument("--out", required=True, help="output build folder (resumes if partial)")
+    ap.add_argument("--profile", choices=PROFILES, default="mxfp4",
+                    help="mxfp4: experts in their source bytes (default); 2bit / 3bit: "
+                    "every routed expert affine (g64 where the columns allow, else g32); "
+                    "mixed2: down_proj and the first/last MoE layer 3-bit, the rest 2-bit; "
+                    "graded: plan a byte budget, promoted experts keep MXFP4, the rest the "
+                    "plan's lo format (needs a budget and --scores)")
+    ap.add_argument("--mxfp4", help="where the MXFP4 stage of a non-mxfp4 profile is built "
+                    "(resumable; reused; default OUT.mxfp4 beside OUT)")
     ap.add_argument("--nonexpert-bits", type=int, default=16, choices=(16, 8, 4),
                     help="16 keeps source dtypes; 8/4 quantize affine like mlx_lm.convert")
     ap.add_argument("--group-size", type=int, default=64, help="affine group size (8/4-bit)")
@@ -425,10 +590,48 @@ def main() -> None:
                     help="a format per non-expert class instead of --nonexpert-bits, e.g. "
                     "attention=6bit-g64,shared=8bit-g64,*=bf16 (classes: "
                     f"{', '.join(CLASSES)}; unnamed ones keep bf16)")
+    g = ap.add_argument_group("graded profile")
+    b = g.add_mutually_exclusive_group()
+    b.add_argument("--budget", type=float, help="bytes per rank (weights + KV + activations)")
+    b.add_argument("--budget-total", type=float, help="bytes over all ranks")
+    b.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
+    g.add_argument("--scores", help="per-expert scores, npz of layer_L arrays (as grade "
+                   "--scores): the highest of each layer are promoted")
+    g.add_argument("--ranks", type=int, default=2)
+    g.add_argument("--lo", default="auto", help="lo-bank format or auto (the plan's)")
+    g.add_argument("--k-hi", type=int, help="hi routes per token (default: the plan's)")
+    g.add_argument("--context", type=int, help="tokens of context the plan leaves KV for")
+    g.add_argument("--headroom-gib", type=float, help="kept free per rank (plan default)")
+    g.add_argument("--nonexpert-sensitivity", metavar="JSON",
+                   help="measured non-expert formats (plan --nonexpert-sensitivity)")
+    g.add_argument("--kl-tolerance", type=float, help="with --nonexpert-sensitivity")
     args = ap.parse_args()
+    graded_only = ("budget", "budget_total", "target_bpw", "scores", "k_hi", "context",
+                   "headroom_gib", "nonexpert_sensitivity", "kl_tolerance")
+    given = [f"--{k.replace('_', '-')}" for k in graded_only if getattr(args, k) is not None]
+    if args.profile != "graded" and given:
+        ap.error(f"{', '.join(given)}: only with --profile graded")
+    if args.profile == "mxfp4" and args.mxfp4:
+        ap.error("--mxfp4: only with a profile other than mxfp4")
+    plan_kw = None
+    if args.profile == "graded":
+        from k3dist.build import plan as planner
+
+        plan_kw = {"ranks": args.ranks, "lo": args.lo, "context": args.context,
+                   "budget": int(args.budget) if args.budget is not None else None,
+                   "budget_total": int(args.budget_total) if args.budget_total else None,
+                   "target_bpw": args.target_bpw,
+                   "headroom": None if args.headroom_gib is None
+                   else int(args.headroom_gib * planner.GiB)}
+        if args.nonexpert_sensitivity:
+            tol = args.kl_tolerance or planner.DEFAULT_KL_TOLERANCE
+            plan_kw["nonexpert"], plan_kw["nonexpert_from"] = planner.measured_nonexpert(
+                planner.read_sensitivity(args.nonexpert_sensitivity), tol)
     try:
-        path = convert(args.src, args.out, args.nonexpert_bits, args.group_size,
-                       nonexpert=args.nonexpert)
+        path = convert_profile(args.src, args.out, args.profile, mxfp4_dir=args.mxfp4,
+                               nonexpert_bits=args.nonexpert_bits, group_size=args.group_size,
+                               nonexpert=args.nonexpert, scores=args.scores, plan_kw=plan_kw,
+                               k_hi=args.k_hi)
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {path}")
