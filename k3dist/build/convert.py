@@ -23,8 +23,21 @@ With an expert subset (``experts``: layer -> global ids to keep, in local order)
 same units hold only those experts: ``k3dist.build.slicing`` uses it to write a rank
 folder straight from the source; ``run`` itself refuses it (that is not a build).
 
+Profiles (``--profile``): ``mxfp4`` is the above. ``2bit`` / ``3bit`` / ``mixed2`` /
+``graded`` first make that MXFP4 build (``--mxfp4 DIR``, default ``OUT.mxfp4`` beside OUT;
+reused when complete, resumed when not), then ``k3dist.build.grade`` it into OUT (its own
+journal: resumable too): ``2bit`` / ``3bit`` every routed expert affine at g64 where the
+experts' columns allow, else g32; ``mixed2`` every ``down_proj`` and the first and last
+MoE layer at 3-bit, the rest 2-bit (per projection, one graded build); ``graded`` plans
+the budget from the source's own config and index (``k3dist.build.plan``), builds the
+MXFP4 stage with the plan's non-expert formats, promotes each layer's top ``--scores``
+experts (hi bank, MXFP4 source bytes) and stores the plan in the manifest.
+
     python -m k3dist.build.convert --src SRC --out BUILD [--nonexpert-bits 16|8|4]
         [--nonexpert attention=6bit-g64,shared=6bit-g64,latent=8bit-g64,...]
+    python -m k3dist.build.convert --src SRC --out OUT --profile 2bit|3bit|mixed2
+    python -m k3dist.build.convert --src SRC --out OUT --profile graded --budget 480e9 \
+        --scores SCORES.npz [--nonexpert-sensitivity benchmarks/results/nonexpert-DATE.json]
 """
 
 from __future__ import annotations
