@@ -8,8 +8,10 @@ KL(teacher || student), top-1 flip, per-domain perplexity on the held-out window
 
 Classes are ``k3dist.build.plan.CLASSES``: the router is among them because mlx-lm's
 ``kimi_k3`` ``quant_predicate`` quantizes it (8-bit g64); AttnRes projections it never
-quantizes (they stay in the ``small`` class, source dtype). Three combined rows follow:
-every class at 6 and at 4 bits, and the planner's ``DEFAULT_NONEXPERT``.
+quantizes (they stay in the ``small`` class, source dtype). Combined rows follow: every
+class at 6 and at 4 bits, the planner's ``DEFAULT_NONEXPERT``, and ``measured-T<tol>``:
+what ``python -m k3dist.build.plan --nonexpert-sensitivity`` picks from these rows at the
+KL tolerance, built and measured whole (is KL additive across classes?).
 
 Builds (``python -m k3dist.build.convert --nonexpert CLASS=FORMAT``) are reused under
 ``runs/nonexpert/``; the teacher is ``runs/mxfp4`` (built when missing).
@@ -27,7 +29,13 @@ from pathlib import Path
 
 from k3dist.build import convert
 from k3dist.build.checkpoint import INDEX_NAME
-from k3dist.build.plan import CLASSES, DEFAULT_NONEXPERT, module_class
+from k3dist.build.plan import (
+    CLASSES,
+    DEFAULT_KL_TOLERANCE,
+    DEFAULT_NONEXPERT,
+    measured_nonexpert,
+    module_class,
+)
 from k3dist.format.sfile import read_header
 
 PY = sys.executable
@@ -53,6 +61,21 @@ def class_bytes(build: Path) -> dict[str, int]:
     return out
 
 
+def evaluate(a: argparse.Namespace, students: list[tuple[str, Path]], raw: Path
+             ) -> tuple[dict, list[str]]:
+    """``k3dist.bench.evaluate`` of ``students`` (name, build) against the teacher;
+    its JSON is reused while it holds exactly these students."""
+    cmd = ["k3dist.bench.evaluate", "--teacher", str(a.teacher), "--windows",
+           str(a.windows), "--seq", str(a.seq), "--out", str(raw)]
+    for name, build in students:
+        cmd += ["--student", str(build), "--name", name]
+    names = {n for n, _ in students}
+    if not raw.exists() or {r["build"] for r in json.loads(raw.read_text())["rows"]} != names:
+        print("+ python -m", " ".join(cmd), file=sys.stderr, flush=True)
+        subprocess.run([PY, "-m", *cmd], check=True)
+    return json.loads(raw.read_text()), cmd
+
+
 def students() -> list[tuple[str, str, dict[str, str]]]:
     """(name, class or 'all', per-class formats) of every student build."""
     rows = [
@@ -71,6 +94,11 @@ def main() -> None:
     ap.add_argument("--teacher", type=Path, default=Path("runs/mxfp4"))
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--markdown", type=Path, help="default: --out with .md")
+    ap.add_argument("--plan-k3", type=Path, help="also write the real-K3 plan (2 ranks) with "
+                    "the measured formats, attention replicated and split, vs the defaults")
+    ap.add_argument("--kl-tolerance", type=float, default=None,
+                    help="the planner's tolerance for the 'measured' row and --plan-k3 "
+                    f"(default {DEFAULT_KL_TOLERANCE})")
     a = ap.parse_args()
     convert.convert(SRC, a.teacher, progress=False)  # reused when complete
     rows = students()
@@ -78,39 +106,47 @@ def main() -> None:
     for name, _, spec in rows:
         builds[name] = convert.convert(SRC, RUNS / name, progress=False, nonexpert=spec)
     raw = RUNS / f"evaluate-w{a.windows}-s{a.seq}.json"
-    cmd = ["k3dist.bench.evaluate", "--teacher", str(a.teacher), "--windows",
-           str(a.windows), "--seq", str(a.seq), "--out", str(raw)]
-    for name, _, _ in rows:
-        cmd += ["--student", str(builds[name]), "--name", name]
-    if not raw.exists() or {r["build"] for r in json.loads(raw.read_text())["rows"]} != {
-            n for n, _, _ in rows}:
-        print("+ python -m", " ".join(cmd), file=sys.stderr, flush=True)
-        subprocess.run([PY, "-m", *cmd], check=True)
-    rep = json.loads(raw.read_text())
+    rep, cmd = evaluate(a, [(n, builds[n]) for n, _, _ in rows], raw)
     teacher_bytes = class_bytes(a.teacher)
-    by_name = {r["build"]: r for r in rep["rows"]}
-    table = []
-    for name, cls, spec in rows:
-        r = by_name[name]
+
+    def row(name: str, cls: str, spec: dict, r: dict) -> dict:
         man = json.loads((builds[name] / "k3dist.json").read_text())
         cb = class_bytes(builds[name])
-        table.append({
+        return {
             "build": name,
             "class": cls,
-            "format": spec[cls] if cls != "all" else spec,
+            "format": spec[cls] if cls in CLASSES else spec,
             "formats_used": man["profile"]["nonexpert_modules"],
             "kl": r["kl"],
             "flip": r["flip"],
             "ppl": r["ppl"],
             "kl_by_domain": r["kl_by_domain"],
-            "class_bytes": cb.get(cls) if cls != "all" else sum(cb.values()),
-            "class_bytes_source": teacher_bytes.get(cls) if cls != "all"
+            "class_bytes": cb.get(cls) if cls in CLASSES else sum(cb.values()),
+            "class_bytes_source": teacher_bytes.get(cls) if cls in CLASSES
             else sum(teacher_bytes.values()),
             "nonexpert_bytes": sum(cb.values()),
-        })
+        }
+
+    by_name = {r["build"]: r for r in rep["rows"]}
+    table = [row(name, cls, spec, by_name[name]) for name, cls, spec in rows]
+    # the planner's pick at the tolerance, built and measured whole
+    tol = a.kl_tolerance if a.kl_tolerance is not None else DEFAULT_KL_TOLERANCE
+    sens: dict = {}
+    for r in table:
+        if r["class"] in CLASSES:
+            sens.setdefault(r["class"], {})[r["format"]] = r["kl"]
+    picked, origin = measured_nonexpert(sens, tol)
+    mname = f"measured-T{tol}"
+    builds[mname] = convert.convert(SRC, RUNS / mname, progress=False, nonexpert=picked)
+    mrep, mcmd = evaluate(a, [(mname, builds[mname])],
+                          RUNS / f"evaluate-{mname}-w{a.windows}-s{a.seq}.json")
+    table.append({**row(mname, "measured", picked, mrep["rows"][0]),
+                  "kl_tolerance": tol, "from": origin,
+                  "sum_of_class_kls": round(sum(
+                      sens[c].get(f, 0.0) for c, f in picked.items() if c in sens), 6)})
     result = {
         "command": "python benchmarks/nonexpert.py " + " ".join(sys.argv[1:]),
-        "evaluate_command": "python -m " + " ".join(cmd),
+        "evaluate_commands": ["python -m " + " ".join(cmd), "python -m " + " ".join(mcmd)],
         "teacher": rep["teacher"],
         "windows_per_domain": rep["windows_per_domain"],
         "seq": rep["seq"],
@@ -126,7 +162,53 @@ def main() -> None:
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     md = a.markdown or a.out.with_suffix(".md")
     md.write_text(markdown(result))
+    if a.plan_k3:
+        plan_k3(a.out, a.plan_k3, a.kl_tolerance)
     print(json.dumps(result, indent=1))
+
+
+K3 = ("--config", "k3dist/data/kimi-k3-config.json", "--index",
+      "k3dist/data/kimi-k3-model.safetensors.index.json.gz", "--ranks", "2", "--dry-run",
+      "--json")
+
+
+def plan_k3(sens: Path, out: Path, tolerance: float | None) -> dict:
+    """The real-K3 plan with measured non-expert formats, attention replicated and
+    split, beside the default formats' plan: non-expert bytes each decoded token reads
+    per rank (every non-expert byte but one embedding row) and promoted experts."""
+    res: dict = {"command": "python benchmarks/nonexpert.py " + " ".join(sys.argv[1:]),
+                 "commands": [], "plans": {}, "compare": {}, "change": {}}
+    for attention in ("replicated", "split"):
+        for name, extra in (("default", ()), ("measured", ("--nonexpert-sensitivity",
+                                                           str(sens)))):
+            if tolerance is not None and name == "measured":
+                extra = (*extra, "--kl-tolerance", str(tolerance))
+            tmp = RUNS / f"plan-k3-{attention}-{name}.json"
+            cmd = ["k3dist.build.plan", *K3, "--attention", attention, *extra, "--out",
+                   str(tmp)]
+            subprocess.run([PY, "-m", *cmd], check=True, capture_output=True)
+            p = json.loads(tmp.read_text())
+            key = f"{attention}-{name}"
+            res["commands"].append(p["command"])
+            if name == "measured":
+                res["plans"][attention] = p
+            res["compare"][key] = {
+                "nonexpert_formats": {c: v["format"] for c, v in p["nonexpert"].items()},
+                "nonexpert_per_rank": p["bytes_per_rank"]["nonexpert"],
+                "nonexpert_read_per_token_per_rank": p["nonexpert_read_per_token_per_rank"],
+                "promoted_total": p["promoted_total"],
+                "expert_bpw": p["expert_bpw"],
+                "lo": p["lo"]["format"],
+                "headroom_per_rank": p["headroom_per_rank"],
+            }
+    for attention in ("replicated", "split"):
+        d, m = res["compare"][f"{attention}-default"], res["compare"][f"{attention}-measured"]
+        res["change"][attention] = {
+            k: {"default": d[k], "measured": m[k], "ratio": round(m[k] / d[k], 4)}
+            for k in ("nonexpert_per_rank", "nonexpert_read_per_token_per_rank",
+                      "promoted_total")}
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    return res
 
 
 def markdown(res: dict) -> str:
@@ -150,6 +232,12 @@ def markdown(res: dict) -> str:
             + " | ".join(f"{r['ppl'][d]:.3f}" for d in doms)
             + f" | {r['class_bytes']:,} ({r['class_bytes_source']:,}) |"
         )
+    for r in res["rows"]:
+        if "kl_tolerance" in r:
+            lines += ["", f"`{r['build']}` (fewest bits with KL <= {r['kl_tolerance']}): "
+                      + ", ".join(f"{c} {f}" for c, f in r["format"].items())
+                      + f"; sum of the per-class KLs {r['sum_of_class_kls']:.5f}, measured "
+                      f"whole {r['kl']:.5f}."]
     return "\n".join(lines) + "\n"
 
 
