@@ -167,3 +167,40 @@ def test_graded_cli_without_scores_names_calibrate(mini_src, tmp_path):
          str(tmp_path / "u"), "--profile", "2bit", "--budget", "3e6"],
         capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "only with --profile graded" in r.stderr
+
+
+def test_profile_resumes_both_stages(mini_src, profiles, tmp_path, monkeypatch):
+    """Interrupted in the MXFP4 stage, then in the grade stage: each re-run resumes,
+    and the result is byte for byte the uninterrupted build."""
+    from k3dist.build import grade
+    from k3dist.format.manifest import JOURNAL
+
+    out, stage = tmp_path / "2bit", tmp_path / "stage"
+
+    def failing(real, at):
+        calls = {"n": 0}
+
+        def f(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == at:
+                raise KeyboardInterrupt("simulated crash")
+            return real(*a, **k)
+        return f
+
+    monkeypatch.setattr(convert, "iter_chunks", failing(convert.iter_chunks, 40))
+    with pytest.raises(KeyboardInterrupt):
+        convert.convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)
+    assert (stage / JOURNAL).exists() and not (stage / "k3dist.json").exists()
+    assert not out.exists()
+    monkeypatch.undo()
+    monkeypatch.setattr(grade, "read_bytes", failing(grade.read_bytes, 300))
+    with pytest.raises(KeyboardInterrupt):
+        convert.convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)
+    assert (stage / "k3dist.json").exists()
+    done = json.loads((out / JOURNAL).read_text())["done"]
+    assert 0 < len(done) and not (out / "k3dist.json").exists()
+    monkeypatch.undo()
+    convert.convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)
+    a = json.loads((out / "k3dist.json").read_text())
+    b = json.loads((profiles["2bit"] / "k3dist.json").read_text())
+    assert a["files"] == b["files"] and a["build_hash"] == b["build_hash"]
