@@ -561,6 +561,7 @@ def _nonexpert_bytes(acc: Accounting, req: PlanRequest) -> dict[str, dict]:
     small = acc.classes.get("small", {}).get("source_bytes", 0)
     out["small"] = {
         "format": "source",
+        "from": "never quantized (norms, biases, convs, A_log, dt_bias, AttnRes)",
         "bytes": small,
         "per_rank": small,
         "params": acc.classes.get("small", {}).get("params", 0),
