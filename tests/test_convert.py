@@ -267,3 +267,76 @@ def test_cli(mini_src, tmp_path):
                         "--out", str(tmp_path / "x")], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode != 0 and "error:" in r.stderr and "nope" in r.stderr
+
+
+# every class a different format, so a module filed under the wrong class shows
+PER_CLASS = {"attention": "6bit-g64", "shared": "5bit-g64", "latent": "8bit-g64",
+             "router": "4bit-g64", "dense_mlp": "3bit-g64", "embed": "4bit-g32",
+             "lm_head": "8bit-g128"}
+
+
+def _oracle_predicate(path: str, module) -> dict | bool:
+    """Written from the mlx-lm module names, independently of plan.module_class."""
+    if not hasattr(module, "to_quantized") or "switch_mlp" in path or path.endswith("res_proj"):
+        return False
+    if path.startswith(("vision_tower", "mm_projector")):
+        return False
+    if ".self_attn." in path:
+        c = "attention"
+    elif ".shared_experts." in path:
+        c = "shared"
+    elif "routed_expert_" in path:
+        c = "latent"
+    elif path.endswith("mlp.gate"):
+        c = "router"
+    elif path.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")):
+        c = "dense_mlp"
+    else:
+        c = {"language_model.model.embed_tokens": "embed",
+             "language_model.lm_head": "lm_head"}[path]
+    bits, group = (int(x) for x in PER_CLASS[c].split("bit-g"))
+    cols = module.weight.shape[-1]
+    while cols % group:
+        group //= 2
+    return {"group_size": group, "bits": bits, "mode": "affine"}
+
+
+def test_per_class_nonexpert_equals_mlx_lm_quantization(mini_src, tmp_path):
+    """``--nonexpert CLASS=FORMAT,...``: mlx-lm's loader reads the per-path formats,
+    and the weights and logits are exactly mlx-lm's quantize_model of the source with
+    the same per-class formats (g32 where the columns are not a multiple of 64)."""
+    spec = ",".join(f"{c}={f}" for c, f in PER_CLASS.items())
+    out = convert_mod.convert(mini_src, tmp_path / "pc", progress=False, nonexpert=spec)
+    ours, cfg = load_f32(out)
+    theirs, _ = load_model(mini_src)
+    # group 32 as the default: quantize_model skips columns it does not divide
+    theirs, qcfg = quantize_model(theirs, {}, 32, 8, quant_predicate=_oracle_predicate)
+    theirs.set_dtype(mx.float32)
+    a, b = dict(tree_flatten(ours.parameters())), dict(tree_flatten(theirs.parameters()))
+    assert set(a) == set(b)
+    assert [k for k in a if not mx.array_equal(a[k], b[k]).item()] == []
+    q = {k: v for k, v in cfg["quantization"].items()
+         if isinstance(v, dict) and "switch_mlp" not in k}
+    assert q == {k: v for k, v in qcfg["quantization"].items() if isinstance(v, dict)}
+    assert q["language_model.model.layers.3.self_attn.q_b_proj"]["group_size"] == 32  # 96 cols
+    # 192 columns: g128 drops to g64
+    assert q["language_model.lm_head"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+    prompt = mx.array([prompt_ids(cfg["text_config"]["vocab_size"], 24)])
+    assert mx.array_equal(ours(prompt), theirs(prompt)).item()
+    m = json.loads((out / "k3dist.json").read_text())
+    assert m["identity"]["nonexpert"] == PER_CLASS
+    att = [f"{v['bits']}bit-g{v['group_size']}" for k, v in q.items() if ".self_attn." in k]
+    assert m["profile"]["nonexpert_modules"]["attention"] == {
+        f: att.count(f) for f in ("6bit-g64", "6bit-g32")}
+    # a uniform build of the same source is another build
+    with pytest.raises(CheckpointError, match="different build"):
+        convert_mod.convert(mini_src, out, nonexpert_bits=8, progress=False)
+
+
+def test_per_class_nonexpert_refuses_nonsense(mini_src, tmp_path):
+    for spec, why in (("attn=6bit-g64", "unknown class 'attn'"),
+                      ("attention=mxfp4", "affine formats"),
+                      ("attention=7bit-g64", "write <bits>bit-g<group>")):
+        with pytest.raises(ValueError, match=why):
+            convert_mod.convert(mini_src, tmp_path / "x", progress=False, nonexpert=spec)
+    assert not (tmp_path / "x").exists()

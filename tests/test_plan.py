@@ -156,3 +156,55 @@ def test_cli_json(mini_src, tmp_path):
     # all fit but one lo expert per rank (no fallback: the lo bank is never empty)
     assert p["lo"]["format"] == "2bit-g32" and p["promoted_total"] == 5 * 14
     assert p["bytes_per_rank"]["total"] <= 1e9
+
+
+def _sensitivity(tmp_path, kl: dict[str, dict[int, float]]) -> Path:
+    """A benchmarks/nonexpert.py-shaped file (rows: one class, one format, its KL)."""
+    rows = [{"build": f"{c}-{b}bit", "class": c, "format": f"{b}bit-g64", "kl": v}
+            for c, per in kl.items() for b, v in per.items()]
+    rows.append({"build": "all-6bit", "class": "all", "format": {}, "kl": 1.0})
+    p = tmp_path / "sens.json"
+    p.write_text(json.dumps({"rows": rows}))
+    return p
+
+
+def test_measured_nonexpert_fewest_bits_within_tolerance(tmp_path):
+    sens = plan.read_sensitivity(_sensitivity(tmp_path, {
+        "attention": {8: 1e-4, 6: 5e-4, 5: 1.5e-3, 4: 4e-3},
+        "embed": {8: 1e-5, 6: 2e-5, 5: 5e-5, 4: 1e-4},
+        "lm_head": {8: 3e-3, 6: 9e-3, 5: 2e-2, 4: 5e-2},
+    }))
+    fmts, origin = plan.measured_nonexpert(sens, 2e-3)
+    assert fmts["attention"] == "5bit-g64" and "KL 0.00150 <= 0.002" in origin["attention"]
+    assert fmts["embed"] == "4bit-g64"
+    assert fmts["lm_head"] == "bf16" and "no format within" in origin["lm_head"]
+    assert fmts["shared"] == plan.DEFAULT_NONEXPERT["shared"] and origin["shared"] == "default"
+    fmts, _ = plan.measured_nonexpert(sens, 1e-3)  # tighter: more bits
+    assert fmts["attention"] == "6bit-g64"
+
+
+def test_real_k3_plan_with_measured_formats(tmp_path):
+    """Fewer non-expert bytes -> more promoted experts, and the plan says where each
+    class's format came from."""
+    sens = _sensitivity(tmp_path, {c: {8: 1e-4, 6: 5e-4, 5: 1e-3, 4: 1.5e-3}
+                                   for c in ("attention", "shared", "embed")})
+    outs = {}
+    for name, extra in (("default", []), ("measured", ["--nonexpert-sensitivity", str(sens)])):
+        out = tmp_path / f"{name}.json"
+        r = subprocess.run(
+            [sys.executable, "-m", "k3dist.build.plan", "--config",
+             str(REPO / "k3dist/data/kimi-k3-config.json"), "--index", str(REAL_INDEX),
+             "--ranks", "2", "--dry-run", "--json", "--out", str(out), *extra],
+            capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert r.returncode == 0, r.stderr
+        outs[name] = json.loads(out.read_text())
+    d, m = outs["default"], outs["measured"]
+    assert d["nonexpert_sensitivity"] is None
+    assert m["nonexpert_sensitivity"]["kl_tolerance"] == plan.DEFAULT_KL_TOLERANCE
+    for c in ("attention", "shared", "embed"):
+        assert m["nonexpert"][c]["format"] == "4bit-g64", c
+    assert m["nonexpert"]["attention"]["from"].startswith("measured")
+    assert m["nonexpert"]["latent"]["from"] == "default"
+    assert m["bytes_per_rank"]["nonexpert"] < d["bytes_per_rank"]["nonexpert"]
+    assert m["nonexpert_read_per_token_per_rank"] < d["nonexpert_read_per_token_per_rank"]
+    assert m["promoted_total"] > d["promoted_total"]

@@ -9,7 +9,10 @@ tower), each into its own safetensors file:
 - every other tensor goes through mlx-lm's own ``Model.sanitize`` (renames, q/k/v
   fusion, the MLA ``kv_b_proj`` split) after our ``A_log`` padding check, and is
   kept in its source dtype (``--nonexpert-bits 16``) or quantized affine 8/4-bit
-  with mlx-lm's modules and ``quant_predicate``;
+  with mlx-lm's modules and ``quant_predicate``, or per class with ``--nonexpert
+  attention=6bit-g64,shared=8bit-g64,...`` (classes of ``k3dist.build.plan``; a
+  class's group size drops to the largest that divides a matrix's columns, e.g. g32
+  for 96 columns; config.json records every module's format);
 - the vision tower is carried through as-is.
 
 A journal (``.k3dist-progress.json``) records each finished file with its sha256;
@@ -20,7 +23,21 @@ With an expert subset (``experts``: layer -> global ids to keep, in local order)
 same units hold only those experts: ``k3dist.build.slicing`` uses it to write a rank
 folder straight from the source; ``run`` itself refuses it (that is not a build).
 
+Profiles (``--profile``): ``mxfp4`` is the above. ``2bit`` / ``3bit`` / ``mixed2`` /
+``graded`` first make that MXFP4 build (``--mxfp4 DIR``, default ``OUT.mxfp4`` beside OUT;
+reused when complete, resumed when not), then ``k3dist.build.grade`` it into OUT (its own
+journal: resumable too): ``2bit`` / ``3bit`` every routed expert affine at g64 where the
+experts' columns allow, else g32; ``mixed2`` every ``down_proj`` and the first and last
+MoE layer at 3-bit, the rest 2-bit (per projection, one graded build); ``graded`` plans
+the budget from the source's own config and index (``k3dist.build.plan``), builds the
+MXFP4 stage with the plan's non-expert formats, promotes each layer's top ``--scores``
+experts (hi bank, MXFP4 source bytes) and stores the plan in the manifest.
+
     python -m k3dist.build.convert --src SRC --out BUILD [--nonexpert-bits 16|8|4]
+        [--nonexpert attention=6bit-g64,shared=6bit-g64,latent=8bit-g64,...]
+    python -m k3dist.build.convert --src SRC --out OUT --profile 2bit|3bit|mixed2
+    python -m k3dist.build.convert --src SRC --out OUT --profile graded --budget 480e9 \
+        --scores SCORES.npz [--nonexpert-sensitivity benchmarks/results/nonexpert-DATE.json]
 """
 
 from __future__ import annotations
@@ -35,6 +52,7 @@ from pathlib import Path
 
 from k3dist import __version__
 from k3dist.build.checkpoint import Source, check_a_log_tail, quantization_format
+from k3dist.build.plan import CLASSES, SOURCE, QFormat, module_class
 from k3dist.format import layout
 from k3dist.format import tokens as tokenizer
 from k3dist.format.journal import JournaledFolder, write_json_atomic
@@ -69,10 +87,11 @@ def output_file(group: str) -> str:
     return f"model-{group}.safetensors"
 
 
-def identity(src: Source, nonexpert_bits: int, group_size: int) -> dict:
+def identity(src: Source, nonexpert_bits: int, group_size: int,
+             nonexpert: dict[str, QFormat] | None = None) -> dict:
     """What makes two builds the same build: the source and the profile."""
     cfg_bytes = (src.path / "config.json").read_bytes()
-    return {
+    ident = {
         "format_version": FORMAT_VERSION,
         "source_index_sha256": src.index_sha256,
         "source_config_sha256": hashlib.sha256(cfg_bytes).hexdigest(),
@@ -80,6 +99,36 @@ def identity(src: Source, nonexpert_bits: int, group_size: int) -> dict:
         "nonexpert_group_size": group_size if nonexpert_bits < 16 else None,
         "experts": "mxfp4",
     }
+    if nonexpert is not None:  # per class (plan.CLASSES); a uniform build has no key
+        ident["nonexpert_bits"] = ident["nonexpert_group_size"] = None
+        ident["nonexpert"] = {c: nonexpert.get(c, SOURCE).name for c in CLASSES}
+    return ident
+
+
+def parse_nonexpert(spec: str | dict | None) -> dict[str, QFormat] | None:
+    """``attention=6bit-g64,shared=8bit-g64,...`` (or a dict) -> {class: QFormat}.
+    Classes are ``k3dist.build.plan.CLASSES``; ``*=FORMAT`` sets every class not named;
+    a class not named keeps its source dtype (``bf16``)."""
+    if spec is None:
+        return None
+    items = spec.items() if isinstance(spec, dict) else (
+        kv.partition("=")[::2] for kv in spec.split(",") if kv.strip())
+    out: dict[str, QFormat] = {}
+    rest = None
+    for c, f in items:
+        c = c.strip()
+        fmt = f if isinstance(f, QFormat) else QFormat.parse(str(f))
+        if fmt.quantized and fmt.mode != "affine":
+            raise ValueError(f"--nonexpert {c}={fmt.name}: non-expert classes take affine "
+                             "formats (<bits>bit-g<group>) or bf16")
+        if c == "*":
+            rest = fmt
+        elif c in CLASSES:
+            out[c] = fmt
+        else:
+            raise ValueError(f"--nonexpert: unknown class {c!r}; one of {', '.join(CLASSES)} "
+                             "or * (e.g. attention=6bit-g64,shared=8bit-g64)")
+    return {c: out.get(c, rest or SOURCE) for c in CLASSES}
 
 
 def build_hash(ident: dict) -> str:
@@ -87,9 +136,14 @@ def build_hash(ident: dict) -> str:
 
 
 def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
-              group_size: int, predicate) -> dict:
+              group_size: int, predicate,
+              nonexpert: dict[str, QFormat] | None = None) -> dict:
     """mlx-lm's module-level quantization, restricted to modules we loaded weights
-    into; returns the per-path parameters for the config's quantization block."""
+    into; returns the per-path parameters for the config's quantization block.
+    ``nonexpert`` (class -> format) replaces the uniform ``bits``/``group_size``: each
+    module gets its class's format (``plan.module_class``), at a smaller group size
+    where its columns need one (``QFormat.for_cols``); mlx-lm's predicate still
+    decides what is never quantized (AttnRes projections)."""
     recorded: dict = {}
     default = {"group_size": group_size, "bits": bits, "mode": "affine"}
 
@@ -97,12 +151,19 @@ def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
         full = prefix + path
         if not hasattr(m, "to_quantized") or f"{full}.weight" not in loaded:
             return False
-        if m.weight.shape[-1] % group_size != 0:
-            return False
         r = predicate(full, m)
         if r is False:
             return False
-        params = dict(default, **r) if isinstance(r, dict) else dict(default)
+        if nonexpert is not None:
+            fmt = nonexpert.get(module_class(full), SOURCE)
+            fmt = fmt.for_cols(m.weight.shape[-1]) if fmt.quantized else None
+            if fmt is None:
+                return False
+            params = fmt.qconfig()
+        else:
+            if m.weight.shape[-1] % group_size != 0:
+                return False
+            params = dict(default, **r) if isinstance(r, dict) else dict(default)
         recorded[full] = params
         return params
 
@@ -113,9 +174,13 @@ def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
 class Converter:
     def __init__(self, src: Source, out: Path, nonexpert_bits: int = 16,
                  group_size: int = 64,
-                 experts: Callable[[int], Sequence[int]] | None = None):
+                 experts: Callable[[int], Sequence[int]] | None = None,
+                 nonexpert: str | dict | None = None):
         if nonexpert_bits not in (16, 8, 4):
             raise ValueError(f"--nonexpert-bits must be 16, 8 or 4, not {nonexpert_bits}")
+        self.nonexpert = parse_nonexpert(nonexpert)
+        if self.nonexpert is not None and nonexpert_bits != 16:
+            raise ValueError("give --nonexpert-bits or per-class --nonexpert, not both")
         quantization_format(src.config)
         self.src, self.out = src, out
         self.bits, self.group_size = nonexpert_bits, group_size
@@ -127,7 +192,7 @@ class Converter:
         self.specs: dict[str, list[layout.TensorSpec]] = {}
         for s in layout.source_specs(src.config):
             self.specs.setdefault(s.group, []).append(s)
-        self.ident = identity(src, nonexpert_bits, group_size)
+        self.ident = identity(src, nonexpert_bits, group_size, self.nonexpert)
         self.experts = experts
 
     def expert_ids(self, layer: int) -> list[int]:
@@ -153,7 +218,9 @@ class Converter:
             weights[s.name] = files[path][s.name]
         weights = self.model.sanitize(weights)
         qconfig: dict = {}
-        if self.bits < 16:
+        quantize = self.bits < 16 or (
+            self.nonexpert is not None and any(f.quantized for f in self.nonexpert.values()))
+        if quantize:
             if group.startswith("layer."):
                 layer = int(group.split(".")[1])
                 module = kimi_k3.KimiK3DecoderLayer(self.args.text_config, layer)
@@ -163,7 +230,7 @@ class Converter:
             local = {k[len(prefix):]: v for k, v in weights.items()}
             module.load_weights(list(local.items()), strict=False)
             qconfig = _quantize(module, prefix, set(weights), self.bits, self.group_size,
-                                self.model.quant_predicate)
+                                self.model.quant_predicate, self.nonexpert)
             params = dict(tree_flatten(module.parameters()))
             keep = {k for k in params if (prefix + k) in weights
                     or (prefix + k.rsplit(".", 1)[0] + ".weight") in weights}
@@ -291,6 +358,7 @@ class Converter:
         for d in (cfg, cfg.get("text_config", {})):
             d.pop("quantization_config", None)
             d.pop("auto_map", None)
+        # the default block applies to no module here: every quantized one has its own
         quant = dict(MXFP4) if self.bits == 16 else {
             "group_size": self.group_size, "bits": self.bits, "mode": "affine"}
         for g in groups:
@@ -311,6 +379,27 @@ class Converter:
                 copied[name] = sha256_file(self.out / name)
         return copied
 
+    def profile(self, done: dict, groups: list[str]) -> dict:
+        """The manifest's profile: expert format and non-expert formats; per class, how
+        many modules got each format (a group size may drop where columns need it)."""
+        if self.nonexpert is None:
+            return {"experts": "mxfp4 (source bytes)", "nonexpert_bits": self.bits,
+                    "nonexpert_group_size": self.group_size if self.bits < 16 else None}
+        used: dict[str, dict[str, int]] = {}
+        for g in groups:
+            for path, q in done[g].get("quantization", {}).items():
+                c = module_class(path)
+                if c == "experts":
+                    continue
+                name = QFormat(q["mode"], q["bits"], q["group_size"]).name
+                used.setdefault(c, {}).setdefault(name, 0)
+                used[c][name] += 1
+        return {"experts": "mxfp4 (source bytes)",
+                "nonexpert": {c: f.name for c, f in self.nonexpert.items()},
+                "nonexpert_modules": used,
+                "nonexpert_rule": "a class's format at the largest group size up to the "
+                                  "one asked that divides the columns; else source dtype"}
+
     def _finish(self, folder: JournaledFolder, groups: list[str], seconds: float) -> None:
         done = folder.done
         copied = self.write_metadata(done, groups)
@@ -320,9 +409,7 @@ class Converter:
             "identity": self.ident,
             "build_hash": build_hash(self.ident),
             "source": str(self.src.path.resolve()),
-            "profile": {"experts": "mxfp4 (source bytes)",
-                        "nonexpert_bits": self.bits,
-                        "nonexpert_group_size": self.group_size if self.bits < 16 else None},
+            "profile": self.profile(done, groups),
             "files_by_group": done,
             "files": {done[g]["file"]: {"sha256": done[g]["sha256"], "bytes": done[g]["bytes"]}
                       for g in groups} | {n: {"sha256": h} for n, h in copied.items()},
@@ -332,23 +419,233 @@ class Converter:
 
 
 def convert(src: str | Path, out: str | Path, nonexpert_bits: int = 16, group_size: int = 64,
-            progress: bool = True) -> Path:
-    """Convert a Moonshot-format K3 folder into an MLX build; resumable."""
-    return Converter(Source(src), Path(out), nonexpert_bits, group_size).run(progress)
+            progress: bool = True, nonexpert: str | dict | None = None) -> Path:
+    """Convert a Moonshot-format K3 folder into an MLX build; resumable. ``nonexpert``:
+    a format per non-expert class (``parse_nonexpert``) instead of ``nonexpert_bits``."""
+    return Converter(Source(src), Path(out), nonexpert_bits, group_size,
+                     nonexpert=nonexpert).run(progress)
+
+
+# ----------------------------------------------------------------------------- profiles
+
+PROFILES = ("mxfp4", "2bit", "3bit", "mixed2", "graded")
+CALIBRATE_HINT = ("python -m k3dist.build.calibrate (per-expert sensitivity scores: npz of "
+                  "layer_L arrays); routing counts (a frequency baseline) also work")
+
+
+def lo_format(tc: dict, bits: int, group: int = 64) -> QFormat:
+    """``bits``-bit affine at group ``group`` where every routed-expert matrix's
+    columns allow it, else the largest smaller group that does (mini-K3: 96 columns,
+    g32)."""
+    acc_cols = {tc["hidden_size"] if tc.get("routed_expert_hidden_size") is None
+                else tc["routed_expert_hidden_size"], tc["moe_intermediate_size"]}
+    for g in sorted((g for g in (32, 64, 128) if g <= group), reverse=True):
+        f = QFormat("affine", bits, g)
+        if all(f.fits(c) for c in acc_cols):
+            return f
+    raise ValueError(f"no {bits}-bit group size fits the routed experts' columns {acc_cols}")
+
+
+def mixed2_formats(tc: dict) -> dict[tuple[int, str], QFormat]:
+    """The ``mixed2`` recipe (mlx-lm's ``mixed_2_6`` idea, at 2/3 bits for the routed
+    experts): every expert's ``down_proj`` (its output feeds the residual stream
+    directly; mlx-lm keeps ``down_proj`` richer for the same reason) and all three
+    projections of the first and last MoE layer (mlx-lm: the first and last eighth of
+    layers) at 3-bit, every other projection 2-bit. (layer, projection) -> format."""
+    lo2, lo3 = lo_format(tc, 2), lo_format(tc, 3)
+    moe = layout.moe_layers(tc)
+    out = {}
+    for layer in moe:
+        for proj in EXPERT_PROJ.values():
+            rich = proj == "down_proj" or layer in (moe[0], moe[-1])
+            out[(layer, proj)] = lo3 if rich else lo2
+    return out
+
+
+def _per_projection_builder():
+    """``grade.GradedBuilder`` whose lo bank format is chosen per (layer, projection):
+    one graded build, two lo formats (the quantization block is per path, and the
+    loader builds each projection from its own entry)."""
+    from k3dist.build.grade import PROJS, GradedBuilder
+    from k3dist.format.graded import LO
+
+    class PerProjection(GradedBuilder):
+        def __init__(self, build, out, gmap, lo_of: dict[tuple[int, str], QFormat], plan=None):
+            base = min(lo_of.values(), key=lambda f: f.bits)
+            super().__init__(build, out, gmap, base, plan)
+            self.lo_of = lo_of
+            self.ident = {**self.ident, "lo_by_projection": {
+                f"{layer}.{proj}": f.name for (layer, proj), f in sorted(lo_of.items())}}
+
+        def _bank_entries(self, layer, proj, w, s):
+            base, self.lo = self.lo, self.lo_of[(layer, proj)]
+            try:
+                return super()._bank_entries(layer, proj, w, s)
+            finally:
+                self.lo = base
+
+        def config_out(self) -> dict:
+            cfg = super().config_out()
+            for (layer, proj), f in self.lo_of.items():
+                assert proj in PROJS
+                cfg["quantization"][f"language_model.model.layers.{layer}.mlp.{LO}.{proj}"] = (
+                    f.qconfig())
+            return cfg
+
+    return PerProjection
+
+
+def plan_graded(src: Source, ranks: int = 2, budget: int | None = None,
+                budget_total: int | None = None, target_bpw: float | None = None,
+                lo: str = "auto", nonexpert: dict[str, str] | None = None,
+                nonexpert_from: dict[str, str] | None = None, context: int | None = None,
+                headroom: int | None = None) -> dict:
+    """The byte-budget plan (``k3dist.build.plan``) from the source's own config and
+    index. ValueError with the numbers when nothing fits."""
+    from dataclasses import replace
+
+    from k3dist.build import plan as planner
+
+    if sum(x is not None for x in (budget, budget_total, target_bpw)) != 1:
+        raise ValueError("--profile graded needs one of --budget BYTES (per rank), "
+                         "--budget-total BYTES or --target-bpw BITS")
+    index = json.loads(src.index_path.read_text()) if src.index_path.exists() else None
+    acc = planner.account(src.config, index, str(src.index_path))
+    box = planner.Box() if context is None else replace(planner.Box(), context=context)
+    req = planner.PlanRequest(
+        ranks=ranks,
+        budget_per_rank=budget if budget is not None else (
+            budget_total // ranks if budget_total is not None else None),
+        target_expert_bpw=target_bpw,
+        lo=lo,
+        nonexpert=dict(nonexpert or planner.DEFAULT_NONEXPERT),
+        nonexpert_from=dict(nonexpert_from or {}),
+    )
+    if headroom is not None:
+        req = replace(req, headroom=headroom)
+    return planner.make_plan(acc, box, req)
+
+
+def convert_profile(src: str | Path, out: str | Path, profile: str = "mxfp4", *,
+                    mxfp4_dir: str | Path | None = None, nonexpert_bits: int = 16,
+                    group_size: int = 64, nonexpert: str | dict | None = None,
+                    scores: str | Path | None = None, plan_kw: dict | None = None,
+                    k_hi: int | None = None, progress: bool = True) -> Path:
+    """One ``--profile``; every stage streamed and resumable (module doc)."""
+    from k3dist.build import grade as grader
+    from k3dist.format.graded import GradedMap
+    from k3dist.format.manifest import MANIFEST
+    from k3dist.format.placement import read_counts
+
+    if profile not in PROFILES:
+        raise ValueError(f"--profile {profile!r}: one of {', '.join(PROFILES)}")
+    if profile == "mxfp4":
+        return convert(src, out, nonexpert_bits, group_size, progress, nonexpert)
+    source, out = Source(src), Path(out)
+    stage = Path(mxfp4_dir) if mxfp4_dir else out.with_name(out.name + ".mxfp4")
+    tc = source.text_config
+    plan = None
+    if profile == "graded":
+        if scores is None:
+            raise ValueError(f"--profile graded needs --scores FILE: {CALIBRATE_HINT}")
+        if not Path(scores).exists():
+            raise ValueError(f"--scores {scores}: no such file; make it with {CALIBRATE_HINT}")
+        kw = dict(plan_kw or {})
+        if nonexpert is not None:  # explicit formats beat the plan's
+            fmts = parse_nonexpert(nonexpert)
+            kw["nonexpert"] = {c: f.name if f.quantized else "bf16" for c, f in fmts.items()}
+            kw["nonexpert_from"] = dict.fromkeys(fmts, "--nonexpert")
+        plan = plan_graded(source, **kw)
+        nonexpert = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
+        nonexpert_bits = 16
+    build = Converter(source, stage, nonexpert_bits, group_size,
+                      nonexpert=nonexpert).run(progress)
+    E = tc["num_experts"]
+    if profile == "graded":
+        counts = {int(k): int(v) for k, v in plan["promoted_per_layer"].items()}
+        promoted = grader.promote_top(read_counts(scores), counts)
+        khi = {int(k): int(v) for k, v in plan["k_hi_uniform"].items()}
+        if k_hi is not None:
+            khi = dict.fromkeys(khi, k_hi)
+        grader.grade(build, out, promoted, khi, plan["lo"]["format"], progress=progress,
+                     plan=plan)
+    elif profile in ("2bit", "3bit"):
+        grader.grade(build, out, {}, 0, lo_format(tc, int(profile[0])), progress=progress)
+    else:  # mixed2
+        lo_of = mixed2_formats(tc)
+        gmap = GradedMap(E, {}, {}, False, "mixed2")
+        _per_projection_builder()(build, out, gmap, lo_of).run(progress)
+    m = json.loads((out / MANIFEST).read_text())
+    m["convert_profile"] = {"profile": profile, "mxfp4_build": str(build.resolve()),
+                            "scores": str(scores) if scores else None}
+    write_json_atomic(out / MANIFEST, m)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="Convert Moonshot's K3 checkpoint to an MLX "
-                                 "build (experts mxfp4 bit-exact), one layer at a time.")
+                                 "build (experts mxfp4 bit-exact, or a low-bit / graded "
+                                 "profile), one layer at a time.")
     ap.add_argument("--src", required=True, help="Moonshot-format checkpoint folder")
     ap.add_argument("--out", required=True, help="output build folder (resumes if partial)")
+    ap.add_argument("--profile", choices=PROFILES, default="mxfp4",
+                    help="mxfp4: experts in their source bytes (default); 2bit / 3bit: "
+                    "every routed expert affine (g64 where the columns allow, else g32); "
+                    "mixed2: down_proj and the first/last MoE layer 3-bit, the rest 2-bit; "
+                    "graded: plan a byte budget, promoted experts keep MXFP4, the rest the "
+                    "plan's lo format (needs a budget and --scores)")
+    ap.add_argument("--mxfp4", help="where the MXFP4 stage of a non-mxfp4 profile is built "
+                    "(resumable; reused; default OUT.mxfp4 beside OUT)")
     ap.add_argument("--nonexpert-bits", type=int, default=16, choices=(16, 8, 4),
                     help="16 keeps source dtypes; 8/4 quantize affine like mlx_lm.convert")
     ap.add_argument("--group-size", type=int, default=64, help="affine group size (8/4-bit)")
+    ap.add_argument("--nonexpert", metavar="CLASS=FORMAT,...",
+                    help="a format per non-expert class instead of --nonexpert-bits, e.g. "
+                    "attention=6bit-g64,shared=8bit-g64,*=bf16 (classes: "
+                    f"{', '.join(CLASSES)}; unnamed ones keep bf16)")
+    g = ap.add_argument_group("graded profile")
+    b = g.add_mutually_exclusive_group()
+    b.add_argument("--budget", type=float, help="bytes per rank (weights + KV + activations)")
+    b.add_argument("--budget-total", type=float, help="bytes over all ranks")
+    b.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
+    g.add_argument("--scores", help="per-expert scores, npz of layer_L arrays (as grade "
+                   "--scores): the highest of each layer are promoted")
+    g.add_argument("--ranks", type=int, default=2)
+    g.add_argument("--lo", default="auto", help="lo-bank format or auto (the plan's)")
+    g.add_argument("--k-hi", type=int, help="hi routes per token (default: the plan's)")
+    g.add_argument("--context", type=int, help="tokens of context the plan leaves KV for")
+    g.add_argument("--headroom-gib", type=float, help="kept free per rank (plan default)")
+    g.add_argument("--nonexpert-sensitivity", metavar="JSON",
+                   help="measured non-expert formats (plan --nonexpert-sensitivity)")
+    g.add_argument("--kl-tolerance", type=float, help="with --nonexpert-sensitivity")
     args = ap.parse_args()
+    graded_only = ("budget", "budget_total", "target_bpw", "scores", "k_hi", "context",
+                   "headroom_gib", "nonexpert_sensitivity", "kl_tolerance")
+    given = [f"--{k.replace('_', '-')}" for k in graded_only if getattr(args, k) is not None]
+    if args.profile != "graded" and given:
+        ap.error(f"{', '.join(given)}: only with --profile graded")
+    if args.profile == "mxfp4" and args.mxfp4:
+        ap.error("--mxfp4: only with a profile other than mxfp4")
+    plan_kw = None
+    if args.profile == "graded":
+        from k3dist.build import plan as planner
+
+        plan_kw = {"ranks": args.ranks, "lo": args.lo, "context": args.context,
+                   "budget": int(args.budget) if args.budget is not None else None,
+                   "budget_total": int(args.budget_total) if args.budget_total else None,
+                   "target_bpw": args.target_bpw,
+                   "headroom": None if args.headroom_gib is None
+                   else int(args.headroom_gib * planner.GiB)}
+        if args.nonexpert_sensitivity:
+            tol = args.kl_tolerance or planner.DEFAULT_KL_TOLERANCE
+            plan_kw["nonexpert"], plan_kw["nonexpert_from"] = planner.measured_nonexpert(
+                planner.read_sensitivity(args.nonexpert_sensitivity), tol)
     try:
-        path = convert(args.src, args.out, args.nonexpert_bits, args.group_size)
-    except CheckpointError as e:
+        path = convert_profile(args.src, args.out, args.profile, mxfp4_dir=args.mxfp4,
+                               nonexpert_bits=args.nonexpert_bits, group_size=args.group_size,
+                               nonexpert=args.nonexpert, scores=args.scores, plan_kw=plan_kw,
+                               k_hi=args.k_hi)
+    except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {path}")
 

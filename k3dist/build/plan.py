@@ -49,7 +49,14 @@ reports it: ``fallback_copy_bytes``); at the K3 plan's promotion counts that is 
 GB, i.e. roughly half the promotions, for routes that ``k_hi`` from calibration makes
 rare (~4e-6 of token-layers at ``k_hi`` = 6 under uniform routing).
 
+Non-expert formats come from measurement with ``--nonexpert-sensitivity FILE`` (the
+JSON of ``benchmarks/nonexpert.py``: KL(teacher || student) with one class quantized at a
+time): each class takes the fewest bits whose KL is at most ``--kl-tolerance``
+(default :data:`DEFAULT_KL_TOLERANCE` = 0.002 nats/token; why: ``DEFAULT_KL_TOLERANCE_WHY``);
+without the file, :data:`DEFAULT_NONEXPERT`. Each class's ``from`` in the plan says which.
+
     python -m k3dist.build.plan --config CONFIG --index INDEX [--budget auto|BYTES] --dry-run --json
+        [--nonexpert-sensitivity benchmarks/results/nonexpert-2026-12-01.json]
 """
 
 from __future__ import annotations
@@ -131,6 +138,21 @@ class QFormat:
         per_group = 2 * self.scale_bytes if self.mode == "affine" else 1
         return codes + groups * per_group
 
+    def for_cols(self, cols: int) -> QFormat | None:
+        """This format for a matrix with ``cols`` columns: the same bits at the largest
+        group size up to this one that divides ``cols`` (``6bit-g64`` on 96 columns is
+        ``6bit-g32``); ``None`` when no group size fits (the matrix keeps its dtype).
+        The converter and :meth:`Accounting.class_bytes` both apply it."""
+        if self.fits(cols) or not self.quantized:
+            return self
+        if self.mode != "affine":
+            return None
+        for g in sorted((g for g in GROUP_SIZES if g < self.group_size), reverse=True):
+            f = QFormat("affine", self.bits, g, self.scale_bytes)
+            if f.fits(cols):
+                return f
+        return None
+
     @property
     def bpw(self) -> float:
         if not self.quantized:
@@ -190,6 +212,62 @@ DEFAULT_NONEXPERT = {
 }
 
 
+# Measured non-expert formats (``--nonexpert-sensitivity``): per class, the fewest bits
+# whose KL(teacher || student) with that class alone quantized (everything else bf16,
+# experts MXFP4) is at most this many nats per token. DEFAULT_KL_TOLERANCE_WHY says why.
+DEFAULT_KL_TOLERANCE = 0.002
+DEFAULT_KL_TOLERANCE_WHY = (
+    "0.002 nats/token per class: were KL additive over the seven classes, at most 0.014 "
+    "together, under half the 0.036 of 2-bit routed experts and near the 0.0096 of 3-bit "
+    "ones (quality-2026-12-01): the non-experts never dominate the expert error the budget "
+    "is spent on. Measured on the mini-K3 (nonexpert-2026-12-01) it is sub-additive: the "
+    "pick at 0.002 sums to 0.0065 class by class and measures 0.0042 whole, the same as "
+    "DEFAULT_NONEXPERT (0.0043) with 7-11% fewer non-expert bytes read per token on the "
+    "real K3. 0.001 would keep the router in bf16 as well as the embedding; 0.005 takes "
+    "shared, latent, dense MLP and lm_head to 4-bit and attention to 5-bit, where each "
+    "bit removed about doubles a class's KL"
+)
+
+
+def read_sensitivity(path: str | Path) -> dict[str, dict[str, float]]:
+    """``{class: {format: KL}}`` from a ``benchmarks/nonexpert.py`` result (its rows
+    that quantize one class; combined rows are ignored)."""
+    rep = json.loads(Path(path).read_text())
+    out: dict[str, dict[str, float]] = {}
+    for r in rep.get("rows", []):
+        if r.get("class") in CLASSES and isinstance(r.get("format"), str):
+            out.setdefault(r["class"], {})[QFormat.parse(r["format"]).name] = float(r["kl"])
+    if not out:
+        raise ValueError(f"{path}: no per-class rows (class, format, kl); write it with "
+                         "python benchmarks/nonexpert.py")
+    return out
+
+
+def measured_nonexpert(
+    sens: dict[str, dict[str, float]],
+    tolerance: float = DEFAULT_KL_TOLERANCE,
+    where: str = "measured",
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Per class the format with the fewest bits per weight whose measured KL is at most
+    ``tolerance`` (none: the source dtype); classes not measured keep
+    ``DEFAULT_NONEXPERT``. Returns (formats, where each came from)."""
+    formats, origin = dict(DEFAULT_NONEXPERT), dict.fromkeys(DEFAULT_NONEXPERT, "default")
+    for c in CLASSES:
+        if c not in sens:
+            continue
+        ok = [(QFormat.parse(f).bpw, f, kl) for f, kl in sens[c].items() if kl <= tolerance]
+        if ok:
+            _, f, kl = min(ok)
+            formats[c] = f
+            origin[c] = f"{where}: KL {kl:.5f} <= {tolerance}"
+        else:
+            best = min(sens[c].items(), key=lambda x: x[1])
+            formats[c] = "bf16"
+            origin[c] = (f"{where}: no format within {tolerance} (best {best[0]}, KL "
+                         f"{best[1]:.5f}); source dtype")
+    return formats, origin
+
+
 def tensor_class(s: layout.TensorSpec) -> str:
     """experts | one of CLASSES | small | vision."""
     if s.family in ("experts", "vision"):
@@ -207,6 +285,36 @@ def tensor_class(s: layout.TensorSpec) -> str:
         "norm": "small",
         "attn_res": "small",
     }[s.family]
+
+
+def module_class(path: str) -> str:
+    """The class of a quantizable module of an MLX build by its mlx-lm path (after
+    ``kimi_k3.Model.sanitize``: fused ``qkv_proj``, MLA ``embed_q`` / ``unembed_out``):
+    experts | one of CLASSES | small (AttnRes projections, never quantized) | vision."""
+    if path.startswith(("vision_tower.", "mm_projector.")):
+        return "vision"
+    if path.endswith("lm_head"):
+        return "lm_head"
+    if path.endswith("embed_tokens"):
+        return "embed"
+    if ".self_attn." in path:
+        return "attention"
+    if path.endswith("res_proj"):
+        return "small"
+    if ".mlp." not in path:
+        raise ValueError(f"{path}: not a module of a kimi_k3 build")
+    tail = path.split(".mlp.", 1)[1]
+    if tail.startswith(("switch_mlp", "switch_hi")):
+        return "experts"
+    if tail.startswith("shared_experts."):
+        return "shared"
+    if tail.startswith("routed_expert_"):
+        return "latent"
+    if tail == "gate":
+        return "router"
+    if tail in ("gate_proj", "up_proj", "down_proj"):
+        return "dense_mlp"
+    raise ValueError(f"{path}: not a module of a kimi_k3 build")
 
 
 def read_index(path: str | Path) -> dict:
@@ -242,10 +350,8 @@ class Accounting:
         """A non-expert class in ``fmt``; matrices it cannot store keep their dtype."""
         n = 0
         for s in self.tensors.get(cls, []):
-            if fmt.quantized and fmt.fits(s.shape[1]):
-                n += fmt.nbytes(*s.shape)
-            else:
-                n += s.nbytes
+            f = fmt.for_cols(s.shape[1]) if fmt.quantized else None
+            n += f.nbytes(*s.shape) if f is not None else s.nbytes
         return n
 
 
@@ -376,8 +482,11 @@ ASSUMPTIONS = [
     "chunk, hidden states of the AttnRes block stack, MoE intermediates",
     "attention replicated on every rank (k3dist.model today), shared experts split by "
     "their intermediate dimension; routed experts split evenly, promoted experts balanced",
-    "non-expert formats are a starting point (<= 6 bits for what every token reads, "
-    "8 bits for latent projections, router and lm_head), not measured sensitivities",
+    "non-expert formats: DEFAULT_NONEXPERT is a starting point (<= 6 bits for what every "
+    "token reads, 8 bits for latent projections, router and lm_head); with "
+    "--nonexpert-sensitivity each measured class takes the fewest bits within the KL "
+    "tolerance (measured on the mini-K3: the real model's sensitivities may differ); "
+    "each class's 'from' says which",
     "MLA kv_b_proj counted as its source matrix; mlx-lm splits it into embed_q / "
     "unembed_out at load (same element count; group boundaries may differ slightly)",
     "lo-format choice 'auto': the richest lo format that still promotes "
@@ -398,6 +507,7 @@ class PlanRequest:
     lo_candidates: tuple[str, ...] = ("3bit-g64", "2bit-g32", "2bit-g64", "2bit-g128", "1bit-g64")
     min_promoted_fraction: float = 0.05  # "auto": the richest lo format leaving this
     nonexpert: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NONEXPERT))
+    nonexpert_from: dict[str, str] = field(default_factory=dict)  # class -> why its format
     attention: str = "replicated"  # "replicated" (k3dist.model today) | "split"
     lo_fallback: bool = False
     headroom: int = 8 * GiB  # kept free per rank beyond every modelled need
@@ -441,6 +551,7 @@ def _nonexpert_bytes(acc: Accounting, req: PlanRequest) -> dict[str, dict]:
             split = req.ranks
         out[c] = {
             "format": fmt.name,
+            "from": req.nonexpert_from.get(c, "default"),
             "bpw": round(fmt.bpw, 4),
             "bytes": nb,
             "per_rank": -(-nb // split),
@@ -450,6 +561,7 @@ def _nonexpert_bytes(acc: Accounting, req: PlanRequest) -> dict[str, dict]:
     small = acc.classes.get("small", {}).get("source_bytes", 0)
     out["small"] = {
         "format": "source",
+        "from": "never quantized (norms, biases, convs, A_log, dt_bias, AttnRes)",
         "bytes": small,
         "per_rank": small,
         "params": acc.classes.get("small", {}).get("params", 0),
@@ -490,6 +602,11 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
     budget = req.budget_per_rank if req.budget_per_rank is not None else usable
     ne = _nonexpert_bytes(acc, req)
     ne_rank = sum(v["per_rank"] for v in ne.values())
+    # a decoded token reads every non-expert byte on its rank but one embedding row
+    H = tc["hidden_size"]
+    efmt = QFormat.parse(ne["embed"]["format"]) if "embed" in ne else SOURCE
+    erow = efmt.nbytes(1, H) if efmt.quantized and efmt.fits(H) else 2 * H
+    ne_read = ne_rank - ne.get("embed", {}).get("per_rank", 0) + (erow if "embed" in ne else 0)
     fixed = ne_rank + kv["total"] + act["total"]
     hi_b = acc.expert_bytes(MXFP4)
     params = acc.expert_params
@@ -591,6 +708,7 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
         "k_hi_drop_target": req.k_hi_drop_target,
         "expert_bpw": chosen["expert_bpw"],
         "nonexpert": ne,
+        "nonexpert_read_per_token_per_rank": ne_read,
         "kv_state": kv,
         "activations": act,
         "bytes_per_rank": per_rank,
@@ -695,6 +813,19 @@ def main(argv: list[str] | None = None) -> None:
         metavar="CLASS=FORMAT",
         help=f"override a class ({', '.join(CLASSES)}), e.g. attention=8bit-g64",
     )
+    ap.add_argument(
+        "--nonexpert-sensitivity",
+        metavar="JSON",
+        help="per-class measurements (benchmarks/nonexpert.py): each class takes the "
+        "fewest bits within --kl-tolerance; without it DEFAULT_NONEXPERT",
+    )
+    ap.add_argument(
+        "--kl-tolerance",
+        type=float,
+        default=DEFAULT_KL_TOLERANCE,
+        help=f"nats/token a class may add (default {DEFAULT_KL_TOLERANCE}: "
+        "KL of seven classes adds to well under the 2-bit experts' error)",
+    )
     ap.add_argument("--attention", choices=("replicated", "split"), default="replicated")
     ap.add_argument(
         "--lo-fallback",
@@ -740,13 +871,21 @@ def main(argv: list[str] | None = None) -> None:
         context=args.context,
         prefill_chunk=args.prefill_chunk,
     )
-    nonexpert = dict(DEFAULT_NONEXPERT)
+    nonexpert, origin = dict(DEFAULT_NONEXPERT), dict.fromkeys(DEFAULT_NONEXPERT, "default")
+    if args.nonexpert_sensitivity:
+        try:
+            sens = read_sensitivity(args.nonexpert_sensitivity)
+        except (OSError, ValueError) as e:
+            ap.error(f"--nonexpert-sensitivity: {e}")
+        nonexpert, origin = measured_nonexpert(
+            sens, args.kl_tolerance, f"measured ({_relpath(args.nonexpert_sensitivity)})"
+        )
     for kv in args.nonexpert:
         c, _, f = kv.partition("=")
         if c not in CLASSES:
             ap.error(f"--nonexpert {kv}: class must be one of {CLASSES}")
         QFormat.parse(f)
-        nonexpert[c] = f
+        nonexpert[c], origin[c] = f, "--nonexpert"
     budget = None
     if args.budget_total is not None:
         budget = int(args.budget_total) // args.ranks
@@ -759,6 +898,7 @@ def main(argv: list[str] | None = None) -> None:
         lo=args.lo,
         min_promoted_fraction=args.min_promoted,
         nonexpert=nonexpert,
+        nonexpert_from=origin,
         attention=args.attention,
         lo_fallback=args.lo_fallback,
         headroom=int(args.headroom_gib * GiB),
@@ -778,6 +918,13 @@ def main(argv: list[str] | None = None) -> None:
             "index_total_size": acc.index_total,
             "source_bytes_from_config": acc.source_total,
         },
+        "nonexpert_sensitivity": {
+            "file": _relpath(args.nonexpert_sensitivity),
+            "kl_tolerance": args.kl_tolerance,
+            "why": DEFAULT_KL_TOLERANCE_WHY,
+        }
+        if args.nonexpert_sensitivity
+        else None,
         **plan,
     }
     text = json.dumps(plan, indent=1)
