@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from k3dist.bench.evaluate import expert_bytes
-from k3dist.build import convert
+from k3dist.build import convert, grade
 from k3dist.build.checkpoint import Source
 from k3dist.format import layout
 from k3dist.format.graded import HI, LO
@@ -98,12 +98,14 @@ def test_mixed2_is_2bit_and_3bit_projections(mini_src, profiles):
     assert q["bits"] == 3
 
 
-def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path):
+@pytest.mark.parametrize("allocation", ["per-layer", "global"])
+def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, allocation):
     src = Source(mini_src)
     tc = src.text_config
     out = convert.convert_profile(
         mini_src, tmp_path / "graded", "graded", scores=scores, progress=False,
-        plan_kw={"budget": int(2.838e6), "context": 256, "headroom": 0})
+        plan_kw={"budget": int(2.838e6), "context": 256, "headroom": 0},
+        allocation=allocation)
     m = json.loads((out / "k3dist.json").read_text())
     plan = m["plan"]
     assert 0 < plan["promoted_total"] < len(layout.moe_layers(tc)) * tc["num_experts"]
@@ -113,11 +115,18 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     hi = {int(k): v for k, v in cfg["graded"]["hi"].items()}
     sc = dict(np.load(scores))
+    assert plan["allocation"] == allocation
+    if allocation == "global":  # the best over all layers, a multiple of the ranks each
+        wants = grade.promote_global({int(k[6:]): v for k, v in sc.items()},
+                                     plan["promoted_total"], plan["ranks"])
+        assert sum(map(len, wants.values())) == plan["promoted_total"]
+        assert all(len(v) % plan["ranks"] == 0 for v in wants.values())
+    else:
+        wants = {int(layer): sorted(np.argsort(-sc[f"layer_{layer}"], kind="stable")[:n].tolist())
+                 for layer, n in plan["promoted_per_layer"].items()}
     t = _tensors(out)
     checked = 0
-    for layer, n in plan["promoted_per_layer"].items():
-        layer = int(layer)
-        want = sorted(np.argsort(-sc[f"layer_{layer}"], kind="stable")[:n].tolist())
+    for layer, want in wants.items():
         assert hi.get(layer, []) == want
         for proj in ("gate_proj", "up_proj", "down_proj"):
             for kind, suffix in (("weight_packed", "weight"), ("weight_scale", "scales")):
@@ -142,7 +151,8 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path):
     # resumable / idempotent: a second run finds both stages complete
     again = convert.convert_profile(
         mini_src, tmp_path / "graded", "graded", scores=scores, progress=False,
-        plan_kw={"budget": int(2.838e6), "context": 256, "headroom": 0})
+        plan_kw={"budget": int(2.838e6), "context": 256, "headroom": 0},
+        allocation=allocation)
     assert json.loads((again / "k3dist.json").read_text())["build_hash"] == m["build_hash"]
 
 

@@ -530,8 +530,14 @@ def convert_profile(src: str | Path, out: str | Path, profile: str = "mxfp4", *,
                     mxfp4_dir: str | Path | None = None, nonexpert_bits: int = 16,
                     group_size: int = 64, nonexpert: str | dict | None = None,
                     scores: str | Path | None = None, plan_kw: dict | None = None,
-                    k_hi: int | None = None, progress: bool = True) -> Path:
-    """One ``--profile``; every stage streamed and resumable (module doc)."""
+                    k_hi: int | None = None, routes: str | Path | None = None,
+                    allocation: str = "global", progress: bool = True) -> Path:
+    """One ``--profile``; every stage streamed and resumable (module doc). ``graded``:
+    the plan fixes how many experts are promoted; ``allocation`` ``global`` spends them
+    on the highest ``scores`` over all layers (a multiple of the ranks per layer),
+    ``per-layer`` takes the plan's count in every layer; ``k_hi`` per layer comes from
+    calibration ``routes`` when given (observed maximum), else ``k_hi``, else uniform
+    routing at the plan's drop target."""
     from k3dist.build import grade as grader
     from k3dist.format.graded import GradedMap
     from k3dist.format.manifest import MANIFEST
@@ -563,10 +569,24 @@ def convert_profile(src: str | Path, out: str | Path, profile: str = "mxfp4", *,
     E = tc["num_experts"]
     if profile == "graded":
         counts = {int(k): int(v) for k, v in plan["promoted_per_layer"].items()}
-        promoted = grader.promote_top(read_counts(scores), counts)
-        khi = {int(k): int(v) for k, v in plan["k_hi_uniform"].items()}
-        if k_hi is not None:
-            khi = dict.fromkeys(khi, k_hi)
+        if allocation == "global":
+            promoted = grader.promote_global(read_counts(scores), sum(counts.values()),
+                                             plan["ranks"])
+        elif allocation == "per-layer":
+            promoted = grader.promote_top(read_counts(scores), counts)
+        else:
+            raise ValueError(f"--allocation {allocation!r}: global or per-layer")
+        plan["allocation"] = allocation
+        if routes is not None:
+            khi = grader.k_hi_calibrated(routes, promoted, build)
+        elif k_hi is not None:
+            khi = dict.fromkeys(promoted, k_hi)
+        else:
+            from k3dist.build.plan import PlanRequest, k_hi_uniform
+
+            target = PlanRequest().k_hi_drop_target
+            khi = {i: max(1, k_hi_uniform(E, tc["num_experts_per_token"], len(v), target))
+                   for i, v in promoted.items()}
         grader.grade(build, out, promoted, khi, plan["lo"]["format"], progress=progress,
                      plan=plan)
     elif profile in ("2bit", "3bit"):
@@ -612,14 +632,21 @@ def main() -> None:
                    "--scores): the highest of each layer are promoted")
     g.add_argument("--ranks", type=int, default=2)
     g.add_argument("--lo", default="auto", help="lo-bank format or auto (the plan's)")
-    g.add_argument("--k-hi", type=int, help="hi routes per token (default: the plan's)")
+    g.add_argument("--k-hi", type=int, help="hi routes per token (default: from --routes, "
+                   "else uniform routing at the plan's drop target)")
+    g.add_argument("--routes", help="calibration routes.npz (python -m "
+                   "k3dist.build.calibrate): k_hi per layer = the observed maximum")
+    g.add_argument("--allocation", choices=("global", "per-layer"), default="global",
+                   help="global (default, measured better: benchmarks/results/quality-*): "
+                   "the plan's promotions go to the highest scores over all layers; "
+                   "per-layer: the plan's count in every layer")
     g.add_argument("--context", type=int, help="tokens of context the plan leaves KV for")
     g.add_argument("--headroom-gib", type=float, help="kept free per rank (plan default)")
     g.add_argument("--nonexpert-sensitivity", metavar="JSON",
                    help="measured non-expert formats (plan --nonexpert-sensitivity)")
     g.add_argument("--kl-tolerance", type=float, help="with --nonexpert-sensitivity")
     args = ap.parse_args()
-    graded_only = ("budget", "budget_total", "target_bpw", "scores", "k_hi", "context",
+    graded_only = ("budget", "budget_total", "target_bpw", "scores", "k_hi", "routes", "context",
                    "headroom_gib", "nonexpert_sensitivity", "kl_tolerance")
     given = [f"--{k.replace('_', '-')}" for k in graded_only if getattr(args, k) is not None]
     if args.profile != "graded" and given:
@@ -644,7 +671,7 @@ def main() -> None:
         path = convert_profile(args.src, args.out, args.profile, mxfp4_dir=args.mxfp4,
                                nonexpert_bits=args.nonexpert_bits, group_size=args.group_size,
                                nonexpert=args.nonexpert, scores=args.scores, plan_kw=plan_kw,
-                               k_hi=args.k_hi)
+                               k_hi=args.k_hi, routes=args.routes, allocation=args.allocation)
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {path}")

@@ -318,21 +318,29 @@ def promote_top(scores: dict[int, np.ndarray], counts: dict[int, int]) -> dict[i
     return out
 
 
-def promote_global(scores: dict[int, np.ndarray], total: int) -> dict[int, list[int]]:
-    """The ``total`` highest-scoring experts over all layers at once (a global budget:
-    layers whose experts matter more get more of it); each layer keeps at least one
-    expert in its lo bank."""
-    layers = sorted(scores)
-    E = len(scores[layers[0]])
-    flat = np.concatenate([np.asarray(scores[i], dtype=np.float64) for i in layers])
-    out: dict[int, list[int]] = {i: [] for i in layers}
-    for j in np.argsort(-flat, kind="stable"):
-        if sum(map(len, out.values())) == total:
-            break
-        layer = layers[int(j) // E]
-        if len(out[layer]) < E - 1:
-            out[layer].append(int(j) % E)
-    return {i: sorted(v) for i, v in out.items()}
+def promote_global(
+    scores: dict[int, np.ndarray], total: int, multiple: int = 1
+) -> dict[int, list[int]]:
+    """About ``total`` promotions chosen over all layers at once (a global budget: layers
+    whose experts matter more get more of it). Each layer's experts are taken in groups of
+    ``multiple`` (its best ``multiple``, then the next ...; a group scores its sum), so every
+    layer's count is a multiple of ``multiple`` (the ranks: hi bytes balance across them);
+    every lo bank keeps at least one expert. Scores must be comparable across layers (a
+    sensitivity, not routing counts)."""
+    groups = []  # (score, layer, ids)
+    for layer, v in scores.items():
+        v = np.asarray(v, dtype=np.float64)
+        order = np.argsort(-v, kind="stable")
+        for g in range((len(v) - 1) // multiple):
+            ids = order[g * multiple : (g + 1) * multiple]
+            groups.append((float(v[ids].sum()), layer, g, [int(e) for e in ids]))
+    # within a layer group sums never increase, and ties go by position: the global
+    # order takes each layer's groups best first
+    groups.sort(key=lambda t: (-t[0], t[1], t[2]))
+    out: dict[int, list[int]] = {layer: [] for layer in scores}
+    for _, layer, _, ids in groups[: total // multiple]:
+        out[layer] += ids
+    return {layer: sorted(v) for layer, v in out.items()}
 
 
 def k_hi_calibrated(
@@ -390,6 +398,12 @@ def main() -> None:
         help="choose the same total number of promotions over all layers at once "
         "(scores must be comparable across layers: a sensitivity, not counts)",
     )
+    ap.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="with --global: each layer promotes a multiple of this (hi bytes balanced)",
+    )
     args = ap.parse_args()
     scores = read_counts(args.scores)
     p = None
@@ -410,7 +424,7 @@ def main() -> None:
         ap.error("give --k-hi, --routes (calibration) or a --plan that has k_hi")
     try:
         if args.global_budget:
-            promoted = promote_global(scores, sum(counts.values()))
+            promoted = promote_global(scores, sum(counts.values()), args.ranks)
         else:
             promoted = promote_top(scores, counts)
         if args.routes:
