@@ -11,7 +11,10 @@ Steps (each reused when its output exists) under ``runs/quality/``:
    frequency, random);
 3. graded builds promoting 5 / 10 / 20 % of each MoE layer's experts by every score,
    ``k_hi`` per layer from the calibration routes (observed maximum), and the
-   ``--global`` variants (the same number of promotions chosen over all layers at once);
+   ``--global`` variants (the same number of promotions chosen over all layers at once,
+   in pairs: two ranks) for the sensitivity scores; ``mixed2`` (``convert --profile
+   mixed2``); and the overflow policy at ``k_hi`` 2 for ``--fallback-for``'s global
+   20 % build: routes past ``k_hi`` dropped, or served by a 2-bit fallback copy;
 4. ``evaluate`` of every build on the held-out windows.
 
 The mini-K3's routed experts are 96 x 96, so only group size 32 divides their columns:
@@ -48,7 +51,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0, help="random promotion scores")
     ap.add_argument("--scores", default=",".join(SCORES))
-    ap.add_argument("--global-for", default="", help="scores that also get global-budget rows")
+    ap.add_argument("--global-for", default="output-error,fisher,taylor",
+                    help="scores that also get global-budget rows")
+    ap.add_argument("--fallback-for", default="taylor",
+                    help="the score whose global 20%% build gets the k_hi 2 drop/fallback rows")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     RUNS.mkdir(parents=True, exist_ok=True)
@@ -74,6 +80,11 @@ def main() -> None:
                 fmt,
             )
         students.append((out, fmt, "-"))
+    mixed2 = RUNS / "mixed2"
+    if not (mixed2 / "k3dist.json").exists():
+        run("k3dist.build.convert", "--src", "data/mini-k3", "--out", str(mixed2), "--profile",
+            "mixed2", "--mxfp4", str(mxfp4))
+    students.append((mixed2, "mixed2", "-"))
     calib_tokens = RUNS / f"calib-{a.calib_windows}x{a.seq}.npz"
     if not calib_tokens.exists():
         run(
@@ -139,6 +150,16 @@ def main() -> None:
                         *(("--global",) if mode == "global" else ()),
                     )
                 students.append((out, name, score))
+    if a.fallback_for:
+        n = round(20 * E / 100)
+        sc = str(calib / f"scores-{a.fallback_for}.npz")
+        for fb in (False, True):
+            name = "graded-20-global-khi2" + ("-fallback" if fb else "")
+            out = RUNS / f"{name}-{a.fallback_for}"
+            if not (out / "k3dist.json").exists():
+                run(*grade, "--out", str(out), "--scores", sc, "--per-layer", str(n), "--lo",
+                    "2bit-g32", "--k-hi", "2", "--global", *(("--lo-fallback",) if fb else ()))
+            students.append((out, name, a.fallback_for))
     out = Path(a.out)
     ev = [
         "k3dist.bench.evaluate",

@@ -438,3 +438,53 @@ def test_plan_then_grade(mini_build, tmp_path):
     assert json.loads((tmp_path / "g" / "k3dist.json").read_text())["plan"] == plan
     model, _ = banks.load_build(tmp_path / "g")  # loads and runs
     assert greedy(model, [5, 6, 7], 2)[0]
+
+
+def test_two_rank_ep_of_an_uneven_global_promotion(mini_build, tmp_path):
+    """A global budget promotes unevenly: one layer nearly all (k_hi = top-k), one none
+    (a single bank), the rest a few with their own k_hi; 2-rank EP still equals single
+    process."""
+    tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
+    moe = layout.moe_layers(tc)
+    E, k = tc["num_experts"], tc["num_experts_per_token"]
+    rng = np.random.default_rng(1)
+    scores = {i: rng.random(E) * (100 if i == moe[0] else 1) for i in moe}
+    scores[moe[1]] = np.zeros(E) - 1.0  # never chosen before the others run out
+    promoted = grade.promote_global(scores, E + 4, 2)
+    assert len(promoted[moe[0]]) == E - 2 and not promoted[moe[1]]
+    assert all(len(v) % 2 == 0 for v in promoted.values())
+    k_hi = {i: (k if i == moe[0] else 1) for i in moe}
+    build = grade.grade(mini_build, tmp_path / "g", promoted, k_hi, "2bit-g32", progress=False)
+    model, config = banks.load_build(build)
+    vocab = config["text_config"]["vocab_size"]
+    prompt = np.random.default_rng(0).integers(0, vocab - 256, size=40).tolist()
+    tokens, logits = greedy(model, prompt, 16)
+    slicing.slice_all(build, str(tmp_path / "ranks" / "rank{rank}"), 2, progress=False)
+    r = mlx_launch(
+        2, "launch/generate.py", "--rank-dir", str(tmp_path / "ranks" / "rank{rank}"),
+        "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "16",
+        "--dump", str(tmp_path / "out" / "rank{rank}.npz"),
+    )
+    assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
+    for i in range(2):
+        x = np.load(tmp_path / "out" / f"rank{i}.npz")
+        assert x["tokens"].tolist() == tokens
+        assert float(np.abs(x["logits"] - logits).max()) < 1e-4
+
+
+def test_global_promotion_takes_the_best_groups_over_layers():
+    rng = np.random.default_rng(3)
+    scores = {i: rng.random(16) * w for i, w in ((1, 1.0), (2, 5.0), (3, 0.2))}
+    # groups of one: exactly the top 10 values over all layers
+    got = grade.promote_global(scores, 10, 1)
+    flat = sorted(((v, i, e) for i, s in scores.items() for e, v in enumerate(s)), reverse=True)
+    want: dict[int, list[int]] = {i: [] for i in scores}
+    for _, i, e in flat[:10]:
+        want[i].append(e)
+    assert got == {i: sorted(v) for i, v in want.items()}
+    # groups of two: each layer's best pairs, counts even, a lo expert always left
+    got = grade.promote_global(scores, 40, 2)
+    assert all(len(v) % 2 == 0 and len(v) <= 14 for v in got.values())
+    assert sum(map(len, got.values())) == 40
+    for i, ids in got.items():
+        assert ids == sorted(np.argsort(-scores[i], kind="stable")[: len(ids)].tolist())

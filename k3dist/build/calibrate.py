@@ -18,10 +18,14 @@ Scores per expert (sums over its routed tokens; higher = promote first):
 ``g`` comes from a streamed backward pass: the forward saves the student's state at each
 AttnRes block input (to ``--work``, on disk), the KL to the teacher's log-probabilities
 (``k3dist.build.teacher``) gives the cotangent at the end, and the blocks run backward
-one at a time (``mx.vjp`` of the block from its saved input), a zero probe added to each
-MoE layer's routed sum reading ``g``. Memory: two state sets (states + cotangents,
-``k3dist.build.stream.check_cap`` with 2 copies) plus one block's weights and one
-batch's activations; on disk the block inputs (one state set per block).
+one at a time: the layer inputs of the block are recomputed from its saved input, then
+each layer's ``mx.vjp`` runs alone, a zero probe added to each MoE layer's routed sum
+reading ``g``. Memory: two state sets (states + cotangents,
+``k3dist.build.stream.check_cap`` with 2 copies), one student layer and one teacher
+expert stack, and one batch's layer backward: for a KDA layer ~4.4 recurrent states
+per token (heads x head_dim^2 x 4 B: 2.3 MB per token on the ``bench`` preset, ~28 MB
+on real K3, i.e. ~7 GB for a batch of one 256-token window; ``--batch`` sets it). On
+disk: the block inputs, and one block's layer inputs while it runs backward.
 
 The routes (top-k ids per token and MoE layer, int16) are kept too: ``k_hi`` for any
 promotion set follows from them (:func:`k_hi_from_routes`).
@@ -145,6 +149,7 @@ class Calibration:
         self.starts = list(range(0, self.S.num_layers, size))
         self.kl = 0.0
         self.grads: dict[tuple[int, int], mx.array] | None = None  # (layer, batch) -> g, if set
+        self._b = 0  # the batch the backward is on
 
     def say(self, what: str) -> None:
         if self.progress:
@@ -230,51 +235,78 @@ class Calibration:
         mx.eval(gh, graw)
         return gh, graw
 
-    # -- backward: fisher and taylor, a block at a time ---------------------------------
-    def backward(self, cots: list[tuple[mx.array, mx.array | None]]) -> None:
+    # -- backward: fisher and taylor, a layer at a time ---------------------------------
+    def _layer_vjp(self, i: int, s: stream.State, cot: tuple[mx.array, mx.array | None]):
+        """Cotangent at layer i's input from the one at its output; at a MoE layer the
+        routed-sum gradient is read by the probe and scored."""
         eps = self.S.args.rms_norm_eps
+        has_raw = s.raw is not None
+        moe = i in self.hooks
+
+        def layer(*args):
+            h, raw = (args[0], args[1]) if has_raw else (args[0], None)
+            if moe:
+                self.hooks[i].probe = args[-1]
+            out = self.S.run_layer(i, stream.State(h, raw, _inv_rms(raw, eps)))
+            return [out.h, out.raw] if out.raw is not None else [out.h]
+
+        primals = [s.h, s.raw] if has_raw else [s.h]
+        if moe:
+            primals.append(mx.zeros((*s.h.shape[:-1], self._latent(i))))
+        cotangents = [cot[0]] if cot[1] is None else list(cot)
+        _, vjps = mx.vjp(layer, primals, cotangents)
+        if moe:
+            self.hooks[i].probe = None
+            g = vjps[-1]
+            if self.grads is not None:
+                self.grads[(i, self._b)] = g
+            inds, dl = self._delta(i)
+            proj = (g[..., None, :] * dl).sum(-1)  # [B, L, k]
+            mx.eval(inds, proj)
+            self._add("fisher", i, inds, proj * proj)
+            self._add("taylor", i, inds, proj)
+        mx.eval(vjps)
+        return vjps[0], vjps[1] if has_raw else None
+
+    def _states(self, layer: int) -> list[stream.State]:
+        d = mx.load(str(self.work / f"student-L{layer}.safetensors"))
+        n = 1 + max(int(k.split(".")[1]) for k in d)
+        return [
+            stream.State.from_arrays(
+                {k.split(".")[0]: v for k, v in d.items() if k.endswith(f".{b}")}
+            )
+            for b in range(n)
+        ]
+
+    def backward(self, cots: list[tuple[mx.array, mx.array | None]]) -> None:
+        """Blocks in reverse. A block's layer inputs are recomputed from its saved input
+        (a layer at a time, to disk), then its layers run backward a layer at a time,
+        every batch through one layer before the next is read: the weights held are one
+        student layer and one teacher expert stack, never a block."""
         ends = [*self.starts[1:], self.S.num_layers]
         for a, c in reversed(list(zip(self.starts, ends, strict=True))):
-            d = mx.load(str(self.work / f"student-L{a}.safetensors"))
-            moe = [i for i in range(a, c) if i in self.hooks]
-            for b in range(len(cots)):
-                s = stream.State.from_arrays(
-                    {k.split(".")[0]: v for k, v in d.items() if k.endswith(f".{b}")}
-                )
-                probes = [mx.zeros((*s.h.shape[:-1], self._latent(i))) for i in moe]
-                has_raw = s.raw is not None
-
-                def block(*args, a=a, c=c, moe=moe, has_raw=has_raw):
-                    h, raw = (args[0], args[1]) if has_raw else (args[0], None)
-                    for i, p in zip(moe, args[2 if has_raw else 1 :], strict=True):
-                        self.hooks[i].probe = p
-                    st = stream.State(h, raw, _inv_rms(raw, eps))
-                    for i in range(a, c):
-                        st = self.S.run_layer(i, st)
-                    return [st.h, st.raw]
-
-                primals = [s.h, s.raw, *probes] if has_raw else [s.h, *probes]
-                _, vjps = mx.vjp(block, primals, list(cots[b]))
-                for i in moe:
-                    self.hooks[i].probe = None
-                n = 2 if has_raw else 1
-                gs = vjps[n:]
-                for i, g in zip(moe, gs, strict=True):
-                    if self.grads is not None:
-                        self.grads[(i, b)] = g
-                    inds, dl = self._delta(i)
-                    proj = (g[..., None, :] * dl).sum(-1)  # [B, L, k]
-                    mx.eval(inds, proj)
-                    self._add("fisher", i, inds, proj * proj)
-                    self._add("taylor", i, inds, proj)
-                mx.eval(vjps[:n])
-                cots[b] = (vjps[0], vjps[1] if has_raw else None)
-            for i in range(a, c):
+            states = self._states(a)
+            for i in range(a, c - 1):
+                for b, st in enumerate(states):
+                    states[b] = self.S.run_layer(i, st)
+                    mx.eval(states[b].arrays())
+                arrays = {
+                    f"{k}.{b}": v for b, st in enumerate(states) for k, v in st.arrays().items()
+                }
+                mx.save_safetensors(str(self.work / f"student-L{i + 1}.safetensors"), arrays)
+                self.S.release_layer(i)
+            del states
+            for i in reversed(range(a, c)):
+                for b, st in enumerate(self._states(i)):
+                    self._b = b
+                    cots[b] = self._layer_vjp(i, st, cots[b])
                 self.S.release_layer(i)
                 if i in self.hooks:
                     self.T.release_layer(i)
-            mx.clear_cache()
-            self.say(f"backward block {a // (c - a) if c > a else a} (layers {a}..{c - 1})")
+                if i != a:
+                    (self.work / f"student-L{i}.safetensors").unlink()
+                mx.clear_cache()
+            self.say(f"backward layers {a}..{c - 1}")
 
     def _latent(self, i: int) -> int:
         return self.S.args.routed_expert_hidden_size or self.S.args.hidden_size
