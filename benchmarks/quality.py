@@ -15,7 +15,9 @@ Steps (each reused when its output exists) under ``runs/quality/``:
    in pairs: two ranks) for the sensitivity scores; ``mixed2`` (``convert --profile
    mixed2``); and the overflow policy at ``k_hi`` 2 for ``--fallback-for``'s global
    20 % build: routes past ``k_hi`` dropped, or served by a 2-bit fallback copy;
-4. ``evaluate`` of every build on the held-out windows.
+4. block-aligned DWQ (``k3dist.build.dwq``, issue 13) of the ``--dwq-for`` builds against
+   the same streamed teacher on the calibration windows: rows ``<build>-dwq``;
+5. ``evaluate`` of every build on the held-out windows.
 
 The mini-K3's routed experts are 96 x 96, so only group size 32 divides their columns:
 g64 / g128 formats cannot store them (``grade`` refuses).
@@ -55,6 +57,12 @@ def main() -> None:
                     help="scores that also get global-budget rows")
     ap.add_argument("--fallback-for", default="taylor",
                     help="the score whose global 20%% build gets the k_hi 2 drop/fallback rows")
+    ap.add_argument("--dwq-for", default="",
+                    help="comma-separated row names (e.g. 2bit-g32,graded-10-global-taylor) "
+                    "that also get a DWQ row")
+    ap.add_argument("--dwq-steps", type=int, default=60)
+    ap.add_argument("--dwq-lr", type=float, default=1e-3)
+    ap.add_argument("--dwq-input", default="student", choices=("student", "teacher"))
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     RUNS.mkdir(parents=True, exist_ok=True)
@@ -160,6 +168,18 @@ def main() -> None:
                 run(*grade, "--out", str(out), "--scores", sc, "--per-layer", str(n), "--lo",
                     "2bit-g32", "--k-hi", "2", "--global", *(("--lo-fallback",) if fb else ()))
             students.append((out, name, a.fallback_for))
+    for want in filter(None, a.dwq_for.split(",")):
+        found = [(p, n, sc) for p, n, sc in students if p.name == want]
+        if not found:
+            raise SystemExit(f"--dwq-for {want}: no such row (builds: "
+                             f"{[p.name for p, _, _ in students]})")
+        path, name, score = found[0]
+        out = RUNS / f"{want}-dwq-{a.dwq_input}-{a.dwq_steps}"
+        if not (out / "k3dist.json").exists():
+            run("k3dist.build.dwq", "--teacher-build", str(mxfp4), "--teacher", str(teacher),
+                "--student", str(path), "--tokens", str(calib_tokens), "--out", str(out),
+                "--steps", str(a.dwq_steps), "--lr", str(a.dwq_lr), "--input", a.dwq_input)
+        students.append((out, f"{name}-dwq", score))
     out = Path(a.out)
     ev = [
         "k3dist.bench.evaluate",

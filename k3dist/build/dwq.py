@@ -1,0 +1,517 @@
+"""Block-aligned layerwise DWQ: distil a low-bit build's affine scales and biases against
+the MXFP4 teacher, one AttnRes block at a time, in bounded memory.
+
+K3's Attention Residuals make (hidden state, block stack) the complete input of a block,
+so each block trains alone: its input is the student's own propagated state (``--input
+student``, default: what the block sees at run time) or the teacher's (``teacher``),
+its target the teacher's state at the block's output (both from the streamed teacher,
+``k3dist.build.teacher``, on the calibration token set). Loss: normalised MSE
+``|h_s - h_t|^2 / |h_t|^2`` of the block's output hidden state (the next block pushes it
+onto the AttnRes stack, so it is also the pushed residual); for the last block the KL of
+the head's log-probabilities to the teacher's.
+
+Trained: the float32 master copies of the ``scales`` and ``biases`` of the block's affine
+tensors below 8 bits (mlx-lm's DWQ rule): the lo-bank experts (``mlp.switch_mlp``) and
+any quantized non-expert tensors. Frozen byte for byte: MXFP4 hi-bank experts, routers,
+norms, bf16 tensors. The lo bank's gradient is computed a chunk of experts at a time
+(``k3dist.build.expert_grad.bank_grads``: never a dense ``(E, out, in)`` gradient of the
+stack) from ``g``, the loss gradient at the MoE layer's routed sum (a zero probe added
+there). Adam; ``--valid-windows`` windows spread evenly over the token set are held out
+and scored every ``--eval-every`` steps: a worse score restores the best parameters and
+halves the learning rate.
+
+Memory: one student block (weights, Adam moments of its trainable tensors), the token
+set's states three times (teacher input and output, student input: ``stream.check_cap``
+with 3 copies), one batch's block backward and one chunk of expert gradients. Real K3
+(12 layers a block, 2-bit g64 lo bank): ~110 GB of block weights; scales + biases are
+1/16 of a 2-bit g64 layer's ... see ``bound_real_k3`` in the manifest.
+
+Output: a normal build (the student's files, trained tensors rewritten in bf16), resumable
+by block (a journal per block's files plus the propagated student state), its manifest
+recording the run (token hash, steps, lr, per-block validation before/after).
+
+    python -m k3dist.build.dwq --teacher-build runs/mxfp4 --teacher runs/teacher \\
+        --student runs/graded --tokens calib.npz --out runs/graded-dwq
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from k3dist import __version__
+from k3dist.build import stream
+from k3dist.build.calibrate import _Hook, _inv_rms, kl_sum
+from k3dist.build.checkpoint import INDEX_NAME
+from k3dist.build.teacher import TeacherOutput, peak_rss, read_tokens
+from k3dist.format.graded import GradedMap
+from k3dist.format.journal import JournaledFolder, write_json_atomic
+from k3dist.format.manifest import JOURNAL, MANIFEST
+from k3dist.format.sfile import (
+    CheckpointError,
+    StreamWriter,
+    iter_chunks,
+    mx_to_bytes,
+    read_header,
+    sha256_file,
+)
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from tqdm import tqdm
+
+
+@dataclass
+class DWQConfig:
+    steps: int = 60  # per block
+    lr: float = 1e-3  # Adam, on float32 scales/biases
+    batch: int = 2  # windows per step
+    valid_windows: int = 2  # held out, spread evenly over the token set
+    eval_every: int = 10
+    input: str = "student"  # "student" | "teacher": the block's input state
+    chunk: int = 64  # experts per gradient chunk
+    seed: int = 0
+
+
+def trainable(module: nn.Module) -> dict[str, mx.array]:
+    """Flattened ``scales``/``biases`` of every affine quantized tensor below 8 bits
+    (mlx-lm's DWQ rule) in ``module``: name -> array."""
+    out = {}
+    for name, m in module.named_modules():
+        if getattr(m, "mode", None) == "affine" and getattr(m, "bits", 8) < 8 and "scales" in m:
+            prefix = f"{name}." if name else ""
+            out[f"{prefix}scales"] = m["scales"]
+            out[f"{prefix}biases"] = m["biases"]
+    return out
+
+
+def _cat(states: list[stream.State]) -> stream.State:
+    h = mx.concatenate([s.h for s in states])
+    if states[0].raw is None:
+        return stream.State(h)
+    return stream.State(
+        h,
+        mx.concatenate([s.raw for s in states], axis=1),
+        mx.concatenate([s.inv_rms for s in states], axis=1),
+    )
+
+
+def _rows(s: stream.State, idx: np.ndarray) -> stream.State:
+    i = mx.array(idx)
+    if s.raw is None:
+        return stream.State(s.h[i])
+    return stream.State(s.h[i], s.raw[:, i], s.inv_rms[:, i])
+
+
+class DWQ:
+    def __init__(
+        self,
+        teacher_build: str | Path,
+        teacher: str | Path,
+        student: str | Path,
+        tokens: np.ndarray,
+        out: str | Path,
+        cfg: DWQConfig | None = None,
+        *,
+        cap: int = 2 * stream.GiB,
+        progress: bool = True,
+    ):
+        self.cfg = cfg or DWQConfig()
+        if self.cfg.input not in ("student", "teacher"):
+            raise ValueError(f"--input {self.cfg.input!r}: student or teacher")
+        self.t0 = time.perf_counter()
+        self.progress = progress
+        self.student = Path(student)
+        self.out = Path(out)
+        self.S = stream.LayerStream(student)
+        if GradedMap.from_config(self.S.config) is None:
+            raise CheckpointError(
+                f"{student}: DWQ trains a low-bit build's affine scales; this is an MXFP4 "
+                "build (make one: python -m k3dist.build.convert --profile 2bit|graded)"
+            )
+        self.teacher = TeacherOutput(teacher)
+        ident = self.teacher.manifest["identity"]
+        if ident["shape"] != list(tokens.shape):
+            raise CheckpointError(
+                f"{teacher}: the teacher ran {ident['shape']} tokens, DWQ got "
+                f"{list(tokens.shape)}; run both on the same token set"
+            )
+        self.teacher_build = Path(teacher_build)
+        self.tokens = tokens
+        n = tokens.shape[0]
+        if not 0 < self.cfg.valid_windows < n:
+            raise ValueError(f"--valid-windows {self.cfg.valid_windows}: 1..{n - 1} of {n}")
+        # held out: windows spread evenly over the set (token sets list domains in turn)
+        self.valid_idx = np.unique(
+            np.linspace(0, n - 1, self.cfg.valid_windows).round().astype(int)
+        )
+        self.train_idx = np.setdiff1d(np.arange(n), self.valid_idx)
+        stream.check_cap(self.S.tc, tokens.size, cap, copies=3, what="teacher + student states")
+        self.cap = cap
+        size = self.S.tc.get("attn_res_block_size") or self.S.num_layers
+        self.starts = list(range(0, self.S.num_layers, size))
+        self.ends = [*self.starts[1:], self.S.num_layers]
+        self.moe = [i for i, layer in enumerate(self.S.text.layers) if hasattr(layer.mlp, "_route")]
+        self.hooks = {i: _Hook(self.S.layer(i).mlp) for i in self.moe}
+        self.eps = self.S.args.rms_norm_eps
+        self.report: list[dict] = []
+
+    def say(self, what: str) -> None:
+        if self.progress:
+            print(
+                f"[{time.perf_counter() - self.t0:7.1f} s] dwq {what}", file=sys.stderr, flush=True
+            )
+
+    # -- data ----------------------------------------------------------------------
+    def teacher_states(self, layer: int) -> stream.State:
+        return _cat(self.teacher.states(layer))
+
+    def teacher_logp(self) -> tuple[mx.array | None, mx.array]:
+        parts = [self.teacher.logits(b) for b in range(len(self.teacher.manifest["batches"]))]
+        ids = None if parts[0][0] is None else mx.concatenate([p[0] for p in parts])
+        return ids, mx.concatenate([p[1] for p in parts])
+
+    # -- one block -------------------------------------------------------------------
+    def _run(self, a: int, c: int, s: stream.State) -> stream.State:
+        s = stream.State(s.h, s.raw, _inv_rms(s.raw, self.eps))
+        for i in range(a, c):
+            s = self.S.run_layer(i, s)
+        return s
+
+    def _loss(self, a: int, c: int, s_in: stream.State, target) -> mx.array:
+        out = self._run(a, c, s_in)
+        if c == self.S.num_layers:
+            ids, logp = target
+            return kl_sum(ids, logp, self.S.head(out)) / out.h.shape[0] / out.h.shape[1]
+        d = out.h - target.h
+        return (d * d).sum() / (target.h * target.h).sum()
+
+    def _target(self, c: int, t_out, idx: np.ndarray):
+        if c == self.S.num_layers:
+            ids, logp = t_out
+            i = mx.array(idx)
+            return (None if ids is None else ids[i], logp[i])
+        return _rows(t_out, idx)
+
+    def _evaluate(self, a, c, s_in, t_out, idx) -> float:
+        total = 0.0
+        for j in range(0, len(idx), self.cfg.batch):
+            part = idx[j : j + self.cfg.batch]
+            loss = self._loss(a, c, _rows(s_in, part), self._target(c, t_out, part))
+            total += loss.item() * len(part)
+        return total / len(idx)
+
+    def _step_grads(self, a, c, params, s_in, target) -> tuple[float, dict[str, mx.array]]:
+        from k3dist.build.expert_grad import bank_grads
+
+        block = [self.S.layer(i) for i in range(a, c)]
+        moe = [i for i in range(a, c) if i in self.hooks]
+        latent = self.S.args.routed_expert_hidden_size or self.S.args.hidden_size
+        probes = [mx.zeros((*s_in.h.shape[:-1], latent)) for _ in moe]
+        dense_names = [n for n in params if ".switch_mlp." not in n]
+
+        def f(dense, probes):
+            _set(block, a, dense)
+            for i, p in zip(moe, probes, strict=True):
+                self.hooks[i].probe = p
+            return self._loss(a, c, s_in, target)
+
+        dense = {n: params[n] for n in dense_names}
+        loss, (g_dense, g_probes) = mx.value_and_grad(f, argnums=(0, 1))(dense, probes)
+        mx.eval(loss, g_dense, g_probes)
+        grads = dict(g_dense)
+        for i, g in zip(moe, g_probes, strict=True):
+            self.hooks[i].probe = None
+            m = self.hooks[i].moe
+            y, inds, w = self.hooks[i].seen
+            _, _, taken, _ = m._select_hi(inds, w)
+            lo = m._table[inds]
+            ok = (lo >= 0) & ~taken
+            weff = mx.where(ok, w, mx.zeros_like(w))
+            bg = bank_grads(m.switch_mlp, y, mx.where(ok, lo, 0), weff, g, self.cfg.chunk)
+            for k, v in bg.items():
+                grads[f"{i - a}.mlp.switch_mlp.{k}"] = v
+        return loss.item(), grads
+
+    def train_block(self, a: int, c: int, s_in: stream.State, t_out) -> dict:
+        block = [self.S.layer(i) for i in range(a, c)]
+        params = {}
+        for j, layer in enumerate(block):
+            for n, v in trainable(layer).items():
+                params[f"{j}.{n}"] = v
+        mx.eval(params)
+        entry = {"layers": [a, c - 1], "trainable": sum(v.size for v in params.values())}
+        before = self._evaluate(a, c, s_in, t_out, self.valid_idx)
+        entry["valid_before"] = round(before, 6)
+        if not params:
+            entry.update(valid_after=entry["valid_before"], steps=0, note="nothing to train")
+            return entry
+        opt = _Adam(self.cfg.lr)
+        rng = np.random.default_rng([self.cfg.seed, a])  # per block: a resumed run redraws it
+        best, best_params, lr = before, dict(params), self.cfg.lr
+        losses = []
+        for step in tqdm(
+            range(self.cfg.steps),
+            desc=f"dwq layers {a}..{c - 1}",
+            disable=not self.progress,
+            leave=False,
+        ):
+            part = rng.choice(
+                self.train_idx, size=min(self.cfg.batch, len(self.train_idx)), replace=False
+            )
+            loss, grads = self._step_grads(
+                a, c, params, _rows(s_in, part), self._target(c, t_out, part)
+            )
+            losses.append(loss)
+            params = opt.update(params, grads, lr)
+            _set(block, a, params)
+            mx.eval(params)
+            if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps:
+                v = self._evaluate(a, c, s_in, t_out, self.valid_idx)
+                if v < best:
+                    best, best_params = v, dict(params)
+                else:  # revert to the best and slow down
+                    params, lr = dict(best_params), lr / 2
+                    _set(block, a, params)
+        _set(block, a, best_params)
+        entry.update(
+            valid_after=round(best, 6),
+            change=round(best / before - 1, 4) if before else None,
+            steps=self.cfg.steps,
+            train_loss_first=round(losses[0], 6),
+            train_loss_last=round(losses[-1], 6),
+            final_lr=lr,
+        )
+        return entry
+
+    # -- whole build -------------------------------------------------------------------
+    def run(self) -> Path:
+        smf = json.loads((self.student / MANIFEST).read_text())
+        ident = {
+            "kind": "dwq",
+            "from_build": smf.get("build_hash"),
+            "teacher": self.teacher.manifest["identity"],
+            "config": asdict(self.cfg),
+        }
+        folder = JournaledFolder(self.out, "build", ident)
+        if folder.open():
+            return self.out
+        index = json.loads((self.student / INDEX_NAME).read_text())["weight_map"]
+        files = list(dict.fromkeys(index.values()))
+        self.report = list(folder.journal.setdefault("blocks", []))
+        s_in = None
+        if self.cfg.input == "student" and self.report:
+            last = self.ends[len(self.report) - 1]
+            s_in = _cat(_load_states(self.out / f".dwq-states-L{last}.safetensors"))
+        for b, (a, c) in enumerate(zip(self.starts, self.ends, strict=True)):
+            block_files = sorted({index[n] for n in index if _layer_of(n) in range(a, c)})
+            if b < len(self.report):
+                continue  # done (its files and the propagated state are on disk)
+            if s_in is None or self.cfg.input == "teacher":
+                s_in = self.teacher_states(a)
+            if c == self.S.num_layers:
+                t_out = self.teacher_logp()
+            else:
+                t_out = self.teacher_states(c)
+            entry = self.train_block(a, c, s_in, t_out)
+            self.say(
+                f"layers {a}..{c - 1}: valid {entry['valid_before']} -> {entry['valid_after']}"
+            )
+            for f in block_files:
+                folder.unit(f, lambda f=f, a=a, c=c: self._write_file(f, a, c))
+            if self.cfg.input == "student" and c < self.S.num_layers:
+                s_in = self._propagate(a, c, s_in)
+                mx.save_safetensors(
+                    str(self.out / f".dwq-states-L{c}.safetensors"),
+                    {f"{k}.0": v for k, v in s_in.arrays().items()},
+                )
+            for i in range(a, c):
+                self.S.release_layer(i)
+            mx.clear_cache()
+            self.report.append(entry)
+            folder.journal["blocks"] = self.report
+            write_json_atomic(self.out / JOURNAL, folder.journal)
+        for f in files:  # head, vision: copied
+            folder.unit(f, lambda f=f: self._copy_file(f))
+        write_json_atomic(
+            self.out / INDEX_NAME, json.loads((self.student / INDEX_NAME).read_text())
+        )
+        small = sorted(
+            p.name
+            for p in self.student.iterdir()
+            if p.is_file()
+            and not p.name.startswith(".")
+            and p.suffix != ".safetensors"
+            and p.name not in (INDEX_NAME, MANIFEST, JOURNAL)
+        )
+        for name in small:
+            shutil.copyfile(self.student / name, self.out / name)
+        for p in self.out.glob(".dwq-states-*"):
+            p.unlink()
+        out_files = {
+            f: {"sha256": folder.done[f]["sha256"], "bytes": folder.done[f]["bytes"]} for f in files
+        }
+        for name in (*small, INDEX_NAME):
+            out_files[name] = {
+                "sha256": sha256_file(self.out / name),
+                "bytes": (self.out / name).stat().st_size,
+            }
+        folder.finish(
+            {
+                "tool": f"k3dist {__version__}",
+                "kind": "build",
+                "identity": ident,
+                "build_hash": hashlib.sha256(
+                    json.dumps(ident, sort_keys=True).encode()
+                ).hexdigest()[:16],
+                "from_build": str(self.student.resolve()),
+                "profile": {**smf.get("profile", {}), "dwq": True},
+                "plan": smf.get("plan"),
+                "dwq": {
+                    "tokens_sha256": self.teacher.manifest["identity"]["tokens_sha256"],
+                    "windows": {"train": len(self.train_idx), "valid": len(self.valid_idx)},
+                    "config": asdict(self.cfg),
+                    "blocks": self.report,
+                    "peak_rss": peak_rss(),
+                },
+                "files": out_files,
+                "seconds": round(time.perf_counter() - self.t0, 2),
+            }
+        )
+        return self.out
+
+    def _propagate(self, a: int, c: int, s_in: stream.State) -> stream.State:
+        outs = []
+        for j in range(0, s_in.h.shape[0], self.cfg.batch):
+            o = self._run(a, c, _rows(s_in, np.arange(j, min(j + self.cfg.batch, s_in.h.shape[0]))))
+            mx.eval(o.arrays())
+            outs.append(o)
+        return _cat(outs)
+
+    def _write_file(self, fname: str, a: int, c: int) -> dict:
+        """The student's file with this block's trained tensors in the file's dtype."""
+        h = read_header(self.student / fname)
+        new = {}
+        for i in range(a, c):
+            for n, v in trainable(self.S.layer(i)).items():
+                new[f"language_model.model.layers.{i}.{n}"] = v
+        entries = sorted(h.tensors.values(), key=lambda t: t.start)
+        with StreamWriter(
+            self.out / fname, [(t.name, t.dtype, t.shape) for t in entries], h.metadata or None
+        ) as wr:
+            for t in entries:
+                if t.name in new:
+                    dt = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}[t.dtype]
+                    wr.write(t.name, mx_to_bytes(new[t.name].astype(dt)))
+                else:
+                    wr.write(t.name, iter_chunks(t))
+        return {"file": fname, "bytes": wr.size, "sha256": wr.sha256}
+
+    def _copy_file(self, fname: str) -> dict:
+        shutil.copyfile(self.student / fname, self.out / fname)
+        p = self.out / fname
+        return {"file": fname, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
+
+
+class _Adam:
+    """Adam on a flat dict of float32 arrays."""
+
+    def __init__(self, lr: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):
+        self.b1, self.b2, self.eps = b1, b2, eps
+        self.m: dict[str, mx.array] = {}
+        self.v: dict[str, mx.array] = {}
+        self.t = 0
+
+    def update(self, params: dict, grads: dict, lr: float) -> dict:
+        self.t += 1
+        out = {}
+        for n, p in params.items():
+            g = grads[n].astype(mx.float32)
+            m = self.b1 * self.m.get(n, mx.zeros_like(g)) + (1 - self.b1) * g
+            v = self.b2 * self.v.get(n, mx.zeros_like(g)) + (1 - self.b2) * g * g
+            self.m[n], self.v[n] = m, v
+            mh = m / (1 - self.b1**self.t)
+            vh = v / (1 - self.b2**self.t)
+            out[n] = p - lr * mh / (mx.sqrt(vh) + self.eps)
+        return out
+
+
+def _set(block: list[nn.Module], a: int, params: dict[str, mx.array]) -> None:
+    """Put ``params`` (``"<layer offset>.<path>"``) into the block's layers."""
+    per: dict[int, list] = {}
+    for n, v in params.items():
+        j, path = n.split(".", 1)
+        per.setdefault(int(j), []).append((path, v))
+    for j, items in per.items():
+        block[j].load_weights(items, strict=False)
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    if "layers" in parts:
+        return int(parts[parts.index("layers") + 1])
+    return None
+
+
+def _load_states(path: Path) -> list[stream.State]:
+    d = mx.load(str(path))
+    return [stream.State.from_arrays({k.split(".")[0]: v for k, v in d.items()})]
+
+
+def dwq(teacher_build, teacher, student, tokens, out, cfg: DWQConfig | None = None, **kw) -> Path:
+    """Distil ``student``'s low-bit scales/biases against the teacher (module doc)."""
+    return DWQ(teacher_build, teacher, student, tokens, out, cfg, **kw).run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    d = DWQConfig()
+    ap = argparse.ArgumentParser(
+        description="Block-aligned DWQ of a low-bit build's "
+        "scales and biases against the MXFP4 teacher."
+    )
+    ap.add_argument("--teacher-build", required=True, help="the MXFP4 build")
+    ap.add_argument("--teacher", required=True, help="python -m k3dist.build.teacher output")
+    ap.add_argument("--student", required=True, help="a low-bit build (2bit, mixed2, graded)")
+    ap.add_argument("--tokens", required=True, help="the teacher's token set")
+    ap.add_argument("--out", required=True, help="output build (resumes by block)")
+    ap.add_argument("--steps", type=int, default=d.steps, help="per block")
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--batch", type=int, default=d.batch, help="windows per step")
+    ap.add_argument("--valid-windows", type=int, default=d.valid_windows)
+    ap.add_argument("--eval-every", type=int, default=d.eval_every)
+    ap.add_argument("--input", choices=("student", "teacher"), default=d.input)
+    ap.add_argument("--chunk", type=int, default=d.chunk, help="experts per gradient chunk")
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--cap", default="2GiB", help="memory cap for the states")
+    a = ap.parse_args(argv)
+    cfg = DWQConfig(a.steps, a.lr, a.batch, a.valid_windows, a.eval_every, a.input, a.chunk, a.seed)
+    try:
+        path = dwq(
+            a.teacher_build,
+            a.teacher,
+            a.student,
+            read_tokens(a.tokens),
+            a.out,
+            cfg,
+            cap=stream.parse_bytes(a.cap),
+        )
+    except (CheckpointError, stream.StreamError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    m = json.loads((path / MANIFEST).read_text())
+    for b in m["dwq"]["blocks"]:
+        print(
+            f"layers {b['layers'][0]}..{b['layers'][1]}: valid {b['valid_before']} -> "
+            f"{b['valid_after']}"
+        )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
