@@ -104,7 +104,10 @@ class TwoBankMoE(ep.ExpertParallelMoE):
         if not self.k_hi:
             return None, None, mx.zeros(inds.shape, dtype=mx.bool_), prom
         score = mx.where(prom, w, mx.array(-1.0, dtype=w.dtype))  # router weights >= 0
-        pos = mx.argpartition(-score, kth=self.k_hi - 1, axis=-1)[..., : self.k_hi]
+        # indices carry no gradient (DWQ differentiates through this layer)
+        pos = mx.stop_gradient(
+            mx.argpartition(-score, kth=self.k_hi - 1, axis=-1)[..., : self.k_hi]
+        )
         valid = mx.take_along_axis(prom, pos, axis=-1)
         hit = (pos[..., None] == mx.arange(k)) & valid[..., None]  # [.., k_hi, k]
         return pos, hit, hit.any(axis=-2), prom
@@ -145,7 +148,7 @@ class TwoBankMoE(ep.ExpertParallelMoE):
             hi = mx.take_along_axis(self._hi_table[inds], pos, axis=-1)  # [.., k_hi]
             hi_ok = hi >= 0
             hi_out = self.switch_hi(y, mx.where(hi_ok, hi, 0))  # [.., k_hi, D]
-            slot = mx.argmax(hit, axis=-2)  # route -> the hi slot that took it
+            slot = mx.stop_gradient(mx.argmax(hit, axis=-2))  # route -> the hi slot that took it
             on_hi = taken & mx.take_along_axis(hi_ok, slot, axis=-1)
             hi_route = mx.take_along_axis(hi_out, slot[..., None], axis=-2)
             out = mx.where(on_hi[..., None], hi_route, out)
@@ -262,4 +265,3 @@ def load_build(
     if not lazy:
         mx.eval(model.parameters())
     return model, config
-
