@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--dwq-steps", type=int, default=60)
     ap.add_argument("--dwq-lr", type=float, default=1e-3)
     ap.add_argument("--dwq-input", default="student", choices=("student", "teacher"))
+    ap.add_argument("--dwq-other-input-for", default="",
+                    help="rows that also get DWQ from the other input (``-dwq-<input>-input``)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     RUNS.mkdir(parents=True, exist_ok=True)
@@ -168,18 +170,22 @@ def main() -> None:
                 run(*grade, "--out", str(out), "--scores", sc, "--per-layer", str(n), "--lo",
                     "2bit-g32", "--k-hi", "2", "--global", *(("--lo-fallback",) if fb else ()))
             students.append((out, name, a.fallback_for))
-    for want in filter(None, a.dwq_for.split(",")):
+    other = {"student": "teacher", "teacher": "student"}[a.dwq_input]
+    jobs = [(w, a.dwq_input, "-dwq") for w in filter(None, a.dwq_for.split(","))]
+    jobs += [(w, other, f"-dwq-{other}-input")
+             for w in filter(None, a.dwq_other_input_for.split(","))]
+    for want, mode, suffix in jobs:
         found = [(p, n, sc) for p, n, sc in students if p.name == want]
         if not found:
             raise SystemExit(f"--dwq-for {want}: no such row (builds: "
                              f"{[p.name for p, _, _ in students]})")
         path, name, score = found[0]
-        out = RUNS / f"{want}-dwq-{a.dwq_input}-{a.dwq_steps}"
+        out = RUNS / f"{want}-dwq-{mode}-{a.dwq_steps}"
         if not (out / "k3dist.json").exists():
             run("k3dist.build.dwq", "--teacher-build", str(mxfp4), "--teacher", str(teacher),
                 "--student", str(path), "--tokens", str(calib_tokens), "--out", str(out),
-                "--steps", str(a.dwq_steps), "--lr", str(a.dwq_lr), "--input", a.dwq_input)
-        students.append((out, f"{name}-dwq", score))
+                "--steps", str(a.dwq_steps), "--lr", str(a.dwq_lr), "--input", mode)
+        students.append((out, f"{name}{suffix}", score))
     out = Path(a.out)
     ev = [
         "k3dist.bench.evaluate",
