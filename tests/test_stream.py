@@ -138,7 +138,7 @@ def test_streamed_gradient_equals_the_whole_models(mini_build, builds, tokens, t
     moes = [
         layer.mlp for layer in model.language_model.model.layers if hasattr(layer.mlp, "_route")
     ]
-    hooks = [calibrate._Hook(m) for m in moes]
+    hooks = [calibrate.RoutedProbe(m) for m in moes]
     out = teacher.TeacherOutput(t)
     for b, r in enumerate(stream.batches(N, 2)):
         x = mx.array(tokens[r])

@@ -84,7 +84,7 @@ def k_hi_from_routes(
     return top_k
 
 
-class _Hook:
+class RoutedProbe:
     """Wraps a student MoE layer's routed path: records (latent input, ids, weights) of
     the last call and adds ``probe`` (when set) to the routed sum."""
 
@@ -141,7 +141,7 @@ class Calibration:
         self.work = Path(work)
         self.work.mkdir(parents=True, exist_ok=True)
         self.moe = [i for i, layer in enumerate(self.S.text.layers) if hasattr(layer.mlp, "_route")]
-        self.hooks = {i: _Hook(self.S.layer(i).mlp) for i in self.moe}
+        self.hooks = {i: RoutedProbe(self.S.layer(i).mlp) for i in self.moe}
         E = self.S.args.num_experts
         self.sums = {s: {i: np.zeros(E) for i in self.moe} for s in scores if s != "random"}
         self.routes: dict[int, list[np.ndarray]] = {i: [] for i in self.moe}
@@ -225,7 +225,7 @@ class Calibration:
         eps = self.S.args.rms_norm_eps
 
         def loss(h, raw):
-            return kl_sum(ids, t_logp, self.S.head(stream.State(h, raw, _inv_rms(raw, eps))))
+            return kl_sum(ids, t_logp, self.S.head(stream.State(h, raw, stream.inv_rms(raw, eps))))
 
         if s.raw is None:
             g = mx.grad(lambda h: loss(h, None))(s.h)
@@ -247,7 +247,7 @@ class Calibration:
             h, raw = (args[0], args[1]) if has_raw else (args[0], None)
             if moe:
                 self.hooks[i].probe = args[-1]
-            out = self.S.run_layer(i, stream.State(h, raw, _inv_rms(raw, eps)))
+            out = self.S.run_layer(i, stream.State(h, raw, stream.inv_rms(raw, eps)))
             return [out.h, out.raw] if out.raw is not None else [out.h]
 
         primals = [s.h, s.raw] if has_raw else [s.h]
@@ -346,13 +346,6 @@ class Calibration:
         }
         (out / "calibrate.json").write_text(json.dumps(summary, indent=1) + "\n")
         return summary
-
-
-def _inv_rms(raw: mx.array | None, eps: float) -> mx.array | None:
-    if raw is None:
-        return None
-    x = raw.astype(mx.float32)
-    return mx.rsqrt((x * x).mean(axis=-1) + eps)
 
 
 def _savez(path: Path, arrays: dict[str, np.ndarray]) -> None:

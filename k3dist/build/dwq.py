@@ -47,7 +47,7 @@ from pathlib import Path
 
 from k3dist import __version__
 from k3dist.build import stream
-from k3dist.build.calibrate import _Hook, _inv_rms, kl_sum
+from k3dist.build.calibrate import RoutedProbe, kl_sum
 from k3dist.build.checkpoint import INDEX_NAME
 from k3dist.build.teacher import TeacherOutput, peak_rss, read_tokens
 from k3dist.format.graded import GradedMap
@@ -159,7 +159,7 @@ class DWQ:
         self.starts = list(range(0, self.S.num_layers, size))
         self.ends = [*self.starts[1:], self.S.num_layers]
         self.moe = [i for i, layer in enumerate(self.S.text.layers) if hasattr(layer.mlp, "_route")]
-        self.hooks = {i: _Hook(self.S.layer(i).mlp) for i in self.moe}
+        self.hooks = {i: RoutedProbe(self.S.layer(i).mlp) for i in self.moe}
         self.eps = self.S.args.rms_norm_eps
         self.report: list[dict] = []
 
@@ -180,7 +180,7 @@ class DWQ:
 
     # -- one block -------------------------------------------------------------------
     def _run(self, a: int, c: int, s: stream.State) -> stream.State:
-        s = stream.State(s.h, s.raw, _inv_rms(s.raw, self.eps))
+        s = stream.State(s.h, s.raw, stream.inv_rms(s.raw, self.eps))
         for i in range(a, c):
             s = self.S.run_layer(i, s)
         return s

@@ -103,6 +103,15 @@ def state_bytes(tc: dict, tokens: int) -> int:
     return tokens * (tc["hidden_size"] * 4 * (depth + 1) + 4 * depth)
 
 
+def inv_rms(raw: mx.array | None, eps: float) -> mx.array | None:
+    """The block stack's inverse RMS (what kimi_k3's ResidualBlocks keeps beside it),
+    recomputed from the stack: differentiable through ``raw``."""
+    if raw is None:
+        return None
+    x = raw.astype(mx.float32)
+    return mx.rsqrt((x * x).mean(axis=-1) + eps)
+
+
 def check_cap(tc: dict, tokens: int, cap: int, copies: int = 1, what: str = "states") -> int:
     """The bound for ``tokens`` (``copies`` state sets: 2 when cotangents are held
     too); raises with the numbers and the fix when over ``cap``."""
