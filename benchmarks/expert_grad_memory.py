@@ -117,6 +117,19 @@ def measure(case: dict) -> dict:
             "backward_extra": m["peak_rss"] - m["rss_before_backward"]}
 
 
+def run(case: dict) -> dict:
+    """One measured case, with its dense size and MB figures, logged to stderr."""
+    row = measure(case)
+    row["dense_fp32_grad_MB"] = round(dense_bytes(case["chunk"] or case["E"], case["D"],
+                                                  case["H"]) / MB, 1)
+    row["backward_extra_MB"] = round(row["backward_extra"] / MB, 1)
+    row["peak_over_baseline_MB"] = round(row["peak_over_baseline"] / MB, 1)
+    print(json.dumps({k: row[k] for k in ("E", "D", "H", "T", "method", "chunk",
+                                          "backward_extra_MB", "peak_over_baseline_MB",
+                                          "seconds")}), file=sys.stderr)
+    return row
+
+
 def k3_bound(f_plain: float, f_chunk: float, chunks: list[int]) -> dict:
     """One real K3 MoE layer's lo bank (E=896, latent 3584 -> moe intermediate 3072),
     2-bit g64: the plain backward vs the chunked one at the measured factor."""
@@ -143,34 +156,37 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--group", type=int, default=64)
+    ap.add_argument("--quick", action="store_true",
+                    help="skip the checks (one real-K3-shape chunk, a routes sweep)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
 
-    rows = []
-    for e in args.experts:
-        for method, chunk in [("plain", 0), *(("chunked", c) for c in args.chunks)]:
-            case = {"D": args.dim, "H": args.hidden, "E": e, "K": args.k, "T": args.tokens,
-                    "bits": args.bits, "group": args.group, "method": method, "chunk": chunk}
-            row = measure(case)
-            row["dense_fp32_grad_MB"] = round(
-                dense_bytes(chunk or e, args.dim, args.hidden) / MB, 1)
-            row["backward_extra_MB"] = round(row["backward_extra"] / MB, 1)
-            row["peak_over_baseline_MB"] = round(row["peak_over_baseline"] / MB, 1)
-            print(json.dumps({k: row[k] for k in ("E", "method", "chunk", "backward_extra_MB",
-                                                   "peak_over_baseline_MB", "seconds")}),
-                  file=sys.stderr)
-            rows.append(row)
+    base = {"D": args.dim, "H": args.hidden, "K": args.k, "T": args.tokens,
+            "bits": args.bits, "group": args.group}
+    rows = [run(base | {"E": e, "method": m, "chunk": c}) for e in args.experts
+            for m, c in [("plain", 0), *(("chunked", c) for c in args.chunks)]]
+    checks: list[dict] = []
+    if not args.quick:
+        # one real K3 projection shape (latent 3584 -> 3072), 8 experts: is f the same?
+        k3 = base | {"D": 3584, "H": 3072, "T": 64, "E": 8}
+        checks += [run(k3 | {"method": "plain", "chunk": 0}) | {"check": "k3_shape"},
+                   run(k3 | {"method": "chunked", "chunk": 4}) | {"check": "k3_shape"}]
+        # routes per chunk: the activations' share (E=128, chunk 16: T*k/8 routes a chunk)
+        checks += [run(base | {"E": 128, "method": "chunked", "chunk": 16, "T": t})
+                   | {"check": "routes"} for t in (64, 1024, 4096)]
+    fitted = rows + [r for r in checks if r["check"] == "k3_shape"]
     # transient per dense (out, in) float32 gradient of one projection, per expert held
-    plain = [r for r in rows if r["method"] == "plain"]
+    plain = [r for r in fitted if r["method"] == "plain"]
     f_plain = max(r["backward_extra"] / dense_bytes(r["E"], r["D"], r["H"]) for r in plain)
     f_chunk = max((r["backward_extra"] - 2 * grad_bytes(r["E"], r["D"], r["H"], r["group"]))
                   / dense_bytes(r["chunk"], r["D"], r["H"])
-                  for r in rows if r["method"] == "chunked")
+                  for r in fitted if r["method"] == "chunked")
     report = {
         **kit.environment(),
         "what": "peak RSS of one backward of a quantized SwitchGLU expert bank w.r.t. its "
                 "affine scales/biases: plain mx.grad vs bank_grads (chunks of experts)",
         "rows": rows,
+        "checks": checks,
         "formula": {
             "dense": "E * out * in * 4 B: one projection's dense float32 weight gradient "
                      "(gate/up/down all have out * in = D * H)",
@@ -181,9 +197,13 @@ def main() -> None:
                                       "bounds the chunks held plus one key concatenated",
             "f_plain": round(f_plain, 2),
             "f_chunk": round(f_chunk, 2),
-            "f_note": "max over the measured rows; ~2 per projection (dense gradient + "
-                      "dequantized weights) x 3 projections in one backward, plus the "
+            "f_note": "max over rows and the k3_shape checks (T <= 256); ~2 per "
+                      "projection (dense gradient + dequantized weights) x 3 projections "
+                      "in one backward, plus the "
                       "activations and allocator slack, which weigh more at small chunks",
+            "routes_term": "plus the chunk's activations, ~n * (D + H) * 4 B * a small "
+                           "factor, n = routes into the chunk (checks: T sweep); "
+                           "negligible next to the dense term at K3 shapes",
         },
         "real_k3_layer": k3_bound(f_plain, f_chunk, args.chunks),
     }
