@@ -20,11 +20,11 @@ there). Adam; ``--valid-windows`` windows spread evenly over the token set are h
 and scored every ``--eval-every`` steps: a worse score restores the best parameters and
 halves the learning rate.
 
-Memory: one student block (weights, Adam moments of its trainable tensors), the token
-set's states three times (teacher input and output, student input: ``stream.check_cap``
-with 3 copies), one batch's block backward and one chunk of expert gradients. Real K3
-(12 layers a block, 2-bit g64 lo bank): ~110 GB of block weights; scales + biases are
-1/16 of a 2-bit g64 layer's ... see ``bound_real_k3`` in the manifest.
+Memory: one student block (weights in float32 where floating, the Adam moments and the
+best-so-far copy of its trainable tensors), the token set's states three times (teacher
+input and output, student input: ``stream.check_cap`` with 3 copies), one batch's block
+backward and one chunk of expert gradients (``benchmarks/dwq_memory.py`` measures it on
+``bench`` and prints the real-K3 bound: a 12-layer block, 2-bit g64 lo bank).
 
 Output: a normal build (the student's files, trained tensors rewritten in bf16), resumable
 by block (a journal per block's files plus the propagated student state), its manifest
@@ -76,7 +76,7 @@ class DWQConfig:
     valid_windows: int = 2  # held out, spread evenly over the token set
     eval_every: int = 10
     input: str = "student"  # "student" | "teacher": the block's input state
-    chunk: int = 64  # experts per gradient chunk
+    chunk: int = 64  # experts per gradient chunk (0: one mx.grad over the stack, reference)
     seed: int = 0
 
 
@@ -209,7 +209,7 @@ class DWQ:
         return total / len(idx)
 
     def _step_grads(self, a, c, params, s_in, target) -> tuple[float, dict[str, mx.array]]:
-        from k3dist.build.expert_grad import bank_grads
+        from k3dist.build.expert_grad import bank_grads, plain_grads
 
         block = [self.S.layer(i) for i in range(a, c)]
         moe = [i for i in range(a, c) if i in self.hooks]
@@ -235,7 +235,8 @@ class DWQ:
             lo = m._table[inds]
             ok = (lo >= 0) & ~taken
             weff = mx.where(ok, w, mx.zeros_like(w))
-            bg = bank_grads(m.switch_mlp, y, mx.where(ok, lo, 0), weff, g, self.cfg.chunk)
+            args = (m.switch_mlp, y, mx.where(ok, lo, 0), weff, g)
+            bg = bank_grads(*args, self.cfg.chunk) if self.cfg.chunk else plain_grads(*args)
             for k, v in bg.items():
                 grads[f"{i - a}.mlp.switch_mlp.{k}"] = v
         return loss.item(), grads
