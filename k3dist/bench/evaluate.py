@@ -332,24 +332,39 @@ def plot(rep: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = {"frequency": "tab:blue", "random": "tab:orange", None: "black"}
-    uniform = sorted((r["expert_bpw"], r["kl"]) for r in rep["rows"] if r["score"] is None)
+    fig, ax = plt.subplots(figsize=(9, 6))
+    palette = {
+        "frequency": "tab:blue",
+        "random": "tab:orange",
+        "taylor": "tab:red",
+        "fisher": "tab:purple",
+        "output-error": "tab:brown",
+        None: "black",
+    }
+    uniform = sorted(
+        (r["expert_bpw"], r["kl"])
+        for r in rep["rows"]
+        if r["score"] is None and "dwq" not in r["build"]
+    )
     if len(uniform) > 1:
         ax.plot(*zip(*uniform, strict=True), color="gray", ls="--", lw=0.8, zorder=0)
     labelled = set()
     for r in rep["rows"]:
         score = r["score"]
+        glob = "global" in r["build"]
+        dwq = "dwq" in r["build"]
+        key = (score, glob, dwq)
+        label = (score or "uniform") + (" global" if glob else "") + (" + DWQ" if dwq else "")
         ax.scatter(
             r["expert_bpw"],
             r["kl"],
-            color=colors.get(score, "tab:green"),
-            label=None if score in labelled else (score or "uniform"),
-            s=18,
+            color=palette.get(score, "tab:green"),
+            marker="*" if dwq else ("s" if glob else "o"),
+            s=60 if dwq else 18,
+            label=None if key in labelled else label,
         )
-        labelled.add(score)
-        if r["build"] not in labelled:  # one label per build, at its first point
-            labelled.add(r["build"])
+        labelled.add(key)
+        if r["score"] is None or dwq:
             ax.annotate(
                 r["build"],
                 (r["expert_bpw"], r["kl"]),

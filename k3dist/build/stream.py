@@ -12,10 +12,15 @@ state ``h`` and K3's Attention Residuals block stack (``raw``, one entry per fin
 block, with its inverse RMS): running layer by layer from a state equals the full
 forward (``tests/test_stream.py``: bitwise on CPU, float32).
 
-Memory bound (enforced: :func:`check_cap`): the states of the whole token set,
-``tokens x hidden x (blocks + 1) x 4`` bytes at the deepest layer (float32), plus one
-layer's weights and the activations of one batch of windows. Real K3 (hidden 7168, 8
-AttnRes blocks): 258 KB per token, 1.06 GB for 4,096 tokens.
+Memory bound: the states of the whole token set, ``tokens x hidden x (blocks + 1) x 4``
+bytes at the deepest layer (float32; enforced: :func:`check_cap` refuses a token set over
+``--cap``), plus one layer's weights (as read, and floating tensors cast to float32) and
+one batch's activations, of which a KDA layer's prefill is the largest: one recurrent
+state per token until evaluated (heads x head_dim^2 x 4 B). Real K3 (hidden 7168, 8
+AttnRes blocks, 96 KDA heads of 128): states 258 KB per token (1.06 GB for 4,096 tokens),
+the largest layer ~19.5 GB, KDA prefill 6.3 MB per token (1.6 GB for a 256-token window):
+~23 GB for 16 windows at ``--batch 1``, where the whole model is 1.56 TB.
+``benchmarks/stream_memory.py`` measures it on the ``bench`` preset.
 """
 
 from __future__ import annotations
