@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from k3dist.bench import kit as bench
+from k3dist.bench import membound
 from k3dist.build import convert, grade, stream, teacher
 from k3dist.build.plan import QFormat
 from k3dist.factory import synth
@@ -43,11 +42,7 @@ print(json.dumps({"baseline_rss": base, "peak_rss": teacher.peak_rss()}))
 
 
 def child(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(r.stderr[-3000:])
-    m = json.loads(r.stdout.strip().splitlines()[-1])
-    return {**m, "over_baseline": m["peak_rss"] - m["baseline_rss"]}
+    return membound.child_peak(_CHILD, *args)
 
 
 def real_k3_bound(tokens_per_step: int = 256, chunk: int = 16) -> dict:

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from k3dist.bench import kit as bench
+from k3dist.bench import membound
 from k3dist.build import convert, grade, stream
 from k3dist.factory import synth
 from k3dist.format import layout
@@ -59,11 +58,7 @@ print(json.dumps({"baseline_rss": base, "peak_rss": teacher.peak_rss()}))
 
 
 def child(*args: str) -> dict:
-    r = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(r.stderr[-3000:])
-    m = json.loads(r.stdout.strip().splitlines()[-1])
-    return {**m, "over_baseline": m["peak_rss"] - m["baseline_rss"]}
+    return membound.child_peak(_CHILD, *args)
 
 
 # The process's own growth beyond MLX's arrays while streaming (allocator and Python heap

@@ -41,7 +41,8 @@ from k3dist.build import stream
 from k3dist.build import teacher as teacher_mod
 from k3dist.build.checkpoint import INDEX_NAME
 from k3dist.build.teacher import log_softmax
-from k3dist.factory import corpus, quality
+from k3dist.factory import corpus
+from k3dist.factory.windows import token_set
 from k3dist.format import layout
 from k3dist.format.graded import GRADED_KEY, GradedMap, bank_of
 from k3dist.format.sfile import CheckpointError, read_header
@@ -193,13 +194,7 @@ def evaluate(
         )
     if GRADED_KEY in json.loads((Path(teacher) / "config.json").read_text()):
         raise ValueError(f"{teacher}: the teacher must be the MXFP4 build, not a graded one")
-    xs, ys, doms = [], [], []
-    for dom in corpus.DOMAINS:
-        x, y = quality.windows(SPLIT, dom, seq, windows, corpus_dir, tokenizer_dir)
-        xs.append(np.array(x))
-        ys.append(np.array(y))
-        doms += [dom] * x.shape[0]
-    tokens, targets = np.concatenate(xs).astype(np.int32), np.concatenate(ys).astype(np.int32)
+    tokens, targets, doms = token_set(SPLIT, seq, windows, corpus_dir, tokenizer_dir)
     rows_of = stream.batches(len(tokens), batch)
     with tempfile.TemporaryDirectory(prefix="k3dist-eval-") as tmp:
         t_dir = teacher_mod.run(

@@ -77,3 +77,14 @@ def measure(src: str | Path, out: str | Path, nonexpert_bits: int = 16) -> dict:
     return {**m, **b, "peak_over_baseline": over,
             "within_bound": over <= b["bound_over_baseline"],
             "peak_over_baseline_vs_model": round(over / b["model_bytes"], 4)}
+
+
+def child_peak(code: str, *args: str) -> dict:
+    """Run ``code`` (``python -c``) with ``args``; its last stdout line is JSON with
+    ``baseline_rss`` and ``peak_rss``; adds ``over_baseline``. Exits with the child's
+    stderr tail when it fails."""
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(r.stderr[-3000:])
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    return {**m, "over_baseline": m["peak_rss"] - m["baseline_rss"]}

@@ -16,6 +16,23 @@ from k3dist.factory import corpus, quality
 import numpy as np
 
 
+def token_set(
+    split: str,
+    seq: int,
+    windows: int,
+    corpus_dir: Path = corpus.CORPUS_DIR,
+    tokenizer_dir: Path = corpus.TOKENIZER_DIR,
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(inputs, targets) [windows x domains, seq] int32 and each window's domain."""
+    xs, ys, doms = [], [], []
+    for dom in corpus.DOMAINS:
+        x, y = quality.windows(split, dom, seq, windows, corpus_dir, tokenizer_dir)
+        xs.append(np.array(x))
+        ys.append(np.array(y))
+        doms += [dom] * x.shape[0]
+    return np.concatenate(xs).astype(np.int32), np.concatenate(ys).astype(np.int32), doms
+
+
 def export(
     split: str,
     seq: int,
@@ -24,18 +41,13 @@ def export(
     corpus_dir: Path = corpus.CORPUS_DIR,
     tokenizer_dir: Path = corpus.TOKENIZER_DIR,
 ) -> Path:
-    xs, ys, doms = [], [], []
-    for dom in corpus.DOMAINS:
-        x, y = quality.windows(split, dom, seq, windows, corpus_dir, tokenizer_dir)
-        xs.append(np.array(x))
-        ys.append(np.array(y))
-        doms += [dom] * x.shape[0]
+    inputs, targets, doms = token_set(split, seq, windows, corpus_dir, tokenizer_dir)
     out = Path(out)
     with open(out, "wb") as f:  # np.savez would append .npz to another suffix
         np.savez(
             f,
-            inputs=np.concatenate(xs).astype(np.int32),
-            targets=np.concatenate(ys).astype(np.int32),
+            inputs=inputs,
+            targets=targets,
             domain=np.array(doms),
         )
     return out
