@@ -61,6 +61,8 @@ def main() -> None:
                     help="comma-separated row names (e.g. 2bit-g32,graded-10-global-taylor) "
                     "that also get a DWQ row")
     ap.add_argument("--dwq-steps", type=int, default=60)
+    ap.add_argument("--dwq-calib-windows", type=int, default=32,
+                    help="calibration windows per domain for DWQ (8 overfits: the -calib8 rows)")
     ap.add_argument("--dwq-lr", type=float, default=1e-3)
     ap.add_argument("--dwq-input", default="student", choices=("student", "teacher"))
     ap.add_argument("--dwq-other-input-for", default="",
@@ -171,6 +173,14 @@ def main() -> None:
                     "2bit-g32", "--k-hi", "2", "--global", *(("--lo-fallback",) if fb else ()))
             students.append((out, name, a.fallback_for))
     other = {"student": "teacher", "teacher": "student"}[a.dwq_input]
+    dwq_tokens = RUNS / f"calib-{a.dwq_calib_windows}x{a.seq}.npz"
+    dwq_teacher = RUNS / f"teacher-{dwq_tokens.stem}"
+    if a.dwq_for and not dwq_tokens.exists():
+        run("k3dist.factory.windows", "--split", "calib", "--seq", str(a.seq), "--windows",
+            str(a.dwq_calib_windows), "--out", str(dwq_tokens))
+    if a.dwq_for:
+        run("k3dist.build.teacher", "--build", str(mxfp4), "--tokens", str(dwq_tokens),
+            "--out", str(dwq_teacher))
     jobs = [(w, a.dwq_input, "-dwq") for w in filter(None, a.dwq_for.split(","))]
     jobs += [(w, other, f"-dwq-{other}-input")
              for w in filter(None, a.dwq_other_input_for.split(","))]
@@ -180,11 +190,12 @@ def main() -> None:
             raise SystemExit(f"--dwq-for {want}: no such row (builds: "
                              f"{[p.name for p, _, _ in students]})")
         path, name, score = found[0]
-        out = RUNS / f"{want}-dwq-{mode}-{a.dwq_steps}"
+        out = RUNS / f"{want}-dwq-{mode}-{a.dwq_steps}-{dwq_tokens.stem}"
         if not (out / "k3dist.json").exists():
-            run("k3dist.build.dwq", "--teacher-build", str(mxfp4), "--teacher", str(teacher),
-                "--student", str(path), "--tokens", str(calib_tokens), "--out", str(out),
-                "--steps", str(a.dwq_steps), "--lr", str(a.dwq_lr), "--input", mode)
+            run("k3dist.build.dwq", "--teacher-build", str(mxfp4), "--teacher",
+                str(dwq_teacher), "--student", str(path), "--tokens", str(dwq_tokens), "--out",
+                str(out), "--steps", str(a.dwq_steps), "--lr", str(a.dwq_lr), "--input", mode,
+                "--valid-windows", "4")
         students.append((out, f"{name}{suffix}", score))
     out = Path(a.out)
     ev = [
