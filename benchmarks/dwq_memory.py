@@ -30,14 +30,14 @@ import json, resource, sys
 import numpy as np
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
-from k3dist.build import dwq, teacher
+from k3dist.build import dwq, stream
 build, student, t, tokens, out, chunk, steps = sys.argv[1:8]
 tokens = np.load(tokens)
 base = rss()
 cfg = dwq.DWQConfig(steps=int(steps), batch=1, valid_windows=1, eval_every=int(steps),
                     chunk=int(chunk))
 dwq.dwq(build, t, student, tokens, out, cfg, progress=False)
-print(json.dumps({"baseline_rss": base, "peak_rss": teacher.peak_rss()}))
+print(json.dumps({"baseline_rss": base, "peak_rss": stream.peak_rss()}))
 """
 
 

@@ -53,7 +53,7 @@ else:
     mx.eval(model.parameters())
     for r in stream.batches(len(tokens), batch):
         mx.eval(model(mx.array(tokens[r])))
-print(json.dumps({"baseline_rss": base, "peak_rss": teacher.peak_rss()}))
+print(json.dumps({"baseline_rss": base, "peak_rss": stream.peak_rss()}))
 """
 
 

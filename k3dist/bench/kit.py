@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import k3dist
-from k3dist.build import convert, slicing
+from k3dist.build import convert, slicing, stream
 from k3dist.build.checkpoint import load_config
 from k3dist.factory import synth
 from k3dist.format import layout, placement
@@ -159,13 +159,9 @@ def nice_launcher(niceness: int = 19) -> dict | None:
     return info
 
 
-def vm_hwm() -> int | None:
-    """This process's peak resident set (Linux VmHWM), bytes; None elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return None
+def vm_hwm() -> int:
+    """This process's peak resident set in bytes (k3dist.build.stream.peak_rss)."""
+    return stream.peak_rss()
 
 
 def memory() -> dict:

@@ -47,7 +47,8 @@ import time
 from pathlib import Path
 
 from k3dist.build import stream
-from k3dist.build.teacher import TeacherOutput, log_softmax, peak_rss, read_tokens
+from k3dist.build.stream import peak_rss
+from k3dist.build.teacher import TeacherOutput, log_softmax, read_tokens
 from k3dist.format.graded import GradedMap
 from k3dist.format.sfile import CheckpointError
 

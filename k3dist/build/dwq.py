@@ -49,7 +49,8 @@ from k3dist import __version__
 from k3dist.build import stream
 from k3dist.build.calibrate import RoutedProbe, kl_sum
 from k3dist.build.checkpoint import INDEX_NAME
-from k3dist.build.teacher import TeacherOutput, peak_rss, read_tokens
+from k3dist.build.stream import peak_rss
+from k3dist.build.teacher import TeacherOutput, read_tokens
 from k3dist.format.graded import GradedMap
 from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.manifest import JOURNAL, MANIFEST

@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import resource
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,16 @@ from mlx_lm.utils import load_model
 
 INDEX_NAME = "model.safetensors.index.json"
 GiB = 1024**3
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes (Linux VmHWM; ru_maxrss elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return r if sys.platform == "darwin" else r * 1024
 
 
 class StreamError(ValueError):

@@ -28,13 +28,13 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
 
 from k3dist import __version__
 from k3dist.build import stream
+from k3dist.build.stream import peak_rss
 from k3dist.format.journal import JournaledFolder
 from k3dist.format.manifest import MANIFEST
 from k3dist.format.sfile import CheckpointError
@@ -43,16 +43,6 @@ import mlx.core as mx
 import numpy as np
 
 KIND = "teacher"
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory in bytes (Linux VmHWM; macOS ru_maxrss)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return r if sys.platform == "darwin" else r * 1024
 
 
 def boundaries(tc: dict) -> list[int]:
