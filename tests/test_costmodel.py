@@ -160,3 +160,27 @@ def test_cli_writes_json(tmp_path):
     assert d["constants"]["hardware"]["bw_fraction"] == 0.5
     assert set(d["projections"]["graded"]["jaccl"]["modes"]) == set(cm.MODES)
     assert {a["anchor"] for a in d["anchors"]["graded"]} >= {"PipeNetwork TP"}
+
+
+def test_batch_reads_weights_once_and_the_union_of_experts(f):
+    hw = cm.Hardware()
+    one = cm.bytes_per_token("ep-split", f, 2, hw, batch=1)
+    eight = cm.bytes_per_token("ep-split", f, 2, hw, batch=8)
+    for g in ("attn_heads", "attn_rep", "dense_mlp", "router", "latent", "shared"):
+        assert eight["bytes"][g] == one["bytes"][g]  # weights: once per step
+    assert eight["bytes"]["state"] == pytest.approx(8 * one["bytes"]["state"])
+    k = f.top_k
+    loads = cm.routed_loads(f, 2, batch=8, samples=512)
+    for load in loads.values():
+        # the busiest rank reads more experts than at batch 1, fewer than 8 x k
+        assert k / 2 < load.max < 8 * k and k < load.distinct <= 8 * k
+        assert load.pairs_max >= load.max
+    # uniform routing over 896 experts: the union of 8 x 16 draws, E (1 - (1 - k/E)^8)
+    want = f.num_experts * (1 - (1 - k / f.num_experts) ** 8)
+    assert np.mean([v.distinct for v in loads.values()]) == pytest.approx(want, rel=0.02)
+    assert one["tok_s_per_request"] > eight["tok_s_per_request"]
+    assert eight["tok_s"] == pytest.approx(8 * eight["tok_s_per_request"])
+    assert 1 < eight["tok_s"] / one["tok_s"] < 8
+    colls = cm.collectives(f, "ep-split", 2, hw, batch=8)
+    assert [c["bytes"] for c in colls] == [
+        8 * c["bytes"] for c in cm.collectives(f, "ep-split", 2, hw)]

@@ -1,4 +1,4 @@
-"""Decode cost model for the real K3 on N boxes: per step (one token, batch 1) and rank,
+"""Decode cost model for the real K3 on N boxes: per step (one token per request) and rank,
 the bytes read, the FLOPs and the collectives of each way to split the model.
 
 Modes (what each rank holds and computes; counts follow the code, not a sketch):
@@ -56,9 +56,14 @@ tower at load) + cache, against ``usable_memory``. The build's size (``footprint
 is the sum of every tensor at the profile's bits; for ``mxfp4`` (experts as shipped,
 non-experts in their source dtypes) it is the source's 1,560,860,324,864 bytes.
 
+Batch (``batch`` requests decoded in lockstep, one step each): weights are read once
+per step, the routed experts read are the union of the batch's (sampled: B tokens, k
+experts each, uniformly or from routing counts), FLOPs, caches, states and collective
+payloads scale with B (latency is paid once); ``tok_s`` is then the aggregate.
+
 Nothing overlaps in this model: collectives sit between dependent layers, and memory
-and compute time are a roofline maximum. Prefill, batching and the KV growth during a
-step are not modelled; ``context`` sets the MLA latent cache read per step.
+and compute time are a roofline maximum. Prefill and the KV growth during a step are
+not modelled; ``context`` sets the MLA latent cache read per step (per request).
 """
 
 from __future__ import annotations
@@ -318,10 +323,14 @@ def footprint(config: dict, profile: Profile) -> dict:
 
 @dataclass(frozen=True)
 class Load:
-    """Routed pairs per rank in one MoE layer, per token."""
+    """Routed experts per rank in one MoE layer, per step. At batch 1 a token's ``k``
+    experts are distinct, so experts read = pairs computed; at batch B the step reads
+    the union of the B tokens' experts and computes B k pairs."""
 
-    mean: tuple[float, ...]  # expected pairs on each rank
-    max: float  # expected pairs on the busiest rank (the step's critical path)
+    mean: tuple[float, ...]  # expected experts read on each rank
+    max: float  # expected experts read on the busiest rank (the step's critical path)
+    pairs_max: float | None = None  # pairs computed on the busiest rank (None: ``max``)
+    distinct: float | None = None  # experts read over all ranks (None: k)
 
 
 def _uniform_load(owned: list[int], k: int) -> Load:
@@ -357,15 +366,40 @@ def _sampled_load(pl: Placement, layer: int, counts: np.ndarray, k: int, samples
     return Load(mean, pl.expected_max_load(layer, sel))
 
 
+def _batch_load(pl: Placement, layer: int, counts: np.ndarray | None, k: int, batch: int,
+                samples: int, seed: int) -> Load:
+    """B tokens per step, each drawing k experts without replacement (proportionally to
+    routing counts, or uniformly): the union each rank reads, the pairs it computes."""
+    rng = np.random.default_rng(seed + layer)
+    E = pl.num_experts
+    p = np.ones(E) if counts is None else np.asarray(counts, dtype=np.float64) + 1e-9
+    keys = np.log(p / p.sum()) + rng.gumbel(size=(samples, batch, E))
+    sel = np.argpartition(-keys, k - 1, axis=-1)[..., :k]  # [samples, B, k]
+    touched = np.zeros((samples, E), dtype=bool)
+    np.put_along_axis(touched, sel.reshape(samples, -1), True, axis=-1)
+    owners = np.asarray(pl.owners[layer])
+    read = np.stack([touched[:, owners == r].sum(-1) for r in range(pl.size)], -1)
+    pairs = np.stack([(owners[sel] == r).sum((-1, -2)) for r in range(pl.size)], -1)
+    return Load(tuple(float(x) for x in read.mean(0)), float(read.max(-1).mean()),
+                float(pairs.max(-1).mean()), float(touched.sum(-1).mean()))
+
+
 def routed_loads(f: Facts, size: int, pl: Placement | None = None,
                  counts: dict[int, np.ndarray] | None = None, samples: int = 2048,
-                 seed: int = 0) -> dict[int, Load]:
-    """Per MoE layer: pairs per rank under EP. Uniform routing unless counts are given."""
+                 seed: int = 0, batch: int = 1) -> dict[int, Load]:
+    """Per MoE layer: experts per rank under EP. Uniform routing unless counts are
+    given; batch > 1 is sampled (``samples`` steps)."""
     moe = f.moe_layers
     pl = pl or contiguous(f.num_experts, size, moe)
     if pl.size != size:
         raise ValueError(f"placement is for {pl.size} ranks, not {size}")
     out, cache = {}, {}
+    if batch > 1:
+        n = max(64, samples // batch)
+        for i in moe:
+            out[i] = _batch_load(pl, i, None if counts is None else counts[i], f.top_k, batch,
+                                 n, seed)
+        return out
     for i in moe:
         if counts is not None:
             out[i] = _sampled_load(pl, i, counts[i], f.top_k, samples, seed)
@@ -396,37 +430,41 @@ def _split(mode: str, group: str, f: Facts, size: int) -> float:
 
 
 def _layer_step(f: Facts, L: Layer, mode: str, size: int, load: Load | None, form: str,
-                hw: Hardware, context: int) -> dict:
-    """Bytes (by group) and FLOPs one rank spends on one layer, on the critical path."""
+                hw: Hardware, context: int, batch: int = 1) -> dict:
+    """Bytes (by group) and FLOPs one rank spends on one layer, on the critical path.
+    Weights are read once per step whatever the batch; caches, states and FLOPs scale
+    with it."""
     by = {g: L.bytes[g] * _split(mode, g, f, size) for g in GROUPS}
-    flops = sum(2 * L.elems[g] * _split(mode, g, f, size) for g in GROUPS)
+    flops = batch * sum(2 * L.elems[g] * _split(mode, g, f, size) for g in GROUPS)
     heads = _split(mode, "attn_heads", f, size)
-    by["state"] = 2 * L.state_bytes * heads + L.cache_bytes_per_token * context
+    by["state"] = batch * (2 * L.state_bytes * heads + L.cache_bytes_per_token * context)
     if L.attention == "mla":
         tc = f.tc
         lat = tc["kv_lora_rank"]
-        flops += 2 * tc["num_attention_heads"] * heads * context * (
+        flops += batch * 2 * tc["num_attention_heads"] * heads * context * (
             lat + tc["qk_rope_head_dim"] + lat)
     else:
         lc = f.tc["linear_attn_config"]
-        flops += 8 * lc["num_heads"] * heads * lc["head_dim"] ** 2
+        flops += batch * 8 * lc["num_heads"] * heads * lc["head_dim"] ** 2
     by["routed_experts"] = by["routed_experts_mean"] = by["placeholder"] = 0.0
     if L.moe:
         k, pair, expert_flops = f.top_k, f.pair_bytes, 2 * f.expert_elems
+        distinct = k if load is None or load.distinct is None else load.distinct
         if mode in EP_MODES and size > 1:
             by["routed_experts"] = load.max * pair
             by["routed_experts_mean"] = max(load.mean) * pair
             if form == "placeholder":
                 by["placeholder"] = hw.placeholder_reads * f.expert_bytes
-                flops += k * expert_flops
+                flops += batch * k * expert_flops
             else:
-                flops += load.max * expert_flops
+                pairs = load.max if load.pairs_max is None else load.pairs_max
+                flops += pairs * expert_flops
         elif mode == "tp":
-            by["routed_experts"] = by["routed_experts_mean"] = k * pair / size
-            flops += k * expert_flops / size
+            by["routed_experts"] = by["routed_experts_mean"] = distinct * pair / size
+            flops += batch * k * expert_flops / size
         else:  # pp, or a single rank
-            by["routed_experts"] = by["routed_experts_mean"] = k * pair
-            flops += k * expert_flops
+            by["routed_experts"] = by["routed_experts_mean"] = distinct * pair
+            flops += batch * k * expert_flops
     return {"bytes": by, "flops": flops}
 
 
@@ -438,11 +476,13 @@ def _collective(op: str, count: int, size_bytes: float, n: int, hw: Hardware) ->
             "each_s": each, "total_s": count * each}
 
 
-def collectives(f: Facts, mode: str, size: int, hw: Hardware) -> list[dict]:
+def collectives(f: Facts, mode: str, size: int, hw: Hardware, batch: int = 1) -> list[dict]:
+    """Per step; payloads carry ``batch`` rows (the latency is paid once)."""
     if size == 1:
         return []
     tc = f.tc
     H, latent = tc["hidden_size"], tc.get("routed_expert_hidden_size") or tc["hidden_size"]
+    H, latent = H * batch, latent * batch
     n_layers, n_moe = len(f.layers), len(f.moe_layers)
     n_dense = n_layers - n_moe
     shared = tc.get("num_shared_experts") and (mode == "tp" or shared_splits(f, size))
@@ -498,27 +538,29 @@ def _critical(by: dict) -> float:
 
 def bytes_per_token(mode: str, f: Facts, size: int, hw: Hardware = Hardware(),
                     form: str = "placeholder", loads: dict[int, Load] | None = None,
-                    context: int = 4096) -> dict:
-    """Per rank per step: bytes by group, FLOPs, collectives and time. For PP the
-    stages run one after the other and each is listed."""
+                    context: int = 4096, batch: int = 1) -> dict:
+    """Per rank per step of ``batch`` requests in lockstep: bytes by group, FLOPs,
+    collectives and time; ``tok_s`` is the aggregate (``batch`` / step time),
+    ``tok_s_per_request`` one request's. For PP the stages run one after the other
+    and each is listed (no micro-batching: mlx-lm's pipeline has none)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}, not {form!r}")
-    if mode in EP_MODES and size > 1 and loads is None:
-        loads = routed_loads(f, size)
-    head = {"embed_row": f.head["embed_row"], "lm_head": f.head["lm_head"],
+    if loads is None and (batch > 1 or (mode in EP_MODES and size > 1)):
+        loads = routed_loads(f, size, batch=batch)
+    head = {"embed_row": batch * f.head["embed_row"], "lm_head": f.head["lm_head"],
             "head_norms": f.head["norms"]}
-    head_flops = 2 * f.head_elems
-    colls = collectives(f, mode, size, hw)
+    head_flops = batch * 2 * f.head_elems
+    colls = collectives(f, mode, size, hw, batch)
     comm = sum(c["total_s"] for c in colls)
     sync = hw.sync_s * len(f.moe_layers) if (
         mode in EP_MODES and form == "local" and size > 1) else 0.0
     stage_ranges = pp_stages(len(f.layers), size) if mode == "pp" else [(0, len(f.layers))]
     stages = []
     for start, end in stage_ranges:
-        parts = [_layer_step(f, L, mode, size, (loads or {}).get(L.index), form, hw, context)
-                 for L in f.layers[start:end]]
+        parts = [_layer_step(f, L, mode, size, (loads or {}).get(L.index), form, hw, context,
+                             batch) for L in f.layers[start:end]]
         by = _sum_bytes(parts)
         flops = sum(p["flops"] for p in parts)
         stages.append({"layers": [start, end], "bytes": by, "flops": flops,
@@ -530,6 +572,7 @@ def bytes_per_token(mode: str, f: Facts, size: int, hw: Hardware = Hardware(),
     crit = _critical(_sum_bytes(stages)) + sum(head.values())
     out = {
         "mode": mode, "form": form if mode in EP_MODES and size > 1 else None, "size": size,
+        "batch": batch,
         "bytes": {k: round(v) for k, v in (_sum_bytes(stages) | head).items()},
         "bytes_critical_path": round(crit),
         "flops": sum(s["flops"] for s in stages) + head_flops,
@@ -538,7 +581,8 @@ def bytes_per_token(mode: str, f: Facts, size: int, hw: Hardware = Hardware(),
         "time_s": {"memory": sum(s["memory_s"] for s in stages) + head_time["memory_s"],
                    "flops": sum(s["flops_s"] for s in stages) + head_time["flops_s"],
                    "compute": compute, "comm": comm, "sync": sync, "total": total},
-        "tok_s": 1 / total,
+        "tok_s": batch / total,
+        "tok_s_per_request": 1 / total,
         "achieved_GBps": crit / total / 1e9,
     }
     if mode == "pp":
@@ -549,7 +593,8 @@ def bytes_per_token(mode: str, f: Facts, size: int, hw: Hardware = Hardware(),
     return out
 
 
-def box_footprint(mode: str, f: Facts, size: int, context: int = 4096) -> dict:
+def box_footprint(mode: str, f: Facts, size: int, context: int = 4096, batch: int = 1
+                  ) -> dict:
     """Resident bytes per box (the largest rank): weights as loaded (mlx-lm drops the
     vision tower), MLA latent cache at ``context`` and KDA state."""
     head = f.head["embed"] + f.head["lm_head"] + f.head["norms"]
@@ -563,7 +608,8 @@ def box_footprint(mode: str, f: Facts, size: int, context: int = 4096) -> dict:
         experts = sum(L.moe for L in layers) * experts_per_layer
     weights = sum(L.bytes[g] * _split(mode, g, f, size) for L in layers for g in GROUPS)
     heads = _split(mode, "attn_heads", f, size)
-    cache = sum(L.state_bytes * heads + L.cache_bytes_per_token * context for L in layers)
+    cache = batch * sum(L.state_bytes * heads + L.cache_bytes_per_token * context
+                        for L in layers)
     total = weights + experts + head + cache
     return {"weights_nonexpert": round(weights + head), "routed_experts": round(experts),
             "cache": round(cache), "total": round(total), "total_GB": round(total / 1e9, 1)}
@@ -600,17 +646,20 @@ def implied(step: dict, tok_s: float, hw: Hardware) -> dict:
 
 def project(config: dict, profile: Profile, hw: Hardware, size: int = 2,
             modes: tuple[str, ...] = MODES, form: str = "placeholder", context: int = 4096,
-            placement: Placement | None = None, counts: dict[int, np.ndarray] | None = None
-            ) -> dict:
-    """Projected decode speed per mode, with its breakdown and per-box footprint."""
+            placement: Placement | None = None, counts: dict[int, np.ndarray] | None = None,
+            batch: int = 1) -> dict:
+    """Projected decode speed per mode (``batch`` requests in lockstep), with its
+    breakdown and per-box footprint (the MLA cache of every request)."""
     f = facts(config, profile)
-    loads = routed_loads(f, size, placement, counts) if size > 1 else None
+    loads = routed_loads(f, size, placement, counts, batch=batch) if (
+        size > 1 or batch > 1) else None
     out = {}
     for mode in modes:
         forms = FORMS if mode in EP_MODES and size > 1 else (form,)
-        res = {fm: bytes_per_token(mode, f, size, hw, fm, loads, context) for fm in forms}
+        res = {fm: bytes_per_token(mode, f, size, hw, fm, loads, context, batch)
+               for fm in forms}
         head = res[form] if form in res else next(iter(res.values()))
-        fp = box_footprint(mode, f, size, context)
+        fp = box_footprint(mode, f, size, context, batch)
         fp["fits"] = fp["total"] <= hw.usable_memory
         out[mode] = {**head, "footprint_per_box": fp}
         if len(res) > 1:
@@ -631,8 +680,9 @@ def project(config: dict, profile: Profile, hw: Hardware, size: int = 2,
         "placement": (placement.kind if placement else "contiguous"),
         "routing": "counts (sampled)" if counts else "uniform (exact)",
     }
-    return {"size": size, "profile": asdict(profile), "hardware": hardware_json(hw),
-            "context": context, "form": form, "routed": routed, "modes": out}
+    return {"size": size, "batch": batch, "profile": asdict(profile),
+            "hardware": hardware_json(hw), "context": context, "form": form, "routed": routed,
+            "modes": out}
 
 
 def hardware_json(hw: Hardware) -> dict:

@@ -329,25 +329,32 @@ def slice_for_rank(build: str | Path, out: str | Path, group: mx.distributed.Gro
 # ----------------------------------------------------------------------------- stepping
 
 
-def prefill(model, prompt: list[int]) -> tuple[list, int, float]:
-    """A fresh cache filled with ``prompt`` (one forward), the greedy next token, and
-    the seconds it took."""
+def prefill(model, prompts: list[int] | list[list[int]]) -> tuple[list, int | list[int], float]:
+    """A fresh cache filled with ``prompts`` (one forward; a list of equal-length prompts
+    is one batch), the greedy next token (a list for a batch), and the seconds it took."""
+    batch = bool(prompts) and isinstance(prompts[0], list)
+    rows = prompts if batch else [prompts]
     cache = model.make_cache()
     t = time.perf_counter()
-    logits = model(mx.array([prompt]), cache=cache)
-    tok = int(mx.argmax(logits[0, -1]).item())
-    return cache, tok, time.perf_counter() - t
+    logits = model(mx.array(rows), cache=cache)
+    toks = mx.argmax(logits[:, -1], axis=-1).tolist()
+    return cache, (toks if batch else toks[0]), time.perf_counter() - t
 
 
-def decode_steps(model, cache, token: int, n: int) -> tuple[list[int], list[float]]:
-    """``n`` greedy decode steps (batch 1) from ``token``: tokens and ms per step."""
+def decode_steps(model, cache, token: int | list[int], n: int
+                 ) -> tuple[list, list[float]]:
+    """``n`` greedy decode steps from ``token`` (one per row for a batch, every row one
+    step per forward, in lockstep): tokens (per step: an int, or a list for a batch) and
+    ms per step."""
+    batch = isinstance(token, list)
+    cur = token if batch else [token]
     toks, ms = [], []
     for _ in range(n):
         t = time.perf_counter()
-        logits = model(mx.array([[token]]), cache=cache)
-        token = int(mx.argmax(logits[0, -1]).item())
+        logits = model(mx.array(cur)[:, None], cache=cache)
+        cur = mx.argmax(logits[:, -1], axis=-1).tolist()
         ms.append((time.perf_counter() - t) * 1e3)
-        toks.append(token)
+        toks.append(cur if batch else cur[0])
     return toks, ms
 
 
@@ -460,6 +467,7 @@ class Mode:
     name: str
     model: object
     collectives: bool = True  # False: EP with the MoE all_sum bypassed (compute only)
+    batch: int = 1  # prompts decoded together in lockstep
     prefill_s: list[float] = field(default_factory=list)
     decode_ms: list[list[float]] = field(default_factory=list)  # per round
     tokens: list[int] = field(default_factory=list)
@@ -476,8 +484,15 @@ class Mode:
             self.model.set_collectives(True)
 
 
-PARALLEL = ("ep_contiguous", "ep_load_aware", "tp", "pp", "single")
-COMPUTE_ONLY = {"ep_contiguous": "ep_contiguous_nocomm", "ep_load_aware": "ep_load_aware_nocomm"}
+PARALLEL = ("ep_contiguous", "ep_load_aware", "ep_split", "tp", "pp", "single")
+COMPUTE_ONLY = {"ep_contiguous": "ep_contiguous_nocomm", "ep_load_aware": "ep_load_aware_nocomm",
+                "ep_split": "ep_split_nocomm"}
+# modes also timed at batch > 1 (CompareSettings.batches)
+BATCHED = ("ep_contiguous", "ep_split", "tp", "pp")
+
+
+def batch_name(mode: str, batch: int) -> str:
+    return mode if batch == 1 else f"{mode}@b{batch}"
 
 
 @dataclass
@@ -492,6 +507,7 @@ class CompareSettings:
     seed: int = 0
     dtype: str = "float32"
     moe_form: str = "auto"
+    batches: tuple[int, ...] = (1, 4, 8)  # decode batch sizes (prompts in lockstep)
 
 
 def _rotated(names: list[str], i: int) -> list[str]:
@@ -561,27 +577,38 @@ def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
 
     weights = {n: weight_bytes(m) for n, m in models.items()}
     modes: dict[str, Mode] = {}
-    for n in PARALLEL:
-        if n in models:
-            modes[n] = Mode(n, models[n])
+    for B in s.batches:
+        for n in PARALLEL:
+            if n in models and (B == 1 or n in BATCHED):
+                modes[batch_name(n, B)] = Mode(batch_name(n, B), models[n], batch=B)
     for n, c in COMPUTE_ONLY.items():
-        modes[c] = Mode(c, models[n], collectives=False)
+        if n in models:
+            modes[c] = Mode(c, models[n], collectives=False)
     names = list(modes)
+    # Row j of every batch is the same prompt: row 0 is the batch-1 prompt.
+    rows = [prompt] + [random_prompt(vocab, s.prompt_len, s.seed + 100 + j)
+                       for j in range(1, max(s.batches))]
+
+    def inputs(m: Mode):
+        return prompt if m.batch == 1 else rows[:m.batch]
 
     launch0, w0 = launcher(), time.perf_counter()
     # Warm-up: every mode's prefill shape and decode, compiled before timing.
     for m in modes.values():
         barrier(group)
-        cache, tok, _ = m.run(lambda m=m: prefill(m.model, prompt))
+        cache, tok, _ = m.run(lambda m=m: prefill(m.model, inputs(m)))
         m.run(lambda m=m, c=cache, t=tok: decode_steps(m.model, c, t, s.warmup_steps))
     log(f"rank {rank}: warm-up done {time.perf_counter() - t0:.1f}s")
 
     for i in range(s.prefill_rounds):
         for n in _rotated(names, i):
             m = modes[n]
+            if m.batch > 1 and i:  # batches: prefill once (decode is what is compared)
+                continue
             barrier(group)
-            m.cache, m.next_token, sec = m.run(lambda m=m: prefill(m.model, prompt))
-            m.prefill_s.append(sec)
+            m.cache, m.next_token, sec = m.run(lambda m=m: prefill(m.model, inputs(m)))
+            if m.batch == 1:
+                m.prefill_s.append(sec)
     for m in modes.values():  # greedy sequence: prefill's token, then every decode step
         m.tokens = [m.next_token]
         barrier(group)
@@ -624,10 +651,13 @@ def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
         "routing_counts": {str(i): c.tolist() for i, c in counts.items()},
         "weights_bytes": weights,
         "memory": memory(),
-        "trials": {n: {"prefill_s": [round(x, 5) for x in m.prefill_s],
+        "trials": {n: {"batch": m.batch, "prefill_s": [round(x, 5) for x in m.prefill_s],
                        "decode_ms": [[round(x, 4) for x in r] for r in m.decode_ms]}
                    for n, m in modes.items()},
-        "tokens": {n: m.tokens for n, m in modes.items() if m.collectives},
+        # batch-1 modes: one token per step; batches: the tokens of row 0 (the batch-1
+        # prompt) and of the whole batch
+        "tokens": {n: m.tokens for n, m in modes.items() if m.collectives and m.batch == 1},
+        "batch_tokens": {n: m.tokens for n, m in modes.items() if m.batch > 1},
         "collectives": comm,
         "launcher": launch,
         "seconds": round(time.perf_counter() - t0, 1),
@@ -644,10 +674,13 @@ def summarize(rep: dict) -> dict:
     for n, t in tr.items():
         steps = [x for r in t["decode_ms"] for x in r]
         st = stats(steps)
-        out[n] = {"prefill_s": stats(t["prefill_s"]),
-                  "prefill_tok_s": round(P / float(np.median(t["prefill_s"])), 2),
-                  "decode_step_ms": st,
-                  "decode_tok_s": round(1e3 / st["median"], 3)}
+        B = t.get("batch", 1)
+        out[n] = {"batch": B, "decode_step_ms": st,
+                  "decode_tok_s": round(1e3 / st["median"], 3),  # per request
+                  "decode_tok_s_aggregate": round(B * 1e3 / st["median"], 3)}
+        if t["prefill_s"]:
+            out[n].update(prefill_s=stats(t["prefill_s"]),
+                          prefill_tok_s=round(P / float(np.median(t["prefill_s"])), 2))
     for n, c in COMPUTE_ONLY.items():
         if n not in out:
             continue
@@ -695,9 +728,10 @@ def summarize(rep: dict) -> dict:
 
     ratios: dict = {}
     per_round: dict = {}
-    for ep, tag in (("ep_contiguous", "ep"), ("ep_load_aware", "ep_la")):
-        for other in ("tp", "pp", "single"):
-            if ep in tr and other in tr:
+    for ep, tag in (("ep_contiguous", "ep"), ("ep_load_aware", "ep_la"),
+                    ("ep_split", "ep_split")):
+        for other in ("tp", "pp", "single", "ep_contiguous"):
+            if ep in tr and other in tr and other != ep:
                 d = _ratio_rounds(round_ms[other], round_ms[ep])
                 p = _ratio_rounds(tr[other]["prefill_s"], tr[ep]["prefill_s"])
                 per_round[f"{tag}_over_{other}_decode"] = [round(x, 4) for x in d]
@@ -708,6 +742,25 @@ def summarize(rep: dict) -> dict:
         d = _ratio_rounds(round_ms["ep_contiguous"], round_ms["ep_load_aware"])
         ratios["ep_la_over_ep_decode"] = round(float(np.median(d)), 4)
         per_round["ep_la_over_ep_decode"] = [round(x, 4) for x in d]
+    # batches: aggregate throughput at batch B over batch 1 (same mode), and modes
+    # against each other at the same batch; per round, then median
+    for n in BATCHED:
+        for name, t in tr.items():
+            B = t.get("batch", 1)
+            if B == 1 or not name.startswith(f"{n}@") or n not in tr:
+                continue
+            d = [B * x for x in _ratio_rounds(round_ms[n], round_ms[name])]
+            key = f"{n}_batch{B}_over_batch1"
+            ratios[key] = round(float(np.median(d)), 4)
+            per_round[key] = [round(x, 4) for x in d]
+            if n == "ep_split":
+                for other in ("tp", "pp", "ep_contiguous"):
+                    o = batch_name(other, B)
+                    if o in tr:
+                        d = _ratio_rounds(round_ms[o], round_ms[name])
+                        key = f"ep_split_over_{other}_decode_batch{B}"
+                        ratios[key] = round(float(np.median(d)), 4)
+                        per_round[key] = [round(x, 4) for x in d]
     return {"modes": out, "ratios": ratios, "ratios_per_round": per_round}
 
 
@@ -721,6 +774,13 @@ def merge_compare(reports: list[dict], env: dict, build: str | Path) -> dict:
         agree[n] = {"same_as_single": mm is None, "first_mismatch": mm}
     ranks_agree = {n: all(r["tokens"][n] == toks for r in reports)
                    for n, toks in r0["tokens"].items()}
+    # a request's greedy tokens must not depend on the rest of its batch (float noise
+    # may flip a near-tie: the first step that differs is reported)
+    batch_row0 = {}
+    for n, toks in r0.get("batch_tokens", {}).items():
+        alone = r0["tokens"].get(n.split("@")[0], [])
+        mm = _first_mismatch([t[0] for t in toks], alone)
+        batch_row0[n] = {"same_as_batch1": mm is None, "first_mismatch": mm}
     summaries = [summarize(r) for r in reports]
     bm = json.loads((Path(build) / "k3dist.json").read_text()) if (
         Path(build) / "k3dist.json").exists() else {}
@@ -737,7 +797,8 @@ def merge_compare(reports: list[dict], env: dict, build: str | Path) -> dict:
         "placements": r0["placements"],
         "greedy_tokens": {"tokens": r0["tokens"], "vs_single": agree,
                           "identical_across_ranks": ranks_agree,
-                          "all_modes_agree": all(a["same_as_single"] for a in agree.values())},
+                          "all_modes_agree": all(a["same_as_single"] for a in agree.values()),
+                          "batch_row0_vs_batch1": batch_row0},
         "launcher": r0.get("launcher"),
         "ratios": summaries[0]["ratios"],
         "ratios_note": "speed ratios (other mode's time / EP's time), > 1: EP faster; per "
