@@ -2,7 +2,8 @@
 
     python benchmarks/project.py [--boxes 2] [--profile mxfp4 graded] [--backend ring jaccl]
         [--bw-fraction 0.7] [--jaccl-latency-us 50] [--ring-latency-us 600] [--sync-ms 1]
-        [--counts routing.npz] [--calibrate] [--out benchmarks/results/project-DATE.json]
+        [--counts routing.npz] [--batch 1 8] [--calibrate]
+        [--out benchmarks/results/project-DATE.json]
 
 Prints JSON: per build profile and backend, each mode's bytes / FLOPs / collectives per
 step and rank, time split, tok/s and per-box footprint; the published two-box anchors
@@ -40,6 +41,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--config", help="config.json (default: the real K3's, shipped)")
     ap.add_argument("--boxes", type=int, default=2)
     ap.add_argument("--profile", nargs="+", default=list(cm.PROFILES), choices=cm.PROFILES)
+    ap.add_argument("--plan", help="a graded build plan (python -m k3dist.build.plan --json; "
+                    "one plan or {'plans': {attention: plan}}): adds profile plan-<attention> "
+                    "per plan (its promoted fraction, lo format, non-expert classes)")
     ap.add_argument("--hi-fraction", type=float, help="override: experts kept at mxfp4")
     ap.add_argument("--hi-pair-fraction", type=float, help="override: pairs on the hi bank")
     ap.add_argument("--lo-bits", type=float, help="override: lo bank bits/weight")
@@ -64,6 +68,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--form", default="placeholder", choices=cm.FORMS,
                     help="EP form in the headline numbers (both are reported)")
     ap.add_argument("--context", type=int, default=4096, help="tokens in the MLA cache")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8],
+                    help="requests decoded together in lockstep (batch 1 is the headline; "
+                    "others go to 'batched', with aggregate and per-request tok/s)")
     ap.add_argument("--counts", help="routing counts (.npz layer_<L> / JSON): load-aware "
                     "placement and sampled routing")
     ap.add_argument("--placement", choices=("contiguous", "load-aware"),
@@ -89,7 +96,27 @@ def profiles(args) -> dict[str, cm.Profile]:
     over = {k: v for k, v in (("hi_fraction", args.hi_fraction), ("lo_bits", args.lo_bits),
                               ("hi_pair_fraction", args.hi_pair_fraction),
                               ("nonexpert_bits", args.nonexpert_bits)) if v is not None}
-    return {n: replace(cm.PROFILES[n], **over) for n in args.profile}
+    out = {n: replace(cm.PROFILES[n], **over) for n in args.profile}
+    if args.plan:
+        data = json.loads(Path(args.plan).read_text())
+        for plan in (data["plans"].values() if "plans" in data else [data]):
+            prof = cm.plan_profile(plan, source=args.plan)
+            out[prof.name] = replace(prof, **over)
+            PLAN_BUDGET[prof.name] = plan["budget_per_rank"]
+    return out
+
+
+# profile -> the plan's wired budget per rank (its own box model: sysctl-raised wired limit)
+PLAN_BUDGET: dict[str, int] = {}
+
+
+def mark_plan_fit(name: str, proj: dict) -> dict:
+    if name in PLAN_BUDGET:
+        for v in proj["modes"].values():
+            fp = v["footprint_per_box"]
+            fp["plan_budget_per_rank"] = PLAN_BUDGET[name]
+            fp["fits_plan_budget"] = fp["total"] <= PLAN_BUDGET[name]
+    return proj
 
 
 def calibrate(runs: int = 3) -> dict:
@@ -174,10 +201,22 @@ def main() -> None:
             fp["error_vs_published"] = round(fp["build_bytes"] / 1e12 / PUBLISHED_TB - 1, 5)
         res["footprint"][pn] = fp
         res["projections"][pn] = {
-            b: cm.project(config, prof, h, args.boxes, form=args.form, context=args.context,
-                          placement=pl, counts=counts) for b, h in hws.items()}
+            b: mark_plan_fit(pn, cm.project(config, prof, h, args.boxes, form=args.form,
+                                            context=args.context, placement=pl, counts=counts))
+            for b, h in hws.items()}
         if args.boxes == 2:
             res["anchors"][pn] = cm.compare_anchors(config, prof, hws, args.context, args.form)
+    for B in (b for b in args.batch if b != 1):
+        res.setdefault("batched", {})[str(B)] = {
+            pn: {b: mark_plan_fit(pn, cm.project(
+                config, prof, h, args.boxes, form=args.form, context=args.context,
+                placement=pl, counts=counts, batch=B)) for b, h in hws.items()}
+            for pn, prof in profs.items()}
+    res["summary_tok_s_batched"] = {
+        B: {pn: {b: {m: {"aggregate": round(v["tok_s"], 2),
+                         "per_request": round(v["tok_s_per_request"], 2)}
+                     for m, v in pr["modes"].items()} for b, pr in per.items()}
+            for pn, per in by.items()} for B, by in res.get("batched", {}).items()}
     res["summary_tok_s"] = {
         pn: {b: {m: round(v["tok_s"], 2) for m, v in pr["modes"].items()}
              for b, pr in per.items()} for pn, per in res["projections"].items()}

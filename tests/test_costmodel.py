@@ -184,3 +184,18 @@ def test_batch_reads_weights_once_and_the_union_of_experts(f):
     colls = cm.collectives(f, "ep-split", 2, hw, batch=8)
     assert [c["bytes"] for c in colls] == [
         8 * c["bytes"] for c in cm.collectives(f, "ep-split", 2, hw)]
+
+
+def test_plan_profile_reproduces_the_planner(cfg):
+    """A graded plan (issue 12's planner, measured non-expert formats) read as a profile
+    gives the planner's own build size and non-expert bytes read per token."""
+    path = Path(__file__).parents[1] / "benchmarks/results/plan-k3-2026-12-01-measured.json"
+    plan = json.loads(path.read_text())["plans"]["replicated"]
+    prof = cm.plan_profile(plan)
+    assert prof.hi_fraction == plan["promoted_fraction"] and prof.lo_bits == 2.5
+    f = cm.facts(cfg, prof)
+    assert cm.footprint(cfg, prof)["build_bytes"] == pytest.approx(plan["build_bytes"], rel=1e-4)
+    step = cm.bytes_per_token("ep-replicated", f, 2)
+    nonexpert = sum(v for g, v in step["bytes"].items()
+                    if g not in ("routed_experts", "routed_experts_mean", "placeholder", "state"))
+    assert nonexpert == pytest.approx(plan["nonexpert_read_per_token_per_rank"], rel=1e-6)

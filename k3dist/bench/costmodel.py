@@ -172,6 +172,10 @@ class Profile:
     nonexpert_bits: int = 16  # 16: source dtypes (bf16/F32); 8 or 4: affine
     group_size: int = 64
     router_bits: int = 8  # mlx-lm's quant_predicate keeps the router at 8-bit
+    # per non-expert class (the planner's: attention, shared, latent, router, dense_mlp,
+    # embed, lm_head) -> bits (16: source dtype); overrides nonexpert_bits/router_bits
+    class_bits: tuple[tuple[str, int], ...] | None = None
+    source: str = "assumed"  # where the numbers come from
 
     def __post_init__(self):
         if self.nonexpert_bits not in (16, 8, 4):
@@ -192,6 +196,25 @@ class Profile:
     def expert_pair_bits(self) -> float:
         f = self.hi_fraction if self.hi_pair_fraction is None else self.hi_pair_fraction
         return f * self.expert_bits + (1 - f) * self.lo_bits
+
+
+def plan_profile(plan: dict, name: str | None = None, source: str = "") -> Profile:
+    """A build plan (``python -m k3dist.build.plan --json``, one attention mode) as a
+    profile: its promoted fraction on the hi bank (MXFP4), its lo format, and each
+    non-expert class at its planned bits. Routed pairs land on hi in proportion to the
+    promoted fraction (calibrated promotion puts more there: this is a floor)."""
+    lo = plan["lo"]
+    if lo["mode"] != "affine":
+        raise ValueError(f"plan lo format {lo['format']}: the cost model reads affine lo banks")
+    classes = []
+    for cls, v in plan["nonexpert"].items():
+        fmt = v["format"]
+        if cls == "small":
+            continue  # norms, biases, convolutions: kept in their source dtypes
+        classes.append((cls, 16 if fmt == "source" else int(fmt.split("bit")[0])))
+    return Profile(name or f"plan-{plan['attention']}", hi_fraction=plan["promoted_fraction"],
+                   lo_bits=lo["bits"] + 32 / lo["group_size"], group_size=lo["group_size"],
+                   class_bits=tuple(classes), source=source or "plan")
 
 
 PROFILES = {
@@ -245,12 +268,24 @@ class Facts:
         return self.expert_elems * self.profile.expert_pair_bits / 8
 
 
+# layout family -> the planner's non-expert class
+_CLASS = {"kda": "attention", "mla": "attention", "shared_experts": "shared",
+          "latent": "latent", "router": "router", "dense_mlp": "dense_mlp"}
+
+
 def _tensor_bytes(s: layout.TensorSpec, p: Profile) -> float:
-    if p.nonexpert_bits == 16 or s.family in ("norm", "attn_res", "vision") \
-            or s.shape is None or len(s.shape) != 2 or s.shape[-1] % p.group_size:
+    if s.family in ("norm", "attn_res", "vision") or s.shape is None or len(s.shape) != 2 \
+            or s.shape[-1] % p.group_size or s.shape[0] == 1:
         return s.nbytes
-    bits = p.router_bits if s.family == "router" else p.nonexpert_bits
-    return s.shape[0] * s.shape[1] * p.affine_bits(bits) / 8
+    if p.class_bits is not None:
+        cls = ("lm_head" if s.name.endswith("lm_head.weight") else "embed") \
+            if s.family == "embed" else _CLASS.get(s.family)
+        bits = dict(p.class_bits).get(cls, 16)
+    elif p.nonexpert_bits == 16:
+        return s.nbytes
+    else:
+        bits = p.router_bits if s.family == "router" else p.nonexpert_bits
+    return s.nbytes if bits == 16 else s.shape[0] * s.shape[1] * p.affine_bits(bits) / 8
 
 
 def _group(s: layout.TensorSpec) -> str:
