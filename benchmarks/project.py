@@ -75,6 +75,9 @@ def parse_args() -> argparse.Namespace:
                     "placement and sampled routing")
     ap.add_argument("--placement", choices=("contiguous", "load-aware"),
                     help="default: load-aware with --counts, else contiguous")
+    ap.add_argument("--routing-skew", help="benchmarks/routing.py JSON: the busiest rank's "
+                    "load measured on the trained mini-K3's real routing over uniform, per "
+                    "ranks/placement/batch, applied to the real K3's uniform expectation")
     ap.add_argument("--calibrate", action="store_true", help="measure this machine too")
     ap.add_argument("--allsum-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out")
@@ -180,6 +183,15 @@ def main() -> None:
         if args.boxes > 1 else None
     hws = hardware(args)
     profs = profiles(args)
+    skews = {}
+    if args.routing_skew:
+        table = json.loads(Path(args.routing_skew).read_text())["results"]
+        for B in args.batch:
+            key = f"{args.boxes}/{kind}/{B}"
+            if key not in table:
+                sys.exit(f"{args.routing_skew}: no {key} (ranks/placement/batch); rerun "
+                         f"benchmarks/routing.py --ranks {args.boxes} --batch {B}")
+            skews[B] = {k: table[key][k] for k in ("skew", "skew_pairs", "skew_union")}
 
     res: dict = {
         "command": bench.command_line(),
@@ -202,7 +214,8 @@ def main() -> None:
         res["footprint"][pn] = fp
         res["projections"][pn] = {
             b: mark_plan_fit(pn, cm.project(config, prof, h, args.boxes, form=args.form,
-                                            context=args.context, placement=pl, counts=counts))
+                                            context=args.context, placement=pl, counts=counts,
+                                            skew=skews.get(1)))
             for b, h in hws.items()}
         if args.boxes == 2:
             res["anchors"][pn] = cm.compare_anchors(config, prof, hws, args.context, args.form)
@@ -210,7 +223,8 @@ def main() -> None:
         res.setdefault("batched", {})[str(B)] = {
             pn: {b: mark_plan_fit(pn, cm.project(
                 config, prof, h, args.boxes, form=args.form, context=args.context,
-                placement=pl, counts=counts, batch=B)) for b, h in hws.items()}
+                placement=pl, counts=counts, batch=B, skew=skews.get(B)))
+                for b, h in hws.items()}
             for pn, prof in profs.items()}
     res["summary_tok_s_batched"] = {
         B: {pn: {b: {m: {"aggregate": round(v["tok_s"], 2),

@@ -421,9 +421,26 @@ def _batch_load(pl: Placement, layer: int, counts: np.ndarray | None, k: int, ba
 
 def routed_loads(f: Facts, size: int, pl: Placement | None = None,
                  counts: dict[int, np.ndarray] | None = None, samples: int = 2048,
-                 seed: int = 0, batch: int = 1) -> dict[int, Load]:
+                 seed: int = 0, batch: int = 1, skew: dict[str, float] | None = None
+                 ) -> dict[int, Load]:
     """Per MoE layer: experts per rank under EP. Uniform routing unless counts are
-    given; batch > 1 is sampled (``samples`` steps)."""
+    given; batch > 1 is sampled (``samples`` steps). ``skew`` (``benchmarks/routing.py``:
+    measured over uniform on real routing; keys ``skew``, ``skew_pairs``, ``skew_union``)
+    scales the busiest rank's experts read, its pairs and the experts read in all."""
+    out = _routed_loads(f, size, pl, counts, samples, seed, batch)
+    if not skew:
+        return out
+    k = f.top_k
+    return {i: Load(v.mean, min(v.max * skew["skew"], batch * k),
+                    min((v.max if v.pairs_max is None else v.pairs_max) * skew["skew_pairs"],
+                        batch * k),
+                    min((k if v.distinct is None else v.distinct) * skew["skew_union"],
+                        batch * k))
+            for i, v in out.items()}
+
+
+def _routed_loads(f: Facts, size: int, pl: Placement | None, counts, samples: int,
+                  seed: int, batch: int) -> dict[int, Load]:
     moe = f.moe_layers
     pl = pl or contiguous(f.num_experts, size, moe)
     if pl.size != size:
@@ -682,11 +699,11 @@ def implied(step: dict, tok_s: float, hw: Hardware) -> dict:
 def project(config: dict, profile: Profile, hw: Hardware, size: int = 2,
             modes: tuple[str, ...] = MODES, form: str = "placeholder", context: int = 4096,
             placement: Placement | None = None, counts: dict[int, np.ndarray] | None = None,
-            batch: int = 1) -> dict:
+            batch: int = 1, skew: dict[str, float] | None = None) -> dict:
     """Projected decode speed per mode (``batch`` requests in lockstep), with its
     breakdown and per-box footprint (the MLA cache of every request)."""
     f = facts(config, profile)
-    loads = routed_loads(f, size, placement, counts, batch=batch) if (
+    loads = routed_loads(f, size, placement, counts, batch=batch, skew=skew) if (
         size > 1 or batch > 1) else None
     out = {}
     for mode in modes:
@@ -714,6 +731,7 @@ def project(config: dict, profile: Profile, hw: Hardware, size: int = 2,
                                if loads else f.top_k),
         "placement": (placement.kind if placement else "contiguous"),
         "routing": "counts (sampled)" if counts else "uniform (exact)",
+        "skew": skew,
     }
     return {"size": size, "batch": batch, "profile": asdict(profile),
             "hardware": hardware_json(hw), "context": context, "form": form, "routed": routed,
