@@ -136,7 +136,8 @@ def _handshake(manifest: dict, group: mx.distributed.Group,
     """All ranks must run slices of one build with one placement. ``peer_failure``
     (rank -> the reason it failed, if known: the watchdog's) names why a peer that
     died before the handshake did."""
-    mine = f"{manifest['build_hash']}:{manifest['placement_hash']}".encode()
+    mode = mf.attention_of(manifest)["mode"]
+    mine = f"{manifest['build_hash']}:{manifest['placement_hash']}-{mode}".encode()
     vec = mx.array(np.frombuffer(mine.ljust(64, b" ")[:64], dtype=np.uint8).astype(np.int32))
     try:
         every = np.array(mx.distributed.all_gather(vec[None], group=group)).astype(np.uint8)
@@ -151,10 +152,11 @@ def _handshake(manifest: dict, group: mx.distributed.Group,
                                "pair: the ring returned garbage for a peer that is gone",
                                peer_failure)
     if len(set(seen)) > 1:
-        desc = ", ".join(f"rank {r}: build {s.split(':')[0]} placement {s.split(':')[1]}"
-                         for r, s in enumerate(seen))
-        raise RankMismatch(f"rank folders come from different builds or placements ({desc}); "
-                           "slice every rank from the same build with the same placement")
+        desc = ", ".join(f"rank {r}: build {s.split(':')[0]} placement-attention "
+                         f"{s.split(':')[1]}" for r, s in enumerate(seen))
+        raise RankMismatch(f"rank folders come from different builds or placements or "
+                           f"attention modes ({desc}); slice every rank from the same build "
+                           "with the same placement and --attention")
 
 
 def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
@@ -177,6 +179,8 @@ def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
         model, config = load_model(Path(folder), lazy=True, strict=True,
                                    get_model_classes=lambda config: (cls, kimi_k3.ModelArgs))
     except ValueError as e:
+        if "shape" not in str(e):
+            raise
         raise CheckpointError(f"{folder}: its tensors do not fit the model built for attention "
                               f"split over layers {split} on {size} ranks ({e}); slice the "
                               "folder again") from None
