@@ -17,7 +17,7 @@ from pathlib import Path
 
 import k3dist
 from k3dist.serve import engine, loader
-from k3dist.serve.config import DEFAULT_DEPLOYMENT, MOE_FORMS, load_deployment
+from k3dist.serve.config import ATTENTION_MODES, DEFAULT_DEPLOYMENT, MOE_FORMS, load_deployment
 
 import mlx.core as mx
 import numpy as np
@@ -29,6 +29,11 @@ def main() -> None:
     ap.add_argument("--rank-dir", help="rank folder pattern with {rank}")
     ap.add_argument("--dtype", choices=sorted(loader.DTYPES))
     ap.add_argument("--moe-form", choices=("auto", *MOE_FORMS))
+    ap.add_argument("--attention", choices=ATTENTION_MODES,
+                    help="attention split across ranks or replicated (default split)")
+    ap.add_argument("--count", action="store_true",
+                    help="also report collectives per decode token and bytes held "
+                    "(k3dist.serve.introspect)")
     ap.add_argument("--blas-threads", type=int, help="OpenBLAS threads per rank")
     ap.add_argument("--verify", choices=("stamp", "full", "size"),
                     help="rank-folder content check before loading (default stamp)")
@@ -43,14 +48,15 @@ def main() -> None:
     cfg_path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
     dep = load_deployment(cfg_path, rank_dir=args.rank_dir, dtype=args.dtype,
                           moe_form=args.moe_form, blas_threads=args.blas_threads,
-                          verify=args.verify)
+                          verify=args.verify, attention=args.attention)
     if dep.blas_threads:
         k3dist.set_blas_threads(dep.blas_threads)
     group = mx.distributed.init()
     rank = group.rank()
     t0 = time.perf_counter()
     model, config, manifest = loader.load_rank(dep.rank_path(rank), group, dep.dtype,
-                                               dep.moe_form, dep.verify)
+                                               dep.moe_form, dep.verify,
+                                               attention=dep.attention)
     t_load = time.perf_counter() - t0
     vocab = config["text_config"]["vocab_size"]
     if args.prompt_ids:
@@ -66,7 +72,14 @@ def main() -> None:
         path = Path(args.dump.format(rank=rank))
         path.parent.mkdir(parents=True, exist_ok=True)
         np.savez(path, tokens=np.array(tokens), logits=logits, prompt=np.array(prompt))
-    print(json.dumps({"rank": rank, "size": group.size(),
+    counts = {}
+    if args.count:
+        from k3dist.serve import introspect
+
+        counts = {"collectives_per_token": introspect.collectives_per_token(model),
+                  "bytes_held": introspect.bytes_held(model)}
+    print(json.dumps({"rank": rank, "size": group.size(), **counts,
+                      "attention": manifest.get("attention"),
                       "moe_form": loader.resolve_form(dep.moe_form),
                       "build_hash": manifest["build_hash"], "load_s": round(t_load, 2),
                       "verify": manifest["verify"],

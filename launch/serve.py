@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
     for name, kind in (("rank-dir", str), ("host", str), ("port", int), ("model-id", str),
                        ("max-context", int), ("prefill-chunk", int), ("max-tokens", int),
                        ("temperature", float), ("top-p", float), ("token-log", str),
-                       ("moe-form", str), ("dtype", str), ("blas-threads", int),
+                       ("moe-form", str), ("attention", str), ("dtype", str), ("blas-threads", int),
                        ("heartbeat-s", float), ("watchdog-timeout-s", float),
                        ("watchdog-port", int), ("memory-headroom-gb", float),
                        ("max-queued-requests", int), ("max-connections", int)):
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     model, config, manifest = loader.load_rank(
         folder, group, dep.dtype, dep.moe_form, dep.verify,
-        peer_failure=watchdog.peer_failures.get if watchdog else None)
+        peer_failure=watchdog.peer_failures.get if watchdog else None, attention=dep.attention)
     log(rank, f"{folder}: {Report(**manifest['verify']).summary()}")
     tokenizer = load_tokenizer(folder, {"trust_remote_code": False})
     log(rank, f"loaded {folder} (build {manifest['build_hash']}, placement "
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
             "placement": manifest["placement"]["kind"],
             "placement_hash": manifest["placement_hash"],
             "moe_form": loader.resolve_form(dep.moe_form), "dtype": dep.dtype,
+            "attention": manifest.get("attention"),
             "max_context": dep.max_context, "prefill_chunks": model.chunk_sizes,
             "vocab_size": config["text_config"]["vocab_size"],
             "warmup": warm, "blas": k3dist.blas_status(), "preflight": pre,

@@ -32,13 +32,15 @@ def main() -> None:
     ap.add_argument("--out", help="rank folder pattern with {rank}, e.g. runs/ranks/rank{rank}")
     ap.add_argument("--placement-counts",
                     help="routing counts (.npz/.json) for a load-aware placement")
+    ap.add_argument("--attention", choices=("split", "replicated"),
+                    help="split attention heads across ranks (default) or replicate them")
     ap.add_argument("--config", help=f"deployment YAML (default {DEFAULT_DEPLOYMENT} if it "
                     "exists)")
     args = ap.parse_args()
     try:
         cfg = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
         d = load_deployment(cfg, build=args.build, rank_dir=args.out, size=args.size,
-                            placement_counts=args.placement_counts)
+                            placement_counts=args.placement_counts, attention=args.attention)
         if not args.all:
             slicing.check_rank(args.rank, d.size)  # before any (default) build work
         build = Path(d.build)
@@ -49,13 +51,16 @@ def main() -> None:
         print(f"build {build}, {d.size} ranks, placement {placement.kind} "
               f"({placement.hash})")
         if args.all:
-            paths = slicing.slice_all(build, d.rank_dir, d.size, placement)
+            paths = slicing.slice_all(build, d.rank_dir, d.size, placement,
+                                      attention=d.attention)
         else:
             paths = [slicing.slice_rank(build, d.rank_path(args.rank), args.rank, d.size,
-                                        placement)]
+                                        placement, attention=d.attention)]
         for p in paths:
             m = manifest.verify(p, "rank")
-            print(f"rank {m['rank']}: {p} ({m['expert_bytes']:,} expert bytes)")
+            a = manifest.attention_of(m)
+            print(f"rank {m['rank']}: {p} ({m['expert_bytes']:,} expert bytes, attention "
+                  f"{a['mode']} over layers {a['split_layers']})")
     except (CheckpointError, PlacementError, ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -1,5 +1,8 @@
 """Expert parallelism under mlx.launch on loopback: every rank's logits match
-mlx-lm's single-process kimi_k3 on the unsliced build, ranks agree bitwise."""
+mlx-lm's single-process kimi_k3 on the unsliced build, ranks agree bitwise, with
+attention split across ranks (the default) or replicated; each run also reports the
+collectives one decode token issued and the bytes each rank holds, read from the
+running model (k3dist.serve.introspect)."""
 
 from __future__ import annotations
 
@@ -19,9 +22,10 @@ PROMPT, STEPS = 40, 32
 ATOL = 1e-4
 
 
-def _slice_all(build, out, size, plc):
+def _slice_all(build, out, size, plc, attention="split"):
     for r in range(size):
-        slicing.slice_rank(build, out / f"rank{r}", r, size, plc, progress=False)
+        slicing.slice_rank(build, out / f"rank{r}", r, size, plc, progress=False,
+                           attention=attention)
     return str(out / "rank{rank}")
 
 
@@ -35,11 +39,15 @@ def _oracle(build):
 
 @pytest.fixture(scope="module")
 def builds(mini_src, mini_build, tmp_path_factory):
-    """16-bit build, and an 8-bit one whose mini shared experts cannot split at group
-    boundaries (64 wide, group 64): they stay replicated, outside the all_sum."""
+    """16-bit build; an 8-bit one whose mini shared experts and attention o_proj cannot
+    split at group boundaries (64 wide, group 64): they stay replicated, outside the
+    all_sum; and an 8-bit one at group 32, whose quantized attention splits."""
     b8 = convert.convert(mini_src, tmp_path_factory.mktemp("b8") / "b8", nonexpert_bits=8,
                          progress=False)
-    return {16: (mini_build, _oracle(mini_build)), 8: (b8, _oracle(b8))}
+    b8g32 = convert.convert(mini_src, tmp_path_factory.mktemp("b8g32") / "b8", nonexpert_bits=8,
+                            group_size=32, progress=False)
+    return {16: (mini_build, _oracle(mini_build)), 8: (b8, _oracle(b8)),
+            "8g32": (b8g32, _oracle(b8g32))}
 
 
 def _skewed_placement(build, size):
@@ -52,28 +60,45 @@ def _skewed_placement(build, size):
     return plc
 
 
-@pytest.mark.parametrize("size,kind,form,bits", [
-    (2, "contiguous", "placeholder", 16),
-    (2, "contiguous", "local", 16),
-    (2, "load-aware", "placeholder", 16),
-    (4, "contiguous", "local", 16),
-    (2, "load-aware", "local", 8),
+# (size, placement, MoE form, build, attention, layers expected split)
+ALL = list(range(6))
+
+
+@pytest.mark.parametrize("size,kind,form,bits,attention,split", [
+    (2, "contiguous", "placeholder", 16, "split", ALL),
+    (2, "contiguous", "local", 16, "split", ALL),
+    (2, "load-aware", "placeholder", 16, "replicated", []),
+    (4, "contiguous", "local", 16, "split", ALL),
+    (2, "load-aware", "local", 8, "split", []),  # o_proj: one group of 64, no split
+    (2, "contiguous", "placeholder", "8g32", "split", ALL),
 ])
-def test_ep_matches_single_process(builds, tmp_path, size, kind, form, bits):
+def test_ep_matches_single_process(builds, tmp_path, size, kind, form, bits, attention, split):
     mini_build, oracle = builds[bits]
     tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
     moe = layout.moe_layers(tc)
     plc = (_skewed_placement(mini_build, size) if kind == "load-aware"
            else placement.contiguous(tc["num_experts"], size, moe))
-    pattern = _slice_all(mini_build, tmp_path / "ranks", size, plc)
+    pattern = _slice_all(mini_build, tmp_path / "ranks", size, plc, attention)
     prompt, tokens, logits = oracle
     r = mlx_launch(size, "launch/generate.py", "--rank-dir", pattern, "--moe-form", form,
+                   "--attention", attention, "--count",
                    "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(STEPS),
-                   "--dump", str(tmp_path / "out" / "rank{rank}.npz"))
+                   "--dump", str(tmp_path / "out" / "rank{rank}.npz"), timeout=150 * size)
     assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
+    reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith('{"rank"')]
+    assert len(reports) == size
+    # One all_sum per MoE layer, one more per split layer (after its attention; the
+    # dense layer's second is its MLP's): counted from the running model.
+    want = len(moe) + len(split) + (0 in split and 0 not in moe)
+    for rep in reports:
+        assert rep["attention"]["split_layers"] == split
+        assert rep["collectives_per_token"] == want, rep
     runs = [np.load(tmp_path / "out" / f"rank{i}.npz") for i in range(size)]
     diff = max(float(np.abs(x["logits"] - logits).max()) for x in runs)
-    print(f"\nN={size} {kind} {form} {bits}-bit: max |logit - single-process| = {diff:.3g}")
+    held = reports[0]["bytes_held"]
+    print(f"\nN={size} {kind} {form} {bits}-bit {attention}: max |logit - single-process| = "
+          f"{diff:.3g}; {want} collectives/token; rank 0 holds {held['attention']:,} "
+          f"attention bytes of {held['total']:,}")
     for x in runs:
         assert x["tokens"].tolist() == tokens
         assert np.array_equal(x["logits"], runs[0]["logits"])  # ranks agree bitwise

@@ -77,3 +77,21 @@ def test_missing_expert_tensor_refused(ranks2, tmp_path):
 def test_not_a_rank_folder(mini_build):
     with pytest.raises(CheckpointError, match="not a rank folder"):
         loader.check_rank_folder(mini_build, 0, 1)
+
+
+def test_folder_of_the_other_attention_mode_refused(ranks2):
+    """Sliced with attention split (the default); a deployment asking for replicated is
+    refused naming the folder and the fix, and the other way round; one rank has
+    nothing to split, so it takes either."""
+    folder = ranks2 / "rank0"
+    m, _ = loader.check_rank_folder(folder, 0, 2, attention="split")
+    assert m["attention"] == {"mode": "split", "split_layers": list(range(6))}
+    with pytest.raises(loader.RankMismatch) as e:
+        loader.check_rank_folder(folder, 0, 2, attention="replicated")
+    msg = str(e.value)
+    assert str(folder) in msg and "sliced with attention split" in msg
+    assert "--attention replicated" in msg
+    rep = dict(m, attention={"mode": "replicated", "split_layers": []})
+    with pytest.raises(loader.RankMismatch, match="slice again with --attention split"):
+        loader.check_attention(folder, rep, "split")
+    loader.check_attention(folder, dict(rep, size=1), "split")

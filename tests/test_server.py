@@ -224,6 +224,7 @@ def test_models_without_hf_cache_and_deployment_info(srv):
     assert [m.id for m in srv.client().models.list().data] == ["kimi-k3"]
     _, info = _get(srv.url + "/v1/k3dist")
     assert info["ranks"] == 2 and info["prefill_chunks"][0] == 32
+    assert info["attention"] == {"mode": "split", "split_layers": list(range(6))}  # default
 
 
 def test_warm_up_leaves_nothing_to_compile(srv):

@@ -1,5 +1,6 @@
 """Rank folders: exactly the owned experts (byte-compared with the build), every
-non-expert tensor, resume, refusals before anything is written, the source route
+non-expert tensor (attention split: each rank its share, the shares reassembling the
+build's bytes), resume, refusals before anything is written, the source route
 byte-identical to the build route, and the CLI."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from k3dist.build import convert as convert_mod
 from k3dist.build import slicing
-from k3dist.format import manifest
+from k3dist.format import layout, manifest
 from k3dist.format.manifest import JOURNAL
 from k3dist.format.placement import Placement, PlacementError, contiguous, load_aware
 from k3dist.format.sfile import CheckpointError, read_bytes, read_header
@@ -51,6 +52,33 @@ def placements(build: Path) -> dict[str, Placement]:
             "load-aware-4": skewed_placement(4)}
 
 
+def _array(t) -> np.ndarray:
+    """A tensor's raw bytes as [*shape, itemsize] uint8 (dtype-agnostic slicing)."""
+    return np.frombuffer(read_bytes(t), np.uint8).reshape(*t.shape, -1)
+
+
+def assert_split_reassembles(build: Path, folders: list[Path]) -> int:
+    """Every tensor a rank holds a share of: the ranks' shares, put back together along
+    the tensor's split axis (per segment), are the build's bytes. Returns how many."""
+    tc = layout.text_config(json.loads((build / "config.json").read_text()))
+    full = tensors(build)
+    ranks = [tensors(f) for f in folders]
+    split = set(manifest.attention_of(json.loads((folders[0] / "k3dist.json").read_text()))[
+        "split_layers"])
+    n = 0
+    for name, g in full.items():
+        rule = layout.split_rule(tc, name) if layout.layer_of(name) in split else None
+        if rule is None or slicing.stacked_layer(name) is not None:
+            continue
+        axis, segments = rule
+        axis %= len(g.shape)
+        parts = [np.split(_array(r[name]), segments, axis=axis) for r in ranks]
+        got = np.concatenate([p[s] for s in range(segments) for p in parts], axis=axis)
+        assert np.array_equal(got, _array(g)), name
+        n += 1
+    return n
+
+
 def mtimes(folder: Path) -> dict:
     return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
 
@@ -66,8 +94,11 @@ def test_each_rank_holds_exactly_its_experts(mini_build, tmp_path, which):
     paths = slicing.slice_all(mini_build, str(tmp_path / "rank{rank}"), size, placement,
                               progress=False)
     total = 0
+    split = set(range(6))  # the mini's 4 KDA and 4 MLA heads divide 2 and 4 ways
+    tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
     for rank, folder in enumerate(paths):
         m = manifest.verify(folder, "rank", sha256=True)
+        assert m["attention"] == {"mode": "split", "split_layers": sorted(split)}
         assert (m["kind"], m["rank"], m["size"]) == ("rank", rank, size)
         assert m["build_hash"] == build_manifest["build_hash"]
         assert m["placement_hash"] == placement.hash
@@ -90,6 +121,10 @@ def test_each_rank_holds_exactly_its_experts(mini_build, tmp_path, which):
             g = build[name]
             layer = slicing.stacked_layer(name)
             assert t.dtype == g.dtype
+            if layer is None and layout.layer_of(name) in split and layout.split_rule(tc, name):
+                axis, segments = layout.split_rule(tc, name)
+                assert t.shape[axis] * size == g.shape[axis], name
+                continue  # bytes: assert_split_reassembles below
             if layer is None:
                 assert t.shape == g.shape and read_bytes(t) == read_bytes(g), name
                 continue
@@ -106,6 +141,28 @@ def test_each_rank_holds_exactly_its_experts(mini_build, tmp_path, which):
         w = arr["language_model.model.layers.3.mlp.switch_mlp.down_proj.weight"]
         assert w.shape[0] == len(placement.experts_of(3, rank))
     assert total == expert_bytes(mini_build)
+    assert assert_split_reassembles(mini_build, paths) == 4 * 8 + 2 * 5 + 3  # KDA, MLA, dense
+
+
+def test_quantized_attention_splits_at_whole_groups(mini_src, tmp_path):
+    """8-bit non-expert tensors at group 32: weights, scales and biases split together;
+    at group 64 o_proj's 64 inputs are one group, so no layer splits (replicated)."""
+    b32 = convert_mod.convert(mini_src, tmp_path / "b32", nonexpert_bits=8, group_size=32,
+                              progress=False)
+    paths = slicing.slice_all(b32, str(tmp_path / "r32" / "rank{rank}"), 2, progress=False)
+    n = assert_split_reassembles(b32, paths)
+    assert n > 4 * 8 + 2 * 5 + 3  # scales and biases too
+    t0 = tensors(paths[0])
+    assert t0["language_model.model.layers.1.self_attn.o_proj.scales"].shape == (64, 1)
+    assert manifest.attention_of(manifest.verify(paths[1], "rank"))["split_layers"] == list(
+        range(6))
+    b64 = convert_mod.convert(mini_src, tmp_path / "b64", nonexpert_bits=8, progress=False)
+    out = slicing.slice_rank(b64, tmp_path / "r64", 0, 2, progress=False)
+    assert manifest.attention_of(manifest.verify(out, "rank")) == {"mode": "split",
+                                                                   "split_layers": []}
+    with pytest.raises(CheckpointError, match="convert it first"):
+        slicing.slice_rank(mini_src, tmp_path / "src-split", 0, 2, attention="split",
+                           progress=False)
 
 
 def test_resume_after_interruption(mini_build, tmp_path, monkeypatch):
@@ -160,7 +217,8 @@ def test_source_route_resumes(mini_src, mini_build, tmp_path, monkeypatch):
     assert list(json.loads((out / JOURNAL).read_text())["done"]) == ["layer.0"]
     monkeypatch.setattr(convert_mod, "iter_chunks", real)
     slicing.slice_rank(mini_src, out, 0, 2, placement, progress=False)
-    ref = slicing.slice_rank(mini_build, tmp_path / "ref", 0, 2, placement, progress=False)
+    ref = slicing.slice_rank(mini_build, tmp_path / "ref", 0, 2, placement, progress=False,
+                             attention="replicated")
     a = json.loads((out / "k3dist.json").read_text())["files"]
     b = json.loads((ref / "k3dist.json").read_text())["files"]
     assert a == b
@@ -172,7 +230,7 @@ def test_source_route_byte_identical_to_build_route(mini_src, mini_build, tmp_pa
     placement = skewed_placement(4, seed=1)
     a = slicing.slice_rank(mini_src, tmp_path / "from-src", rank, 4, placement, progress=False)
     b = slicing.slice_rank(mini_build, tmp_path / "from-build", rank, 4, placement,
-                           progress=False)
+                           progress=False, attention="replicated")
     ma, mb = manifest.verify(a, "rank", sha256=True), manifest.verify(b, "rank", sha256=True)
     assert (ma["input"], mb["input"]) == ("source", "build")
     assert ma["build_hash"] == mb["build_hash"] == json.loads(
@@ -290,23 +348,26 @@ def test_placement_must_own_every_expert_once():
 
 
 def test_refuses_out_folder_of_another_slicing(mini_src, mini_build, tmp_path):
-    out = slicing.slice_rank(mini_build, tmp_path / "r", 0, 2, progress=False)
+    rep = {"attention": "replicated"}
+    out = slicing.slice_rank(mini_build, tmp_path / "r", 0, 2, progress=False, **rep)
     before = mtimes(out)
     bh = json.loads((mini_build / "k3dist.json").read_text())["build_hash"]
     build8 = convert_mod.convert(mini_src, tmp_path / "b8", nonexpert_bits=8, progress=False)
     bh8 = json.loads((build8 / "k3dist.json").read_text())["build_hash"]
     assert bh8 != bh
     with pytest.raises(CheckpointError) as e:
-        slicing.slice_rank(build8, out, 0, 2, progress=False)
+        slicing.slice_rank(build8, out, 0, 2, progress=False, **rep)
     assert f"build_hash: folder has '{bh}', this run '{bh8}'" in str(e.value)
     assert "choose another --out" in str(e.value)
     with pytest.raises(CheckpointError, match="rank: folder has 0, this run 1"):
-        slicing.slice_rank(mini_build, out, 1, 2, progress=False)
+        slicing.slice_rank(mini_build, out, 1, 2, progress=False, **rep)
     with pytest.raises(CheckpointError, match="placement_hash"):
-        slicing.slice_rank(mini_build, out, 0, 2, skewed_placement(2), progress=False)
+        slicing.slice_rank(mini_build, out, 0, 2, skewed_placement(2), progress=False, **rep)
+    with pytest.raises(CheckpointError, match="attention: folder has 'replicated'"):
+        slicing.slice_rank(mini_build, out, 0, 2, progress=False)  # split by default
     assert mtimes(out) == before
     # the same slicing again is a no-op; the source route is the same slicing
-    slicing.slice_rank(mini_build, out, 0, 2, progress=False)
+    slicing.slice_rank(mini_build, out, 0, 2, progress=False, **rep)
     slicing.slice_rank(mini_src, out, 0, 2, progress=False)
     assert mtimes(out) == before
 

@@ -64,7 +64,7 @@ def _corrupt_middle(path, n: int = 4096) -> list[str]:
 def test_slicer_stamps_every_file(ranks2):
     for r in range(2):
         m = _manifest(ranks2 / f"rank{r}")
-        assert m["identity"]["format_version"] == slicing.FORMAT_VERSION == 2
+        assert m["identity"]["format_version"] == slicing.FORMAT_VERSION == 3
         report = verify.verify_folder(ranks2 / f"rank{r}", m, "stamp")
         assert report.hashed == [] and report.bytes_hashed == 0
         # the manifest's digests are the files' own: a full check passes

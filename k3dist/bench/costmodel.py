@@ -11,7 +11,9 @@ Modes (what each rank holds and computes; counts follow the code, not a sketch):
   ``kimi_k3.Model.shard`` splits it (KDA q/k/v/g/b/f_b/o projections, convs,
   ``A_log``, ``dt_bias``; MLA q_b/kv_b/g/o) and one more ``all_sum`` (7168) per
   layer after ``o_proj``. Replicated: KDA ``f_a_proj``, ``o_norm``; MLA ``q_a``,
-  ``kv_a`` and their norms. Layer 0's dense MLP stays replicated.
+  ``kv_a`` and their norms. Layer 0's dense MLP splits too (gate/up by rows, down_proj
+  by its input, one more ``all_sum``): 186 collectives per step, as TP, counted from
+  the running model by ``k3dist.serve.introspect`` (mini-K3: 12 = 6 + 5 + 1).
 - ``tp`` (mlx-lm ``shard()``): attention as above, shared experts, every routed expert
   (intermediate 3072/N) and the dense MLP split; router, latent projections, norms,
   embedding and ``lm_head`` replicated. Collectives per step: one ``all_sum`` (7168)
@@ -86,7 +88,7 @@ ACT_BYTES = 2  # bf16 activations on the wire (the build's dtype)
 GROUPS = ("attn_heads", "attn_rep", "norms", "dense_mlp", "router", "latent", "shared")
 SPLIT = {
     "ep-replicated": {"shared"},
-    "ep-split": {"attn_heads", "shared"},
+    "ep-split": {"attn_heads", "shared", "dense_mlp"},
     "tp": {"attn_heads", "shared", "dense_mlp"},
     "pp": set(),
 }
@@ -546,7 +548,7 @@ def collectives(f: Facts, mode: str, size: int, hw: Hardware, batch: int = 1) ->
     if mode in EP_MODES + ("tp",):
         out.append(_collective("all_sum", n_moe, moe_size, size, hw) | {
             "what": "MoE: routed latent" + (" + shared partial" if shared else "")})
-    if mode == "tp" and n_dense:
+    if mode in ("tp", "ep-split") and n_dense:
         out.append(_collective("all_sum", n_dense, ACT_BYTES * H, size, hw) | {
             "what": "dense MLP down_proj partial sums"})
     if mode == "pp":
@@ -665,6 +667,23 @@ def box_footprint(mode: str, f: Facts, size: int, context: int = 4096, batch: in
     total = weights + experts + head + cache
     return {"weights_nonexpert": round(weights + head), "routed_experts": round(experts),
             "cache": round(cache), "total": round(total), "total_GB": round(total / 1e9, 1)}
+
+
+def attention_bytes(config: dict, profile: Profile, size: int = 2) -> dict:
+    """Attention weight bytes one rank holds, and reads every decode token, with
+    attention replicated and split over ``size`` ranks (heads split in the layers whose
+    heads divide evenly, as ``layout.split_layers``; the rest replicated), and each
+    box's resident total in both EP modes."""
+    f = facts(config, profile)
+    rep = split = 0.0
+    for L in f.layers:
+        divides = layout.attention_heads(f.tc, L.index) % size == 0
+        rep += L.bytes["attn_heads"] + L.bytes["attn_rep"]
+        split += L.bytes["attn_heads"] / (size if divides else 1) + L.bytes["attn_rep"]
+    return {"size": size, "profile": profile.name, "attention_replicated": round(rep),
+            "attention_split": round(split), "saved_bytes": round(rep - split),
+            "saved_fraction_of_attention": round((rep - split) / rep, 4),
+            "box_total": {m: box_footprint(m, f, size)["total"] for m in EP_MODES}}
 
 
 # ---------------------------------------------------------------- projection

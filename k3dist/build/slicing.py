@@ -54,6 +54,7 @@ from k3dist.format.sfile import (
 )
 
 import mlx.core as mx
+import numpy as np
 from tqdm import tqdm
 
 FORMAT_VERSION = manifest.RANK_FORMAT_VERSION
@@ -101,9 +102,21 @@ def placement_for(build: str | Path, size: int, counts_path: str | Path | None =
     return placement if gmap is None else graded.balance_hi(placement, gmap)
 
 
-def _identity(build_hash: str, rank: int, size: int, placement: Placement) -> dict:
+def _identity(build_hash: str, rank: int, size: int, placement: Placement,
+              attention: str = "replicated") -> dict:
     return {"format_version": FORMAT_VERSION, "kind": "rank", "build_hash": build_hash,
-            "rank": rank, "size": size, "placement_hash": placement.hash}
+            "rank": rank, "size": size, "placement_hash": placement.hash,
+            "attention": attention}
+
+
+def resolve_attention(attention: str | None, size: int) -> str:
+    """The mode a folder is sliced in: ``split`` by default; one rank has nothing to
+    split, so it is always ``replicated``."""
+    attention = attention or "split"
+    if attention not in layout.ATTENTION_MODES:
+        raise CheckpointError(f"--attention must be one of {layout.ATTENTION_MODES}, not "
+                              f"{attention!r}")
+    return "replicated" if size <= 1 else attention
 
 
 def _describe(ident: dict) -> str:
@@ -137,13 +150,40 @@ def _runs(ids: list[int], per: int) -> list[tuple[int, int]]:
     return out
 
 
+def _split_reads(t: TensorInfo, rule: tuple[int, int], rank: int, size: int
+                 ) -> tuple[tuple[int, ...], list]:
+    """(output shape, reads) of this rank's part of a non-expert tensor divided across
+    ranks (``layout.split_rule``). A read is (offset, length, columns): ``columns``
+    (row bytes, start, stop) keeps those bytes of every row of the block read."""
+    axis = rule[0] % len(t.shape)
+    spans = layout.split_slice(t.shape, rule, rank, size)
+    shape = list(t.shape)
+    shape[axis] = sum(b - a for a, b in spans)
+    inner = t.nbytes // int(np.prod(t.shape[:axis + 1]))  # bytes per index along axis
+    if axis == 0:
+        reads = [(a * inner + s, n, None) for a, b in spans
+                 for s, n in _runs([0], (b - a) * inner)]
+        return tuple(shape), reads
+    if axis != len(t.shape) - 1:
+        raise CheckpointError(f"{t.path}: {t.name!r} would split along axis {axis}; only "
+                              "the first or last axis can be divided across ranks")
+    row = t.shape[-1] * inner
+    rows = t.nbytes // row
+    per = max(1, CHUNK_BYTES // row)
+    cols = [(a * inner, b * inner) for a, b in spans]
+    reads = [(r * row, min(per, rows - r) * row, (row, c0, c1))
+             for r in range(0, rows, per) for c0, c1 in cols]
+    return tuple(shape), reads
+
+
 def _folder(out: Path, ident: dict, source_kind: str) -> JournaledFolder:
     return JournaledFolder(out, "rank", ident, source=source_kind, describe=_describe,
                            hint=" (e.g. one with {rank})")
 
 
 def _write_manifest(folder: JournaledFolder, placement: Placement, build: Path,
-                    safetensors: dict[str, dict], small: list[str], seconds: float) -> dict:
+                    safetensors: dict[str, dict], small: list[str], seconds: float,
+                    split: list[int] | None = None) -> dict:
     """``k3dist.json``, last: sha256 of the tensor files from the journal (computed
     while writing; never a second read of the folder), of the small files here."""
     out, ident = folder.path, folder.identity
@@ -164,6 +204,8 @@ def _write_manifest(folder: JournaledFolder, placement: Placement, build: Path,
         "build": str(build.resolve()),
         "input": folder.source,
         "expert_bytes": sum(_expert_bytes(read_header(out / n)) for n in safetensors),
+        # layers whose attention heads (and dense MLP) this rank holds a part of
+        "attention": {"mode": ident["attention"], "split_layers": sorted(split or [])},
         "files": files,
         "seconds": round(seconds, 2),
     }
@@ -200,8 +242,10 @@ def _short(xs, n: int = 8) -> str:
 class BuildSlicer:
     """Slice an mlx-lm-format build (ours or a community one) for one rank."""
 
-    def __init__(self, build: Path, out: Path, rank: int, size: int, placement: Placement):
+    def __init__(self, build: Path, out: Path, rank: int, size: int, placement: Placement,
+                 attention: str | None = None):
         check_rank(rank, size)
+        self.size = size
         self.build, self.out, self.rank = build, out, rank
         self.config = load_config(build)
         self.config_bytes = (build / "config.json").read_bytes()
@@ -244,7 +288,13 @@ class BuildSlicer:
                         f"layer {layer}'s {len(ids)} promoted experts (an empty hi bank); "
                         "use k3dist.graded.balance_hi(placement, GradedMap.from_config(cfg))")
         self.placement = placement
-        self.ident = _identity(self.build_hash, rank, size, placement)
+        self.tc = tc
+        self.attention = resolve_attention(attention, size)
+        shapes = {n: t.shape for h in self.headers.values() for n, t in h.tensors.items()
+                  if n not in self.stacks}
+        self.split_layers = (set(layout.split_layers(tc, size, shapes))
+                             if self.attention == "split" else set())
+        self.ident = _identity(self.build_hash, rank, size, placement, self.attention)
 
     def _build_manifest(self) -> dict | None:
         p = self.build / MANIFEST
@@ -266,13 +316,18 @@ class BuildSlicer:
         plan = []
         for t in sorted(self.headers[fname].tensors.values(), key=lambda t: t.start):
             layer = self.stacks.get(t.name)
-            if layer is None:
-                plan.append((t, t.shape, _runs([0], t.nbytes)))
+            rule = (layout.split_rule(self.tc, t.name)
+                    if layout.layer_of(t.name) in self.split_layers else None)
+            if rule is not None:
+                plan.append((t, *_split_reads(t, rule, self.rank, self.size)))
+            elif layer is None:
+                plan.append((t, t.shape, [(s, n, None) for s, n in _runs([0], t.nbytes)]))
             else:
                 mine = graded.local_rows(self.gmap, t.name, self.placement.num_experts,
                                         self.placement, self.rank)
                 per = t.nbytes // t.shape[0]
-                plan.append((t, (len(mine), *t.shape[1:]), _runs(mine, per)))
+                plan.append((t, (len(mine), *t.shape[1:]),
+                             [(s, n, None) for s, n in _runs(mine, per)]))
         return plan
 
     def _slice_file(self, fname: str, bar: tqdm) -> dict:
@@ -280,9 +335,12 @@ class BuildSlicer:
         entries = [(t.name, t.dtype, shape) for t, shape, _ in plan]
 
         def chunks(t: TensorInfo, ranges) -> Iterator[bytes]:
-            for start, length in ranges:
+            for start, length, cols in ranges:
                 data = read_bytes(t, start, length)
                 bar.update(len(data))
+                if cols is not None:
+                    row, a, b = cols
+                    data = np.frombuffer(data, np.uint8).reshape(-1, row)[:, a:b].tobytes()
                 yield data
 
         with StreamWriter(self.out / fname, entries,
@@ -303,14 +361,14 @@ class BuildSlicer:
         folder = _folder(self.out, self.ident, "build")
         if folder.open():
             return self.out
-        total = sum(sum(n for _, n in ranges) for f in self.files for _, _, ranges in
+        total = sum(sum(r[1] for r in ranges) for f in self.files for _, _, ranges in
                     self._plan(f))
         bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
                    desc=f"rank {self.rank}")
         t0 = time.perf_counter()
         for f in self.files:
             if not folder.unit(f, lambda f=f: self._slice_file(f, bar)):
-                bar.update(sum(n for _, _, r in self._plan(f) for _, n in r))
+                bar.update(sum(x[1] for _, _, r in self._plan(f) for x in r))
         bar.close()
         total_size = sum(folder.done[f]["bytes"] for f in self.files)
         meta = {**self.index.get("metadata", {}), "total_size": total_size}
@@ -322,7 +380,8 @@ class BuildSlicer:
             _copy_file(self.build / name, self.out / name)
         _write_manifest(folder, self.placement, self.build,
                         {f: folder.done[f] for f in self.files},
-                        [INDEX_NAME, "config.json", *small], time.perf_counter() - t0)
+                        [INDEX_NAME, "config.json", *small], time.perf_counter() - t0,
+                        sorted(self.split_layers))
         return self.out
 
 
@@ -333,8 +392,14 @@ class SourceSlicer:
     unit by unit, with this rank's expert subset."""
 
     def __init__(self, src: Path, out: Path, rank: int, size: int, placement: Placement,
-                 nonexpert_bits: int = 16, group_size: int = 64):
+                 nonexpert_bits: int = 16, group_size: int = 64,
+                 attention: str | None = "replicated"):
         check_rank(rank, size)
+        if resolve_attention(attention, size) == "split":
+            raise CheckpointError(f"{src}: a Moonshot-format source slices with attention "
+                                  "replicated; to split attention across ranks convert it "
+                                  "first (python -m k3dist.build.convert) and slice the build, "
+                                  "or slice with --attention replicated")
         self.src = Source(src)
         tc = self.src.text_config
         moe = set(layout.moe_layers(tc))
@@ -383,9 +448,13 @@ class SourceSlicer:
 
 def slice_rank(build: str | Path, out: str | Path, rank: int, size: int,
                placement: Placement | None = None, progress: bool = True, *,
-               nonexpert_bits: int = 16, group_size: int = 64) -> Path:
+               nonexpert_bits: int = 16, group_size: int = 64,
+               attention: str | None = None) -> Path:
     """Write rank ``rank`` of ``size``'s folder from an MLX build or a Moonshot-format
     source (``nonexpert_bits``/``group_size``: source input only, as in convert).
+    ``attention``: ``split`` (a build's default: each rank holds its share of every
+    layer whose heads divide evenly, ``layout.split_layers``) or ``replicated`` (a
+    source's default and only mode).
     ``placement`` defaults to contiguous. Everything is checked before anything is
     written; a partial folder of the same slicing is resumed."""
     build, out = Path(build), Path(out)
@@ -398,18 +467,20 @@ def slice_rank(build: str | Path, out: str | Path, rank: int, size: int,
     if placement is None:
         placement = placement_for(build, size)
     if is_source(build):
-        slicer = SourceSlicer(build, out, rank, size, placement, nonexpert_bits, group_size)
+        slicer = SourceSlicer(build, out, rank, size, placement, nonexpert_bits, group_size,
+                              attention or "replicated")
     else:
-        slicer = BuildSlicer(build, out, rank, size, placement)
+        slicer = BuildSlicer(build, out, rank, size, placement, attention)
     return slicer.run(progress)
 
 
 def slice_all(build: str | Path, out_pattern: str, size: int,
-              placement: Placement | None = None, progress: bool = True) -> list[Path]:
+              placement: Placement | None = None, progress: bool = True,
+              attention: str | None = None) -> list[Path]:
     """Every rank's folder; ``out_pattern`` holds ``{rank}``."""
     if size > 1 and "{rank}" not in out_pattern:
         raise CheckpointError(f"--out {out_pattern!r} has no {{rank}}; every rank needs its "
                               "own folder (e.g. runs/ranks/rank{rank})")
     placement = placement or placement_for(build, size)
-    return [slice_rank(build, out_pattern.format(rank=r), r, size, placement, progress)
-            for r in range(size)]
+    return [slice_rank(build, out_pattern.format(rank=r), r, size, placement, progress,
+                       attention=attention) for r in range(size)]

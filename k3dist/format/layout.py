@@ -261,3 +261,71 @@ def groups(config: dict) -> list[str]:
     if config.get("vision_config"):
         out.append("vision")
     return out
+
+
+# ----------------------------------------------------------------------------- attention split
+
+ATTENTION_MODES = ("split", "replicated")
+# How mlx-lm's ``kimi_k3.Model.shard`` divides a layer's tensors across ranks, by the
+# tensor's path inside its layer (MLX build names): (axis, segments). Axis 0 splits
+# output rows (heads), -1 the input (o_proj, down_proj: their outputs are summed).
+# A quantized weight's ``scales``/``biases`` split with it.
+_SPLIT_KDA = {"qkv_proj": (0, 3), "qkv_conv.conv": (0, 3), "f_b_proj": (0, 1),
+              "g_proj": (0, 1), "g_b_proj": (0, 1), "b_proj": (0, 1), "o_proj": (-1, 1),
+              "A_log": (0, 1), "dt_bias": (0, 1)}
+_SPLIT_MLA = {"q_b_proj": (0, 1), "q_proj": (0, 1), "g_proj": (0, 1), "o_proj": (-1, 1),
+              "embed_q": (0, 1), "unembed_out": (0, 1)}
+_SPLIT_DENSE = {"gate_proj": (0, 1), "up_proj": (0, 1), "down_proj": (-1, 1)}
+_PARTS = ("weight", "scales", "biases")
+
+
+def split_rule(tc: dict, name: str) -> tuple[int, int] | None:
+    """(axis, segments) along which tensor ``name`` (an MLX build name) is divided when
+    its layer's attention is split across ranks; None: every rank holds all of it."""
+    layer = layer_of(name)
+    if layer is None:
+        return None
+    rest = name[len(f"{LAYER_PREFIX}{layer}."):]
+    for prefix, table in (("self_attn.", _SPLIT_KDA if layer in kda_layers(tc) else _SPLIT_MLA),
+                          ("mlp.", {} if is_moe_layer(tc, layer) else _SPLIT_DENSE)):
+        if not rest.startswith(prefix):
+            continue
+        module, _, part = rest[len(prefix):].rpartition(".")
+        if module and part in _PARTS and module in table:
+            return table[module]
+        if rest[len(prefix):] in table:  # bare arrays: A_log, dt_bias
+            return table[rest[len(prefix):]]
+    return None
+
+
+def attention_heads(tc: dict, layer: int) -> int:
+    if layer in kda_layers(tc):
+        return tc["linear_attn_config"]["num_heads"]
+    return tc["num_attention_heads"]
+
+
+def split_layers(tc: dict, size: int, shapes: dict[str, tuple[int, ...]]) -> list[int]:
+    """Layers whose attention (and dense MLP) divide evenly across ``size`` ranks: heads
+    a multiple of ``size`` and every divided tensor in ``shapes`` (name -> shape, a
+    quantized input-dim split only at whole groups: its ``scales`` columns) too.
+    The others stay replicated on every rank."""
+    if size <= 1:
+        return []
+    ok = {i: attention_heads(tc, i) % size == 0 for i in range(tc["num_hidden_layers"])}
+    for name, shape in shapes.items():
+        rule = split_rule(tc, name)
+        if rule is not None:
+            axis, segments = rule
+            if not shape or shape[axis] % (segments * size):
+                ok[layer_of(name)] = False
+    return [i for i, good in ok.items() if good]
+
+
+def split_slice(shape: tuple[int, ...], rule: tuple[int, int], rank: int, size: int
+                ) -> list[tuple[int, int]]:
+    """(start, stop) index ranges along the rule's axis that rank ``rank`` holds, in
+    order (one per segment)."""
+    axis, segments = rule
+    n = shape[axis] // segments
+    per = n // size
+    return [(s * n + rank * per, s * n + (rank + 1) * per) for s in range(segments)]

@@ -10,7 +10,8 @@ Written last, so its presence means the folder is complete. One schema for every
   may be absent for small copied files of a build);
 - ``seconds``; kind-specific keys: a build's ``source``, ``profile``, ``files_by_group``;
   a rank folder's ``rank``, ``size``, ``placement``, ``placement_hash``, ``build``,
-  ``input``, ``expert_bytes``.
+  ``input``, ``expert_bytes``, ``attention`` (``mode``: ``split`` or ``replicated``,
+  ``split_layers``: the layers whose attention the rank holds a share of).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ JOURNAL = ".k3dist-progress.json"
 # Each kind's format version, stamped in ``identity`` by its writer; a folder of another
 # version is another identity (a cache of an older k3dist is remade, never served).
 BUILD_FORMAT_VERSION = 2  # 2: HF tokenizer files, no auto_map
-RANK_FORMAT_VERSION = 2  # 2: per-tensor sha256 in the manifest (k3dist.format.verify)
+# 2: per-tensor sha256 in the manifest (k3dist.format.verify); 3: attention split/replicated
+RANK_FORMAT_VERSION = 3
 _MAKE = {
     "rank": "make rank folders with python slicing/rank_split.py",
     "build": "make a build with python -m k3dist.build.convert",
@@ -93,3 +95,9 @@ def slices_current_build(folder: str | Path, source: str | Path) -> bool:
         )
     except (CheckpointError, OSError, KeyError, ValueError):
         return False
+
+
+def attention_of(m: dict) -> dict:
+    """A rank manifest's attention mode and split layers (a folder from before the
+    split existed holds attention replicated)."""
+    return m.get("attention") or {"mode": "replicated", "split_layers": []}

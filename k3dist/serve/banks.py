@@ -190,10 +190,11 @@ def _table(mask: np.ndarray) -> np.ndarray:
 
 
 def make_model_class(
-    placement: Placement, rank: int, group: mx.distributed.Group | None, form: str, gmap: GradedMap
+    placement: Placement, rank: int, group: mx.distributed.Group | None, form: str, gmap: GradedMap,
+    split_layers: list[int] | tuple = (),
 ) -> type[kimi_k3.Model]:
     """``k3dist.model.make_model_class`` with every MoE layer two-banked."""
-    base = ep.make_model_class(placement, rank, group, form)
+    base = ep.make_model_class(placement, rank, group, form, split_layers)
 
     class GradedK3(base):
         def __init__(self, args: kimi_k3.ModelArgs):

@@ -11,6 +11,8 @@ import yaml
 DEFAULT_DEPLOYMENT = Path("deploy/local.yaml")
 # how non-owned (token, expert) pairs are handled (k3dist.serve.model); "auto" picks one
 MOE_FORMS = ("placeholder", "local")
+# how attention is laid out across ranks (k3dist.format.layout.split_layers)
+ATTENTION_MODES = ("split", "replicated")
 # compute dtypes a deployment may ask for (MLX names)
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -30,6 +32,11 @@ class Deployment:
     # "local" (host sync per MoE layer, only owned pairs computed) or "auto":
     # placeholder on Metal, local on CPU (benchmarks/moe_step.py measured it faster)
     moe_form: str = "auto"
+    # attention across ranks: "split" (each rank holds and computes its share of the
+    # heads of every layer whose heads divide evenly, plus one all_sum per layer) or
+    # "replicated" (every rank all of it). One rank: always replicated. Rank folders
+    # are sliced for one mode (slicing/rank_split.py --attention)
+    attention: str = "split"
     # OpenBLAS threads per rank (Linux CPU); None leaves OpenBLAS's default (all cores),
     # which oversubscribes a box that runs several ranks
     blas_threads: int | None = None
@@ -97,6 +104,8 @@ def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
     d = Deployment(**values)
     if d.moe_form not in ("auto", *MOE_FORMS):
         raise ValueError(f"moe_form must be auto, placeholder or local, not {d.moe_form!r}")
+    if d.attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be split or replicated, not {d.attention!r}")
     if d.verify not in ("stamp", "full", "size"):
         raise ValueError(f"verify must be stamp, full or size, not {d.verify!r}")
     if d.max_queued_requests < 1 or d.max_connections < 1:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from k3dist.format import graded, layout, manifest
+from k3dist.format import manifest as mf
 from k3dist.format.placement import Placement
 from k3dist.format.sfile import CheckpointError, read_header
 from k3dist.format.verify import verify_folder
@@ -67,10 +68,26 @@ def _peer_failed(ranks: list[int], why: str,
                       f"its log ({why})")
 
 
-def check_rank_folder(folder: str | Path, rank: int, size: int, verify: str = "stamp"
-                      ) -> tuple[dict, Placement]:
+def check_attention(folder: Path, m: dict, attention: str | None) -> None:
+    """A folder is sliced for one attention mode (``split`` or ``replicated``); a
+    deployment asking for the other is refused with the fix."""
+    if attention is None:
+        return
+    if attention not in layout.ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {layout.ATTENTION_MODES}, not {attention!r}")
+    want = "replicated" if m["size"] <= 1 else attention
+    have = manifest.attention_of(m)["mode"]
+    if have != want:
+        raise RankMismatch(f"{folder}: sliced with attention {have} but the deployment asks "
+                           f"for {want}; slice again with --attention {want} (python "
+                           f"slicing/rank_split.py) or deploy with attention: {have}")
+
+
+def check_rank_folder(folder: str | Path, rank: int, size: int, verify: str = "stamp",
+                      attention: str | None = None) -> tuple[dict, Placement]:
     """Everything that can be checked without talking to the other ranks; last, the
-    content against the manifest (``k3dist.format.verify``; report in ``manifest["verify"]``)."""
+    content against the manifest (``k3dist.format.verify``; report in ``manifest["verify"]``).
+    ``attention``: the mode the deployment asks for (None: whatever the folder holds)."""
     folder = Path(folder)
     m = manifest.verify(folder, "rank")  # kind, every file's size
     if m["size"] != size:
@@ -80,6 +97,7 @@ def check_rank_folder(folder: str | Path, rank: int, size: int, verify: str = "s
         raise RankMismatch(f"{folder}: holds rank {m['rank']}'s experts but this process is "
                            f"rank {rank} of {size}; give each rank its own folder "
                            "(rank_dir with {rank})")
+    check_attention(folder, m, attention)
     placement = Placement.from_json(m["placement"])
     if placement.size != size:
         raise RankMismatch(f"{folder}: placement is for {placement.size} ranks, group has {size}")
@@ -118,7 +136,8 @@ def _handshake(manifest: dict, group: mx.distributed.Group,
     """All ranks must run slices of one build with one placement. ``peer_failure``
     (rank -> the reason it failed, if known: the watchdog's) names why a peer that
     died before the handshake did."""
-    mine = f"{manifest['build_hash']}:{manifest['placement_hash']}".encode()
+    mode = mf.attention_of(manifest)["mode"]
+    mine = f"{manifest['build_hash']}:{manifest['placement_hash']}-{mode}".encode()
     vec = mx.array(np.frombuffer(mine.ljust(64, b" ")[:64], dtype=np.uint8).astype(np.int32))
     try:
         every = np.array(mx.distributed.all_gather(vec[None], group=group)).astype(np.uint8)
@@ -133,27 +152,38 @@ def _handshake(manifest: dict, group: mx.distributed.Group,
                                "pair: the ring returned garbage for a peer that is gone",
                                peer_failure)
     if len(set(seen)) > 1:
-        desc = ", ".join(f"rank {r}: build {s.split(':')[0]} placement {s.split(':')[1]}"
-                         for r, s in enumerate(seen))
-        raise RankMismatch(f"rank folders come from different builds or placements ({desc}); "
-                           "slice every rank from the same build with the same placement")
+        desc = ", ".join(f"rank {r}: build {s.split(':')[0]} placement-attention "
+                         f"{s.split(':')[1]}" for r, s in enumerate(seen))
+        raise RankMismatch(f"rank folders come from different builds or placements or "
+                           f"attention modes ({desc}); slice every rank from the same build "
+                           "with the same placement and --attention")
 
 
 def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
               dtype: str = "float32", form: str = "auto", verify: str = "stamp",
-              peer_failure: Callable[[int], str | None] | None = None):
+              peer_failure: Callable[[int], str | None] | None = None,
+              attention: str | None = None):
     """Load this rank's folder as an expert-parallel K3; returns (model, config, manifest).
-    ``peer_failure``: see ``_handshake``."""
+    ``peer_failure``: see ``_handshake``; ``attention``: the mode the deployment asks
+    for (``check_attention``; None: the folder's)."""
     group = group or mx.distributed.init()
     rank, size = group.rank(), group.size()
-    manifest, placement = check_rank_folder(folder, rank, size, verify)
+    manifest, placement = check_rank_folder(folder, rank, size, verify, attention)
     if size > 1:  # before minutes of loading: refuse mismatched folders now
         _handshake(manifest, group, peer_failure)
     gmap = graded.GradedMap.from_config(json.loads((Path(folder) / "config.json").read_text()))
-    cls = (make_model_class(placement, rank, group, resolve_form(form)) if gmap is None else
-           banks.make_model_class(placement, rank, group, resolve_form(form), gmap))
-    model, config = load_model(Path(folder), lazy=True, strict=True,
-                               get_model_classes=lambda config: (cls, kimi_k3.ModelArgs))
+    split = mf.attention_of(manifest)["split_layers"]
+    cls = (make_model_class(placement, rank, group, resolve_form(form), split) if gmap is None
+           else banks.make_model_class(placement, rank, group, resolve_form(form), gmap, split))
+    try:
+        model, config = load_model(Path(folder), lazy=True, strict=True,
+                                   get_model_classes=lambda config: (cls, kimi_k3.ModelArgs))
+    except ValueError as e:
+        if "shape" not in str(e):
+            raise
+        raise CheckpointError(f"{folder}: its tensors do not fit the model built for attention "
+                              f"split over layers {split} on {size} ranks ({e}); slice the "
+                              "folder again") from None
     model.shard_shared_experts()
     if dtype != "bfloat16":
         model.set_dtype(DTYPES[dtype])

@@ -14,9 +14,17 @@ Pairs (token, expert) a rank does not own are handled in one of two forms:
   cheap, cache-resident expert.
 - ``local``: the routing is evaluated on the host, only owned pairs are gathered
   and computed, their outputs scattered back. One host sync per MoE layer.
+
+With attention split (``split_layers``), those layers' attention heads (and the dense
+layer's MLP) are divided across ranks by mlx-lm's own ``kimi_k3.Model.shard`` applied
+to the freshly built model before its (per-rank) weights load; the input-split
+projections (``o_proj``, ``down_proj``) become :class:`SumLinear`, whose ``all_sum``
+obeys ``set_collectives`` like the MoE's.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from k3dist.format.placement import Placement
 from k3dist.serve import compat
@@ -24,8 +32,9 @@ from k3dist.serve.config import MOE_FORMS
 from k3dist.serve.warmup import split_length
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
-from mlx.nn.layers.distributed import shard_inplace
+from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear, shard_inplace
 from mlx_lm.models import kimi_k3
 from mlx_lm.models.switch_layers import SwitchGLU
 
@@ -36,6 +45,73 @@ def resolve_form(form: str) -> str:
     if form != "auto":
         return form
     return "placeholder" if mx.metal.is_available() else "local"
+
+
+class SumLinear(nn.Linear):
+    """A linear layer on a slice of its input whose partial outputs are summed across
+    ranks (mlx's ``ShardedToAllLinear``), with the sum switchable for warm-up."""
+
+    def __init__(self, weight: mx.array, group: mx.distributed.Group):
+        super().__init__(weight.shape[1], weight.shape[0], bias=False)
+        self.weight = weight
+        self.group = group
+        self.collectives = True
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = super().__call__(x)
+        return mx.distributed.all_sum(x, group=self.group) if self.collectives else x
+
+    def to_quantized(self, group_size: int | None = None, bits: int | None = None,
+                     mode: str = "affine", quantize_input: bool = False):
+        q = QuantizedSumLinear.from_linear(self, group_size, bits, mode)
+        q.group, q.collectives = self.group, True
+        return q
+
+
+class QuantizedSumLinear(nn.QuantizedLinear):
+    """:class:`SumLinear` quantized (mlx-lm's loader quantizes after the split, so the
+    group size is inferred from this rank's slice of the scales)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = super().__call__(x)
+        return mx.distributed.all_sum(x, group=self.group) if self.collectives else x
+
+
+class _NoMLP(nn.Module):
+    """What ``kimi_k3.Model.shard`` sees as the MLP of an MoE layer: its dense branch
+    shards these throwaway projections, leaving the expert-parallel MoE alone."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(n, n, bias=False)
+        self.up_proj = nn.Linear(n, n, bias=False)
+        self.down_proj = nn.Linear(n, n, bias=False)
+
+
+def split_attention(layers: list, split: list[int], group: mx.distributed.Group) -> None:
+    """Divide the attention (and a dense layer's MLP) of ``layers[i]`` for ``i`` in
+    ``split`` across ``group`` with mlx-lm's ``kimi_k3.Model.shard``, without its MoE
+    half; then swap its distributed linears for plain ones (row splits: no collective
+    in the forward pass) and :class:`SumLinear` (input splits). Call on an unquantized,
+    unloaded model: mlx-lm's loader then quantizes and loads the per-rank slices."""
+    n = group.size()
+    if n == 1 or not split:
+        return
+    view = SimpleNamespace(layers=[
+        SimpleNamespace(self_attn=layers[i].self_attn, is_linear=layers[i].is_linear,
+                        mlp=(_NoMLP(n) if isinstance(layers[i].mlp, kimi_k3.KimiK3SparseMoE)
+                             else layers[i].mlp))
+        for i in split])
+    kimi_k3.Model.shard(view, group)
+    for v in view.layers:
+        for module in (v.self_attn, v.mlp):
+            for name, child in list(module.children().items()):
+                if isinstance(child, AllToShardedLinear):
+                    plain = nn.Linear(child.weight.shape[1], child.weight.shape[0], bias=False)
+                    plain.weight = child.weight
+                    setattr(module, name, plain)
+                elif isinstance(child, ShardedToAllLinear):
+                    setattr(module, name, SumLinear(child.weight, group))
 
 
 class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
@@ -116,9 +192,12 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
 
 
 def make_model_class(placement: Placement, rank: int, group: mx.distributed.Group | None,
-                     form: str = "placeholder") -> type[kimi_k3.Model]:
-    """A ``kimi_k3.Model`` subclass whose MoE layers hold only ``rank``'s experts;
-    pass it to ``mlx_lm.utils.load_model`` through ``get_model_classes``."""
+                     form: str = "placeholder", split_layers: list[int] | tuple = ()
+                     ) -> type[kimi_k3.Model]:
+    """A ``kimi_k3.Model`` subclass whose MoE layers hold only ``rank``'s experts and
+    whose ``split_layers`` hold only its share of the attention heads (the rank
+    folder's ``attention.split_layers``); pass it to ``mlx_lm.utils.load_model``
+    through ``get_model_classes``."""
 
     class ExpertParallelK3(kimi_k3.Model):
         def __init__(self, args: kimi_k3.ModelArgs):
@@ -131,6 +210,8 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
                         raise ValueError(f"placement has no owners for MoE layer {i}")
                     layer.mlp = ExpertParallelMoE(
                         tc, placement.local_table(i, rank), group, form)
+            if split_layers and group is not None:
+                split_attention(self.layers, list(split_layers), group)
 
         def __call__(self, inputs: mx.array, cache=None) -> mx.array:
             # With a fixed list of chunk sizes, any length runs as a sum of them, so
@@ -148,6 +229,12 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
             for layer in self.layers:
                 if isinstance(layer.mlp, ExpertParallelMoE):
                     layer.mlp.collectives = on
+                for _, m in layer.named_modules():
+                    if isinstance(m, (SumLinear, QuantizedSumLinear)):
+                        m.collectives = on
+                # KDA's compiled decode step (Metal) traced with the other setting
+                if getattr(layer.self_attn, "_step", None) is not None:
+                    layer.self_attn._step = None
 
         def shard_shared_experts(self) -> None:
             """Split each shared expert by its intermediate dimension (what mlx's
