@@ -3,11 +3,16 @@
     mlx.launch -n 2 --python .venv/bin/python benchmarks/compare.py --preset bench \\
         --out benchmarks/results/compare-DATE.json
 
-One run, the same build, prompt and ranks for every mode: k3dist EP with a
-contiguous and a load-aware placement (routing counts from the single-process model
-over a calibration prompt), mlx-lm's ``kimi_k3.Model.shard`` (TP) and
-``model.language_model.model.pipeline`` (PP), and mlx-lm's model whole on every rank
-(single, no collectives). Prefill and decode are timed in interleaved rounds; EP's
+One run, the same build, prompt and ranks for every mode: k3dist EP with attention
+replicated, with a contiguous and a load-aware placement (routing counts from the
+single-process model over a calibration prompt), k3dist EP with attention split by
+heads (``ep_split``, contiguous: the default deployment), mlx-lm's
+``kimi_k3.Model.shard`` (TP) and ``model.language_model.model.pipeline`` (PP), and
+mlx-lm's model whole on every rank (single, no collectives). EP, EP-split, TP and PP
+also decode batches of ``--batches`` prompts in lockstep (``<mode>@b<B>``; aggregate
+tok/s = B / step time). The collectives one decode token issues and the weight bytes
+each rank holds are counted from the running models (``counted``). Prefill and decode
+are timed in interleaved rounds; EP's
 compute is measured with its collectives bypassed, TP/PP communication is estimated
 from microbenchmarks (see ``k3dist.bench.kit``). Rank 0 writes the JSON (``--out``) and a
 bar chart (``--png``, default: the JSON's name with .png).
@@ -45,7 +50,7 @@ def plot(report: dict, path: Path) -> None:
             else 0.0 for m, x in zip(modes, xfer, strict=True)]
     lo = [t - s[m]["decode_step_ms"]["p10"] for m, t in zip(modes, total, strict=True)]
     hi = [s[m]["decode_step_ms"]["p90"] - t for m, t in zip(modes, total, strict=True)]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.6))
     x = list(range(len(modes)))
     hatch = ["//" if m in ("tp", "pp") else "" for m in modes]
     a.bar(x, comp, color="#4C72B0", hatch=hatch, edgecolor="white",
@@ -69,6 +74,18 @@ def plot(report: dict, path: Path) -> None:
     b.set_xticks(x, modes, rotation=15)
     b.set_ylabel(f"prefill tok/s ({report['settings']['prompt_len']}-token prompt)")
     b.set_title("Prefill")
+    batches = sorted({v.get("batch", 1) for v in s.values()})
+    width = 0.8 / max(1, len(batches))
+    for j, B in enumerate(batches):
+        names = [bench.batch_name(m, B) for m in bench.BATCHED]
+        c.bar([i + j * width for i in range(len(names))],
+              [s[n]["decode_tok_s_aggregate"] if n in s else 0.0 for n in names], width,
+              label=f"batch {B}")
+    c.set_xticks([i + width * (len(batches) - 1) / 2 for i in range(len(bench.BATCHED))],
+                 bench.BATCHED, rotation=15)
+    c.set_ylabel("decode tok/s, all requests together")
+    c.set_title("Batched decode (lockstep)")
+    c.legend(fontsize=7)
     r = report["ratios"]
     end = report["ranks"][0]["environment"]["loadavg"][0]
     fig.suptitle(f"{report['model']['num_hidden_layers']}-layer K3 "
@@ -99,6 +116,8 @@ def main() -> None:
                     help="calibration prompt for the load-aware placement's routing counts")
     ap.add_argument("--comm-trials", type=int, default=d.comm_trials)
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--batches", type=int, nargs="+", default=list(d.batches),
+                    help="decode batch sizes (1 must be among them)")
     ap.add_argument("--dtype", default=d.dtype, choices=sorted(loader.DTYPES))
     ap.add_argument("--moe-form", default=d.moe_form, choices=("auto", *MOE_FORMS))
     ap.add_argument("--blas-threads", type=int, default=1,
@@ -122,7 +141,9 @@ def main() -> None:
         decode_rounds=args.decode_rounds, steps_per_round=args.steps_per_round,
         warmup_steps=args.warmup_steps, calib_len=args.calib_len,
         comm_trials=args.comm_trials, seed=args.seed, dtype=args.dtype,
-        moe_form=args.moe_form)
+        moe_form=args.moe_form, batches=tuple(args.batches))
+    if 1 not in s.batches:
+        raise SystemExit("--batches must include 1 (the baseline of every ratio)")
     env = bench.environment()
     mine = bench.compare(build, group, s, args.tmp,
                          log=lambda m: print(m, file=sys.stderr, flush=True))

@@ -22,7 +22,7 @@ from util import failed_ranks, load_f32, mlx_launch, prompt_ids
 
 FAST = ("--prompt-len", "12", "--prefill-rounds", "1", "--decode-rounds", "2",
         "--steps-per-round", "2", "--warmup-steps", "1", "--calib-len", "16",
-        "--comm-trials", "3")
+        "--comm-trials", "3", "--batches", "1", "2")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def mini_tp_build(tmp_path_factory):
 
 def _compare(build, out):
     r = mlx_launch(2, "benchmarks/compare.py", "--build", str(build), *FAST,
-                   "--out", str(out), timeout=120)
+                   "--out", str(out), timeout=400)
     assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -57,11 +57,16 @@ def test_compare_all_modes(mini_tp_build, tmp_path):
     assert rep["size"] == 2 and len(rep["ranks"]) == 2 and rep["skipped"] == {}
     assert rep["blas"].get("threads") in (None, 1)  # None: no OpenBLAS on this machine
     assert (tmp_path / "c.png").stat().st_size > 0
-    modes = {"ep_contiguous", "ep_load_aware", "tp", "pp", "single"}
+    modes = {"ep_contiguous", "ep_load_aware", "ep_split", "tp", "pp", "single"}
+    batched = {f"{m}@b2" for m in ("ep_contiguous", "ep_split", "tp", "pp")}
     g = rep["greedy_tokens"]
     assert set(g["tokens"]) == modes
     assert g["all_modes_agree"], g["vs_single"]
     assert all(g["identical_across_ranks"].values())
+    # a batch's first row is the batch-1 prompt: the same greedy tokens
+    assert set(g["batch_row0_vs_batch1"]) == batched
+    assert all(v["same_as_batch1"] for v in g["batch_row0_vs_batch1"].values()), g[
+        "batch_row0_vs_batch1"]
     # each ratio is the other mode's time / EP's, per interleaved round, then the median
     tr = rep["ranks"][0]["trials"]
     for ep, tag in (("ep_contiguous", "ep"), ("ep_load_aware", "ep_la")):
@@ -74,14 +79,31 @@ def test_compare_all_modes(mini_tp_build, tmp_path):
             assert rep["ratios"][f"{tag}_over_{other}_prefill"] == pytest.approx(
                 np.median(p), abs=1e-4)
     for r in rep["ranks"]:
-        assert set(r["trials"]) == modes | set(bench.COMPUTE_ONLY.values())
-        for t in r["trials"].values():
-            assert len(t["prefill_s"]) == 1 and [len(x) for x in t["decode_ms"]] == [2, 2]
+        assert set(r["trials"]) == modes | batched | set(bench.COMPUTE_ONLY.values())
+        for n, t in r["trials"].items():
+            assert len(t["prefill_s"]) == (0 if n in batched else 1)
+            assert [len(x) for x in t["decode_ms"]] == [2, 2]
+        # counted from the running models: all_sums per decode token; attention split
+        # halves the attention bytes a rank holds
+        c = r["counted"]
+        assert c["ep_contiguous"]["collectives_per_token"] == 5  # mini: 5 MoE layers
+        assert c["tp"]["collectives_per_token"] == 5 + 6 + 1
+        assert c["ep_split"]["collectives_per_token"] > 5
+        assert (c["ep_split"]["weight_bytes"]["attention"]
+                < 0.6 * c["ep_contiguous"]["weight_bytes"]["attention"])
         # EP holds half the routed experts; TP a shard of everything
         w = r["weights_bytes"]
         assert w["ep_contiguous"] < w["single"] and w["tp"] < w["single"]
     s = rep["summary"]
     assert s["ep_contiguous"]["split"]["all_sums_per_step"] == 5  # mini: 5 MoE layers
+    # the structural plan agrees with the count
+    assert s["ep_split"]["split"]["all_sums_per_step"] == rep["ranks"][0]["counted"][
+        "ep_split"]["collectives_per_token"]
+    for B in (1, 2):
+        assert s[bench.batch_name("ep_split", B)]["decode_tok_s_aggregate"] == pytest.approx(
+            B * s[bench.batch_name("ep_split", B)]["decode_tok_s"], rel=1e-3)
+    assert rep["ratios"]["ep_split_batch2_over_batch1"] > 0
+    assert rep["ratios"]["ep_split_over_tp_decode"] > 0
     tp = {c["what"]: c["count"] for c in rep["ranks"][0]["collectives"]["tp"]["decode"][
         "collectives"]}
     assert tp == {"moe routed+shared": 5, "sharded-to-all linear": 6 + 1}  # attn x6, dense mlp

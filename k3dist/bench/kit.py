@@ -40,8 +40,13 @@ from k3dist.build.checkpoint import load_config
 from k3dist.factory import synth
 from k3dist.format import layout, placement
 from k3dist.format.journal import locked, remake_stale
-from k3dist.serve import compat, loader
-from k3dist.serve.model import ExpertParallelMoE, resolve_form
+from k3dist.serve import compat, introspect, loader
+from k3dist.serve.model import (
+    ExpertParallelMoE,
+    QuantizedSumLinear,
+    SumLinear,
+    resolve_form,
+)
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -319,11 +324,11 @@ def load_pipeline(build: str | Path, group: mx.distributed.Group, dtype: str = "
 
 
 def slice_for_rank(build: str | Path, out: str | Path, group: mx.distributed.Group,
-                   plc: placement.Placement | None) -> Path:
+                   plc: placement.Placement | None, attention: str = "split") -> Path:
     """This rank's folder of ``build`` under ``out`` (each rank writes its own, so
     this works on one machine or several)."""
     return slicing.slice_rank(build, Path(out) / f"rank{group.rank()}", group.rank(),
-                              group.size(), plc, progress=False)
+                              group.size(), plc, progress=False, attention=attention)
 
 
 # ----------------------------------------------------------------------------- stepping
@@ -427,7 +432,8 @@ def collective_plan(model, group: mx.distributed.Group | None) -> list[dict]:
             add("all_sum", w + hidden if mlp.shared_experts is not None else w,
                 "moe routed+shared")
         for _, m in layer.named_modules():
-            if isinstance(m, (ShardedToAllLinear, QuantizedShardedToAllLinear)):
+            if isinstance(m, (ShardedToAllLinear, QuantizedShardedToAllLinear, SumLinear,
+                              QuantizedSumLinear)):
                 add("all_sum", int(m.weight.shape[0]), "sharded-to-all linear")
     if tm.pipeline_size > 1:
         # rows rank r receives from r+1: its AttnRes blocks so far + the hidden state
@@ -564,9 +570,13 @@ def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
 
     models: dict[str, object] = {"single": single}
     skipped: dict[str, str] = {}
+    # ep_contiguous / ep_load_aware: attention replicated on every rank; ep_split: split
+    # by heads (contiguous placement), the default deployment
+    eps = {n: (p, "replicated") for n, p in plcs.items()}
+    eps["ep_split"] = (plcs["ep_contiguous"], "split")
     with tempfile.TemporaryDirectory(prefix="k3dist-bench-", dir=tmp) as td:
-        for name, plc in plcs.items():
-            folder = slice_for_rank(build, Path(td) / name, group, plc)
+        for name, (plc, attention) in eps.items():
+            folder = slice_for_rank(build, Path(td) / name, group, plc, attention)
             models[name], _, _ = loader.load_rank(folder, group, s.dtype, form)
     try:
         models["tp"], _ = load_tensor_parallel(build, group, s.dtype)
@@ -634,6 +644,12 @@ def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
                   "cpu_cores_used_while_timing": round(
                       (launch1["cpu_s"] - launch0["cpu_s"]) / (w1 - w0), 3)}
 
+    counted = {}
+    for n, m in models.items():
+        if n != "single":
+            barrier(group)
+            counted[n] = {"collectives_per_token": introspect.collectives_per_token(m),
+                          "weight_bytes": introspect.bytes_held(m)}
     comm = {}
     memo: dict = {}
     for n in PARALLEL:
@@ -659,6 +675,7 @@ def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
         "tokens": {n: m.tokens for n, m in modes.items() if m.collectives and m.batch == 1},
         "batch_tokens": {n: m.tokens for n, m in modes.items() if m.batch > 1},
         "collectives": comm,
+        "counted": counted,
         "launcher": launch,
         "seconds": round(time.perf_counter() - t0, 1),
     }
