@@ -11,7 +11,9 @@ import json
 from k3dist.build import convert, slicing
 from k3dist.factory.corpus import DATA_DIR
 from k3dist.serve import engine
+from k3dist.serve.config import load_deployment
 
+import pytest
 from util import failed_ranks, load_f32, mlx_launch, prompt_ids
 
 
@@ -41,3 +43,11 @@ def test_two_ranks_batch_of_8_both_forms_equal_single_process(tmp_path):
     print(f"\nlocal form host syncs per decode step: {rep['local']['host_syncs']} "
           f"({n} MoE layers)")
     assert n > 0 and rep["local"]["host_syncs"] == {"1": n, "8": n}
+
+
+def test_max_batch_is_a_checked_deployment_key():
+    assert load_deployment(None).max_batch == 8
+    assert load_deployment(None, max_batch=1).max_batch == 1
+    for bad in (0, -1, 10_000):
+        with pytest.raises(ValueError, match="max_batch"):
+            load_deployment(None, max_batch=bad)

@@ -345,7 +345,7 @@ def test_losing_a_rank_mid_stream_ends_cleanly(ranks, tmp_path, sig):
 
 
 def test_requests_arriving_together_are_served_intact(srv):
-    """Sequential serving (see k3dist.serve.server): concurrent requests queue and each
+    """Concurrent requests are decoded together (see k3dist.serve.server) and each
     gets exactly what it gets alone."""
     from concurrent.futures import ThreadPoolExecutor
 
