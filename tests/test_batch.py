@@ -10,15 +10,20 @@ import json
 
 from k3dist.build import convert, slicing
 from k3dist.factory.corpus import DATA_DIR
-from k3dist.serve import engine
+from k3dist.serve import engine, loader, warmup
 from k3dist.serve.config import load_deployment
 
 import pytest
 from util import failed_ranks, load_f32, mlx_launch, prompt_ids
 
 
-def test_two_ranks_batch_of_8_both_forms_equal_single_process(tmp_path):
-    build = convert.convert(DATA_DIR / "mini-k3", tmp_path / "build", progress=False)
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    return convert.convert(DATA_DIR / "mini-k3", tmp_path_factory.mktemp("shipped") / "build",
+                           progress=False)
+
+
+def test_two_ranks_batch_of_8_both_forms_equal_single_process(build, tmp_path):
     for r in range(2):
         slicing.slice_rank(build, tmp_path / f"rank{r}", r, 2, None, progress=False)
     model, config = load_f32(build)
@@ -51,3 +56,20 @@ def test_max_batch_is_a_checked_deployment_key():
     for bad in (0, -1, 10_000):
         with pytest.raises(ValueError, match="max_batch"):
             load_deployment(None, max_batch=bad)
+
+
+def test_warm_up_runs_every_batch_size_the_server_can_take(build, tmp_path):
+    """Warm-up at max_batch 4 runs decode at batch 1..4 and every prefill chunk; a
+    batch served afterwards (prompts of several chunk lengths) runs no other shape."""
+    slicing.slice_rank(build, tmp_path / "rank0", 0, 1, None, progress=False)
+    model, config, _ = loader.load_rank(tmp_path / "rank0", None, "float32", "local", "size")
+    model.chunk_sizes = warmup.chunk_sizes(16)
+    vocab = config["text_config"]["vocab_size"]
+    warm = warmup.warm_up(model, 16, vocab, max_batch=4)
+    assert warm["decode"] == [1, 2, 3, 4]
+    assert {(1, t) for t in model.chunk_sizes} <= {tuple(x) for x in warm["shapes"]}
+    model.shapes_seen.clear()
+    engine.batch_decode(model, [prompt_ids(vocab, n, seed=n) for n in (5, 23, 40, 2)], 6,
+                        prefill_step_size=16)
+    assert (4, 1) in model.shapes_seen
+    assert model.shapes_seen <= {tuple(x) for x in warm["shapes"]}
