@@ -13,6 +13,8 @@ from k3dist.factory.corpus import DATA_DIR
 from k3dist.serve import engine, loader, warmup
 from k3dist.serve.config import load_deployment
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from util import failed_ranks, load_f32, mlx_launch, prompt_ids
 
@@ -73,3 +75,29 @@ def test_warm_up_runs_every_batch_size_the_server_can_take(build, tmp_path):
                         prefill_step_size=16)
     assert (4, 1) in model.shapes_seen
     assert model.shapes_seen <= {tuple(x) for x in warm["shapes"]}
+
+
+@pytest.mark.parametrize("form", ["placeholder", "local"])
+def test_moe_layers_give_each_row_of_a_batch_what_it_gets_alone(build, form):
+    """Both MoE classes (ExpertParallelMoE, graded TwoBankMoE), with another rank's
+    experts in the routing: a batch of 8 decode rows equals the 8 rows one at a time."""
+    from k3dist.serve.banks import TwoBankMoE
+    from k3dist.serve.model import ExpertParallelMoE
+
+    from mlx_lm.models import kimi_k3
+
+    model, _ = load_f32(build)
+    args = next(layer.mlp.args for layer in model.layers
+                if isinstance(layer.mlp, kimi_k3.KimiK3SparseMoE))
+    E = args.num_experts
+    owners = np.repeat([0, 1], [E // 2, E - E // 2])
+    table = np.where(owners == 0, np.cumsum(owners == 0) - 1, -1).astype(np.int32)
+    mx.random.seed(0)
+    layers = [ExpertParallelMoE(args, table, None, form),
+              TwoBankMoE(args, owners, 0, None, form, [1, 4, E - 2], 2, False)]
+    x = mx.random.normal((8, 1, args.hidden_size))
+    for m in layers:
+        m.set_dtype(mx.float32)
+        batch = np.array(m(x))
+        rows = np.concatenate([np.array(m(x[i:i + 1])) for i in range(8)])
+        assert np.abs(batch - rows).max() <= 1e-5 * np.abs(rows).max(), type(m).__name__
