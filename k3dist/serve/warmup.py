@@ -130,7 +130,9 @@ def warm_up(model, prefill_chunk: int, vocab_size: int,
         model.set_collectives(True)
     cache = model.make_cache()
     mx.eval(model(mx.array([[1]]), cache=cache))  # the real collective warm-up
-    seen = getattr(model, "shapes_seen", set())
+    seen = set(getattr(model, "shapes_seen", ()))
+    if hasattr(model, "shapes_seen"):
+        model.shapes_seen.clear()  # from here on: the shapes served
     decode = sorted({b for b, t in seen if t == 1}) or [1]
     return {"prefill_chunks": sizes, "decode": decode, "shapes": sorted(seen),
             "seconds": round(time.perf_counter() - t0, 2),
