@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
                        ("moe-form", str), ("attention", str), ("dtype", str), ("blas-threads", int),
                        ("heartbeat-s", float), ("watchdog-timeout-s", float),
                        ("watchdog-port", int), ("memory-headroom-gb", float),
-                       ("max-queued-requests", int), ("max-connections", int)):
+                       ("max-queued-requests", int), ("max-connections", int),
+                       ("max-batch", int)):
         ap.add_argument(f"--{name}", type=kind)
     ap.add_argument("--verify", choices=("stamp", "full", "size"),
                     help="rank-folder content check before serving (default stamp)")
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     if dep.warmup:
         defaults = {"temp": dep.temperature, "top_p": dep.top_p}  # the deployment's own
         warm = warmup.warm_up(model, dep.prefill_chunk, config["text_config"]["vocab_size"],
-                              (*warmup.SAMPLERS, defaults))
+                              (*warmup.SAMPLERS, defaults), dep.max_batch)
         log(rank, f"warm-up: {json.dumps(warm)}")
     beat = keepawake.DeviceHeartbeat(dep.heartbeat_s)
     beat.start()
@@ -122,12 +123,14 @@ def main(argv: list[str] | None = None) -> None:
             "moe_form": loader.resolve_form(dep.moe_form), "dtype": dep.dtype,
             "attention": manifest.get("attention"),
             "max_context": dep.max_context, "prefill_chunks": model.chunk_sizes,
+            "max_batch": dep.max_batch,
             "vocab_size": config["text_config"]["vocab_size"],
             "warmup": warm, "blas": k3dist.blas_status(), "preflight": pre,
             "verify": manifest["verify"]["mode"]}
     args = server.cli_args(model_id=dep.model_id, max_tokens=dep.max_tokens,
                            temp=dep.temperature, top_p=dep.top_p,
-                           prefill_step_size=dep.prefill_chunk, cors_origins=dep.cors_origins)
+                           prefill_step_size=dep.prefill_chunk, cors_origins=dep.cors_origins,
+                           max_batch=dep.max_batch)
     provider = server.K3ModelProvider(args, model, tokenizer, dep.model_id)
     token_log = Path(dep.token_log.format(rank=rank)) if dep.token_log else None
     if token_log is not None:

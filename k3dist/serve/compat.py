@@ -17,7 +17,7 @@ PRIVATE = {
     "mlx_lm.server:ResponseGenerator._share_request":
         "overridden (k3dist.serve.server): wraps the shared request to log each rank's tokens",
     "mlx_lm.server:ResponseGenerator._is_batchable":
-        "overridden (k3dist.serve.server): requests are served one at a time",
+        "overridden (k3dist.serve.server): batched only when max_batch > 1",
     "mlx_lm.server:ResponseGenerator._rank": "read by holds_request",
     "mlx_lm.server:ResponseGenerator._is_distributed": "read by holds_request",
     "mlx_lm.server:APIHandler._set_stream_headers":

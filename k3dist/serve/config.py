@@ -15,6 +15,8 @@ MOE_FORMS = ("placeholder", "local")
 ATTENTION_MODES = ("split", "replicated")
 # compute dtypes a deployment may ask for (MLX names)
 DTYPES = ("float32", "bfloat16", "float16")
+# largest max_batch: each batch size up to it is one warm-up decode shape
+MAX_BATCH = 256
 
 
 @dataclass
@@ -52,6 +54,10 @@ class Deployment:
     # prefill runs in power-of-two chunks up to this; all of them are warmed up
     prefill_chunk: int = 256
     max_tokens: int = 512
+    # concurrent requests decoded together, in lockstep on every rank (mlx-lm's
+    # BatchGenerator); every batch size 1..max_batch is warmed up. More requests wait
+    # (up to max_queued_requests in flight). 1: one request at a time.
+    max_batch: int = 8
     temperature: float = 0.0
     top_p: float = 1.0
     warmup: bool = True
@@ -111,6 +117,9 @@ def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
     if d.max_queued_requests < 1 or d.max_connections < 1:
         raise ValueError(f"max_queued_requests ({d.max_queued_requests}) and max_connections "
                          f"({d.max_connections}) must be at least 1")
+    if not 1 <= d.max_batch <= MAX_BATCH:
+        raise ValueError(f"max_batch must be 1 to {MAX_BATCH}, not {d.max_batch} (every "
+                         "batch size up to it is warmed up before serving)")
     if not isinstance(d.cors_origins, list) or not all(isinstance(o, str)
                                                        for o in d.cors_origins):
         raise ValueError(f"cors_origins must be a list of origins, not {d.cors_origins!r}")

@@ -203,6 +203,7 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
         def __init__(self, args: kimi_k3.ModelArgs):
             super().__init__(args)
             self.chunk_sizes: list[int] | None = None
+            self.shapes_seen: set[tuple[int, int]] = set()
             tc = args.text_config
             for i, layer in enumerate(self.language_model.model.layers):
                 if isinstance(layer.mlp, kimi_k3.KimiK3SparseMoE):
@@ -216,11 +217,14 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
         def __call__(self, inputs: mx.array, cache=None) -> mx.array:
             # With a fixed list of chunk sizes, any length runs as a sum of them, so
             # only warmed-up shapes ever reach the compiled graph (k3dist.serve.warmup).
-            T = inputs.shape[1]
+            # Every (batch, tokens) shape run is recorded in ``shapes_seen``.
+            B, T = inputs.shape[:2]
             if self.chunk_sizes is None or cache is None or T in self.chunk_sizes:
+                self.shapes_seen.add((B, T))
                 return super().__call__(inputs, cache)
             outs, start = [], 0
             for n in split_length(T, self.chunk_sizes):
+                self.shapes_seen.add((B, n))
                 outs.append(super().__call__(inputs[:, start:start + n], cache))
                 start += n
             return mx.concatenate(outs, axis=1)

@@ -6,9 +6,10 @@ expert parallelism and a two-box deployment need:
 
 - ``K3ModelProvider``: the model is this rank's EP model, loaded before serving;
   a request naming another model is refused (mlx-lm would try to load that path).
-- ``K3ResponseGenerator``: requests are served one at a time (the warm-up covers
-  batch 1 only; mlx-lm's batching would bring new batch shapes mid-flight), and
-  each rank can log the tokens it generated, so ranks can be compared.
+- ``K3ResponseGenerator``: concurrent requests are decoded together, up to
+  ``max_batch`` (mlx-lm's BatchGenerator, in lockstep on every rank; prefill one
+  request at a time; the warm-up covers every batch size up to ``max_batch``), the
+  rest wait; each rank can log the tokens it generated, so ranks can be compared.
 - ``K3APIHandler``: every request is validated before it reaches the generation
   loop (OpenAI-style 4xx errors), prompts longer than the context are refused at
   once, ``/v1/models`` lists the served model without scanning a Hugging Face
@@ -47,6 +48,7 @@ from k3dist.serve import compat, warmup
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
+from mlx_lm.models.cache import make_prompt_cache
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -302,7 +304,8 @@ class K3ModelProvider(mlx_server.ModelProvider):
         self.model, self.tokenizer = model, tokenizer
         self.processor = None
         self.draft_model = None
-        self.is_batchable = False
+        # mlx-lm's test: every cache can be merged into a batch (kimi_k3's can)
+        self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
         self.model_key = (model_id, None, None)
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
@@ -323,8 +326,8 @@ class _RequestQueue(Queue):
     seen here, every later request hung while /health said ok). Here ``ctx.stop()``
     only marks the request; every
     ``STOP_CHECK_EVERY`` tokens the ranks ``all_sum`` rank 0's mark and all stop at
-    the same token. It also logs the generated tokens when asked (``log``), so the
-    tokens of every rank can be compared."""
+    the same token (in a batch, the others go on). It also logs the generated tokens
+    when asked (``log``), so the tokens of every rank can be compared."""
 
     def __init__(self, inner: Queue | None, rank: int, size: int, log: Path | None,
                  request_no: int):
@@ -335,6 +338,7 @@ class _RequestQueue(Queue):
         self.ctx = None
         self.client_gone = False
         self.pending: mx.array | None = None
+        self.logged = False
 
     def _client_gone(self) -> None:
         self.client_gone = True
@@ -347,6 +351,8 @@ class _RequestQueue(Queue):
         # same sums at the same tokens, so all stop together, 8-16 tokens after.
         if self.pending is not None and self.pending.item():
             compat.stop_generation(self.ctx)
+            # mlx-lm's batch loop drops a stopped request without a word on its queue
+            self._write_log("client went away")
             return
         mark = mx.array(1 if self.rank == 0 and self.client_gone else 0)
         self.pending = mx.distributed.all_sum(mark)
@@ -360,13 +366,18 @@ class _RequestQueue(Queue):
             self.tokens.append(int(item.token))
             if self.size > 1 and len(self.tokens) % STOP_CHECK_EVERY == 0:
                 self._agree_on_stop()
-        elif (item is None or isinstance(item, Exception)) and self.log is not None:
-            error = None if item is None else (str(item) or type(item).__name__)
-            with open(self.log, "a") as f:
-                f.write(json.dumps({"request": self.no, "tokens": self.tokens,
-                                    "error": error}) + "\n")
+        elif item is None or isinstance(item, Exception):
+            self._write_log(None if item is None else (str(item) or type(item).__name__))
         if self.inner is not None:
             self.inner.put(item, block, timeout)
+
+    def _write_log(self, error: str | None) -> None:
+        if self.log is None or self.logged:
+            return
+        self.logged = True
+        with open(self.log, "a") as f:
+            f.write(json.dumps({"request": self.no, "tokens": self.tokens,
+                                "error": error}) + "\n")
 
 
 class K3ResponseGenerator(mlx_server.ResponseGenerator):
@@ -376,7 +387,8 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
         super().__init__(model_provider, prompt_cache)
 
     def _is_batchable(self, args) -> bool:
-        return False
+        # decode_concurrency is max_batch (cli_args); 1: one request at a time
+        return self.cli_args.decode_concurrency > 1 and super()._is_batchable(args)
 
     def _share_request(self, request):
         shared = super()._share_request(request)
@@ -394,7 +406,7 @@ _OPEN: dict = {}  # handler -> "queued" (nothing sent) or "stream" (SSE headers 
 _OPEN_LOCK = threading.Lock()
 # What /v1/k3dist tells a caller that is not on this machine (no paths, no memory).
 PUBLIC_INFO = ("ranks", "build_hash", "placement", "placement_hash", "moe_form", "dtype",
-               "max_context", "prefill_chunks", "vocab_size")
+               "max_context", "prefill_chunks", "max_batch", "vocab_size")
 
 
 def _error_body(message: str, kind: str = "server_error", code: str | None = None) -> bytes:
@@ -642,7 +654,9 @@ class K3APIHandler(mlx_server.APIHandler):
             self._set_completion_headers(200)
             self.end_headers()
             if self._is_local():
-                info = dict(self.info, jit_kernels=warmup.jit_kernel_count())
+                model = self.response_generator.model_provider.model
+                info = dict(self.info, jit_kernels=warmup.jit_kernel_count(),
+                            shapes_seen=sorted(getattr(model, "shapes_seen", set()).copy()))
             else:  # folders, free memory and library paths stay on this machine
                 info = {k: self.info[k] for k in PUBLIC_INFO if k in self.info}
             self.wfile.write(json.dumps(info).encode())
@@ -696,14 +710,16 @@ def fingerprint() -> str:
 
 
 def cli_args(*, model_id: str, max_tokens: int, temp: float, top_p: float,
-             prefill_step_size: int, cors_origins: list[str] | None = None
-             ) -> argparse.Namespace:
-    """The settings mlx_lm.server reads, with its defaults where we have no say."""
+             prefill_step_size: int, cors_origins: list[str] | None = None,
+             max_batch: int = 1) -> argparse.Namespace:
+    """The settings mlx_lm.server reads, with its defaults where we have no say.
+    ``max_batch`` requests decode together; prompts are prefilled one at a time
+    (``prompt_concurrency`` 1: prefill shapes stay batch 1, the warmed chunks)."""
     return argparse.Namespace(
         model=model_id, adapter_path=None, draft_model=None, num_draft_tokens=3,
         trust_remote_code=False, chat_template="", use_default_chat_template=False,
         chat_template_args={}, allowed_origins=list(cors_origins or []), temp=temp,
-        top_p=top_p, top_k=0, min_p=0.0, max_tokens=max_tokens, decode_concurrency=1,
+        top_p=top_p, top_k=0, min_p=0.0, max_tokens=max_tokens, decode_concurrency=max_batch,
         prompt_concurrency=1, prefill_step_size=prefill_step_size, prompt_cache_size=4,
         prompt_cache_bytes=None, kv_bits=None, kv_group_size=64, quantized_kv_start=5000,
         pipeline=False)

@@ -3,7 +3,12 @@ collective, so no rank ever JIT-compiles while its peers wait inside an all_sum.
 
 Prefill is split into a fixed list of chunk sizes (powers of two up to
 ``prefill_chunk``): any prompt length is a sum of them, so the list below is every
-shape the server ever runs (batch 1; the server serves requests one at a time).
+prefill shape the server ever runs. Prefill runs one request at a time (batch 1);
+decode runs concurrent requests together at any batch size from 1 to ``max_batch``
+(mlx-lm's BatchGenerator). Every one of those sizes is warmed, through the same
+BatchGenerator the server runs, rather than padding batches to a few buckets: a
+padded row costs a full row of expert work on every step, a warmed size costs one
+decode step at start-up.
 """
 
 from __future__ import annotations
@@ -60,12 +65,45 @@ SAMPLERS = ({"temp": 0.0}, {"temp": 0.7}, {"temp": 1.0}, {"temp": 0.7, "top_p": 
             {"temp": 0.7, "top_k": 20}, {"temp": 0.7, "min_p": 0.05})
 
 
+def warm_batches(model, prefill_chunk: int, vocab_size: int, max_batch: int) -> None:
+    """Run mlx-lm's BatchGenerator as the server runs it (prefill one request at a
+    time, decode up to ``max_batch`` together): every prefill chunk shape through the
+    batch caches, then ``max_batch`` requests that join one by one and finish one by
+    one, so decode runs at every batch size 1..max_batch, greedy (one batched argmax)
+    and sampled (per-row samplers, the batch-1 shapes)."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    ids = vocab_size - 256
+    for t in chunk_sizes(prefill_chunk):
+        gen = BatchGenerator(model, completion_batch_size=max_batch, prefill_batch_size=1,
+                             prefill_step_size=t)
+        # Two chunks of t: the second on a non-empty cache (other mask shapes).
+        gen.insert([[j % ids for j in range(2 * t + 1)]], max_tokens=[2])
+        _drain(gen)
+    for samplers in (None, [make_sampler(temp=0.7) for _ in range(max_batch)]):
+        gen = BatchGenerator(model, completion_batch_size=max_batch, prefill_batch_size=1,
+                             prefill_step_size=prefill_chunk)
+        # Prompts of 2..4 tokens (left padding in the merged caches); each joins about
+        # two steps after the last, so the batch grows to max_batch before the first ends.
+        gen.insert([[(7 * i + j) % ids for j in range(2 + i % 3)] for i in range(max_batch)],
+                   max_tokens=[2 * max_batch + 2] * max_batch, samplers=samplers)
+        _drain(gen)
+
+
+def _drain(gen) -> None:
+    while gen.next() != ([], []):
+        pass
+    gen.close()
+
+
 def warm_up(model, prefill_chunk: int, vocab_size: int,
-            samplers: tuple[dict, ...] = SAMPLERS) -> dict:
-    """Run mlx-lm's own generation loop (what the server runs) over every prefill
+            samplers: tuple[dict, ...] = SAMPLERS, max_batch: int = 1) -> dict:
+    """Run mlx-lm's own generation loops (what the server runs) over every prefill
     chunk shape and decode, with each default sampler, collectives bypassed on this
-    rank (results are discarded); then one decode step with collectives on, in
-    lockstep with the other ranks."""
+    rank (results are discarded); with ``max_batch`` > 1 also the batched loop at
+    every batch size; then one decode step with collectives on, in lockstep with the
+    other ranks."""
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
@@ -86,11 +124,17 @@ def warm_up(model, prefill_chunk: int, vocab_size: int,
             for _ in generate_step(mx.array([1, 2]), model, max_tokens=2,
                                    sampler=make_sampler(**kw)):
                 pass
+        if max_batch > 1:
+            warm_batches(model, prefill_chunk, vocab_size, max_batch)
     finally:
         model.set_collectives(True)
     cache = model.make_cache()
     mx.eval(model(mx.array([[1]]), cache=cache))  # the real collective warm-up
-    shapes = sizes
-    return {"prefill_chunks": shapes, "decode": [1], "seconds": round(time.perf_counter() - t0, 2),
+    seen = set(getattr(model, "shapes_seen", ()))
+    if hasattr(model, "shapes_seen"):
+        model.shapes_seen.clear()  # from here on: the shapes served
+    decode = sorted({b for b, t in seen if t == 1}) or [1]
+    return {"prefill_chunks": sizes, "decode": decode, "shapes": sorted(seen),
+            "seconds": round(time.perf_counter() - t0, 2),
             "jit_kernels_compiled": jit_kernel_count() - before,
             "jit_kernels_total": jit_kernel_count()}
