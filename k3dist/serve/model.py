@@ -24,6 +24,7 @@ from k3dist.serve.config import MOE_FORMS
 from k3dist.serve.warmup import split_length
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.nn.layers.distributed import shard_inplace
 from mlx_lm.models import kimi_k3
@@ -115,6 +116,17 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
         return y
 
 
+class _Given(nn.Module):
+    """Stands in for the embedding table for one call: returns given embeddings."""
+
+    def __init__(self, h: mx.array):
+        super().__init__()
+        object.__setattr__(self, "_h", h)
+
+    def __call__(self, inputs: mx.array) -> mx.array:
+        return self._h
+
+
 def make_model_class(placement: Placement, rank: int, group: mx.distributed.Group | None,
                      form: str = "placeholder") -> type[kimi_k3.Model]:
     """A ``kimi_k3.Model`` subclass whose MoE layers hold only ``rank``'s experts;
@@ -124,6 +136,8 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
         def __init__(self, args: kimi_k3.ModelArgs):
             super().__init__(args)
             self.chunk_sizes: list[int] | None = None
+            # k3dist.serve.vision.Vision once a deployment turns images on
+            self.vision = None
             tc = args.text_config
             for i, layer in enumerate(self.language_model.model.layers):
                 if isinstance(layer.mlp, kimi_k3.KimiK3SparseMoE):
@@ -132,17 +146,42 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
                     layer.mlp = ExpertParallelMoE(
                         tc, placement.local_table(i, rank), group, form)
 
-        def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        def __call__(self, inputs: mx.array, cache=None,
+                     input_embeddings: mx.array | None = None) -> mx.array:
             # With a fixed list of chunk sizes, any length runs as a sum of them, so
             # only warmed-up shapes ever reach the compiled graph (k3dist.serve.warmup).
             T = inputs.shape[1]
             if self.chunk_sizes is None or cache is None or T in self.chunk_sizes:
-                return super().__call__(inputs, cache)
+                return self._forward(inputs, cache, input_embeddings)
             outs, start = [], 0
             for n in split_length(T, self.chunk_sizes):
-                outs.append(super().__call__(inputs[:, start:start + n], cache))
+                emb = None if input_embeddings is None else input_embeddings[:, start:start + n]
+                outs.append(self._forward(inputs[:, start:start + n], cache, emb))
                 start += n
             return mx.concatenate(outs, axis=1)
+
+        def _forward(self, inputs: mx.array, cache, input_embeddings: mx.array | None):
+            """mlx-lm's forward; with ``input_embeddings`` (images) they stand in for
+            the token embeddings (mlx-lm 0.32.2's kimi_k3 takes no embeddings)."""
+            if input_embeddings is None:
+                return super().__call__(inputs, cache)
+            tm = self.language_model.model
+            table = tm.embed_tokens
+            tm.embed_tokens = _Given(input_embeddings)
+            try:
+                return super().__call__(inputs, cache)
+            finally:
+                tm.embed_tokens = table
+
+        def embed_inputs(self, inputs: mx.array, *, pixel_values=None) -> mx.array:
+            """Token embeddings with the image features at the pad rows (mlx-lm's
+            server calls this for chat requests with images)."""
+            h = self.language_model.model.embed_tokens(inputs)
+            if pixel_values:
+                if self.vision is None:
+                    raise ValueError("this deployment serves text only (vision is off)")
+                h = self.vision.inject(h, inputs, pixel_values)
+            return h
 
         def set_collectives(self, on: bool) -> None:
             for layer in self.layers:
