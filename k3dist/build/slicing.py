@@ -103,8 +103,8 @@ def placement_for(build: str | Path, size: int, counts_path: str | Path | None =
 
 def vision_ranks(size: int) -> set[int]:
     """Ranks whose folder holds the vision tower and projector: rank 0 only. It runs
-    the tower and hands the features to the others in one all_sum (k3dist.serve.vision);
-    the other ranks need no vision weights (real K3: 0.87 GB saved per rank)."""
+    the tower and hands the features to the others in one all_sum (k3dist.serve.vision,
+    ``TOWER_RANK``); the other ranks need no vision weights (real K3: 0.89 GB each)."""
     return {0} if size > 0 else set()
 
 

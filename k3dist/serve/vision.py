@@ -16,7 +16,7 @@ The image path, as mlx-vlm's own ``kimi_k3.Model`` runs it:
 Where the tower runs: rank 0 only. Its features reach every rank through one
 ``all_sum`` (the other ranks add zeros, so every rank holds rank 0's bits exactly:
 ranks that computed the tower themselves could differ in the last bit and drift
-apart in lockstep). The real tower + projector are 0.87 GB in BF16 (``tower_bytes``
+apart in lockstep). The real tower + projector are 0.89 GB in BF16 (``tower_bytes``
 on the reference config); only rank 0 holds them (``k3dist.build.slicing``
 ``vision_ranks``). The other ranks still run the processor (CPU, no weights) to
 tokenize the same prompt.
@@ -75,6 +75,10 @@ def _open_checked(data: bytes, limits: VisionLimits, where: str):
         raise ImageError(f"{where}: the image is empty (zero bytes)")
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
+    except Image.DecompressionBombError as e:  # PIL's own cap, past ours
+        raise ImageError(f"{where}: the image's dimensions are too large; at most "
+                         f"{limits.max_pixels:,} pixels (refused before decoding: {e})"
+                         ) from None
     except Exception as e:
         raise ImageError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
     if img.format not in IMAGE_FORMATS:
@@ -319,11 +323,20 @@ class Vision:
         return flat.reshape(h.shape)
 
 
-def attach(model, folder: str | Path | None, config: dict, tokenizer,
+# The rank that holds and runs the tower (k3dist.build.slicing.vision_ranks gives
+# the vision tensors to this rank only).
+TOWER_RANK = 0
+
+
+def attach(model, folder: str | Path, config: dict, tokenizer,
            group: mx.distributed.Group | None, dtype: mx.Dtype = mx.float32) -> K3Processor:
-    """Give a loaded EP model its image side; ``folder``: where the tower is read
-    (None on ranks without it). Returns the processor for the server."""
-    tower = load_tower(folder, config, dtype) if folder is not None else None
+    """Give a loaded EP model its image side: the tower is read from ``folder`` on
+    ``TOWER_RANK`` only; every rank gets the processor (all ranks tokenize). Returns
+    the processor for the server."""
+    if not config.get("vision_config"):
+        raise ValueError(f"{folder}/config.json has no vision_config: this build has no "
+                         "vision tower")
+    rank = group.rank() if group is not None else 0
+    tower = load_tower(folder, config, dtype) if rank == TOWER_RANK else None
     model.vision = Vision(tower, tokenizer.convert_tokens_to_ids(MEDIA_PAD), group)
     return K3Processor(config["vision_config"])
-

@@ -35,8 +35,8 @@ def main() -> None:
     folder = Path(args.rank_dir.format(rank=rank))
     model, config, _ = loader.load_rank(folder, group, "float32", "local")
     tok = load_tokenizer(folder)
-    has_tower = (folder / vision.VISION_FILE).exists()
-    proc = vision.attach(model, folder if has_tower else None, config, tok, group)
+    proc = vision.attach(model, folder, config, tok, group)
+    has_tower = model.vision.tower is not None
     out = {"has_tower": np.array(has_tower)}
     for i, path in enumerate(args.images.split(",")):
         img = Image.open(path)
