@@ -116,3 +116,23 @@ def test_two_rank_forward_with_image_matches_mlx_vlm(mini_src, mini_build, tmp_p
     pad = load_tokenizer(mini_build).convert_tokens_to_ids(vision.MEDIA_PAD)
     first = int(np.flatnonzero(runs[0]["ids0"] == pad)[0])
     assert first > 0 and np.array_equal(a[:first], b[:first])
+
+
+def test_local_images_only_under_the_deployment_directory(tmp_path):
+    root = tmp_path / "images"
+    root.mkdir()
+    _image(40, 30, 3).save(root / "a.png")
+    (tmp_path / "outside.png").write_bytes((root / "a.png").read_bytes())
+    (root / "link.png").symlink_to(tmp_path / "outside.png")
+    on = vision.VisionLimits(image_dir=str(root))
+    part = {"type": "image_url", "image_url": {"url": str(root / "a.png")}}
+    assert vision.check_image_part(part, on, "p").size == (40, 30)
+    assert part["image_url"]["url"].startswith("data:image/png;base64,")  # ranks get bytes
+    for url in (str(tmp_path / "outside.png"), str(root / "link.png"),
+                str(root / ".." / "outside.png"), f"file://{tmp_path}/outside.png"):
+        with pytest.raises(vision.ImageError, match="outside"):
+            vision.check_image_part({"type": "image_url", "image_url": {"url": url}}, on, "p")
+    with pytest.raises(vision.ImageError, match="off in this deployment"):
+        vision.check_image_part(
+            {"type": "image_url", "image_url": {"url": str(root / "a.png")}},
+            vision.VisionLimits(), "p")

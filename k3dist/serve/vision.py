@@ -297,7 +297,6 @@ class Vision:
         self.group = group if group is not None and group.size() > 1 else None
         if tower is None and self.group is None:
             raise ValueError("a single rank needs the vision tower itself")
-        self.collectives = True
 
     def features(self, images: list[Pixels], hidden: int, dtype: mx.Dtype) -> mx.array:
         n = sum(p.tokens for p in images)
@@ -305,7 +304,7 @@ class Vision:
             feats = self.tower(images).astype(dtype)
         else:
             feats = mx.zeros((n, hidden), dtype)
-        if self.group is not None and self.collectives:
+        if self.group is not None:
             feats = mx.distributed.all_sum(feats, group=self.group)  # x + 0: rank 0's bits
         return feats
 
