@@ -17,8 +17,11 @@ pytest.importorskip("mlx_vlm", reason="vision tests need the extra: pip install 
 
 from k3dist.serve import vision  # noqa: E402
 
+import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.utils import load_tokenizer  # noqa: E402
+from mlx_vlm.models.kimi_k3 import Processor  # noqa: E402
+from mlx_vlm.utils import load_model as vlm_load_model  # noqa: E402
 from PIL import Image  # noqa: E402
 from test_server import CHAT, Server, _log, _post_raw, _rank_folders  # noqa: E402
 
@@ -61,22 +64,38 @@ def vsrv(mini_build, tmp_path_factory):
     s.stop()
 
 
-def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_build):
+def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_src, mini_build):
     rng = np.random.default_rng(0)
     img = Image.fromarray(rng.integers(0, 256, (45, 80, 3), dtype=np.uint8))
     good = _png(img)
 
-    # served, with the processor's own token count (one pad per feature row)
-    got, raw = _post_raw(vsrv.url + CHAT, json.dumps(_chat(_data_url(good))).encode(), 120)
+    # served, with the processor's own token count (one pad per feature row), and the
+    # first token's logprob is mlx-vlm's single-process kimi_k3 with the same image
+    got, raw = _post_raw(vsrv.url + CHAT, json.dumps(
+        {**_chat(_data_url(good)), "logprobs": True}).encode(), 120)
     assert got == 200, raw[:500]
+    reply = json.loads(raw)
     tok = load_tokenizer(mini_build)
     cfg = json.loads((mini_build / "config.json").read_text())
     proc = vision.K3Processor(cfg["vision_config"])
     msgs = _chat(_data_url(good))["messages"]
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     want = vision.prompt_tokens(tok, proc, text, [img])
-    assert json.loads(raw)["usage"]["prompt_tokens"] == len(want)
+    assert reply["usage"]["prompt_tokens"] == len(want)
     assert want.count(tok.convert_tokens_to_ids(vision.MEDIA_PAD)) == proc.count(img) > 0
+
+    ref = vlm_load_model(mini_src)
+    ref.set_dtype(mx.float32)
+    out = Processor.from_pretrained(str(mini_src))(images=[img], text=text)
+    assert np.array(out["input_ids"])[0].tolist() == want
+    logits = ref(out["input_ids"], out["pixel_values"], grid_thws=out["grid_thws"]).logits
+    lp = np.array(logits[0, -1] - mx.logsumexp(logits[0, -1]))
+    first = reply["choices"][0]["logprobs"]["content"][0]
+    assert first["id"] == int(lp.argmax())
+    assert abs(first["logprob"] - float(lp.max())) < 1e-4
+    # the pads as plain tokens (no image) would give another distribution
+    plain = np.array(ref.language_model(out["input_ids"]).logits[0, -1])
+    assert np.abs(plain - np.array(logits[0, -1])).max() > 1e-2
     served = len(_log(vsrv, 0))
 
     truncated = good[: len(good) // 2]
