@@ -37,13 +37,16 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
                        ("heartbeat-s", float), ("watchdog-timeout-s", float),
                        ("watchdog-port", int), ("memory-headroom-gb", float),
                        ("max-queued-requests", int), ("max-connections", int),
-                       ("max-batch", int)):
+                       ("max-batch", int), ("max-images", int), ("max-image-pixels", int),
+                       ("image-dir", str)):
         ap.add_argument(f"--{name}", type=kind)
     ap.add_argument("--verify", choices=("stamp", "full", "size"),
                     help="rank-folder content check before serving (default stamp)")
     ap.add_argument("--cors-origin", action="append", dest="cors_origins",
                     help="an origin web pages may call the API from ('*': any); repeatable")
     ap.add_argument("--no-warmup", action="store_true", help="skip warm-up (tests only)")
+    ap.add_argument("--vision", action="store_true", default=None,
+                    help="serve images in chat requests (pip install 'k3dist[vision]')")
     args = ap.parse_args(argv)
     path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
     overrides = {k: v for k, v in vars(args).items() if k not in ("config", "no_warmup")}
@@ -132,6 +135,16 @@ def main(argv: list[str] | None = None) -> None:
                            prefill_step_size=dep.prefill_chunk, cors_origins=dep.cors_origins,
                            max_batch=dep.max_batch)
     provider = server.K3ModelProvider(args, model, tokenizer, dep.model_id)
+    limits = None
+    if dep.vision:  # mlx-vlm is imported only here
+        from k3dist.serve import vision
+
+        provider.processor = vision.attach(model, folder, config, tokenizer, group,
+                                           loader.DTYPES[dep.dtype])
+        limits = vision.VisionLimits(dep.max_images, dep.max_image_pixels, dep.image_dir)
+        log(rank, f"vision: on (tower on rank {vision.TOWER_RANK}; at most {dep.max_images} "
+                  f"images of {dep.max_image_pixels:,} pixels; local images "
+                  f"{dep.image_dir or 'off'})")
     token_log = Path(dep.token_log.format(rank=rank)) if dep.token_log else None
     if token_log is not None:
         token_log.parent.mkdir(parents=True, exist_ok=True)
@@ -139,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     server.serve(dep.host, dep.port, provider, max_context=dep.max_context, info=info,
                  vocab_size=config["text_config"]["vocab_size"],
                  max_queued_requests=dep.max_queued_requests,
-                 max_connections=dep.max_connections, token_log=token_log)
+                 max_connections=dep.max_connections, token_log=token_log,
+                 vision_limits=limits)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,17 @@ def placement_for(build: str | Path, size: int, counts_path: str | Path | None =
     return placement if gmap is None else graded.balance_hi(placement, gmap)
 
 
+def vision_ranks(size: int) -> set[int]:
+    """Ranks whose folder holds the vision tower and projector: rank 0 only. It runs
+    the tower and hands the features to the others in one all_sum (k3dist.serve.vision,
+    ``TOWER_RANK``); the other ranks need no vision weights (real K3: 0.89 GB each)."""
+    return {0} if size > 0 else set()
+
+
+def _is_vision(name: str) -> bool:
+    return name.startswith(("vision_tower.", "mm_projector."))
+
+
 def _identity(build_hash: str, rank: int, size: int, placement: Placement,
               attention: str = "replicated") -> dict:
     return {"format_version": FORMAT_VERSION, "kind": "rank", "build_hash": build_hash,
@@ -255,7 +266,9 @@ class BuildSlicer:
         self.index_bytes = (build / INDEX_NAME).read_bytes()
         self.manifest = self._build_manifest()
         self.index = json.loads(self.index_bytes)
-        self.weight_map: dict[str, str] = self.index["weight_map"]
+        self.weight_map: dict[str, str] = {
+            n: f for n, f in self.index["weight_map"].items()
+            if rank in vision_ranks(size) or not _is_vision(n)}
         self.build_hash = (self.manifest["build_hash"] if self.manifest else
                            hashlib.sha256(self.index_bytes + self.config_bytes).hexdigest()[:16])
         self.files = list(dict.fromkeys(self.weight_map.values()))
@@ -404,7 +417,7 @@ class SourceSlicer:
         tc = self.src.text_config
         moe = set(layout.moe_layers(tc))
         _check_placement(placement, size, tc.get("num_experts") or 0, moe, str(src))
-        self.placement, self.rank, self.out = placement, rank, out
+        self.placement, self.rank, self.out, self.size = placement, rank, out, size
         self.conv = convert.Converter(self.src, out, nonexpert_bits, group_size,
                                       experts=lambda layer: placement.experts_of(layer, rank))
         self.conv.preflight()  # every header and A_log tail before anything is written
@@ -427,7 +440,8 @@ class SourceSlicer:
         folder = _folder(self.out, self.ident, "source")
         if folder.open():
             return self.out
-        groups = self.conv.units()
+        groups = [g for g in self.conv.units()
+                  if g != "vision" or self.rank in vision_ranks(self.size)]
         bar = tqdm(total=sum(self._unit_bytes(g) for g in groups), unit="B", unit_scale=True,
                    disable=not progress, desc=f"rank {self.rank}")
         t0 = time.perf_counter()

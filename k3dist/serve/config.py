@@ -84,6 +84,14 @@ class Deployment:
     max_connections: int = 2048
     # origins a web page may call the API from ("*": any); empty: no CORS headers
     cors_origins: list[str] = field(default_factory=list)
+    # -- images (k3dist.serve.vision; needs pip install 'k3dist[vision]') --
+    # serve image_url parts of chat requests: the tower runs on rank 0
+    vision: bool = False
+    max_images: int = 4
+    # decoded pixels per image, checked from the header before decoding
+    max_image_pixels: int = 4096 * 4096
+    # local image paths are read only under this directory; None: data URLs only
+    image_dir: str | None = None
 
     def rank_path(self, rank: int) -> Path:
         return Path(self.rank_dir.format(rank=rank))

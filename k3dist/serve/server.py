@@ -73,6 +73,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "return_assistant_tokens_mask", "padding", "truncation", "max_length"})
 # Tokens between the ranks' checks whether a request's client went away.
 STOP_CHECK_EVERY = 8
+# OpenAI-style image parts (mlx-lm's reading of them)
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 
 
 class RequestError(ValueError):
@@ -94,9 +96,10 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _check_content(content: Any, where: str) -> int:
+def _check_content(content: Any, where: str, images: bool = False) -> int:
     """Message content: a string, null (assistant with tool calls) or a list of
-    text parts. Returns its character count."""
+    text parts (and image parts when ``images``: checked by k3dist.serve.vision).
+    Returns its character count."""
     if content is None or isinstance(content, str):
         return len(content or "")
     if isinstance(content, list):
@@ -110,6 +113,8 @@ def _check_content(content: Any, where: str) -> int:
                     raise RequestError(400, f"{where}.content[{i}].text must be a string",
                                        f"{where}.content")
                 n += len(part["text"])
+            elif images and part["type"] in IMAGE_PART_TYPES:
+                continue
             else:
                 raise RequestError(400, f"{where}.content[{i}] has type {part['type']!r}; this "
                                    "deployment serves text only", f"{where}.content")
@@ -198,7 +203,7 @@ def _check_template_kwargs(kw: Any) -> None:
 
 
 def validate_request(path: str, body: Any, *, model_id: str, max_context: int,
-                     vocab_size: int) -> int:
+                     vocab_size: int, images: bool = False) -> int:
     """Check a completion request's shape and values before it is queued, and
     normalise what mlx-lm would otherwise trip over later (``body`` is updated in
     place). Every field mlx-lm 0.32.2's server reads is checked here; values that
@@ -231,7 +236,7 @@ def validate_request(path: str, body: Any, *, model_id: str, max_context: int,
             if role not in ROLES:
                 raise RequestError(400, f"{where}.role must be one of {list(ROLES)}, not "
                                    f"{role!r}", "messages")
-            chars += _check_content(m.get("content"), where)
+            chars += _check_content(m.get("content"), where, images)
             if m.get("tool_calls") is not None:
                 if not isinstance(m["tool_calls"], list):
                     raise RequestError(400, f"{where}.tool_calls must be a list", "messages")
@@ -250,6 +255,10 @@ def validate_request(path: str, body: Any, *, model_id: str, max_context: int,
                                "template)", "role_mapping")
     else:
         prompt = body.get("prompt")
+        if body.get("images") is not None or (isinstance(prompt, list) and any(
+                isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in prompt)):
+            raise RequestError(400, "images are accepted only as image_url parts of "
+                               "/v1/chat/completions messages", "prompt")
         if not isinstance(prompt, str):
             raise RequestError(400, "prompt must be a string", "prompt")
         chars = len(prompt)
@@ -467,6 +476,8 @@ class K3APIHandler(mlx_server.APIHandler):
     vocab_size = 0
     info: dict = {}
     admission = Admission(64)
+    # k3dist.serve.vision.VisionLimits when the deployment serves images; None: text only
+    vision_limits = None
     # socket timeout: a client that sends nothing (or reads nothing) for this long
     # gives its handler thread back
     timeout = 30
@@ -566,10 +577,36 @@ class K3APIHandler(mlx_server.APIHandler):
         except OSError:
             pass
 
-    def _prompt_tokens(self, body: dict) -> int:
+    def _check_images(self, body: dict) -> list:
+        """A chat request's images, each checked (and made a data URL) before any rank
+        works: 400 naming the image and what is wrong."""
+        if self.vision_limits is None or not self.path.endswith("chat/completions"):
+            return []
+        from k3dist.serve import vision
+
+        parts = [(f"messages[{i}].content[{j}]", p) for i, m in enumerate(body["messages"])
+                 if isinstance(m.get("content"), list)
+                 for j, p in enumerate(m["content"]) if p.get("type") in IMAGE_PART_TYPES]
+        if len(parts) > self.vision_limits.max_images:
+            raise RequestError(400, f"{len(parts)} images in one request; at most "
+                               f"{self.vision_limits.max_images}", "messages")
+        try:
+            return [vision.check_image_part(p, self.vision_limits, where) for where, p in parts]
+        except vision.ImageError as e:
+            raise RequestError(400, str(e), "messages") from None
+
+    def _prompt_tokens(self, body: dict, images: list | None = None) -> int:
         tok = self.response_generator.model_provider.tokenizer
         if self.path.endswith("chat/completions"):
             kwargs = body.get("chat_template_kwargs") or {}
+            if images:  # the prompt as the processor expands it: one pad per feature
+                from k3dist.serve import vision
+
+                text = tok.apply_chat_template(body["messages"], tools=body.get("tools"),
+                                               add_generation_prompt=True, tokenize=False,
+                                               **kwargs)
+                processor = self.response_generator.model_provider.processor
+                return len(vision.prompt_tokens(tok, processor, text, images))
             ids = tok.apply_chat_template(body["messages"], tools=body.get("tools"),
                                           add_generation_prompt=True, tokenize=True, **kwargs)
             return len(ids)
@@ -602,13 +639,15 @@ class K3APIHandler(mlx_server.APIHandler):
                 raise RequestError(400, "request body is nested too deeply (at most "
                                    f"{MAX_JSON_DEPTH} levels)") from None
             chars = validate_request(self.path, body, model_id=self.model_id,
-                                     max_context=self.max_context, vocab_size=self.vocab_size)
+                                     max_context=self.max_context, vocab_size=self.vocab_size,
+                                     images=self.vision_limits is not None)
+            images = self._check_images(body)
             asked = body.get("max_completion_tokens") or body.get("max_tokens")
             if chars > MAX_CHARS_PER_TOKEN * self.max_context:
                 raise RequestError(400, f"prompt of {chars} characters cannot fit the context "
                                    f"of {self.max_context} tokens", code="context_length_exceeded")
             try:
-                n_prompt = self._prompt_tokens(body)
+                n_prompt = self._prompt_tokens(body, images)
             except Exception as e:  # a template that cannot render these messages
                 raise RequestError(400, f"messages cannot be rendered: {e}") from None
             room = self.max_context - n_prompt
@@ -727,7 +766,7 @@ def cli_args(*, model_id: str, max_tokens: int, temp: float, top_p: float,
 
 def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, info: dict,
           vocab_size: int, max_queued_requests: int = 64, max_connections: int = 2048,
-          token_log: Path | None = None) -> None:
+          token_log: Path | None = None, vision_limits=None) -> None:
     """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves."""
     group = mx.distributed.init()
     prompt_cache = mlx_server.LRUPromptCache(provider.cli_args.prompt_cache_size)
@@ -737,7 +776,8 @@ def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, 
         return
     handler = type("Handler", (K3APIHandler,), {
         "model_id": provider.served_id, "max_context": max_context, "info": info,
-        "vocab_size": vocab_size, "admission": Admission(max_queued_requests)})
+        "vocab_size": vocab_size, "admission": Admission(max_queued_requests),
+        "vision_limits": vision_limits})
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, address = infos[0]
     server_class = type("Server", (K3HTTPServer,), {"address_family": family})
