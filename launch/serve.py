@@ -19,7 +19,7 @@ from pathlib import Path
 import k3dist
 from k3dist.format import manifest
 from k3dist.format.verify import Report
-from k3dist.serve import keepawake, loader, preflight, server, warmup
+from k3dist.serve import auth, keepawake, loader, preflight, server, warmup
 from k3dist.serve import watchdog as harness
 from k3dist.serve.config import DEFAULT_DEPLOYMENT, Deployment, load_deployment
 
@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
                        ("moe-form", str), ("dtype", str), ("blas-threads", int),
                        ("heartbeat-s", float), ("watchdog-timeout-s", float),
                        ("watchdog-port", int), ("memory-headroom-gb", float),
-                       ("max-queued-requests", int), ("max-connections", int)):
+                       ("max-queued-requests", int), ("max-connections", int),
+                       ("api-key", str), ("api-key-file", str)):
         ap.add_argument(f"--{name}", type=kind)
     ap.add_argument("--verify", choices=("stamp", "full", "size"),
                     help="rank-folder content check before serving (default stamp)")
@@ -72,6 +73,7 @@ def rank_folder(dep: Deployment, rank: int, size: int) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     dep = parse_args(argv)
+    api_key = auth.load_key(dep.api_key, dep.api_key_file)  # a bad key file stops us here
     if dep.blas_threads:
         k3dist.set_blas_threads(dep.blas_threads)
     group = mx.distributed.init()
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     server.serve(dep.host, dep.port, provider, max_context=dep.max_context, info=info,
                  vocab_size=config["text_config"]["vocab_size"],
                  max_queued_requests=dep.max_queued_requests,
-                 max_connections=dep.max_connections, token_log=token_log)
+                 max_connections=dep.max_connections, token_log=token_log, api_key=api_key)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,10 @@ class Deployment:
     max_connections: int = 2048
     # origins a web page may call the API from ("*": any); empty: no CORS headers
     cors_origins: list[str] = field(default_factory=list)
+    # API key every endpoint but /health asks for (Authorization: Bearer / x-api-key);
+    # a file holding it (first line) keeps it out of `ps` and shell history: prefer it
+    api_key: str | None = None
+    api_key_file: str | None = None
 
     def rank_path(self, rank: int) -> Path:
         return Path(self.rank_dir.format(rank=rank))
@@ -105,6 +109,8 @@ def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
     if not isinstance(d.cors_origins, list) or not all(isinstance(o, str)
                                                        for o in d.cors_origins):
         raise ValueError(f"cors_origins must be a list of origins, not {d.cors_origins!r}")
+    if d.api_key and d.api_key_file:
+        raise ValueError("give api_key or api_key_file, not both")
     if d.dtype not in DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, not {d.dtype!r}")
     return d
