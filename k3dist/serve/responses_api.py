@@ -238,7 +238,8 @@ class ResponsesTranslator(Translator):
         if done:
             # reasoning_tokens: not counted apart (the relay sees text, not tokens)
             out["usage"] = {"input_tokens": o.prompt_tokens,
-                            "input_tokens_details": {"cached_tokens": o.cached_tokens},
+                            "input_tokens_details": {"cached_tokens": o.cached_tokens,
+                                                     "cache_write_tokens": 0},
                             "output_tokens": o.completion_tokens,
                             "output_tokens_details": {"reasoning_tokens": 0},
                             "total_tokens": o.prompt_tokens + o.completion_tokens}
