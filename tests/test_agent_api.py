@@ -204,7 +204,9 @@ def ranks(mini_build, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def srv(ranks, tmp_path_factory):
-    s = Server(ranks, tmp_path_factory.mktemp("agent-serve"))
+    # tool declarations and K3's system messages take a few hundred tokens of the mini
+    # tokenizer: more context than test_server's 512 (the later flag wins)
+    s = Server(ranks, tmp_path_factory.mktemp("agent-serve"), ("--max-context", "2048"))
     yield s
     s.stop()
 
@@ -235,14 +237,14 @@ def _alive(srv) -> None:
 
 
 def test_anthropic_messages_end_to_end(srv, ranks):
-    a = _anthropic(srv)
+    a = _anthropic(srv)  # this SDK sends no temperature: the server's default, greedy
     user = [{"role": "user", "content": "What is the weather in Paris?"}]
     # thinking off (the Messages default): text only; streamed == not streamed
-    r = a.messages.create(model="kimi-k3", max_tokens=12, temperature=0, messages=user,
+    r = a.messages.create(model="kimi-k3", max_tokens=12, messages=user,
                           tools=TOOLS_A)
     assert r.content and {b.type for b in r.content} <= {"text", "tool_use"}
     assert r.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    with a.messages.stream(model="kimi-k3", max_tokens=12, temperature=0, messages=user,
+    with a.messages.stream(model="kimi-k3", max_tokens=12, messages=user,
                            tools=TOOLS_A) as s:
         kinds = [e.type for e in s]
         streamed = s.get_final_message()
@@ -250,7 +252,7 @@ def test_anthropic_messages_end_to_end(srv, ranks):
     assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in r.content]
     assert streamed.usage.output_tokens == r.usage.output_tokens
     # thinking on: the think channel comes back as a thinking block
-    th = a.messages.create(model="kimi-k3", max_tokens=12, temperature=0, messages=user,
+    th = a.messages.create(model="kimi-k3", max_tokens=12, messages=user,
                            thinking={"type": "enabled", "budget_tokens": 1024})
     assert th.content[0].type == "thinking" and th.content[0].thinking
     # count_tokens: what create reports as its prompt
@@ -262,21 +264,21 @@ def test_anthropic_messages_end_to_end(srv, ranks):
          "input": {"city": "Paris"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                       "content": "18 C and sunny"}]}]
-    back = a.messages.create(model="kimi-k3", max_tokens=8, temperature=0, messages=turn,
+    back = a.messages.create(model="kimi-k3", max_tokens=8, messages=turn,
                              tools=TOOLS_A)
     assert back.usage.input_tokens + back.usage.cache_read_input_tokens > n
-    with a.messages.stream(model="kimi-k3", max_tokens=8, temperature=0, messages=turn,
+    with a.messages.stream(model="kimi-k3", max_tokens=8, messages=turn,
                            tools=TOOLS_A) as s:
-        assert s.get_final_message().content == back.content
+        assert [b.text for b in s.get_final_message().content] == [b.text for b in back.content]
 
     # stop sequences: a word the model writes ends the message before it
     tok = load_tokenizer(ranks.format(rank=0))
     seen = len(_log(srv, 0))
-    long = a.messages.create(model="kimi-k3", max_tokens=24, temperature=0, messages=user)
+    long = a.messages.create(model="kimi-k3", max_tokens=24, messages=user)
     tokens = _wait_logs(srv, seen, 1)[0][0]["tokens"]
     stop = next(w for t in tokens[2:] if len((w := tok.decode([t])).strip()) >= 3
                 and w.strip().isalpha() and tok.encode(w, add_special_tokens=False) == [t])
-    cut = a.messages.create(model="kimi-k3", max_tokens=24, temperature=0, messages=user,
+    cut = a.messages.create(model="kimi-k3", max_tokens=24, messages=user,
                             stop_sequences=[stop])
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert long.content[0].text.startswith(cut.content[0].text) and stop not in \

@@ -471,7 +471,7 @@ class K3APIHandler(mlx_server.APIHandler):
     aborted = False  # set by abort_streams: the answer was written from elsewhere
     _in_completion = False
     api_key: str | None = None  # every endpoint but /health asks for it when set
-    _api = None  # the agent API module of this request (errors in its shape)
+    _api = None  # the agent API module of this request (Anthropic's: errors in its shape)
 
     def _set_cors_headers(self):
         origins = self.response_generator.cli_args.allowed_origins
@@ -540,8 +540,8 @@ class K3APIHandler(mlx_server.APIHandler):
             pass
 
     def _error(self, e: RequestError, headers: dict | None = None) -> None:
-        body = json.dumps(e.body() if self._api is None else (
-            self._api.error_body(e.status, str(e)))).encode()
+        body = json.dumps(anthropic_api.error_body(e.status, str(e))
+                          if self._api is anthropic_api else e.body()).encode()
         self._set_completion_headers(e.status)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
