@@ -3,9 +3,11 @@ chat completions, prompt reuse across turns, the API key, through the real `anth
 and `openai` clients against the 2-rank server (mlx.launch on loopback).
 
 The mini model does not call tools on its own, so the tool-call *output* path is
-checked on K3-format generated text run through mlx-lm's own kimi_k3 parser and
-ToolCallFormatter (what the server runs), relayed into each API's events; the
-server tests check tools in, tool results back in, and everything else end to end.
+checked on K3-format generated text: relayed chunk fixtures (mlx-lm's kimi_k3 parser and
+ToolCallFormatter), and the real handler, HTTP server and clients over a generator that
+emits a fixed K3 tool call token by token (mlx-lm's tokenizer, text state machine and
+parser). The 2-rank server tests check tools in, tool results back in, thinking, stop
+sequences, refusals and prompt reuse end to end.
 """
 
 from __future__ import annotations
@@ -450,3 +452,115 @@ def test_api_key_required_everywhere_but_health_and_localhost_only(keyed):
     assert _openai(keyed, KEY).responses.create(model="kimi-k3", input="x",
                                                 max_output_tokens=2).output
     assert [m.id for m in _openai(keyed, KEY).models.list().data] == ["kimi-k3"]
+
+
+# -- tool calls out, through the real handler (a generator that writes K3 tool calls) ---
+
+class ScriptedGenerator:
+    """mlx-lm's ResponseGenerator interface, "generating" a fixed K3 text token by token
+    (the real tokenizer, detokenizer, text state machine and tool parser): the handler,
+    relay and clients are the server's own; only the model's choice of tokens is fixed,
+    since the mini model does not call tools."""
+
+    def __init__(self, tokenizer, text: str):
+        from k3dist.serve import server
+
+        self.tok, self.text = tokenizer, text
+        self.cli_args = server.cli_args(model_id="kimi-k3", max_tokens=64, temp=0.0,
+                                        top_p=1.0, prefill_step_size=32)
+        self.model_provider = type("P", (), {"tokenizer": tokenizer})()
+
+    def generation_available(self) -> bool:
+        return True
+
+    def generate(self, request, args, progress_callback=None):
+        from mlx_lm.generate import make_text_state_machine
+        from mlx_lm.server import GenerationContext, Response
+
+        tok = self.tok
+        prompt = tok.apply_chat_template(request.messages, tools=request.tools,
+                                         add_generation_prompt=True, tokenize=True,
+                                         **(args.chat_template_kwargs or {}))
+        ctx = GenerationContext(has_tool_calling=True, has_thinking=True,
+                                tool_parser=tok.tool_parser,
+                                text_sm=make_text_state_machine(tok, args.stop_words),
+                                initial_state="normal", prompt=prompt, prompt_cache_count=0)
+        ids = tok.encode(self.text, add_special_tokens=False) + [min(tok.eos_token_ids)]
+
+        def run():
+            detok = tok.detokenizer
+            detok.reset()
+            for i, t in enumerate(ids):
+                detok.add_token(t)
+                last = i == len(ids) - 1
+                yield Response(detok.last_segment, t, 0.0, "stop" if last else None, ())
+
+        return ctx, run()
+
+
+@pytest.fixture(scope="module")
+def scripted(mini_build):
+    import threading
+
+    from k3dist.serve import server
+
+    tok = load_tokenizer(mini_build)
+    text = ("Checking.<|close|>response<|sep|><|open|>tools<|sep|>" + K3_CALL
+            + "<|close|>tools<|sep|><|close|>message<|sep|>")
+    gen = ScriptedGenerator(tok, text)
+    handler = type("H", (server.K3APIHandler,), {
+        "model_id": "kimi-k3", "max_context": 4096, "vocab_size": tok.vocab_size,
+        "admission": server.Admission(4)})
+    httpd = server.K3HTTPServer(("127.0.0.1", 0), lambda *a, **k: handler(
+        gen, *a, system_fingerprint="test", **k), max_connections=8)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield type("S", (), {"url": f"http://127.0.0.1:{httpd.server_address[1]}"})()
+    httpd.shutdown()
+
+
+def test_tool_calls_out_on_every_api_streamed_and_not(scripted):
+    c, a = _openai(scripted), _anthropic(scripted)
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    kw = {"extra_body": {"chat_template_kwargs": {"thinking": False}}}
+    # chat completions: tool_calls, streamed and not
+    r = c.chat.completions.create(model="kimi-k3", messages=user, tools=TOOLS_C, **kw)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = list(c.chat.completions.create(model="kimi-k3", messages=user, tools=TOOLS_C,
+                                            stream=True, **kw))
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+        ("get_weather", {"city": "Paris"})]
+    # Anthropic: a tool_use block, stop_reason tool_use; streamed and not
+    m = a.messages.create(model="kimi-k3", max_tokens=64, messages=user, tools=TOOLS_A)
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and use[0].input == {"city": "Paris"}
+    with a.messages.stream(model="kimi-k3", max_tokens=64, messages=user,
+                           tools=TOOLS_A) as s:
+        sm = s.get_final_message()
+    assert [(b.name, b.input) for b in sm.content if b.type == "tool_use"] == [
+        ("get_weather", {"city": "Paris"})] and sm.stop_reason == "tool_use"
+    # the round trip: that tool_use answered by a tool_result is accepted
+    back = a.messages.create(model="kimi-k3", max_tokens=64, tools=TOOLS_A, messages=[
+        *user, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                      "content": "18 C"}]}])
+    assert back.stop_reason == "tool_use"
+    # Responses: a function_call item; streamed and not
+    o = c.responses.create(model="kimi-k3", input="Weather in Paris?", tools=TOOLS_R,
+                           reasoning={"effort": "none"})
+    fc = [i for i in o.output if i.type == "function_call"][0]
+    assert fc.name == "get_weather" and json.loads(fc.arguments) == {"city": "Paris"}
+    events = list(c.responses.create(model="kimi-k3", input="Weather in Paris?",
+                                     tools=TOOLS_R, reasoning={"effort": "none"},
+                                     stream=True))
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert [json.loads(x) for x in done] == [{"city": "Paris"}]
+    back = c.responses.create(model="kimi-k3", tools=TOOLS_R, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": fc.call_id, "name": fc.name,
+         "arguments": fc.arguments},
+        {"type": "function_call_output", "call_id": fc.call_id, "output": "18 C"}])
+    assert back.status == "completed"
