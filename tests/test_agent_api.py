@@ -276,11 +276,11 @@ def test_anthropic_messages_end_to_end(srv, ranks):
     # stop sequences: a word the model writes ends the message before it
     tok = load_tokenizer(ranks.format(rank=0))
     seen = len(_log(srv, 0))
-    long = a.messages.create(model="kimi-k3", max_tokens=24, messages=user)
+    long = a.messages.create(model="kimi-k3", max_tokens=16, messages=user)
     tokens = _wait_logs(srv, seen, 1)[0][0]["tokens"]
     stop = next(w for t in tokens[2:] if len((w := tok.decode([t])).strip()) >= 3
                 and w.strip().isalpha() and tok.encode(w, add_special_tokens=False) == [t])
-    cut = a.messages.create(model="kimi-k3", max_tokens=24, messages=user,
+    cut = a.messages.create(model="kimi-k3", max_tokens=16, messages=user,
                             stop_sequences=[stop])
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert long.content[0].text.startswith(cut.content[0].text) and stop not in \
@@ -309,20 +309,20 @@ def test_anthropic_messages_end_to_end(srv, ranks):
 def test_openai_responses_end_to_end(srv):
     o = _openai(srv)
     r = o.responses.create(model="kimi-k3", input="What is the weather in Paris?",
-                           instructions="Be brief.", max_output_tokens=12, temperature=0,
-                           tools=TOOLS_R, reasoning={"effort": "none"})
+                           instructions="Be brief.", max_output_tokens=8, temperature=0,
+                           reasoning={"effort": "none"})
     assert [i.type for i in r.output] == ["message"] and r.output_text
     assert r.status in ("completed", "incomplete") and r.usage.output_tokens >= 1
     s = o.responses.create(model="kimi-k3", input="What is the weather in Paris?",
-                           instructions="Be brief.", max_output_tokens=12, temperature=0,
-                           tools=TOOLS_R, reasoning={"effort": "none"}, stream=True)
+                           instructions="Be brief.", max_output_tokens=8, temperature=0,
+                           reasoning={"effort": "none"}, stream=True)
     events = list(s)
     assert events[0].type == "response.created" and events[-1].type in (
         "response.completed", "response.incomplete")
     assert events[-1].response.output_text == r.output_text
     # reasoning on: a reasoning item first
-    th = o.responses.create(model="kimi-k3", input="Hi", max_output_tokens=8, temperature=0,
-                            reasoning={"effort": "high"})
+    th = o.responses.create(model="kimi-k3", input="Hi", max_output_tokens=4, temperature=0,
+                            reasoning={"effort": "low"})
     assert th.output[0].type == "reasoning" and th.output[0].content[0].text
     # a function_call and its output go back in, streamed and not
     items = [{"role": "user", "content": "What is the weather in Paris?"},
@@ -403,7 +403,7 @@ KEY = "k3-test-key-0123456789"
 def keyed(ranks, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent-keyed")
     (tmp / "key").write_text(KEY + "\n")
-    s = Server(ranks, tmp, ("--api-key-file", str(tmp / "key")))
+    s = Server(ranks, tmp, ("--api-key-file", str(tmp / "key"), "--no-warmup"))
     yield s
     s.stop()
 
