@@ -37,7 +37,8 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
                        ("heartbeat-s", float), ("watchdog-timeout-s", float),
                        ("watchdog-port", int), ("memory-headroom-gb", float),
                        ("max-queued-requests", int), ("max-connections", int),
-                       ("api-key", str), ("api-key-file", str)):
+                       ("api-key", str), ("api-key-file", str),
+                       ("prompt-cache-tokens", int)):
         ap.add_argument(f"--{name}", type=kind)
     ap.add_argument("--verify", choices=("stamp", "full", "size"),
                     help="rank-folder content check before serving (default stamp)")
@@ -137,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     server.serve(dep.host, dep.port, provider, max_context=dep.max_context, info=info,
                  vocab_size=config["text_config"]["vocab_size"],
                  max_queued_requests=dep.max_queued_requests,
-                 max_connections=dep.max_connections, token_log=token_log, api_key=api_key)
+                 max_connections=dep.max_connections, token_log=token_log, api_key=api_key,
+                 prompt_cache_tokens=dep.prompt_cache_tokens)
 
 
 if __name__ == "__main__":

@@ -564,3 +564,32 @@ def test_tool_calls_out_on_every_api_streamed_and_not(scripted):
          "arguments": fc.arguments},
         {"type": "function_call_output", "call_id": fc.call_id, "output": "18 C"}])
     assert back.status == "completed"
+
+
+def test_prompt_cache_bound_by_tokens_and_exact_hits_keep_a_token():
+    """Rank-independent eviction (entries and tokens, never bytes); a prompt whose exact
+    cache is held still prefills a token (KDA state cannot be trimmed back)."""
+    from k3dist.serve.prompt_cache import K3PromptCache
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    def filled(n: int) -> list:
+        c = [KVCache(), ArraysCache(1)]
+        k = mx.zeros((1, 1, n, 4))
+        c[0].update_and_fetch(k, k)
+        c[1][0] = mx.full((1, 2), n)
+        return c
+
+    pc = K3PromptCache(8, lambda: [KVCache(), ArraysCache(1)], max_tokens=25)
+    pc.insert_cache("m", list(range(10)), filled(10))
+    pc.insert_cache("m", list(range(100, 112)), filled(12))
+    pc.insert_cache("m", list(range(200, 206)), filled(6))  # 28 > 25 tokens: one goes
+    assert (len(pc), pc.tokens()) == (2, 18)
+    cache, rest = pc.fetch_nearest_cache("m", list(range(100, 115)))
+    assert cache[0].offset == 12 and rest == [112, 113, 114]
+    cache, rest = pc.fetch_nearest_cache("m", list(range(100, 112)))  # exact: not usable
+    assert cache[0].offset == 0 and len(rest) == 12
+    pc.insert_cache("m", list(range(100, 111)), filled(11))  # a snapshot one token short
+    cache, rest = pc.fetch_nearest_cache("m", list(range(100, 112)))
+    assert cache[0].offset == 11 and rest == [111]

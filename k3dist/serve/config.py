@@ -75,6 +75,8 @@ class Deployment:
     # a file holding it (first line) keeps it out of `ps` and shell history: prefer it
     api_key: str | None = None
     api_key_file: str | None = None
+    # tokens the prompt cache may hold (reused across turns); None: 4 x max_context
+    prompt_cache_tokens: int | None = None
 
     def rank_path(self, rank: int) -> Path:
         return Path(self.rank_dir.format(rank=rank))

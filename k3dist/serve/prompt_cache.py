@@ -10,9 +10,11 @@ prompt's last token but one: that prefix is what the next turn's prompt starts w
 The last token is left out so that an identical prompt still has a token to prefill.
 
 Lockstep: every rank runs the same requests through the same cache, so each decision
-(hit, miss, what to evict) must depend only on the request stream. Eviction is by
-entry count only (``max_bytes`` is left unlimited): per-rank bytes differ when a rank
-holds a share of the attention heads.
+(hit, miss, what to evict) must depend only on the request stream. Eviction is by entry
+count and by the tokens the entries hold (``max_tokens``), never by bytes
+(``max_bytes`` is left unlimited): per-rank bytes differ when a rank holds a share of
+the attention heads. Memory is bounded through tokens: K3's MLA layers keep
+27,648 B/token, so 4 x 4,096 tokens is ~0.45 GB per rank, 4 x 128K ~14.5 GB.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 
 
 class K3PromptCache(LRUPromptCache):
-    def __init__(self, max_size: int, make_cache: Callable[[], list]):
+    def __init__(self, max_size: int, make_cache: Callable[[], list], max_tokens: int):
         super().__init__(max_size)  # no byte bound: it would differ between ranks
-        self.make_cache = make_cache
+        self.make_cache, self.max_tokens = make_cache, max_tokens
         self._current: tuple[Any, list[int], int, list] | None = None
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
@@ -53,6 +55,15 @@ class K3PromptCache(LRUPromptCache):
             entry = self._trie.get(result.model, result.shorter)
             return copy.deepcopy(entry.prompt_cache), tokens[len(result.shorter):]
         return None, tokens
+
+    def tokens(self) -> int:
+        """Tokens held by all entries (the same on every rank)."""
+        return sum(len(t) for lru in self._lru._lrus.values() for _, t in lru)
+
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        while len(self) > 1 and self.tokens() > self.max_tokens:
+            self.trim_to(n_sequences=len(self) - 1)  # in mlx-lm's eviction order
 
     def prefill_progress(self, processed: int, total: int) -> None:
         """mlx-lm's prompt progress: at the last token but one, keep a copy of the cache

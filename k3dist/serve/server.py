@@ -798,11 +798,13 @@ def cli_args(*, model_id: str, max_tokens: int, temp: float, top_p: float,
 
 def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, info: dict,
           vocab_size: int, max_queued_requests: int = 64, max_connections: int = 2048,
-          token_log: Path | None = None, api_key: str | None = None) -> None:
+          token_log: Path | None = None, api_key: str | None = None,
+          prompt_cache_tokens: int | None = None) -> None:
     """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves."""
     group = mx.distributed.init()
     prompt_cache = K3PromptCache(provider.cli_args.prompt_cache_size,
-                                 lambda: make_prompt_cache(provider.model))
+                                 lambda: make_prompt_cache(provider.model),
+                                 prompt_cache_tokens or 4 * max_context)
     generator = K3ResponseGenerator(provider, prompt_cache, token_log)
     if group.rank() != 0:
         generator.join()
