@@ -467,7 +467,8 @@ class ScriptedGenerator:
 
         self.tok, self.text = tokenizer, text
         self.cli_args = server.cli_args(model_id="kimi-k3", max_tokens=64, temp=0.0,
-                                        top_p=1.0, prefill_step_size=32)
+                                        top_p=1.0, prefill_step_size=32,
+                                        cors_origins=["https://app.example"])
         self.model_provider = type("P", (), {"tokenizer": tokenizer})()
 
     def generation_available(self) -> bool:
@@ -564,6 +565,15 @@ def test_tool_calls_out_on_every_api_streamed_and_not(scripted):
          "arguments": fc.arguments},
         {"type": "function_call_output", "call_id": fc.call_id, "output": "18 C"}])
     assert back.status == "completed"
+    # the relayed answers carry the configured CORS headers, streamed and not
+    for stream in (False, True):
+        req = urllib.request.Request(scripted.url + "/v1/messages", data=json.dumps(
+            {"model": "kimi-k3", "max_tokens": 8, "messages": user, "stream": stream}).encode(),
+            headers={"Content-Type": "application/json", "Origin": "https://app.example"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.headers["Access-Control-Allow-Origin"] == "https://app.example"
+            assert "x-api-key" in r.headers["Access-Control-Allow-Headers"]
+            r.read()
 
 
 def test_prompt_cache_bound_by_tokens_and_exact_hits_keep_a_token():

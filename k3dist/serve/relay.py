@@ -158,22 +158,24 @@ def sse(event: str | None, data: Any) -> bytes:
     return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-def head(status: int, content_type: str, length: int | None = None) -> bytes:
+def head(status: int, content_type: str, length: int | None = None,
+         extra: bytes = b"") -> bytes:
+    """A response head; ``extra``: header lines as the handler wrote them (CORS)."""
     lines = [f"HTTP/1.0 {status} {HTTPStatus(status).phrase}",
              f"Content-Type: {content_type}"]
     if content_type == "text/event-stream":
         lines.append("Cache-Control: no-cache")
     if length is not None:
         lines.append(f"Content-Length: {length}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+    return ("\r\n".join(lines) + "\r\n").encode() + extra + b"\r\n"
 
 
 class Relay:
     """Stands in for the handler's ``wfile`` while mlx-lm's handler streams a
     chat completion: parses what it writes and forwards the translation to ``out``."""
 
-    def __init__(self, out, translator: Translator):
-        self.out, self.t = out, translator
+    def __init__(self, out, translator: Translator, headers: bytes = b""):
+        self.out, self.t, self.headers = out, translator, headers
         self.buf = b""
         self.status: int | None = None  # of mlx-lm's reply, once its headers are read
         self.started = False  # our own headers sent (streaming)
@@ -234,7 +236,7 @@ class Relay:
         if not parts or not self.t.stream:
             return
         if not self.started:
-            parts = [head(200, "text/event-stream"), *parts]
+            parts = [head(200, "text/event-stream", extra=self.headers), *parts]
             self.started = True
         self.out.write(b"".join(parts))
         self.out.flush()
@@ -242,7 +244,7 @@ class Relay:
     def _reply(self, status: int, body: dict) -> None:
         self.done = True
         raw = json.dumps(body, ensure_ascii=False).encode()
-        self.out.write(head(status, "application/json", len(raw)) + raw)
+        self.out.write(head(status, "application/json", len(raw), self.headers) + raw)
         self.out.flush()
 
     def _fail(self, message: str, status: int = 500) -> None:
@@ -263,7 +265,7 @@ class Relay:
                 self._send(parts)
             else:
                 raw = json.dumps(self.t.body(), ensure_ascii=False).encode()
-                self.out.write(head(200, "application/json", len(raw)) + raw)
+                self.out.write(head(200, "application/json", len(raw), self.headers) + raw)
                 self.out.flush()
             return
         try:

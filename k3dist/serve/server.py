@@ -484,7 +484,8 @@ class K3APIHandler(mlx_server.APIHandler):
         else:
             return  # no cross-origin access configured: no CORS headers at all
         self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type, x-api-key, "
+                         "anthropic-version, anthropic-beta")
 
     def _set_completion_headers(self, status_code: int = 200):
         if self._in_completion and status_code == 404:
@@ -689,7 +690,10 @@ class K3APIHandler(mlx_server.APIHandler):
         self.headers.replace_header("Content-Length", str(len(raw)))
         self.rfile = io.BytesIO(raw)
         self.path = "/v1/chat/completions"
-        sink = relay.Relay(self.wfile, t)
+        saved, self._headers_buffer = getattr(self, "_headers_buffer", []), []
+        self._set_cors_headers()  # the relay writes its own heads: with these lines
+        cors, self._headers_buffer = b"".join(self._headers_buffer), saved
+        sink = relay.Relay(self.wfile, t, cors)
         self.wfile = sink
         self.response_generator = relay.Tap(self.response_generator, t.outcome)
         return sink
