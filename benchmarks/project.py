@@ -212,6 +212,9 @@ def main() -> None:
             fp["published_TB"] = PUBLISHED_TB
             fp["error_vs_published"] = round(fp["build_bytes"] / 1e12 / PUBLISHED_TB - 1, 5)
         res["footprint"][pn] = fp
+        if args.boxes > 1:
+            res.setdefault("attention_bytes_per_rank", {})[pn] = cm.attention_bytes(
+                config, prof, args.boxes)
         res["projections"][pn] = {
             b: mark_plan_fit(pn, cm.project(config, prof, h, args.boxes, form=args.form,
                                             context=args.context, placement=pl, counts=counts,

@@ -19,7 +19,7 @@ from pathlib import Path
 import k3dist
 from k3dist.format import manifest
 from k3dist.format.verify import Report
-from k3dist.serve import keepawake, loader, preflight, server, warmup
+from k3dist.serve import auth, keepawake, loader, preflight, server, warmup
 from k3dist.serve import watchdog as harness
 from k3dist.serve.config import DEFAULT_DEPLOYMENT, Deployment, load_deployment
 
@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
                        ("watchdog-port", int), ("memory-headroom-gb", float),
                        ("max-queued-requests", int), ("max-connections", int),
                        ("max-batch", int), ("max-images", int), ("max-image-pixels", int),
-                       ("image-dir", str)):
+                       ("image-dir", str), ("api-key", str), ("api-key-file", str),
+                       ("prompt-cache-tokens", int)):
         ap.add_argument(f"--{name}", type=kind)
     ap.add_argument("--verify", choices=("stamp", "full", "size"),
                     help="rank-folder content check before serving (default stamp)")
@@ -76,6 +77,7 @@ def rank_folder(dep: Deployment, rank: int, size: int) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     dep = parse_args(argv)
+    api_key = auth.load_key(dep.api_key, dep.api_key_file)  # a bad key file stops us here
     if dep.blas_threads:
         k3dist.set_blas_threads(dep.blas_threads)
     group = mx.distributed.init()
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
                  vocab_size=config["text_config"]["vocab_size"],
                  max_queued_requests=dep.max_queued_requests,
                  max_connections=dep.max_connections, token_log=token_log,
-                 vision_limits=limits)
+                 vision_limits=limits, api_key=api_key,
+                 prompt_cache_tokens=dep.prompt_cache_tokens)
 
 
 if __name__ == "__main__":

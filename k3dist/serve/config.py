@@ -92,6 +92,13 @@ class Deployment:
     max_image_pixels: int = 4096 * 4096
     # local image paths are read only under this directory; None: data URLs only
     image_dir: str | None = None
+    # -- access --
+    # API key every endpoint but /health asks for (Authorization: Bearer / x-api-key);
+    # a file holding it (first line) keeps it out of `ps` and shell history: prefer it
+    api_key: str | None = None
+    api_key_file: str | None = None
+    # tokens the prompt cache may hold (reused across turns); None: 4 x max_context
+    prompt_cache_tokens: int | None = None
 
     def rank_path(self, rank: int) -> Path:
         return Path(self.rank_dir.format(rank=rank))
@@ -131,6 +138,8 @@ def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
     if not isinstance(d.cors_origins, list) or not all(isinstance(o, str)
                                                        for o in d.cors_origins):
         raise ValueError(f"cors_origins must be a list of origins, not {d.cors_origins!r}")
+    if d.api_key and d.api_key_file:
+        raise ValueError("give api_key or api_key_file, not both")
     if d.dtype not in DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, not {d.dtype!r}")
     return d

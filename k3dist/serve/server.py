@@ -44,13 +44,17 @@ from queue import Queue
 from typing import Any
 
 from k3dist import __version__ as k3dist_version
-from k3dist.serve import compat, warmup
+from k3dist.serve import anthropic_api, auth, compat, relay, responses_api, warmup
+from k3dist.serve.prompt_cache import K3PromptCache
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import make_prompt_cache
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+# The agent APIs: each translates its body into a chat completion (k3dist.serve.relay).
+AGENT_PATHS = ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # A token is rarely more than ~16 characters: longer prompts are refused before
 # tokenizing them at all.
@@ -339,9 +343,10 @@ class _RequestQueue(Queue):
     when asked (``log``), so the tokens of every rank can be compared."""
 
     def __init__(self, inner: Queue | None, rank: int, size: int, log: Path | None,
-                 request_no: int):
+                 request_no: int, on_progress=None):
         super().__init__()
         self.inner, self.rank, self.size = inner, rank, size
+        self.on_progress = on_progress  # the prompt cache's prefill snapshot
         self.log, self.no = log, request_no
         self.tokens: list[int] = []
         self.ctx = None
@@ -371,6 +376,8 @@ class _RequestQueue(Queue):
         if isinstance(item, mlx_server.GenerationContext):
             self.ctx = item
             item.stop = self._client_gone  # shadows the method, for this request only
+        elif isinstance(item, tuple) and self.on_progress is not None:
+            self.on_progress(*item)
         elif isinstance(item, mlx_server.Response):
             self.tokens.append(int(item.token))
             if self.size > 1 and len(self.tokens) % STOP_CHECK_EVERY == 0:
@@ -386,6 +393,7 @@ class _RequestQueue(Queue):
         self.logged = True
         with open(self.log, "a") as f:
             f.write(json.dumps({"request": self.no, "tokens": self.tokens,
+                                "cached": getattr(self.ctx, "prompt_cache_count", None),
                                 "error": error}) + "\n")
 
 
@@ -406,7 +414,8 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
         self._request_no += 1
         group = mx.distributed.init()
         rq = shared[0] if compat.holds_request(self) else None
-        return (_RequestQueue(rq, group.rank(), group.size(), self.token_log, self._request_no),
+        return (_RequestQueue(rq, group.rank(), group.size(), self.token_log, self._request_no,
+                              getattr(self.prompt_cache, "prefill_progress", None)),
                 *shared[1:])
 
 
@@ -483,6 +492,8 @@ class K3APIHandler(mlx_server.APIHandler):
     timeout = 30
     aborted = False  # set by abort_streams: the answer was written from elsewhere
     _in_completion = False
+    api_key: str | None = None  # every endpoint but /health asks for it when set
+    _api = None  # the agent API module of this request (Anthropic's: errors in its shape)
 
     def _set_cors_headers(self):
         origins = self.response_generator.cli_args.allowed_origins
@@ -495,7 +506,8 @@ class K3APIHandler(mlx_server.APIHandler):
         else:
             return  # no cross-origin access configured: no CORS headers at all
         self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type")
+        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type, x-api-key, "
+                         "anthropic-version, anthropic-beta")
 
     def _set_completion_headers(self, status_code: int = 200):
         if self._in_completion and status_code == 404:
@@ -551,7 +563,8 @@ class K3APIHandler(mlx_server.APIHandler):
             pass
 
     def _error(self, e: RequestError, headers: dict | None = None) -> None:
-        body = json.dumps(e.body()).encode()
+        body = json.dumps(anthropic_api.error_body(e.status, str(e))
+                          if self._api is anthropic_api else e.body()).encode()
         self._set_completion_headers(e.status)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
@@ -577,10 +590,10 @@ class K3APIHandler(mlx_server.APIHandler):
         except OSError:
             pass
 
-    def _check_images(self, body: dict) -> list:
+    def _check_images(self, body: dict, path: str) -> list:
         """A chat request's images, each checked (and made a data URL) before any rank
         works: 400 naming the image and what is wrong."""
-        if self.vision_limits is None or not self.path.endswith("chat/completions"):
+        if self.vision_limits is None or not path.endswith("chat/completions"):
             return []
         from k3dist.serve import vision
 
@@ -595,9 +608,9 @@ class K3APIHandler(mlx_server.APIHandler):
         except vision.ImageError as e:
             raise RequestError(400, str(e), "messages") from None
 
-    def _prompt_tokens(self, body: dict, images: list | None = None) -> int:
+    def _prompt_tokens(self, body: dict, path: str, images: list | None = None) -> int:
         tok = self.response_generator.model_provider.tokenizer
-        if self.path.endswith("chat/completions"):
+        if path.endswith("chat/completions"):
             kwargs = body.get("chat_template_kwargs") or {}
             if images:  # the prompt as the processor expands it: one pad per feature
                 from k3dist.serve import vision
@@ -612,9 +625,25 @@ class K3APIHandler(mlx_server.APIHandler):
             return len(ids)
         return len(tok.encode(body["prompt"]))
 
+    def _authorized(self) -> bool:
+        """Refuse (401, in the API's shape) a request without the deployment's key."""
+        if auth.allowed(self.headers, self.api_key):
+            return True
+        self._error(RequestError(401, "a valid API key is required (Authorization: Bearer "
+                                 "<key> or x-api-key: <key>)", code="invalid_api_key"))
+        self._linger()  # the body was not read
+        return False
+
     def do_POST(self):
-        if self.path not in ("/v1/completions", "/v1/chat/completions", "/chat/completions"):
+        if self.path.startswith("/v1/messages"):
+            self._api = anthropic_api
+        elif self.path == "/v1/responses":
+            self._api = responses_api
+        if not self._authorized():
+            return
+        if self.path not in COMPLETION_PATHS + AGENT_PATHS:
             return super().do_POST()
+        path = "/v1/chat/completions" if self._api else self.path  # what is run
         try:
             length = int(self.headers.get("Content-Length", "-1"))
         except ValueError:
@@ -638,18 +667,22 @@ class K3APIHandler(mlx_server.APIHandler):
             except RecursionError:
                 raise RequestError(400, "request body is nested too deeply (at most "
                                    f"{MAX_JSON_DEPTH} levels)") from None
-            chars = validate_request(self.path, body, model_id=self.model_id,
+            if self._api is not None:
+                client_body, body = body, self._agent_body(body)
+            chars = validate_request(path, body, model_id=self.model_id,
                                      max_context=self.max_context, vocab_size=self.vocab_size,
                                      images=self.vision_limits is not None)
-            images = self._check_images(body)
+            images = self._check_images(body, path)
             asked = body.get("max_completion_tokens") or body.get("max_tokens")
             if chars > MAX_CHARS_PER_TOKEN * self.max_context:
                 raise RequestError(400, f"prompt of {chars} characters cannot fit the context "
                                    f"of {self.max_context} tokens", code="context_length_exceeded")
             try:
-                n_prompt = self._prompt_tokens(body, images)
+                n_prompt = self._prompt_tokens(body, path, images)
             except Exception as e:  # a template that cannot render these messages
                 raise RequestError(400, f"messages cannot be rendered: {e}") from None
+            if self.path == "/v1/messages/count_tokens":
+                return self._json(200, {"input_tokens": n_prompt})
             room = self.max_context - n_prompt
             if room < 1 or (asked is not None and asked > room):
                 raise RequestError(400, f"prompt of {n_prompt} tokens plus max_tokens "
@@ -659,6 +692,8 @@ class K3APIHandler(mlx_server.APIHandler):
                 body["max_tokens"] = min(self.response_generator.cli_args.max_tokens, room)
         except RequestError as e:
             return self._error(e)
+        except relay.BadRequest as e:
+            return self._error(RequestError(e.status, str(e), e.param))
         if not self.admission.enter():
             return self._error(
                 RequestError(429, f"{self.admission.limit} requests are already in flight; "
@@ -669,10 +704,56 @@ class K3APIHandler(mlx_server.APIHandler):
         self.headers.replace_header("Content-Length", str(len(raw)))
         self.rfile = io.BytesIO(raw)
         t0 = time.monotonic()
+        sink = self._relay(client_body, n_prompt) if self._api is not None else None
         try:
             return super().do_POST()
         finally:
             self.admission.leave(time.monotonic() - t0)
+            if sink is not None:
+                sink.end()
+
+    def _agent_body(self, body: Any) -> dict:
+        """The chat-completion body an agent API request runs as."""
+        if not isinstance(body, dict):
+            raise RequestError(400, "request body must be a JSON object")
+        if self._api is responses_api:
+            chat, _ = responses_api.to_chat(body)
+        else:
+            chat = anthropic_api.to_chat(body, count_only=self.path.endswith("count_tokens"))
+        return chat
+
+    def _relay(self, client_body: dict, n_prompt: int) -> relay.Relay:
+        """Run the chat completion streamed, and answer in the agent API's shape: the
+        handler's wfile becomes a Relay (what it writes is translated), its generator a
+        Tap (the raw text tells which stop sequence ended generation)."""
+        tok = self.response_generator.model_provider.tokenizer
+        body = json.loads(self.rfile.getvalue())
+        t = (responses_api.ResponsesTranslator if self._api is responses_api
+             else anthropic_api.MessagesTranslator)(
+            model=self.model_id, stream=bool(client_body.get("stream")),
+            prompt_tokens=n_prompt, stop_sequences=list(body.get("stop") or []),
+            eos_token_ids=tuple(tok.eos_token_ids))
+        if self._api is responses_api:
+            t.request = responses_api.to_chat(client_body)[1]
+        body.update(stream=True, stream_options={"include_usage": True})
+        raw = json.dumps(body).encode()
+        self.headers.replace_header("Content-Length", str(len(raw)))
+        self.rfile = io.BytesIO(raw)
+        self.path = "/v1/chat/completions"
+        saved, self._headers_buffer = getattr(self, "_headers_buffer", []), []
+        self._set_cors_headers()  # the relay writes its own heads: with these lines
+        cors, self._headers_buffer = b"".join(self._headers_buffer), saved
+        sink = relay.Relay(self.wfile, t, cors)
+        self.wfile = sink
+        self.response_generator = relay.Tap(self.response_generator, t.outcome)
+        return sink
+
+    def _json(self, status: int, body: dict) -> None:
+        raw = json.dumps(body).encode()
+        self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
 
     def _is_local(self) -> bool:
         try:
@@ -683,6 +764,8 @@ class K3APIHandler(mlx_server.APIHandler):
         return (mapped or addr).is_loopback
 
     def do_GET(self):
+        if self.path != "/health" and not self._authorized():
+            return
         if self.path.startswith("/v1/models"):
             self._set_completion_headers(200)
             self.end_headers()
@@ -743,6 +826,13 @@ def _raise_open_files(needed: int) -> None:
             logging.warning("open-files limit stays %d (< %d wanted): %s", soft, want, e)
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def fingerprint() -> str:
     """``system_fingerprint``: what serves, not the host's kernel (mlx-lm's has it)."""
     return f"k3dist-{k3dist_version}-mlx-{mx.__version__}"
@@ -759,17 +849,20 @@ def cli_args(*, model_id: str, max_tokens: int, temp: float, top_p: float,
         trust_remote_code=False, chat_template="", use_default_chat_template=False,
         chat_template_args={}, allowed_origins=list(cors_origins or []), temp=temp,
         top_p=top_p, top_k=0, min_p=0.0, max_tokens=max_tokens, decode_concurrency=max_batch,
-        prompt_concurrency=1, prefill_step_size=prefill_step_size, prompt_cache_size=4,
+        prompt_concurrency=1, prefill_step_size=prefill_step_size, prompt_cache_size=8,
         prompt_cache_bytes=None, kv_bits=None, kv_group_size=64, quantized_kv_start=5000,
         pipeline=False)
 
 
 def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, info: dict,
           vocab_size: int, max_queued_requests: int = 64, max_connections: int = 2048,
-          token_log: Path | None = None, vision_limits=None) -> None:
+          token_log: Path | None = None, vision_limits=None, api_key: str | None = None,
+          prompt_cache_tokens: int | None = None) -> None:
     """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves."""
     group = mx.distributed.init()
-    prompt_cache = mlx_server.LRUPromptCache(provider.cli_args.prompt_cache_size)
+    prompt_cache = K3PromptCache(provider.cli_args.prompt_cache_size,
+                                 lambda: make_prompt_cache(provider.model),
+                                 prompt_cache_tokens or 4 * max_context)
     generator = K3ResponseGenerator(provider, prompt_cache, token_log)
     if group.rank() != 0:
         generator.join()
@@ -777,7 +870,7 @@ def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, 
     handler = type("Handler", (K3APIHandler,), {
         "model_id": provider.served_id, "max_context": max_context, "info": info,
         "vocab_size": vocab_size, "admission": Admission(max_queued_requests),
-        "vision_limits": vision_limits})
+        "vision_limits": vision_limits, "api_key": api_key})
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, address = infos[0]
     server_class = type("Server", (K3HTTPServer,), {"address_family": family})
@@ -786,9 +879,13 @@ def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, 
                                                           **k),
                          max_connections=max_connections)
     logging.info("serving %s on http://%s:%d", provider.served_id, host, port)
+    if api_key is None and not _loopback(host):
+        print(f"k3dist: WARNING: serving on {host} with no API key: anyone who can reach "
+              "this port can use it (set api_key_file)", flush=True)
     print(f"k3dist: serving {provider.served_id} on http://{host}:{port} (at most "
           f"{max_queued_requests} requests in flight, {max_connections} connections; CORS "
-          f"{provider.cli_args.allowed_origins or 'off'})", flush=True)
+          f"{provider.cli_args.allowed_origins or 'off'}; API key "
+          f"{'required' if api_key else 'off'})", flush=True)
     try:
         httpd.serve_forever()
     finally:

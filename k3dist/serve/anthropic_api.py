@@ -1,0 +1,264 @@
+"""Anthropic Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``).
+
+A request is validated (pydantic) and translated into the chat-completion body the
+server runs anyway: ``system`` -> a system message, ``tool_use`` blocks -> the
+assistant's ``tool_calls``, ``tool_result`` blocks -> ``tool`` messages (each must
+answer a ``tool_use`` of the assistant message before it), ``thinking`` blocks -> the
+assistant's reasoning, ``thinking`` -> K3's think channel on or off (off unless asked,
+as Anthropic's API), ``tool_choice`` -> K3's tool-choice system message. The generated
+stream comes back as Messages events: ``message_start``, ``content_block_start`` /
+``_delta`` / ``_stop`` for each thinking, text and tool_use block, ``message_delta``
+(``stop_reason``, usage) and ``message_stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Annotated, Literal
+
+from k3dist.serve.relay import BadRequest, Translator, sse, validation_message
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 503: "overloaded_error"}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextBlock(_Model):
+    type: Literal["text"]
+    text: str
+
+
+class ThinkingBlock(_Model):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Model):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+class ToolUseBlock(_Model):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict
+
+
+class ToolResultBlock(_Model):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+
+
+Block = Annotated[TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock
+                  | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(_Model):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Model):
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict
+
+
+class ToolChoice(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(_Model):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class CountTokensRequest(_Model):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool = False
+
+
+def _text(content: str | list[TextBlock] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(b.text for b in content)
+
+
+def to_chat(body: dict, *, count_only: bool = False) -> dict:
+    """The chat-completion body for a Messages (or count_tokens) request body."""
+    try:
+        req = (CountTokensRequest if count_only else MessagesRequest).model_validate(body)
+    except ValidationError as e:
+        raise BadRequest(400, validation_message(e)) from None
+    messages: list[dict] = []
+    if req.system:
+        messages.append({"role": "system", "content": _text(req.system)})
+    calls: set[str] = set()  # tool_use ids of the latest assistant message
+    for i, m in enumerate(req.messages):
+        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) \
+            else m.content
+        if m.role == "assistant":
+            text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+            thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+            uses = [b for b in blocks if isinstance(b, ToolUseBlock)]
+            bad = [b.type for b in blocks if isinstance(b, ToolResultBlock)]
+            if bad:
+                raise BadRequest(400, f"messages.{i}: tool_result blocks belong in a user "
+                                 "message")
+            msg: dict = {"role": "assistant", "content": text}
+            if thinking:
+                msg["reasoning_content"] = thinking
+            if uses:
+                msg["tool_calls"] = [{"id": b.id, "type": "function",
+                                      "function": {"name": b.name, "arguments": b.input}}
+                                     for b in uses]
+            calls = {b.id for b in uses}
+            messages.append(msg)
+            continue
+        text = []
+        for j, b in enumerate(blocks):
+            if isinstance(b, ToolResultBlock):
+                if b.tool_use_id not in calls:
+                    raise BadRequest(400, f"messages.{i}.content.{j}: tool_result block's "
+                                     f"tool_use_id {b.tool_use_id!r} answers no tool_use "
+                                     "block of the assistant message before it")
+                out = _text(b.content)
+                messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                                 "content": f"Error: {out}" if b.is_error else out})
+            elif isinstance(b, TextBlock):
+                text.append(b.text)
+            else:
+                raise BadRequest(400, f"messages.{i}.content.{j}: a {b.type} block belongs "
+                                 "in an assistant message")
+        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+            messages.append({"role": "user", "content": "".join(text)})
+        calls = set()
+    chat: dict = {"model": req.model, "messages": messages,
+                  "chat_template_kwargs": {"thinking": bool(
+                      req.thinking and req.thinking.type != "disabled")}}
+    if req.tools:
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t.name, "description": t.description or "", "parameters": t.input_schema}}
+            for t in req.tools]
+        if req.tool_choice is not None and req.tool_choice.type != "auto":
+            chat["chat_template_kwargs"]["tool_choice"] = (
+                "none" if req.tool_choice.type == "none" else "required")
+    if count_only:
+        return chat
+    chat["max_tokens"] = req.max_tokens
+    for key in ("temperature", "top_p", "top_k"):
+        if getattr(req, key) is not None:
+            chat[key] = getattr(req, key)
+    if req.stop_sequences:
+        chat["stop"] = req.stop_sequences
+    return chat
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
+                                       "message": message}}
+
+
+class MessagesTranslator(Translator):
+    """The generated stream as Messages events, or one Message body."""
+
+    def __post_init__(self):
+        self.id = f"msg_{uuid.uuid4().hex}"
+
+    def _message(self, content: list) -> dict:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
+
+    def _usage(self) -> dict:
+        o = self.outcome
+        return {"input_tokens": o.prompt_tokens - o.cached_tokens,
+                "output_tokens": o.completion_tokens,
+                "cache_read_input_tokens": o.cached_tokens, "cache_creation_input_tokens": 0}
+
+    def _stop(self) -> tuple[str, str | None]:
+        seq = self.stop_sequence()
+        if seq is not None:
+            return "stop_sequence", seq
+        return STOP_REASONS.get(self.outcome.finish_reason or "stop", "end_turn"), None
+
+    @staticmethod
+    def _block(block: dict, *, full: bool) -> dict:
+        if block["kind"] == "reasoning":
+            return {"type": "thinking", "thinking": block["text"] if full else "",
+                    "signature": ""}
+        if block["kind"] == "text":
+            return {"type": "text", "text": block["text"] if full else ""}
+        try:
+            args = json.loads(block["arguments"]) if full else {}
+        except ValueError:
+            args = {"_raw": block["arguments"]}
+        return {"type": "tool_use", "id": block["id"], "name": block["name"], "input": args}
+
+    def start(self) -> list[bytes]:
+        return [sse("message_start", {"type": "message_start", "message": self._message([])}),
+                sse("ping", {"type": "ping"})]
+
+    def open_block(self, index, block):
+        return [sse("content_block_start", {"type": "content_block_start", "index": index,
+                                            "content_block": self._block(block, full=False)})]
+
+    def delta(self, index, block, text):
+        kind = {"reasoning": ("thinking_delta", "thinking"), "text": ("text_delta", "text"),
+                "tool_call": ("input_json_delta", "partial_json")}[block["kind"]]
+        return [sse("content_block_delta", {"type": "content_block_delta", "index": index,
+                                            "delta": {"type": kind[0], kind[1]: text}})]
+
+    def close_block(self, index, block):
+        out = []
+        if block["kind"] == "reasoning":
+            out.append(sse("content_block_delta", {
+                "type": "content_block_delta", "index": index,
+                "delta": {"type": "signature_delta", "signature": ""}}))
+        return out + [sse("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+    def finish(self):
+        reason, seq = self._stop()
+        return [sse("message_delta", {"type": "message_delta",
+                                      "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                      "usage": self._usage()}),
+                sse("message_stop", {"type": "message_stop"})]
+
+    def body(self) -> dict:
+        msg = self._message([self._block(b, full=True) for b in self.blocks])
+        msg["stop_reason"], msg["stop_sequence"] = self._stop()
+        msg["usage"] = self._usage()
+        return msg
+
+    def error_body(self, status, message):
+        return error_body(status, message)
+
+    def error_event(self, message):
+        return [sse("error", error_body(500, message))]

@@ -1,0 +1,76 @@
+"""Prompt reuse across turns, the same on every rank.
+
+mlx-lm's ``LRUPromptCache`` keeps the cache of each finished request under its prompt
+plus generated tokens. K3's KDA layers keep a recurrent state (``ArraysCache``), which
+cannot be trimmed back: a cached entry is reusable only when its tokens are an exact
+prefix of the new prompt (mlx-lm then prefills the rest). A resent conversation rarely
+extends prompt + generated tokens exactly (the template renders the assistant turn
+its own way), so this cache also keeps a copy taken when the prefill reaches the
+prompt's last token but one: that prefix is what the next turn's prompt starts with.
+The last token is left out so that an identical prompt still has a token to prefill.
+
+Lockstep: every rank runs the same requests through the same cache, so each decision
+(hit, miss, what to evict) must depend only on the request stream. Eviction is by entry
+count and by the tokens the entries hold (``max_tokens``), never by bytes
+(``max_bytes`` is left unlimited): per-rank bytes differ when a rank holds a share of
+the attention heads. Memory is bounded through tokens: K3's MLA layers keep
+27,648 B/token, so 4 x 4,096 tokens is ~0.45 GB per rank, 4 x 128K ~14.5 GB.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+
+class K3PromptCache(LRUPromptCache):
+    def __init__(self, max_size: int, make_cache: Callable[[], list], max_tokens: int):
+        super().__init__(max_size)  # no byte bound: it would differ between ranks
+        self.make_cache, self.max_tokens = make_cache, max_tokens
+        self._current: tuple[Any, list[int], int, list] | None = None
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        if cache is not None and not rest:  # an exact hit leaves nothing to prefill
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                rest = tokens[-1:]
+            else:
+                cache, rest = self._shorter(model, tokens)
+        if cache is None:
+            cache = self.make_cache()
+        self._current = (model, list(tokens), len(tokens) - len(rest), cache)
+        return cache, rest
+
+    def _shorter(self, model: Any, tokens: list[int]):
+        """The longest entry strictly shorter than ``tokens`` that prefixes them."""
+        result = self._trie.search(model, tokens[:-1])
+        if result.exact is not None:
+            entry = self._trie.get(result.model, result.exact)
+            return copy.deepcopy(entry.prompt_cache), tokens[len(result.exact):]
+        if result.shorter:
+            entry = self._trie.get(result.model, result.shorter)
+            return copy.deepcopy(entry.prompt_cache), tokens[len(result.shorter):]
+        return None, tokens
+
+    def tokens(self) -> int:
+        """Tokens held by all entries (the same on every rank)."""
+        return sum(len(t) for lru in self._lru._lrus.values() for _, t in lru)
+
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        while len(self) > 1 and self.tokens() > self.max_tokens:
+            self.trim_to(n_sequences=len(self) - 1)  # in mlx-lm's eviction order
+
+    def prefill_progress(self, processed: int, total: int) -> None:
+        """mlx-lm's prompt progress: at the last token but one, keep a copy of the cache
+        under the prompt's prefix (each rank at the same request and token)."""
+        if self._current is None or total < 2 or processed != total - 1:
+            return
+        model, tokens, start, cache = self._current
+        self._current = None
+        self.insert_cache(model, tokens[:start + processed], copy.deepcopy(cache),
+                          cache_type="user")
