@@ -62,7 +62,12 @@ class Tap:
 
         def tapped():
             for r in responses:
-                self._outcome.raw_text += r.text
+                text = r.text
+                if not text and r.finish_reason == "stop":
+                    # the batch path does not decode the token that completed a stop
+                    # sequence: decode it here, so the sequence can be told apart
+                    text = self._inner.model_provider.tokenizer.decode([r.token])
+                self._outcome.raw_text += text
                 self._outcome.last_token = r.token
                 yield r
 
