@@ -78,6 +78,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--routing-skew", help="benchmarks/routing.py JSON: the busiest rank's "
                     "load measured on the trained mini-K3's real routing over uniform, per "
                     "ranks/placement/batch, applied to the real K3's uniform expectation")
+    ap.add_argument("--collectives-from", help="a compare.py JSON: the all_sums per decode "
+                    "token counted from its running models, checked against this model's "
+                    "count for the same build's config (a mismatch stops the projection)")
     ap.add_argument("--calibrate", action="store_true", help="measure this machine too")
     ap.add_argument("--allsum-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out")
@@ -146,6 +149,30 @@ def calibrate(runs: int = 3) -> dict:
         m = json.loads(Path(moe[-1]).read_text())
         out["moe_step"] = {"file": Path(moe[-1]).name, "median_ms": m["median_ms"],
                            "non_owned_cost_ms": m["non_owned_cost_ms"]}
+    return out
+
+
+COUNTED = {"ep_contiguous": "ep-replicated", "ep_split": "ep-split", "tp": "tp"}
+
+
+def check_collectives(path: str) -> dict:
+    """The all_sums per decode token compare.py counted on its running models (rank 0)
+    against this model's count for that build's config and rank count."""
+    rep = json.loads(Path(path).read_text())
+    build = bench.REPO / rep["build"]
+    config = json.loads((build / "config.json").read_text())
+    f = cm.facts(config, cm.PROFILES["mxfp4"])
+    counted = rep["ranks"][0]["counted"]
+    out = {"from": path, "build": rep["build"], "size": rep["size"], "modes": {}}
+    for name, mode in COUNTED.items():
+        if name not in counted:
+            continue
+        model = sum(c["count"] for c in cm.collectives(f, mode, rep["size"], cm.Hardware()))
+        got = counted[name]["collectives_per_token"]
+        out["modes"][mode] = {"counted": got, "model": model}
+        if got != model:
+            sys.exit(f"{path}: {name} ran {got} all_sums per decode token, the cost model "
+                     f"counts {model} for {rep['build']}: fix the model before projecting")
     return out
 
 
@@ -234,6 +261,8 @@ def main() -> None:
                          "per_request": round(v["tok_s_per_request"], 2)}
                      for m, v in pr["modes"].items()} for b, pr in per.items()}
             for pn, per in by.items()} for B, by in res.get("batched", {}).items()}
+    if args.collectives_from:
+        res["collectives_check"] = check_collectives(args.collectives_from)
     res["summary_tok_s"] = {
         pn: {b: {m: round(v["tok_s"], 2) for m, v in pr["modes"].items()}
              for b, pr in per.items()} for pn, per in res["projections"].items()}
