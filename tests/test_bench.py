@@ -37,8 +37,8 @@ def mini_tp_build(tmp_path_factory):
     return convert.convert(src, tmp_path_factory.mktemp("build") / "mini-tp", progress=False)
 
 
-def _compare(build, out):
-    r = mlx_launch(2, "benchmarks/compare.py", "--build", str(build), *FAST,
+def _compare(build, out, *extra):
+    r = mlx_launch(2, "benchmarks/compare.py", "--build", str(build), *FAST, *extra,
                    "--out", str(out), timeout=400)
     assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
     return json.loads(out.read_text())
@@ -112,7 +112,7 @@ def test_compare_all_modes(mini_tp_build, tmp_path):
 
 
 def test_compare_reports_tp_it_cannot_run(mini_build, tmp_path):
-    rep = _compare(mini_build, tmp_path / "c.json")
+    rep = _compare(mini_build, tmp_path / "c.json", "--batches", "1")
     assert "moe_intermediate_size" in rep["skipped"]["tp"]
     assert "tp" not in rep["greedy_tokens"]["tokens"]
     assert rep["greedy_tokens"]["all_modes_agree"]
