@@ -9,7 +9,6 @@ bound computed from the layout (what a 1.56 TB conversion will hold at most).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import tempfile
 from pathlib import Path
@@ -44,10 +43,7 @@ def main() -> None:
         "result": result,
         "real_k3_bound": membound.bound(synth.real_config()),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    bench.emit(report, args.out)
 
 
 if __name__ == "__main__":

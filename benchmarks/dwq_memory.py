@@ -100,10 +100,7 @@ def main() -> None:
     report = {"command": bench.command_line(), "preset": "bench", "windows": a.windows,
               "seq": a.seq, "steps_per_block": a.steps, "model_bytes": model_bytes,
               "runs": runs, "real_k3_bound": real_k3_bound()}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    bench.emit(report, a.out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from k3dist.bench import kit
 
@@ -207,10 +206,7 @@ def main() -> None:
         },
         "real_k3_layer": k3_bound(f_plain, f_chunk, args.chunks),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    kit.emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,8 @@ the first (the goal of issue 12: graded <= 1.2x single bank), with each graded b
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 from k3dist.bench import kit as bench
 from k3dist.format.graded import GradedMap
@@ -67,10 +65,7 @@ def main() -> None:
         })
     report = {"command": bench.command_line(), "prompt": a.prompt, "steps": a.steps,
               "rounds": a.rounds, "rows": rows}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    bench.emit(report, a.out, indent=1)
 
 
 if __name__ == "__main__":

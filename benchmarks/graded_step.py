@@ -17,7 +17,6 @@ and as the routed experts alone. Goal (issue 12): graded <= 1.2x single-lo.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shlex
 import statistics
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 import k3dist
+from k3dist.bench import kit as bench
 from k3dist.build.plan import QFormat
 from k3dist.factory import synth
 from k3dist.format import layout, placement
@@ -150,10 +150,7 @@ def main() -> None:
         "goal": "graded <= 1.2x single-lo",
         "trials": args.trials,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    bench.emit(report, args.out)
 
 
 if __name__ == "__main__":

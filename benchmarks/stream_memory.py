@@ -153,10 +153,7 @@ def main() -> None:
             "kda_backward_bytes_per_token": kda_backward(rtc, 1),
         },
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    bench.emit(report, a.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 
 import k3dist
+from k3dist.bench import kit as bench
 from k3dist.format import layout
 from k3dist.serve import vision
 
@@ -70,10 +71,7 @@ def main() -> None:
             "plan": PLAN.name, "usable_per_rank": plan["budget_per_rank"],
             "rank_total_without_tower": total,
             "rank0_total_with_tower": total + report["kimi_k3"]["tower_bf16"]}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    bench.emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -74,6 +74,15 @@ def stats(xs: Sequence[float], digits: int = 4) -> dict:
 REPO = k3dist.REPO
 
 
+def emit(report: dict, out: str | Path | None, indent: int = 2) -> str:
+    """Print a benchmark's JSON report and write it to ``out`` when given."""
+    text = json.dumps(report, indent=indent)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+    return text
+
+
 def repo_path(path: str | Path) -> str:
     """``path`` as results record it: relative to the repository, never a machine path
     (a folder outside the repository, e.g. a temporary one, as ``<temp>/NAME``)."""
