@@ -23,7 +23,7 @@ import pytest
 from mlx_lm.server import ToolCallFormatter
 from mlx_lm.tool_parsers.kimi_k3 import parse_tool_call
 from mlx_lm.utils import load_tokenizer
-from test_server import Server, _log, _rank_folders, _wait_logs
+from serving import Server, rank_folders, token_log, wait_logs
 from util import load_f32
 
 anthropic = pytest.importorskip("anthropic")
@@ -201,7 +201,7 @@ def test_api_key_file_and_headers(tmp_path):
 
 @pytest.fixture(scope="module")
 def ranks(mini_build, tmp_path_factory):
-    return _rank_folders(mini_build, tmp_path_factory.mktemp("agent-ranks"))
+    return rank_folders(mini_build, tmp_path_factory.mktemp("agent-ranks"))
 
 
 @pytest.fixture(scope="module")
@@ -275,9 +275,9 @@ def test_anthropic_messages_end_to_end(srv, ranks):
 
     # stop sequences: a word the model writes ends the message before it
     tok = load_tokenizer(ranks.format(rank=0))
-    seen = len(_log(srv, 0))
+    seen = len(token_log(srv, 0))
     long = a.messages.create(model="kimi-k3", max_tokens=16, messages=user)
-    tokens = _wait_logs(srv, seen, 1)[0][0]["tokens"]
+    tokens = wait_logs(srv, seen, 1)[0][0]["tokens"]
     stop = next(w for t in tokens[2:] if len((w := tok.decode([t])).strip()) >= 3
                 and w.strip().isalpha() and tok.encode(w, add_special_tokens=False) == [t])
     cut = a.messages.create(model="kimi-k3", max_tokens=16, messages=user,
@@ -351,7 +351,7 @@ def test_chat_completions_tools_and_prompt_reuse(srv, mini_build):
         {"role": "user", "content": "What is the weather in Paris?"}]
     kw = {"model": "kimi-k3", "max_tokens": 6, "temperature": 0, "tools": TOOLS_C,
           "extra_body": {"chat_template_kwargs": {"thinking": False}}}
-    seen = len(_log(srv, 0))
+    seen = len(token_log(srv, 0))
     r1 = c.chat.completions.create(messages=msgs, **kw)
     # tools in; the assistant's tool call and the tool's answer back in, streamed and not
     turn = [*msgs, {"role": "assistant", "content": "", "tool_calls": [
@@ -369,7 +369,7 @@ def test_chat_completions_tools_and_prompt_reuse(srv, mini_build):
     assert r1.usage.prompt_tokens_details.cached_tokens < p1 // 2
     assert r2.usage.prompt_tokens_details.cached_tokens >= p1 - 1
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == p2 - 1
-    logs = _wait_logs(srv, seen, 3)
+    logs = wait_logs(srv, seen, 3)
     assert logs[0] == logs[1]  # both ranks: the same tokens and the same cached counts
     assert [e["cached"] for e in logs[0]] == [
         r1.usage.prompt_tokens_details.cached_tokens,

@@ -14,135 +14,45 @@ Issue 10 (hardening): every request field mlx-lm's server reads, out of range
 (OUT_OF_RANGE) and at its bounds; the request that crashed both ranks; 16 MB of stop
 strings; JSON nested 100k deep; bursts of 32 and 128 clients (none reset, identical
 greedy tokens, 429 + Retry-After when the queue is full); a client that hangs up
-mid-stream (both ranks stop at the same token); CORS and /v1/k3dist detail; a lost
-rank 1 (503 for waiting requests), a killed rank 0 (what the client sees), SIGTERM to
-mlx.launch; 50 MB bodies, huge headers, 1,000 idle and slowloris connections.
+mid-stream (both ranks stop at the same token); /v1/k3dist detail; 50 MB bodies, huge
+headers, 1,000 idle and slowloris connections. All on one shared server; the tests that
+need a server of their own (lost ranks, SIGTERM, CORS and queue settings) are in
+test_server_faults.py, batched decode on the trained mini-K3 in test_server_batch.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
-
-from k3dist.build import slicing
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
-from mlx_lm.utils import load_model, load_tokenizer
-from util import REPO, free_base_port
-
-openai = pytest.importorskip("openai")
-
-MAX_CONTEXT = 512
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.status, json.loads(r.read())
-
-
-def _post_raw(url: str, data: bytes, timeout: float = 30.0):
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-class Server:
-    def __init__(self, rank_pattern: str, tmp: Path, extra: tuple[str, ...] = ()):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.tmp = tmp
-        # An empty HOME: no Hugging Face cache (mlx_lm.server's /v1/models crashed there).
-        env = dict(os.environ, HOME=str(tmp / "home"))
-        (tmp / "home").mkdir(parents=True, exist_ok=True)
-        launcher = Path(sys.executable).with_name("mlx.launch")
-        self.log = open(tmp / "server.log", "w")
-        cmd = [str(launcher), "-n", "2", "-p", str(free_base_port(2)), "--python", sys.executable,
-               str(REPO / "launch/serve.py"), "--rank-dir", rank_pattern,
-               "--port", str(self.port), "--max-context", str(MAX_CONTEXT),
-               "--prefill-chunk", "32", "--token-log", str(tmp / "tokens-{rank}.jsonl"),
-               "--watchdog-timeout-s", "15", *extra]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.output()}")
-            try:
-                if _get(self.url + "/health", 2)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"server did not come up:\n{self.output()}")
-
-    def output(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return (self.tmp / "server.log").read_text()
-
-    def rank_pids(self) -> dict[int, int]:
-        """PIDs of the rank processes (children of mlx.launch), by MLX_RANK."""
-        out = {}
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"serve.py" not in cmd or f"{self.port}".encode() not in cmd:
-                continue
-            for kv in env:
-                if kv.startswith(b"MLX_RANK="):
-                    out[int(kv.split(b"=")[1])] = int(pid)
-        return out
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
-                             timeout=60)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-
-
-def _rank_folders(build: Path, out: Path) -> str:
-    for r in range(2):
-        slicing.slice_rank(build, out / f"rank{r}", r, 2, None, progress=False)
-    return str(out / "rank{rank}")
+from serving import (
+    CHAT,
+    COMPL,
+    HI,
+    MAX_CONTEXT,
+    MESSAGES,
+    Server,
+    burst,
+    check_burst,
+    get_json,
+    post_conn,
+    post_raw,
+    rank_folders,
+    reference_tokens,
+    stream_socket,
+    text_of,
+    token_log,
+    wait_logs,
+)
 
 
 @pytest.fixture(scope="module")
 def ranks(mini_build, tmp_path_factory):
-    return _rank_folders(mini_build, tmp_path_factory.mktemp("serve-ranks"))
+    return rank_folders(mini_build, tmp_path_factory.mktemp("serve-ranks"))
 
 
 @pytest.fixture(scope="module")
@@ -152,94 +62,52 @@ def srv(ranks, tmp_path_factory):
     s.stop()
 
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Write a Python function that adds two numbers."}]
-
-
-def _reference_tokens(build: Path, messages, max_tokens: int, temp: float, seed: int):
-    """Single-process mlx-lm on the unsliced build: the same prompt, sampler and seed."""
-    model, _ = load_model(build)
-    model.set_dtype(mx.float32)
-    tok = load_tokenizer(build, {"trust_remote_code": False})
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tools=None,
-                                     tokenize=True)
-    mx.random.seed(seed)
-    out = []
-    for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
-                              sampler=make_sampler(temp, top_p=1.0)):
-        t = int(t)
-        out.append(t)
-        if t in tok.eos_token_ids:
-            break
-    return out
-
-
-def _log(srv, rank: int) -> list[dict]:
-    p = srv.tmp / f"tokens-{rank}.jsonl"
-    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
-
-
-def _wait_logs(srv, seen: int, n: int, timeout: float = 30.0) -> list[list[dict]]:
-    """Both ranks' token-log entries after `seen`: rank 1 writes its entry when its
-    own generation ends, which can trail rank 0's HTTP reply a little."""
-    deadline = time.time() + timeout
-    while True:
-        logs = [_log(srv, r)[seen:] for r in range(2)]
-        if all(len(x) >= n for x in logs) or time.time() > deadline:
-            return logs
-        time.sleep(0.1)
-
-
-def _text(message) -> str:
-    extra = message.model_extra or {}
-    return (extra.get("reasoning") or "") + (message.content or "")
 
 
 def test_chat_streamed_and_not_equal_single_process(srv, mini_build):
     c = srv.client()
-    seen = len(_log(srv, 0))
+    seen = len(token_log(srv, 0))
     r = c.chat.completions.create(model="kimi-k3", messages=MESSAGES, max_tokens=24,
                                   temperature=0.0, seed=3)
-    text = _text(r.choices[0].message)
+    text = text_of(r.choices[0].message)
     assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
     chunks = c.chat.completions.create(model="kimi-k3", messages=MESSAGES, max_tokens=24,
                                        temperature=0.0, seed=3, stream=True)
-    streamed = "".join(_text(ch.choices[0].delta) for ch in chunks if ch.choices)
+    streamed = "".join(text_of(ch.choices[0].delta) for ch in chunks if ch.choices)
     assert streamed == text and text
     sampled = c.chat.completions.create(model="kimi-k3", messages=MESSAGES, max_tokens=24,
                                         temperature=0.7, seed=11)
 
-    logs = _wait_logs(srv, seen, 3)
+    logs = wait_logs(srv, seen, 3)
     assert len(logs[0]) == 3 and logs[0] == logs[1]  # both ranks generated the same tokens
     greedy, streamed_toks, sampled_toks = (e["tokens"] for e in logs[0])
     assert len(greedy) == r.usage.completion_tokens
-    assert greedy == streamed_toks == _reference_tokens(mini_build, MESSAGES, 24, 0.0, 3)
-    assert sampled_toks == _reference_tokens(mini_build, MESSAGES, 24, 0.7, 11)
+    assert greedy == streamed_toks == reference_tokens(mini_build, MESSAGES, 24, 0.0, 3)
+    assert sampled_toks == reference_tokens(mini_build, MESSAGES, 24, 0.7, 11)
     assert sampled_toks != greedy and sampled.usage.completion_tokens == len(sampled_toks)
 
 
 def test_models_without_hf_cache_and_deployment_info(srv):
-    status, body = _get(srv.url + "/v1/models")
+    status, body = get_json(srv.url + "/v1/models")
     assert status == 200 and [m["id"] for m in body["data"]] == ["kimi-k3"]
     assert [m.id for m in srv.client().models.list().data] == ["kimi-k3"]
-    _, info = _get(srv.url + "/v1/k3dist")
+    _, info = get_json(srv.url + "/v1/k3dist")
     assert info["ranks"] == 2 and info["prefill_chunks"][0] == 32
     assert info["attention"] == {"mode": "split", "split_layers": list(range(6))}  # default
 
 
 def test_warm_up_leaves_nothing_to_compile(srv):
-    _, before = _get(srv.url + "/v1/k3dist")
+    _, before = get_json(srv.url + "/v1/k3dist")
     assert before["warmup"]["jit_kernels_total"] == before["jit_kernels"]
     c = srv.client()
     for n in (3, 37, 70):  # prompt lengths whose chunks are all warmed-up sizes
         c.completions.create(model="kimi-k3", prompt="x " * n, max_tokens=5, temperature=0)
-    _, after = _get(srv.url + "/v1/k3dist")
+    _, after = get_json(srv.url + "/v1/k3dist")
     print(f"\nJIT kernels after warm-up {before['jit_kernels']}, after requests "
           f"{after['jit_kernels']}")
     assert after["jit_kernels"] == before["jit_kernels"]
 
 
-CHAT = "/v1/chat/completions"
 OK = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 MALFORMED = {
     "bad JSON": (CHAT, b'{"model": "kimi-k3", "messages": [', 400),
@@ -281,15 +149,15 @@ MALFORMED = {
 def test_malformed_requests_get_4xx_and_server_keeps_serving(srv):
     for name, (path, body, status) in MALFORMED.items():
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        got, raw = _post_raw(srv.url + path, data)
+        got, raw = post_raw(srv.url + path, data)
         assert got == status, (name, got, raw[:300])
         err = json.loads(raw)["error"]
         assert isinstance(err["message"], str) and err["type"] == "invalid_request_error", name
-    got, raw = _post_raw(srv.url + CHAT, json.dumps(OK).encode())
+    got, raw = post_raw(srv.url + CHAT, json.dumps(OK).encode())
     assert got == 200, raw[:300]
     # no max_tokens: the server default (512) is capped to what fits the context (512)
     long = {"messages": [{"role": "user", "content": "word " * 100}]}  # ~440 tokens
-    got, raw = _post_raw(srv.url + CHAT, json.dumps(long).encode(), 120)
+    got, raw = post_raw(srv.url + CHAT, json.dumps(long).encode(), 120)
     assert got == 200, raw[:300]
     usage = json.loads(raw)["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] <= MAX_CONTEXT
@@ -297,52 +165,13 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(srv):
 
 def test_six_million_token_prompt_refused_at_once(srv):
     t = time.perf_counter()
-    got, raw = _post_raw(srv.url + "/v1/completions",
+    got, raw = post_raw(srv.url + "/v1/completions",
                          json.dumps({"prompt": "a " * 6_000_000, "max_tokens": 4}).encode())
     took = time.perf_counter() - t
     assert got in (400, 413), raw[:200]
     assert "context" in raw.decode() or "exceeds" in raw.decode()
     assert took < 10
 
-
-def _stream_until_killed(s: Server, sig: int, victim: int):
-    """Start a long stream, deliver `sig` to rank `victim` mid-way; return what the
-    client saw and how long the whole launch took to end."""
-    c = s.client()
-    pids = s.rank_pids()
-    assert set(pids) == {0, 1}, pids
-    stream = c.chat.completions.create(model="kimi-k3", messages=MESSAGES, max_tokens=200,
-                                       temperature=0.0, stream=True)
-    got, error = 0, None
-    t_kill = None
-    try:
-        for _ in stream:
-            got += 1
-            if got == 3:
-                os.kill(pids[victim], sig)
-                t_kill = time.time()
-    except Exception as e:  # the client must see an error, not hang
-        error = e
-    s.proc.wait(timeout=60)
-    return got, error, time.time() - (t_kill or time.time())
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_losing_a_rank_mid_stream_ends_cleanly(ranks, tmp_path, sig):
-    s = Server(ranks, tmp_path, ("--no-warmup",))  # about faults, not compiles
-    try:
-        got, error, took = _stream_until_killed(s, sig, victim=1)
-    finally:
-        s.stop()
-    out = s.output()
-    print(f"\n{signal.Signals(sig).name}: {got} chunks, client error {error!r}, "
-          f"launch ended {took:.1f}s after the signal")
-    assert took < 30
-    assert error is not None and got < 200  # the client saw an error, not a normal end
-    if sig == signal.SIGKILL:
-        assert "lost rank 1" in out and "was lost" in str(error)
-    else:
-        assert "stopping: SIGTERM (from rank 1)" in out and "stopping" in str(error)
 
 
 def test_requests_arriving_together_are_served_intact(srv):
@@ -365,8 +194,6 @@ def test_requests_arriving_together_are_served_intact(srv):
 
 # ---------------------------------------------------------------- issue 10: hardening
 
-COMPL = "/v1/completions"
-HI = {"prompt": "hi", "max_tokens": 2}
 # Every field mlx-lm 0.32.2's server reads from a request (mlx_lm/server.py do_POST,
 # handle_*_completions), out of range: each must get a 400 naming the field before it
 # reaches the lockstep loop.
@@ -451,9 +278,9 @@ OUT_OF_RANGE = {
 def test_out_of_range_field_gets_400_naming_it(srv, name):
     path, body, param = OUT_OF_RANGE[name]
     if callable(body):  # depends on the served vocabulary
-        body = body(_get(srv.url + "/v1/k3dist")[1]["vocab_size"])
+        body = body(get_json(srv.url + "/v1/k3dist")[1]["vocab_size"])
     t = time.perf_counter()
-    got, raw = _post_raw(srv.url + path, json.dumps(body).encode())
+    got, raw = post_raw(srv.url + path, json.dumps(body).encode())
     took = time.perf_counter() - t
     assert got == 400, (name, got, raw[:300])
     err = json.loads(raw)["error"]
@@ -465,7 +292,7 @@ def test_out_of_range_field_gets_400_naming_it(srv, name):
 
 def test_edge_values_are_served(srv):
     """The bounds themselves: each served (200) by both ranks, which keep running."""
-    v = _get(srv.url + "/v1/k3dist")[1]["vocab_size"]
+    v = get_json(srv.url + "/v1/k3dist")[1]["vocab_size"]
     edges = [
         {"top_k": v - 1, "temperature": 2, "seed": 2**64 - 1},
         {"logprobs": True, "top_logprobs": 11, "min_p": 1, "top_p": 0},
@@ -477,51 +304,34 @@ def test_edge_values_are_served(srv):
         {"stop": ["x" * 256] * 4, "stream": True, "stream_options": {}},
     ]
     for extra in edges:
-        got, _, raw = _post_conn(srv.port, {**HI, **extra})
+        got, _, raw = post_conn(srv.port, {**HI, **extra})
         assert got == 200, (extra, raw[:300])
         assert b"error" not in raw, raw[:300]
-    got, _, raw = _post_conn(srv.port, {**OK, "chat_template_kwargs": {"thinking": False}},
+    got, _, raw = post_conn(srv.port, {**OK, "chat_template_kwargs": {"thinking": False}},
                              CHAT)
     assert got == 200, raw[:300]
     assert set(srv.rank_pids()) == {0, 1}
 
-
-def _post_conn(port: int, body: dict | bytes, path: str = COMPL, headers: dict | None = None,
-               method: str = "POST", host: str = "127.0.0.1", timeout: float = 300):
-    """One request on its own connection: (status or exception name, headers, body)."""
-    import http.client
-
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request(method, path, data if method == "POST" else None,
-                     {"Content-Type": "application/json", **(headers or {})})
-        r = conn.getresponse()
-        return r.status, dict(r.getheaders()), r.read()
-    except Exception as e:  # a reset must show up as such, not fail the thread
-        return type(e).__name__, {}, str(e).encode()
-    finally:
-        conn.close()
 
 
 def test_crash_request_is_refused_and_both_ranks_keep_serving(srv):
     """Issue 10's request that killed both ranks (a logit_bias id = the vocabulary size:
     "double free or corruption"), the seeds that closed the connection with no status
     (streamed: an empty stream that ended as if normal), then the last valid id."""
-    vocab = _get(srv.url + "/v1/k3dist")[1]["vocab_size"]  # 4352 for data/mini-k3
+    vocab = get_json(srv.url + "/v1/k3dist")[1]["vocab_size"]  # 4352 for data/mini-k3
     crash = b'{"prompt":"hi","max_tokens":4,"logit_bias":{"4352":5}}'
     for body in (crash, {"prompt": "hi", "max_tokens": 4, "logit_bias": {str(vocab): 5}}):
-        got, _, raw = _post_conn(srv.port, body)
+        got, _, raw = post_conn(srv.port, body)
         assert got == 400 and b"logit_bias" in raw, raw
     for seed in (-1, 10**30):
         for stream in (False, True):
-            got, _, raw = _post_conn(srv.port, {**HI, "seed": seed, "stream": stream})
+            got, _, raw = post_conn(srv.port, {**HI, "seed": seed, "stream": stream})
             assert got == 400 and json.loads(raw)["error"]["param"] == "seed", raw
-    seen = len(_log(srv, 0))
+    seen = len(token_log(srv, 0))
     r = srv.client().completions.create(model="kimi-k3", prompt="hi", max_tokens=3,
                                         temperature=0.0, logit_bias={str(vocab - 1): 100})
     assert r.usage.completion_tokens >= 1
-    logs = _wait_logs(srv, seen, 1)
+    logs = wait_logs(srv, seen, 1)
     assert logs[0] == logs[1] and logs[0][0]["tokens"][0] == vocab - 1  # the bias took effect
     assert set(srv.rank_pids()) == {0, 1}
 
@@ -530,39 +340,19 @@ def test_huge_stop_strings_and_deep_json_refused_at_once(srv):
     """16 distinct 1 MB stop strings held the one-at-a-time server ~25 s; JSON nested
     100k deep dropped the connection without a status."""
     t = time.perf_counter()
-    got, _, raw = _post_conn(srv.port, {**HI, "stop": [chr(65 + i) * 2**20 for i in range(16)]})
+    got, _, raw = post_conn(srv.port, {**HI, "stop": [chr(65 + i) * 2**20 for i in range(16)]})
     took = time.perf_counter() - t
     assert got == 400 and json.loads(raw)["error"]["param"] == "stop", raw[:300]
     assert took < 5, took
-    got, _, raw = _post_conn(srv.port, b"[" * 100_000 + b"]" * 100_000)
+    got, _, raw = post_conn(srv.port, b"[" * 100_000 + b"]" * 100_000)
     assert got == 400 and b"nested" in raw, raw[:300]
     deep = json.loads("[" * 900 + "]" * 900)  # parses, but would be pickled to rank 1
-    got, _, raw = _post_conn(srv.port, {**HI, "tools_extra": deep})
+    got, _, raw = post_conn(srv.port, {**HI, "tools_extra": deep})
     assert got == 400 and b"nested" in raw, raw[:300]
     # four stop sequences of the longest allowed length are served
-    got, _, raw = _post_conn(srv.port, {**HI, "stop": [chr(65 + i) * 256 for i in range(4)]})
+    got, _, raw = post_conn(srv.port, {**HI, "stop": [chr(65 + i) * 256 for i in range(4)]})
     assert got == 200, raw[:300]
 
-
-def _burst(port: int, n: int, body: dict) -> list[tuple]:
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(n) as ex:
-        return list(ex.map(lambda _: _post_conn(port, body), range(n)))
-
-
-def _check_burst(results: list[tuple]) -> tuple[int, int]:
-    """Every request answered 200 (all the same greedy text) or 429 with Retry-After;
-    none reset or dropped. Returns (served, refused)."""
-    statuses = [r[0] for r in results]
-    assert set(statuses) <= {200, 429}, statuses
-    texts = {json.loads(b)["choices"][0]["text"] for s, _, b in results if s == 200}
-    assert len(texts) == 1, texts
-    for s, headers, b in results:
-        if s == 429:
-            assert int(headers["Retry-After"]) >= 1, headers
-            assert json.loads(b)["error"]["code"] == "too_many_requests"
-    return statuses.count(200), statuses.count(429)
 
 
 @pytest.mark.parametrize("n", [32, 128])
@@ -570,38 +360,24 @@ def test_burst_is_served_or_refused_never_reset(srv, n):
     """The listen backlog was 5: bursts of 32 got ConnectionResetError. Now all are
     accepted; past 64 in flight (the default bound) a request gets 429."""
     body = {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0.0}
-    seen = len(_log(srv, 0))
+    seen = len(token_log(srv, 0))
     t = time.perf_counter()
-    served, refused = _check_burst(_burst(srv.port, n, body))
+    served, refused = check_burst(burst(srv.port, n, body))
     print(f"\nburst of {n}: {served} served, {refused} refused (429) in "
           f"{time.perf_counter() - t:.1f}s")
     if n <= 64:
         assert served == n
-    logs = _wait_logs(srv, seen, served)
+    logs = wait_logs(srv, seen, served)
     assert logs[0] == logs[1] and len(logs[0]) == served
     assert len({tuple(e["tokens"]) for e in logs[0]}) == 1  # identical greedy tokens
-
-
-def _stream_socket(port: int, body: dict, chunks: int) -> socket.socket:
-    """Open a streamed completion on a raw socket and read until `chunks` data events."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=120)
-    data = json.dumps({**body, "stream": True}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json"
-              b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
-    got = b""
-    while got.count(b"data: {") < chunks:
-        more = s.recv(65536)
-        assert more, got
-        got += more
-    return s
 
 
 def test_client_disconnect_mid_stream_keeps_ranks_in_lockstep(srv):
     """mlx-lm abandons a request whose client went away on rank 0 alone (its
     NotImplementedError path), while rank 1 goes on generating: the next request then
     meets rank 1 mid-generation. Here both ranks stop at the same token."""
-    seen = len(_log(srv, 0))
-    s = _stream_socket(srv.port, {"prompt": "def f(x):", "max_tokens": 200,
+    seen = len(token_log(srv, 0))
+    s = stream_socket(srv.port, {"prompt": "def f(x):", "max_tokens": 200,
                                   "temperature": 0.0}, 3)
     s.close()
     t = time.perf_counter()
@@ -609,7 +385,7 @@ def test_client_disconnect_mid_stream_keeps_ranks_in_lockstep(srv):
                                         temperature=0.0)
     print(f"\nnext request answered {time.perf_counter() - t:.2f}s after the disconnect")
     assert r.usage.completion_tokens == 6
-    logs = _wait_logs(srv, seen, 2)
+    logs = wait_logs(srv, seen, 2)
     assert logs[0] == logs[1], logs  # the same tokens on both ranks, for both requests
     cut, nxt = logs[0]
     assert cut["error"] is not None and 3 <= len(cut["tokens"]) < 200, cut
@@ -619,11 +395,11 @@ def test_client_disconnect_mid_stream_keeps_ranks_in_lockstep(srv):
 
 def test_cors_off_and_detail_for_loopback_only(srv):
     for method, body in (("OPTIONS", b""), ("POST", HI)):
-        status, headers, _ = _post_conn(srv.port, body, headers={"Origin": "http://evil.example"},
+        status, headers, _ = post_conn(srv.port, body, headers={"Origin": "http://evil.example"},
                                         method=method)
         assert status in (200, 204)
         assert not any(k.lower().startswith("access-control") for k in headers), headers
-    status, body = _get(srv.url + "/v1/k3dist")
+    status, body = get_json(srv.url + "/v1/k3dist")
     assert status == 200 and "preflight" in body and "blas" in body  # loopback: everything
     fp = srv.client().completions.create(model="kimi-k3", prompt="hi", max_tokens=1
                                          ).system_fingerprint
@@ -631,109 +407,6 @@ def test_cors_off_and_detail_for_loopback_only(srv):
     assert os.uname().release not in fp
 
 
-def _outside_address() -> str | None:
-    """This machine's address on a non-loopback interface (None if it has none)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.123", 9))  # no packet is sent for a UDP connect
-            addr = s.getsockname()[0]
-        except OSError:
-            return None
-    return None if addr.startswith("127.") else addr
-
-
-@pytest.fixture(scope="module")
-def configured(ranks, tmp_path_factory):
-    """A second server: all interfaces, CORS for one origin, a queue bound of 2."""
-    tmp = tmp_path_factory.mktemp("serve-configured")
-    # host in YAML: mlx.launch takes a --host flag for its own --hosts/--hostfile
-    (tmp / "deploy.yaml").write_text("host: 0.0.0.0\n")
-    s = Server(ranks, tmp, ("--no-warmup", "--config", str(tmp / "deploy.yaml"),
-                            "--cors-origin", "http://app.example", "--max-queued-requests", "2"))
-    yield s
-    s.stop()
-
-
-def test_cors_on_for_configured_origin_and_outside_callers_get_less(configured):
-    port = configured.port
-    status, headers, _ = _post_conn(port, HI, headers={"Origin": "http://app.example"})
-    assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://app.example"
-    status, headers, _ = _post_conn(port, b"", headers={"Origin": "http://app.example"},
-                                    method="OPTIONS")
-    assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://app.example"
-    status, headers, _ = _post_conn(port, HI, headers={"Origin": "http://evil.example"})
-    assert status == 200 and "Access-Control-Allow-Origin" not in headers
-    addr = _outside_address()
-    if addr is None:
-        pytest.skip("no non-loopback interface to call from")
-    status, _, raw = _post_conn(port, b"", "/v1/k3dist", method="GET", host=addr)
-    info = json.loads(raw)
-    assert status == 200 and info["ranks"] == 2 and info["max_context"] == MAX_CONTEXT
-    for private in ("preflight", "blas", "warmup", "jit_kernels"):
-        assert private not in info, info
-    assert str(REPO) not in raw.decode() and "folder" not in raw.decode()
-
-
-def test_full_queue_answers_429_with_retry_after(configured):
-    body = {"prompt": "def f(x):", "max_tokens": 16, "temperature": 0.0}
-    served, refused = _check_burst(_burst(configured.port, 16, body))
-    print(f"\nqueue bound 2, burst of 16: {served} served, {refused} refused")
-    assert refused >= 1 and served >= 2
-
-
-def test_losing_rank_1_answers_waiting_plain_requests_with_503(ranks, tmp_path):
-    """A non-streamed request has no stream to carry an error event: it gets a 503
-    naming the lost rank, not a dropped connection."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    s = Server(ranks, tmp_path, ("--no-warmup",))
-    try:
-        pids = s.rank_pids()
-        body = {"prompt": "def f(x):", "max_tokens": 400, "temperature": 0.0}
-        with ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(_post_conn, s.port, body) for _ in range(2)]
-            time.sleep(3)
-            t = time.perf_counter()
-            os.kill(pids[1], signal.SIGKILL)
-            results = [f.result() for f in futs]
-        took = time.perf_counter() - t
-        s.proc.wait(timeout=60)
-    finally:
-        s.stop()
-    print(f"\nrank 1 killed: clients got {[r[0] for r in results]} in {took:.2f}s")
-    for status, _, raw in results:
-        assert status == 503 and b"rank 1 was lost" in raw, (status, raw[:300])
-    assert not s.rank_pids()
-
-
-def test_killed_rank_0_ends_the_stream_without_finish_reason(ranks, tmp_path):
-    """Rank 0 holds the HTTP socket: when it dies nothing can write an error, and the
-    openai client sees the stream end quietly. The only signs of a cut answer: no
-    chunk carries a finish_reason (and no [DONE] came). Rank 1 and the launcher end."""
-    s = Server(ranks, tmp_path, ("--no-warmup",))
-    try:
-        pids = s.rank_pids()
-        stream = s.client().completions.create(model="kimi-k3", prompt="def f(x):",
-                                               max_tokens=300, temperature=0.0, stream=True)
-        chunks, error, t = [], None, None
-        try:
-            for ch in stream:
-                chunks.append(ch)
-                if len(chunks) == 3:
-                    os.kill(pids[0], signal.SIGKILL)
-                    t = time.perf_counter()
-        except Exception as e:  # noqa: BLE001 - recorded: what the client sees
-            error = e
-        seen = time.perf_counter() - t
-        s.proc.wait(timeout=60)
-        ended = time.perf_counter() - t
-    finally:
-        s.stop()
-    print(f"\nrank 0 killed: {len(chunks)} chunks, client error {error!r}, stream ended "
-          f"{seen:.2f}s after the kill, launch {ended:.1f}s")
-    assert 3 <= len(chunks) < 300
-    assert all(ch.choices[0].finish_reason is None for ch in chunks)
-    assert ended < 30 and not s.rank_pids()
 
 
 def test_oversized_body_and_headers_get_4xx(srv):
@@ -754,9 +427,9 @@ def test_oversized_body_and_headers_get_4xx(srv):
         conn.close()
     print(f"\n50 MB body: {status} in {time.perf_counter() - t:.2f}s")
     assert status == 413 and b"exceeds" in raw, (status, raw[:200])
-    status, _, _ = _post_conn(srv.port, HI, headers={"X-Big": "a" * 100_000})
+    status, _, _ = post_conn(srv.port, HI, headers={"X-Big": "a" * 100_000})
     assert status == 431
-    status, _, _ = _post_conn(srv.port, HI, headers={f"X-H{i}": "1" for i in range(200)})
+    status, _, _ = post_conn(srv.port, HI, headers={f"X-H{i}": "1" for i in range(200)})
     assert status == 431
 
 
@@ -774,7 +447,7 @@ def test_idle_and_slow_connections_do_not_block_service(srv):
             for s in slow:
                 s.sendall(b"X")
             t = time.perf_counter()
-            got, _, raw = _post_conn(srv.port, HI)
+            got, _, raw = post_conn(srv.port, HI)
             times.append(time.perf_counter() - t)
             assert got == 200, raw[:200]
             time.sleep(1)
@@ -786,113 +459,3 @@ def test_idle_and_slow_connections_do_not_block_service(srv):
             s.close()
 
 
-def test_sigterm_to_mlx_launch_mid_stream(ranks, tmp_path):
-    """SIGTERM to the launcher alone (a supervisor stopping the service): the ranks
-    stop together and the open stream ends with an error event."""
-    s = Server(ranks, tmp_path, ("--no-warmup",))
-    try:
-        stream = s.client().completions.create(model="kimi-k3", prompt="def f(x):",
-                                               max_tokens=300, temperature=0.0, stream=True)
-        got, error, t = 0, None, None
-        try:
-            for _ in stream:
-                got += 1
-                if got == 3:
-                    s.proc.send_signal(signal.SIGTERM)
-                    t = time.perf_counter()
-        except Exception as e:  # noqa: BLE001 - what the client sees
-            error = e
-        seen = time.perf_counter() - t
-        s.proc.wait(timeout=60)
-        deadline = time.time() + 30
-        while s.rank_pids() and time.time() < deadline:
-            time.sleep(0.1)
-        ended = time.perf_counter() - t
-    finally:
-        s.stop()
-    print(f"\nSIGTERM to mlx.launch: {got} chunks, client error {error!r} after {seen:.2f}s, "
-          f"all processes gone after {ended:.2f}s")
-    assert got < 300 and not s.rank_pids() and ended < 30
-    assert error is not None
-
-
-# ---------------------------------------------------------------- issue 14: batched decode
-
-BATCH_PROMPTS = ["class Queue:\n    def __init__(self, maxsize=0):\n        ", "def f(x):",
-                 "import os\nimport sys\n\ndef read_file(path):\n", "for i in range(10):",
-                 "The river ran", "def main():\n    for arg in sys.argv[1:]:\n",
-                 "x = [1, 2, 3]\n", "Once upon a time, in a small town by the sea, there"]
-
-
-@pytest.fixture(scope="module")
-def shipped(tmp_path_factory):
-    """The 2-rank server on the trained mini-K3 (data/mini-k3), batching up to 8."""
-    from k3dist.build import convert
-    from k3dist.factory.corpus import DATA_DIR
-
-    tmp = tmp_path_factory.mktemp("shipped-serve")
-    build = convert.convert(DATA_DIR / "mini-k3", tmp / "build", progress=False)
-    s = Server(_rank_folders(build, tmp / "ranks"), tmp, ("--max-batch", "8"))
-    s.build = build
-    yield s
-    s.stop()
-
-
-def test_batch_of_8_gives_each_request_its_greedy_tokens_alone(shipped):
-    """Issue 14: eight concurrent requests decode together (every rank, in lockstep);
-    each gets the greedy tokens single-process mlx-lm gives its prompt alone, and the
-    same prompt served alone gets them too. A client that hangs up mid-batch ends its
-    own request on both ranks at the same token; the others go on. Every shape the
-    batch took was warmed up before serving (no new kernel compiled)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from k3dist.serve import engine
-
-    n_tok = 24
-    model, _ = load_model(shipped.build)
-    model.set_dtype(mx.float32)
-    tok = load_tokenizer(shipped.build, {"trust_remote_code": False})
-    eos = set(tok.eos_token_ids)
-    ref = []
-    for p in BATCH_PROMPTS:
-        toks, _ = engine.greedy(model, tok.encode(p), n_tok)
-        cut = next((i + 1 for i, t in enumerate(toks) if t in eos), n_tok)
-        ref.append(toks[:cut])
-    del model
-    _, info = _get(shipped.url + "/v1/k3dist")
-    assert info["max_batch"] == 8 and info["warmup"]["decode"] == list(range(1, 9))
-    c = shipped.client()
-
-    def ask(p):
-        return c.completions.create(model="kimi-k3", prompt=p, max_tokens=n_tok,
-                                    temperature=0.0).choices[0].text
-
-    seen = len(_log(shipped, 0))
-    # a streamed request that will hang up while the batch runs
-    s = _stream_socket(shipped.port, {"prompt": "def g(y):", "max_tokens": 400,
-                                      "temperature": 0.0}, 2)
-    with ThreadPoolExecutor(len(BATCH_PROMPTS)) as ex:
-        futures = [ex.submit(ask, p) for p in BATCH_PROMPTS]
-        time.sleep(0.5)
-        s.close()
-        together = [f.result(timeout=120) for f in futures]
-    logs = _wait_logs(shipped, seen, len(BATCH_PROMPTS) + 1)
-    assert logs[0] == logs[1], logs  # both ranks: the same tokens, the same stops
-    cut = [e for e in logs[0] if e["error"] is not None]
-    assert len(cut) == 1 and 2 <= len(cut[0]["tokens"]) < 400, cut
-    done = sorted(e["tokens"] for e in logs[0] if e["error"] is None)
-    assert done == sorted(ref), (done, ref)
-    assert all(together)
-    assert ask(BATCH_PROMPTS[0]) == together[0]  # served alone, after the batch
-
-    _, after = _get(shipped.url + "/v1/k3dist")
-    batches = sorted({b for b, t in after["shapes_seen"] if t == 1})
-    print(f"\ndecode batch sizes served: {batches}; shapes warmed "
-          f"{len(info['warmup']['shapes'])}, JIT kernels {info['jit_kernels']} -> "
-          f"{after['jit_kernels']}")
-    assert max(batches) >= 4  # the requests were decoded together
-    assert {tuple(x) for x in after["shapes_seen"]} <= {tuple(x) for x in
-                                                       info["warmup"]["shapes"]}
-    assert after["jit_kernels"] == info["jit_kernels"]
-    assert set(shipped.rank_pids()) == {0, 1}
-    assert _get(shipped.url + "/health")[0] == 200

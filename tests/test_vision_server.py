@@ -23,7 +23,7 @@ from mlx_lm.utils import load_tokenizer  # noqa: E402
 from mlx_vlm.models.kimi_k3 import Processor  # noqa: E402
 from mlx_vlm.utils import load_model as vlm_load_model  # noqa: E402
 from PIL import Image  # noqa: E402
-from test_server import CHAT, Server, _log, _post_raw, _rank_folders  # noqa: E402
+from serving import CHAT, Server, post_raw, rank_folders, token_log  # noqa: E402
 
 MAX_PIXELS = 1_000_000
 
@@ -56,7 +56,7 @@ def _chat(*urls: str, text: str = "What is this?") -> dict:
 
 @pytest.fixture(scope="module")
 def vsrv(mini_build, tmp_path_factory):
-    ranks = _rank_folders(mini_build, tmp_path_factory.mktemp("vision-ranks"))
+    ranks = rank_folders(mini_build, tmp_path_factory.mktemp("vision-ranks"))
     s = Server(ranks, tmp_path_factory.mktemp("vision-serve"),
                ("--vision", "--max-images", "2", "--max-image-pixels", str(MAX_PIXELS),
                 "--no-warmup"))
@@ -71,7 +71,7 @@ def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_src, mi
 
     # served, with the processor's own token count (one pad per feature row), and the
     # first token's logprob is mlx-vlm's single-process kimi_k3 with the same image
-    got, raw = _post_raw(vsrv.url + CHAT, json.dumps(
+    got, raw = post_raw(vsrv.url + CHAT, json.dumps(
         {**_chat(_data_url(good)), "logprobs": True}).encode(), 120)
     assert got == 200, raw[:500]
     reply = json.loads(raw)
@@ -96,7 +96,7 @@ def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_src, mi
     # the pads as plain tokens (no image) would give another distribution
     plain = np.array(ref.language_model(out["input_ids"]).logits[0, -1])
     assert np.abs(plain - np.array(logits[0, -1])).max() > 1e-2
-    served = len(_log(vsrv, 0))
+    served = len(token_log(vsrv, 0))
 
     truncated = good[: len(good) // 2]
     black = Image.new("L", (1200, 1200))  # 1.44 M pixels in a ~5 kB PNG
@@ -120,17 +120,17 @@ def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_src, mi
                          "/v1/chat/completions"),
     }
     for name, (path, body, words) in bad.items():
-        got, raw = _post_raw(vsrv.url + path, json.dumps(body).encode())
+        got, raw = post_raw(vsrv.url + path, json.dumps(body).encode())
         assert 400 <= got < 500, (name, got, raw[:300])
         msg = json.loads(raw)["error"]["message"]
         assert words in msg, (name, msg)
-    assert len(_log(vsrv, 0)) == served and len(_log(vsrv, 1)) == served  # no rank worked
+    assert len(token_log(vsrv, 0)) == served and len(token_log(vsrv, 1)) == served  # no rank worked
 
     # still serving: text and images
-    got, raw = _post_raw(vsrv.url + CHAT, json.dumps(
+    got, raw = post_raw(vsrv.url + CHAT, json.dumps(
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode(), 60)
     assert got == 200, raw[:300]
     other = _png(Image.fromarray(rng.integers(0, 256, (45, 80, 3), dtype=np.uint8)))
-    got, raw = _post_raw(vsrv.url + CHAT, json.dumps(_chat(_data_url(other))).encode(), 120)
+    got, raw = post_raw(vsrv.url + CHAT, json.dumps(_chat(_data_url(other))).encode(), 120)
     assert got == 200, raw[:300]
     assert set(vsrv.rank_pids()) == {0, 1}

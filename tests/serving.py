@@ -1,0 +1,233 @@
+"""The 2-rank server under mlx.launch on loopback, and what the server tests send it:
+shared by the server test files (test_server, test_server_faults, test_server_batch,
+test_agent_api, test_vision_server), each of which starts the servers it needs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from k3dist.build import slicing
+
+import mlx.core as mx
+import openai
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.utils import load_model, load_tokenizer
+from util import REPO, free_base_port
+
+CHAT = "/v1/chat/completions"
+MAX_CONTEXT = 512
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str, timeout: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, json.loads(r.read())
+
+
+def post_raw(url: str, data: bytes, timeout: float = 30.0):
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class Server:
+    def __init__(self, rank_pattern: str, tmp: Path, extra: tuple[str, ...] = ()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tmp = tmp
+        # An empty HOME: no Hugging Face cache (mlx_lm.server's /v1/models crashed there).
+        env = dict(os.environ, HOME=str(tmp / "home"))
+        (tmp / "home").mkdir(parents=True, exist_ok=True)
+        launcher = Path(sys.executable).with_name("mlx.launch")
+        self.log = open(tmp / "server.log", "w")
+        cmd = [str(launcher), "-n", "2", "-p", str(free_base_port(2)), "--python", sys.executable,
+               str(REPO / "launch/serve.py"), "--rank-dir", rank_pattern,
+               "--port", str(self.port), "--max-context", str(MAX_CONTEXT),
+               "--prefill-chunk", "32", "--token-log", str(tmp / "tokens-{rank}.jsonl"),
+               "--watchdog-timeout-s", "15", *extra]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.output()}")
+            try:
+                if get_json(self.url + "/health", 2)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not come up:\n{self.output()}")
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return (self.tmp / "server.log").read_text()
+
+    def rank_pids(self) -> dict[int, int]:
+        """PIDs of the rank processes (children of mlx.launch), by MLX_RANK."""
+        out = {}
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve.py" not in cmd or f"{self.port}".encode() not in cmd:
+                continue
+            for kv in env:
+                if kv.startswith(b"MLX_RANK="):
+                    out[int(kv.split(b"=")[1])] = int(pid)
+        return out
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
+                             timeout=60)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def rank_folders(build: Path, out: Path) -> str:
+    for r in range(2):
+        slicing.slice_rank(build, out / f"rank{r}", r, 2, None, progress=False)
+    return str(out / "rank{rank}")
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Write a Python function that adds two numbers."}]
+
+
+def reference_tokens(build: Path, messages, max_tokens: int, temp: float, seed: int):
+    """Single-process mlx-lm on the unsliced build: the same prompt, sampler and seed."""
+    model, _ = load_model(build)
+    model.set_dtype(mx.float32)
+    tok = load_tokenizer(build, {"trust_remote_code": False})
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tools=None,
+                                     tokenize=True)
+    mx.random.seed(seed)
+    out = []
+    for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                              sampler=make_sampler(temp, top_p=1.0)):
+        t = int(t)
+        out.append(t)
+        if t in tok.eos_token_ids:
+            break
+    return out
+
+
+def token_log(srv, rank: int) -> list[dict]:
+    p = srv.tmp / f"tokens-{rank}.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+
+def wait_logs(srv, seen: int, n: int, timeout: float = 30.0) -> list[list[dict]]:
+    """Both ranks' token-log entries after `seen`: rank 1 writes its entry when its
+    own generation ends, which can trail rank 0's HTTP reply a little."""
+    deadline = time.time() + timeout
+    while True:
+        logs = [token_log(srv, r)[seen:] for r in range(2)]
+        if all(len(x) >= n for x in logs) or time.time() > deadline:
+            return logs
+        time.sleep(0.1)
+
+
+def text_of(message) -> str:
+    extra = message.model_extra or {}
+    return (extra.get("reasoning") or "") + (message.content or "")
+
+
+COMPL = "/v1/completions"
+HI = {"prompt": "hi", "max_tokens": 2}
+
+
+def post_conn(port: int, body: dict | bytes, path: str = COMPL, headers: dict | None = None,
+               method: str = "POST", host: str = "127.0.0.1", timeout: float = 300):
+    """One request on its own connection: (status or exception name, headers, body)."""
+    import http.client
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request(method, path, data if method == "POST" else None,
+                     {"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    except Exception as e:  # a reset must show up as such, not fail the thread
+        return type(e).__name__, {}, str(e).encode()
+    finally:
+        conn.close()
+
+
+def burst(port: int, n: int, body: dict) -> list[tuple]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n) as ex:
+        return list(ex.map(lambda _: post_conn(port, body), range(n)))
+
+
+def check_burst(results: list[tuple]) -> tuple[int, int]:
+    """Every request answered 200 (all the same greedy text) or 429 with Retry-After;
+    none reset or dropped. Returns (served, refused)."""
+    statuses = [r[0] for r in results]
+    assert set(statuses) <= {200, 429}, statuses
+    texts = {json.loads(b)["choices"][0]["text"] for s, _, b in results if s == 200}
+    assert len(texts) == 1, texts
+    for s, headers, b in results:
+        if s == 429:
+            assert int(headers["Retry-After"]) >= 1, headers
+            assert json.loads(b)["error"]["code"] == "too_many_requests"
+    return statuses.count(200), statuses.count(429)
+
+
+def outside_address() -> str | None:
+    """This machine's address on a non-loopback interface (None if it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.123", 9))  # no packet is sent for a UDP connect
+            addr = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if addr.startswith("127.") else addr
+
+
+def stream_socket(port: int, body: dict, chunks: int) -> socket.socket:
+    """Open a streamed completion on a raw socket and read until `chunks` data events."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=120)
+    data = json.dumps({**body, "stream": True}).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json"
+              b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    got = b""
+    while got.count(b"data: {") < chunks:
+        more = s.recv(65536)
+        assert more, got
+        got += more
+    return s
