@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -421,6 +422,10 @@ def _listen_addresses(port: int) -> set[str]:
 
 def test_api_key_required_everywhere_but_health_and_localhost_only(keyed):
     assert _listen_addresses(keyed.port) == {"0100007F"}  # 127.0.0.1 only
+    # rank 0 prints it before serving; mlx.launch relays its output with a lag
+    deadline = time.time() + 30
+    while "API key required" not in keyed.output() and time.time() < deadline:
+        time.sleep(0.2)
     assert "API key required" in keyed.output()
     chat = {"model": "kimi-k3", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
     posts = {"/v1/chat/completions": chat, "/chat/completions": chat,
