@@ -17,3 +17,11 @@ def mini_src(tmp_path_factory):
 @pytest.fixture(scope="session")
 def mini_build(mini_src, tmp_path_factory):
     return convert.convert(mini_src, tmp_path_factory.mktemp("build") / "mini", progress=False)
+
+
+@pytest.fixture(scope="session")
+def ranks(mini_build, tmp_path_factory):
+    """The mini build sliced for 2 ranks (``rank{rank}`` pattern), for the servers to read."""
+    from serving import rank_folders
+
+    return rank_folders(mini_build, tmp_path_factory.mktemp("serve-ranks"))

@@ -24,7 +24,7 @@ import pytest
 from mlx_lm.server import ToolCallFormatter
 from mlx_lm.tool_parsers.kimi_k3 import parse_tool_call
 from mlx_lm.utils import load_tokenizer
-from serving import Server, rank_folders, token_log, wait_logs
+from serving import Server, token_log, wait_logs
 from util import load_f32
 
 anthropic = pytest.importorskip("anthropic")
@@ -199,11 +199,6 @@ def test_api_key_file_and_headers(tmp_path):
 
 
 # -- the 2-rank server -----------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def ranks(mini_build, tmp_path_factory):
-    return rank_folders(mini_build, tmp_path_factory.mktemp("agent-ranks"))
-
 
 @pytest.fixture(scope="module")
 def srv(ranks, tmp_path_factory):

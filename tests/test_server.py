@@ -41,18 +41,12 @@ from serving import (
     get_json,
     post_conn,
     post_raw,
-    rank_folders,
     reference_tokens,
     stream_socket,
     text_of,
     token_log,
     wait_logs,
 )
-
-
-@pytest.fixture(scope="module")
-def ranks(mini_build, tmp_path_factory):
-    return rank_folders(mini_build, tmp_path_factory.mktemp("serve-ranks"))
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,8 @@ from serving import (
     check_burst,
     outside_address,
     post_conn,
-    rank_folders,
 )
 from util import REPO
-
-
-@pytest.fixture(scope="module")
-def ranks(mini_build, tmp_path_factory):
-    return rank_folders(mini_build, tmp_path_factory.mktemp("serve-ranks"))
 
 
 def _stream_until_killed(s: Server, sig: int, victim: int):
