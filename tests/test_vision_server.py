@@ -23,7 +23,7 @@ from mlx_lm.utils import load_tokenizer  # noqa: E402
 from mlx_vlm.models.kimi_k3 import Processor  # noqa: E402
 from mlx_vlm.utils import load_model as vlm_load_model  # noqa: E402
 from PIL import Image  # noqa: E402
-from serving import CHAT, Server, post_raw, rank_folders, token_log  # noqa: E402
+from serving import CHAT, Server, post_raw, token_log  # noqa: E402
 
 MAX_PIXELS = 1_000_000
 
@@ -55,8 +55,7 @@ def _chat(*urls: str, text: str = "What is this?") -> dict:
 
 
 @pytest.fixture(scope="module")
-def vsrv(mini_build, tmp_path_factory):
-    ranks = rank_folders(mini_build, tmp_path_factory.mktemp("vision-ranks"))
+def vsrv(ranks, tmp_path_factory):
     s = Server(ranks, tmp_path_factory.mktemp("vision-serve"),
                ("--vision", "--max-images", "2", "--max-image-pixels", str(MAX_PIXELS),
                 "--no-warmup"))
