@@ -68,6 +68,37 @@ def test_kv_state_k3():
     assert kv["kda_state"] == 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
 
 
+def test_kv_state_scales_with_batch():
+    """The KV/state line budgets every request the server decodes together, plus the
+    prompt cache (the same arithmetic the server's preflight checks)."""
+    acc = plan.account(real_config())
+    tc = acc.tc
+    one, eight = (plan.kv_state(tc, plan.Box(batch=b)) for b in (1, 8))
+    per = 24 * 131072 * 576 * 2 + 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
+    assert one["per_request"] == eight["per_request"] == per  # 4.07 GB at 128K
+    assert eight["requests"] == 8 * per and one["requests"] == per
+    assert eight["total"] - one["total"] == 7 * per
+    assert one["prompt_cache"] == eight["prompt_cache"] and one["prompt_cache"]["total"] > 0
+    plans = {b: plan.make_plan(acc, plan.Box(batch=b), plan.PlanRequest(ranks=2, lo="2bit-g128"))
+             for b in (1, 8)}
+    kv = {b: p["bytes_per_rank"]["kv_state"] for b, p in plans.items()}
+    assert kv[8] - kv[1] == 7 * per
+    assert plans[8]["promoted_total"] < plans[1]["promoted_total"]  # the KV comes off experts
+    assert "KV/state: 8 requests x 131,072 tokens" in plan.summary(plans[8])
+    # attention split: each rank holds half the KDA state of each request, all the latent
+    split = plan.kv_state(tc, plan.Box(batch=8), attention_split=2)
+    assert split["per_request"] == per - 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128) // 2
+
+
+def test_plan_defaults_are_the_real_deployments_limits():
+    from k3dist.serve.config import load_deployment
+
+    tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
+    box = plan.Box()
+    assert (box.context, box.batch, box.prompt_cache_tokens) == (
+        tb5.max_context, tb5.max_batch, tb5.prompt_cache_tokens)
+
+
 def test_k3_plan_fits_two_boxes():
     acc = plan.account(real_config())
     p = plan.make_plan(acc, plan.Box(), plan.PlanRequest(ranks=2))

@@ -1,0 +1,123 @@
+"""The KV cache and recurrent state a K3 config implies: bytes per request, and per
+serving load, on one rank.
+
+One arithmetic for the planner (``k3dist.build.plan``: what a build must leave room for)
+and the server's preflight (``k3dist.serve.preflight``: whether a deployment's
+``memory_headroom_gb`` covers it). What mlx-lm's ``kimi_k3`` keeps for a request
+(``Model.make_cache``):
+
+- an MLA layer: a ``KVCache`` of the latent, ``kv_lora_rank + qk_rope_head_dim`` values per
+  token in the activation dtype, grown in steps of 256 tokens. Never divided across ranks:
+  the latent projection (``kv_a_proj_with_mqa``) is whole on every rank, split or not;
+- a KDA layer: an ``ArraysCache`` of the conv state (``(kernel - 1) x 3 x heads x head_dim``,
+  activation dtype) and the recurrent state (``heads x head_dim^2``, F32), whatever the
+  context. A rank that holds a share of the layer's heads (attention split) holds that
+  share of its state.
+
+Serving (mlx-lm's ``BatchGenerator`` under ``k3dist.serve.server``) holds at once:
+
+- up to ``max_batch`` requests (the prompt batch and the decode batch together never exceed
+  ``decode_concurrency``), each up to ``max_context`` tokens: a batch's caches are
+  right-aligned and trimmed to the longest row;
+- the prompt cache (``k3dist.serve.prompt_cache.K3PromptCache``): at most
+  :data:`PROMPT_CACHE_ENTRIES` entries, evicted by the tokens they hold after each insert
+  (``prompt_cache_tokens``, default 4 x ``max_context``), but the newest entry is always
+  kept, so the entries hold at most ``max(prompt_cache_tokens, max_context)`` tokens; while
+  an entry is inserted (before the eviction runs) one more entry of up to ``max_context``
+  tokens. Every entry carries a whole KDA state, however short it is, and up to 255 tokens
+  of cache-step slack per MLA layer (a copy of a growing ``KVCache``).
+
+Not counted here: the transient copies mlx-lm makes when a prefilled prompt joins the
+decode batch (the batch's caches are concatenated) and the activations of a prefill chunk
+(``k3dist.build.plan.activations``); the deployment's headroom must hold those too.
+"""
+
+from __future__ import annotations
+
+from k3dist.format.layout import kda_layers
+
+CACHE_STEP = 256  # mlx-lm KVCache growth step (tokens)
+PROMPT_CACHE_ENTRIES = 8  # mlx-lm server's prompt_cache_size (k3dist.serve.server.cli_args)
+STATE_BYTES = 4  # the KDA recurrent state is F32 whatever the compute dtype
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def act_bytes(dtype: str) -> int:
+    """Bytes per value of the caches in a compute dtype (MLX name)."""
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, not {dtype!r}") from None
+
+
+def mla_layers(tc: dict) -> list[int]:
+    """0-based indices of the MLA (full attention) layers: every layer that is not KDA."""
+    kda = kda_layers(tc)
+    return [i for i in range(tc["num_hidden_layers"]) if i not in kda]
+
+
+def latent_bytes_per_token(tc: dict, act: int = 2) -> int:
+    """One token's MLA latent cache over all MLA layers (the same on every rank)."""
+    return len(mla_layers(tc)) * (tc["kv_lora_rank"] + tc["qk_rope_head_dim"]) * act
+
+
+def kda_state_bytes(tc: dict, act: int = 2, size: int = 1,
+                    split_layers: list[int] | set[int] | None = None) -> int:
+    """One request's KDA conv + recurrent state on one rank. ``size``: ranks the attention
+    is split over (1: replicated); ``split_layers``: the layers whose heads are divided
+    (None: every KDA layer when ``size`` > 1)."""
+    lc = tc["linear_attn_config"]
+    heads, dim = lc["num_heads"], lc["head_dim"]
+    per_layer = (STATE_BYTES * heads * dim * dim
+                 + act * (lc["short_conv_kernel_size"] - 1) * 3 * heads * dim)
+    kda = kda_layers(tc)
+    split = kda if split_layers is None else kda & set(split_layers)
+    if size <= 1:
+        split = set()
+    return sum(per_layer // size if i in split else per_layer for i in kda)
+
+
+def request_bytes(tc: dict, context: int, act: int = 2, *, size: int = 1,
+                  split_layers: list[int] | set[int] | None = None,
+                  step: int = CACHE_STEP) -> dict:
+    """One request at ``context`` tokens on one rank: MLA latent cache (rounded up to
+    the cache step) and KDA state."""
+    ctx = -(-context // step) * step
+    latent = ctx * latent_bytes_per_token(tc, act)
+    state = kda_state_bytes(tc, act, size, split_layers)
+    return {
+        "mla_layers": len(mla_layers(tc)),
+        "kda_layers": len(kda_layers(tc)),
+        "context": context,
+        "mla_latent_cache": latent,
+        "kda_state": state,
+        "per_request": latent + state,
+    }
+
+
+def serving_bytes(tc: dict, *, context: int, batch: int, prompt_cache_tokens: int | None = None,
+                  act: int = 2, size: int = 1,
+                  split_layers: list[int] | set[int] | None = None,
+                  entries: int = PROMPT_CACHE_ENTRIES, step: int = CACHE_STEP) -> dict:
+    """What a server holds on one rank at most (module doc): ``batch`` requests at
+    ``context`` tokens plus the prompt cache bound. ``prompt_cache_tokens`` None (or 0):
+    4 x ``context``, the server's default. ``mla_latent_cache`` and ``kda_state`` are one
+    request's; ``total`` is everything."""
+    one = request_bytes(tc, context, act, size=size, split_layers=split_layers, step=step)
+    per_token = latent_bytes_per_token(tc, act)
+    bound = prompt_cache_tokens or 4 * context
+    held = max(bound, context) + context  # the entries + one being inserted
+    n = entries + 1
+    pc_latent = (held + n * (step - 1)) * per_token
+    pc_state = n * one["kda_state"]
+    requests = batch * one["per_request"]
+    pc = pc_latent + pc_state
+    return {
+        **one,
+        "latent_bytes_per_token": per_token,
+        "batch": batch,
+        "requests": requests,
+        "prompt_cache": {"tokens": bound, "tokens_held_at_most": held, "entries_at_most": n,
+                         "mla_latent_cache": pc_latent, "kda_state": pc_state, "total": pc},
+        "total": requests + pc,
+    }
