@@ -84,7 +84,7 @@ def test_kv_state_scales_with_batch():
     kv = {b: p["bytes_per_rank"]["kv_state"] for b, p in plans.items()}
     assert kv[8] - kv[1] == 7 * per
     assert plans[8]["promoted_total"] < plans[1]["promoted_total"]  # the KV comes off experts
-    assert "KV/state: 8 requests x 131,072 tokens" in plan.summary(plans[8])
+    assert "KV/state: batch 8 x 131,072 tokens" in plan.summary(plans[8])
     # attention split: each rank holds half the KDA state of each request, all the latent
     split = plan.kv_state(tc, plan.Box(batch=8), attention_split=2)
     assert split["per_request"] == per - 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128) // 2

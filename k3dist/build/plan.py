@@ -764,8 +764,8 @@ def summary(plan: dict) -> str:
         f"per expert); promoted {plan['promoted_total']:,} "
         f"({100 * plan['promoted_fraction']:.1f}%), expert bpw {plan['expert_bpw']}",
         "per rank: " + ", ".join(f"{k} {_gb(v)}" for k, v in pr.items()),
-        f"KV/state: {kv['batch']} requests x {kv['context']:,} tokens "
-        f"({_gb(kv['per_request'])} each) {_gb(kv['requests'])} + prompt cache "
+        f"KV/state: batch {kv['batch']} x {kv['context']:,} tokens "
+        f"({_gb(kv['per_request'])} a request) {_gb(kv['requests'])} + prompt cache "
         f"({kv['prompt_cache']['tokens']:,} tokens, at most "
         f"{kv['prompt_cache']['tokens_held_at_most']:,} held) {_gb(kv['prompt_cache']['total'])}",
         f"headroom per rank {_gb(plan['headroom_per_rank'])}; build {_gb(plan['build_bytes'])}"
