@@ -10,7 +10,7 @@ from pathlib import Path
 
 from k3dist.build import plan
 from k3dist.factory.synth import real_config
-from k3dist.format import layout
+from k3dist.format import kvmemory, layout
 
 import mlx.core as mx
 import pytest
@@ -79,24 +79,31 @@ def test_kv_state_scales_with_batch():
     assert eight["requests"] == 8 * per and one["requests"] == per
     assert eight["total"] - one["total"] == 7 * per
     assert one["prompt_cache"] == eight["prompt_cache"] and one["prompt_cache"]["total"] > 0
-    plans = {b: plan.make_plan(acc, plan.Box(batch=b), plan.PlanRequest(ranks=2, lo="2bit-g128"))
-             for b in (1, 8)}
-    kv = {b: p["bytes_per_rank"]["kv_state"] for b, p in plans.items()}
-    assert kv[8] - kv[1] == 7 * per
-    assert plans[8]["promoted_total"] < plans[1]["promoted_total"]  # the KV comes off experts
-    assert "KV/state: batch 8 x 131,072 tokens" in plan.summary(plans[8])
     # attention split: each rank holds half the KDA state of each request, all the latent
     split = plan.kv_state(tc, plan.Box(batch=8), attention_split=2)
-    assert split["per_request"] == per - 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128) // 2
+    per_split = per - 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128) // 2
+    assert split["per_request"] == per_split
+    for attention, each in (("replicated", per), ("split", per_split)):
+        req = plan.PlanRequest(ranks=2, lo="2bit-g128", attention=attention)
+        plans = {b: plan.make_plan(acc, plan.Box(batch=b), req) for b in (1, 8)}
+        kv = {b: p["bytes_per_rank"]["kv_state"] for b, p in plans.items()}
+        assert kv[8] - kv[1] == 7 * each
+        assert plans[8]["promoted_total"] < plans[1]["promoted_total"]  # KV comes off experts
+        assert "KV/state: batch 8 x 131,072 tokens" in plan.summary(plans[8])
 
 
 def test_plan_defaults_are_the_real_deployments_limits():
+    """The planner's defaults describe the deployment the project ships (deploy/tb5.yaml):
+    its serving limits, its prefill chunk, its attention layout over its ranks, its
+    compute dtype."""
     from k3dist.serve.config import load_deployment
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
-    box = plan.Box()
-    assert (box.context, box.batch, box.prompt_cache_tokens) == (
-        tb5.max_context, tb5.max_batch, tb5.prompt_cache_tokens)
+    box, req = plan.Box(), plan.PlanRequest()
+    assert (box.context, box.batch, box.prompt_cache_tokens, box.prefill_chunk) == (
+        tb5.max_context, tb5.max_batch, tb5.prompt_cache_tokens, tb5.prefill_chunk)
+    assert (req.attention, req.ranks) == (tb5.attention, tb5.size)
+    assert box.act_bytes == kvmemory.act_bytes(tb5.dtype)
 
 
 def test_k3_plan_fits_two_boxes():

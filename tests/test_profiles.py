@@ -26,11 +26,12 @@ PROJ_SRC = {v: k for k, v in convert.EXPERT_PROJ.items()}  # gate_proj -> w1
 
 
 def _graded_plan_kw(src: Source) -> dict:
-    """A budget between no promotion and all: 2.838 MB for one 256-token request's
-    KV/state, the mini's weights and activations, plus the prompt cache bound the plan
-    also keeps room for (256 tokens)."""
+    """A budget between no promotion and all (34 of 80 experts): 2.12 MB for one 256-token
+    request's KV/state, the mini's weights and activations with attention split over the
+    2 ranks (the plan's default), plus the prompt cache bound the plan also keeps room for
+    (256 tokens)."""
     pc = kvmemory.serving_bytes(src.text_config, context=256, batch=1, prompt_cache_tokens=256)
-    return {"budget": int(2.838e6) + pc["prompt_cache"]["total"], "context": 256, "batch": 1,
+    return {"budget": int(2.12e6) + pc["prompt_cache"]["total"], "context": 256, "batch": 1,
             "prompt_cache_tokens": 256, "headroom": 0}
 
 

@@ -35,17 +35,21 @@ Memory assumptions (:class:`Box` fields; every one a flag of ``python -m k3dist.
   2 B`` per token for each MLA layer (mlx-lm's ``KVCache`` holds the latent, growing in
   steps of 256; whole on every rank), and the KDA recurrent state (``heads x head_dim^2``
   F32) + conv state (``3 x (kernel - 1) x heads x head_dim``, bf16) for each KDA layer
-  (whole on every rank with attention replicated, split by heads with ``--attention
-  split``); ``--batch`` requests (the server's ``max_batch``: they decode together, each
-  with its own cache) at ``--context`` tokens, plus the prompt cache: at most
-  ``max(--prompt-cache-tokens, context) + context`` tokens in at most 9 entries, each with a
-  whole KDA state. The defaults are ``deploy/tb5.yaml``'s limits (4 requests at 128K, a
-  128K-token prompt cache);
-- activations: the peak of one prefill chunk at full context — an MLA layer decompresses
-  k and v for the whole context (``heads x context x (nope + v) x 2 B``) and builds the
-  rope scores and the attention scores (``2 x heads x chunk x context x 2 B``: mlx-lm's
-  fallback path materialises both) — plus the chunk's logits (F32) and hidden states of
-  the AttnRes block stack.
+  (split by heads across the ranks with ``--attention split``, the default; whole on every
+  rank with ``--attention replicated``); ``--batch`` requests (the server's ``max_batch``:
+  they decode together, each with its own cache) at ``--context`` tokens, plus the prompt
+  cache: at most ``max(--prompt-cache-tokens, context) + context`` tokens in at most 9
+  entries, each with a whole KDA state;
+- activations (``k3dist.format.kvmemory.prefill_activation_bytes``, also what preflight
+  checks): the peak of one prefill chunk of ``--prefill-chunk`` tokens at full context —
+  an MLA layer decompresses k and v for the whole context (``heads x context x (nope + v)
+  x 2 B``) and builds the rope scores and the attention scores (``2 x heads x chunk x
+  context x 2 B``: mlx-lm's fallback path materialises both), over the heads a rank holds
+  — plus the chunk's logits (F32), hidden states of the AttnRes block stack and the MoE
+  intermediates;
+- the defaults describe the deployment the project ships, ``deploy/tb5.yaml``
+  (``tests/test_plan.py`` keeps them equal): attention split over the ranks, 4 requests at
+  128K, a 128K-token prompt cache, prefill chunks of 512 tokens.
 
 Promoted experts keep **no** 2-bit fallback copy in the lo bank by default: a route the
 hi bank cannot take (more than ``k_hi`` promoted routes in one token) is dropped and
@@ -62,7 +66,8 @@ without the file, :data:`DEFAULT_NONEXPERT`. Each class's ``from`` in the plan s
 
     python -m k3dist.build.plan --config CONFIG --index INDEX [--budget auto|BYTES] --dry-run --json
         [--nonexpert-sensitivity benchmarks/results/nonexpert-2026-12-01.json]
-        [--context TOKENS] [--batch N] [--prompt-cache-tokens TOKENS]
+        [--context TOKENS] [--batch N] [--prompt-cache-tokens TOKENS] [--prefill-chunk TOKENS]
+        [--attention split|replicated]
 """
 
 from __future__ import annotations
@@ -424,7 +429,7 @@ class Box:
     context: int = 131072  # tokens of one request (prompt + completion): max_context
     batch: int = 4  # requests decoded together: max_batch
     prompt_cache_tokens: int | None = 131072  # the prompt cache's bound; None: 4 x context
-    prefill_chunk: int = 256
+    prefill_chunk: int = 512  # tokens of one prefill chunk: prefill_chunk
     cache_step: int = kvmemory.CACHE_STEP  # mlx-lm KVCache growth step
     act_bytes: int = 2  # bf16 activations and caches on Metal
 
@@ -444,25 +449,12 @@ def kv_state(tc: dict, box: Box, attention_split: int = 1) -> dict:
 
 
 def activations(tc: dict, box: Box, attention_split: int = 1) -> dict:
-    """Peak transient bytes of one prefill chunk at full context (see module doc)."""
-    C, T, b = box.context, box.prefill_chunk, box.act_bytes
-    heads = tc["num_attention_heads"] // attention_split
-    kv = heads * C * (tc["qk_nope_head_dim"] + tc["v_head_dim"]) * b
-    scores = 2 * heads * T * C * b
-    logits = T * tc["vocab_size"] * 4
-    blocks = -(-tc["num_hidden_layers"] // (tc.get("attn_res_block_size") or 1))
-    hidden = T * tc["hidden_size"] * b * (2 * blocks + 4)
-    moe = T * tc["num_experts_per_token"] * tc["moe_intermediate_size"] * 3 * b
-    total = kv + scores + logits + hidden + moe
-    return {
-        "prefill_chunk": T,
-        "mla_kv_decompressed": kv,
-        "attention_scores": scores,
-        "logits": logits,
-        "hidden_and_attnres_stack": hidden,
-        "moe": moe,
-        "total": total,
-    }
+    """Peak transient bytes of one prefill chunk of ``box.prefill_chunk`` tokens at
+    ``box.context`` on one rank (``k3dist.format.kvmemory.prefill_activation_bytes``, what
+    the server's preflight checks a deployment with)."""
+    return kvmemory.prefill_activation_bytes(
+        tc, context=box.context, chunk=box.prefill_chunk, act=box.act_bytes,
+        size=attention_split)
 
 
 ASSUMPTIONS = [
@@ -476,11 +468,16 @@ ASSUMPTIONS = [
     "recurrent state heads x head_dim^2 F32 + conv state per KDA layer; plus the prompt "
     "cache: at most max(prompt_cache_tokens, context) + context tokens in at most 9 entries, "
     "each with a whole KDA state",
-    "activations: peak of one prefill chunk at full context: MLA k/v decompressed for the "
-    "whole context, rope and attention scores (bf16, materialised), F32 logits of the "
-    "chunk, hidden states of the AttnRes block stack, MoE intermediates",
-    "attention replicated on every rank (k3dist.model today), shared experts split by "
-    "their intermediate dimension; routed experts split evenly, promoted experts balanced",
+    "activations (k3dist.format.kvmemory, as the server's preflight checks them): peak of "
+    "one prefill chunk (`prefill_chunk` tokens, the server's prefill_chunk) at full "
+    "context: MLA k/v decompressed for the whole context, rope and attention scores (bf16, "
+    "materialised), F32 logits of the chunk, hidden states of the AttnRes block stack, MoE "
+    "intermediates",
+    "attention split across ranks by heads (the default, as deploy/tb5.yaml and every "
+    "deployment serve it, k3dist.serve.model: attention weights, KDA state and prefill "
+    "activations divided over the ranks, the MLA latent cache whole on each); "
+    "--attention replicated keeps all of it on every rank; shared experts split by their "
+    "intermediate dimension; routed experts split evenly, promoted experts balanced",
     "non-expert formats: DEFAULT_NONEXPERT is a starting point (<= 6 bits for what every "
     "token reads, 8 bits for latent projections, router and lm_head); with "
     "--nonexpert-sensitivity each measured class takes the fewest bits within the KL "
@@ -507,7 +504,9 @@ class PlanRequest:
     min_promoted_fraction: float = 0.05  # "auto": the richest lo format leaving this
     nonexpert: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NONEXPERT))
     nonexpert_from: dict[str, str] = field(default_factory=dict)  # class -> why its format
-    attention: str = "replicated"  # "replicated" (k3dist.model today) | "split"
+    # "split" (deploy/tb5.yaml's and every deployment's default: each rank holds its share
+    # of the attention heads, k3dist.serve.model) | "replicated"
+    attention: str = "split"
     lo_fallback: bool = False
     headroom: int = 8 * GiB  # kept free per rank beyond every modelled need
     k_hi_drop_target: float = 1e-5  # k_hi from uniform routing: P(overflow) below this
@@ -829,7 +828,9 @@ def main(argv: list[str] | None = None) -> None:
         help=f"nats/token a class may add (default {DEFAULT_KL_TOLERANCE}: "
         "KL of seven classes adds to well under the 2-bit experts' error)",
     )
-    ap.add_argument("--attention", choices=("replicated", "split"), default="replicated")
+    ap.add_argument("--attention", choices=("replicated", "split"), default=PlanRequest.attention,
+                    help="attention heads (and their KDA state and prefill activations) split "
+                    "across ranks, as deploy/tb5.yaml serves (default), or replicated on each")
     ap.add_argument(
         "--lo-fallback",
         action="store_true",
@@ -847,7 +848,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="requests decoded together, each with its own KV cache (max_batch)")
     ap.add_argument("--prompt-cache-tokens", type=int, default=Box.prompt_cache_tokens,
                     help="the prompt cache's token bound (prompt_cache_tokens; 0: 4 x context)")
-    ap.add_argument("--prefill-chunk", type=int, default=Box.prefill_chunk)
+    ap.add_argument("--prefill-chunk", type=int, default=Box.prefill_chunk,
+                    help="tokens of one prefill chunk (the server's prefill_chunk)")
     ap.add_argument("--wired-limit-mb", type=int, default=Box.wired_limit_mb)
     ap.add_argument("--physical-gib", type=int, default=512)
     ap.add_argument("--runtime-reserve-gib", type=float, default=Box.runtime_reserve / GiB)

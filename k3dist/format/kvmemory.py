@@ -1,5 +1,5 @@
-"""The KV cache and recurrent state a K3 config implies: bytes per request, and per
-serving load, on one rank.
+"""The memory a K3 config implies beside its weights, on one rank: the KV cache and
+recurrent state (per request and per serving load) and the activations of a prefill chunk.
 
 One arithmetic for the planner (``k3dist.build.plan``: what a build must leave room for)
 and the server's preflight (``k3dist.serve.preflight``: whether a deployment's
@@ -27,9 +27,19 @@ Serving (mlx-lm's ``BatchGenerator`` under ``k3dist.serve.server``) holds at onc
   tokens. Every entry carries a whole KDA state, however short it is, and up to 255 tokens
   of cache-step slack per MLA layer (a copy of a growing ``KVCache``).
 
+Prefill (:func:`prefill_activation_bytes`; one prompt at a time, ``prompt_concurrency`` 1,
+in chunks of ``prefill_chunk`` tokens): the peak of one chunk at full context, a model, not
+a measurement: an MLA layer decompresses k and v for the whole context
+(``heads x context x (qk_nope_head_dim + v_head_dim)``) and builds the rope scores and the
+attention scores (``2 x heads x chunk x context``: mlx-lm's fallback path materialises
+both), in the activation dtype, over the heads the rank holds; plus the chunk's logits
+(F32), the hidden states of the AttnRes block stack (``chunk x hidden x (2 x blocks + 4)``)
+and the MoE intermediates (``chunk x top_k x moe_intermediate x 3``).
+
 Not counted here: the transient copies mlx-lm makes when a prefilled prompt joins the
-decode batch (the batch's caches are concatenated) and the activations of a prefill chunk
-(``k3dist.build.plan.activations``); the deployment's headroom must hold those too.
+decode batch (the batch's caches are concatenated), the decode step's own (small)
+activations, MLX's allocator cache; the deployment's headroom (and the plan's
+``headroom`` beyond every modelled need) must hold those too.
 """
 
 from __future__ import annotations
@@ -56,9 +66,31 @@ def mla_layers(tc: dict) -> list[int]:
     return [i for i in range(tc["num_hidden_layers"]) if i not in kda]
 
 
+def mla_layer_bytes_per_token(tc: dict, act: int = 2) -> int:
+    """One token's latent cache in one MLA layer (``kv_lora_rank + qk_rope_head_dim``
+    values; the same on every rank)."""
+    return (tc["kv_lora_rank"] + tc["qk_rope_head_dim"]) * act
+
+
 def latent_bytes_per_token(tc: dict, act: int = 2) -> int:
     """One token's MLA latent cache over all MLA layers (the same on every rank)."""
-    return len(mla_layers(tc)) * (tc["kv_lora_rank"] + tc["qk_rope_head_dim"]) * act
+    return len(mla_layers(tc)) * mla_layer_bytes_per_token(tc, act)
+
+
+def kda_layer_state_bytes(tc: dict, act: int = 2) -> int:
+    """One request's state in one KDA layer, all its heads: the F32 recurrent state
+    ``heads x head_dim^2`` + the conv state ``(kernel - 1) x 3 x heads x head_dim``."""
+    lc = tc["linear_attn_config"]
+    heads, dim = lc["num_heads"], lc["head_dim"]
+    return (STATE_BYTES * heads * dim * dim
+            + act * (lc["short_conv_kernel_size"] - 1) * 3 * heads * dim)
+
+
+def _split(layers: set[int], size: int, split_layers: list[int] | set[int] | None) -> set[int]:
+    """Which of ``layers`` have their heads divided over ``size`` ranks."""
+    if size <= 1:
+        return set()
+    return set(layers) if split_layers is None else set(layers) & set(split_layers)
 
 
 def kda_state_bytes(tc: dict, act: int = 2, size: int = 1,
@@ -66,14 +98,9 @@ def kda_state_bytes(tc: dict, act: int = 2, size: int = 1,
     """One request's KDA conv + recurrent state on one rank. ``size``: ranks the attention
     is split over (1: replicated); ``split_layers``: the layers whose heads are divided
     (None: every KDA layer when ``size`` > 1)."""
-    lc = tc["linear_attn_config"]
-    heads, dim = lc["num_heads"], lc["head_dim"]
-    per_layer = (STATE_BYTES * heads * dim * dim
-                 + act * (lc["short_conv_kernel_size"] - 1) * 3 * heads * dim)
+    per_layer = kda_layer_state_bytes(tc, act)
     kda = kda_layers(tc)
-    split = kda if split_layers is None else kda & set(split_layers)
-    if size <= 1:
-        split = set()
+    split = _split(kda, size, split_layers)
     return sum(per_layer // size if i in split else per_layer for i in kda)
 
 
@@ -120,4 +147,37 @@ def serving_bytes(tc: dict, *, context: int, batch: int, prompt_cache_tokens: in
         "prompt_cache": {"tokens": bound, "tokens_held_at_most": held, "entries_at_most": n,
                          "mla_latent_cache": pc_latent, "kda_state": pc_state, "total": pc},
         "total": requests + pc,
+    }
+
+
+def prefill_activation_bytes(tc: dict, *, context: int, chunk: int, act: int = 2,
+                             size: int = 1,
+                             split_layers: list[int] | set[int] | None = None) -> dict:
+    """Peak transient bytes of one prefill chunk of ``chunk`` tokens at ``context`` tokens
+    on one rank (module doc; a chunk longer than the context is a chunk of ``context``
+    tokens). ``size``, ``split_layers``: as :func:`kda_state_bytes`; an MLA layer whose
+    heads are divided holds ``heads // size`` of them, the peak is the layer that holds
+    the most."""
+    C, T, b = context, min(chunk, context), act
+    mla = mla_layers(tc)
+    split = _split(set(mla), size, split_layers)
+    H = tc["num_attention_heads"]
+    heads = max((H // size if i in split else H for i in mla), default=0)
+    kv = heads * C * (tc["qk_nope_head_dim"] + tc["v_head_dim"]) * b
+    scores = 2 * heads * T * C * b
+    logits = T * tc["vocab_size"] * 4
+    blocks = -(-tc["num_hidden_layers"] // (tc.get("attn_res_block_size") or 1))
+    hidden = T * tc["hidden_size"] * b * (2 * blocks + 4)
+    moe = T * tc["num_experts_per_token"] * tc["moe_intermediate_size"] * 3 * b
+    return {
+        "prefill_chunk": chunk,
+        "chunk_tokens": T,
+        "context": C,
+        "attention_heads": heads,
+        "mla_kv_decompressed": kv,
+        "attention_scores": scores,
+        "logits": logits,
+        "hidden_and_attnres_stack": hidden,
+        "moe": moe,
+        "total": kv + scores + logits + hidden + moe,
     }
