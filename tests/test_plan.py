@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
 # the real K3's tensor index, as the package ships it (a copy of ../shared/reference's)
 REAL_INDEX = REPO / "k3dist" / "data" / "kimi-k3-model.safetensors.index.json.gz"
 
@@ -104,6 +105,53 @@ def test_plan_defaults_are_the_real_deployments_limits():
         tb5.max_context, tb5.max_batch, tb5.prompt_cache_tokens, tb5.prefill_chunk)
     assert (req.attention, req.ranks) == (tb5.attention, tb5.size)
     assert box.act_bytes == kvmemory.act_bytes(tb5.dtype)
+
+
+def test_a_plan_with_the_defaults_passes_tb5_preflight(tmp_path):
+    """A build planned with the defaults (real K3 config and tensor index) serves under
+    deploy/tb5.yaml: the plan budgets the KV/state and activations preflight computes for
+    tb5's limits, tb5's memory_headroom_gb holds them, and each rank's weights (rank 0 also
+    holds the vision tower) + that headroom fit the wired limit the plan assumes, its
+    runtime reserve left free."""
+    from k3dist.build.slicing import vision_ranks
+    from k3dist.serve import preflight
+    from k3dist.serve.config import load_deployment
+
+    tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
+    acc = plan.account(real_config(), plan.read_index(REAL_INDEX), str(REAL_INDEX))
+    box = plan.Box()
+    p = plan.make_plan(acc, box, plan.PlanRequest(ranks=tb5.size))
+    per = p["bytes_per_rank"]
+    # a rank folder sliced for tb5 (attention split over its ranks): config + manifest
+    tc = layout.text_config(real_config())
+    folder = tmp_path / "rank0"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(real_config()))
+    split = [i for i in range(tc["num_hidden_layers"])
+             if layout.attention_heads(tc, i) % tb5.size == 0]
+    assert len(split) == tc["num_hidden_layers"]  # K3: every layer's heads divide (96)
+    (folder / "k3dist.json").write_text(json.dumps({
+        "kind": "rank", "rank": 0, "size": tb5.size,
+        "attention": {"mode": tb5.attention, "split_layers": split}}))
+    kv = preflight.kv_need(folder, max_batch=tb5.max_batch, max_context=tb5.max_context,
+                           prompt_cache_tokens=tb5.prompt_cache_tokens, dtype=tb5.dtype)
+    act = preflight.activation_need(folder, max_context=tb5.max_context,
+                                    prefill_chunk=tb5.prefill_chunk, dtype=tb5.dtype)
+    # the same arithmetic at the same limits: the plan budgets what preflight checks
+    assert per["kv_state"] == kv["total"] == 24_727_643_136
+    assert per["activations"] == act["total"] == 16_739_467_264
+    need = kv["total"] + act["total"]  # 41.47 GB, 38.62 GiB
+    headroom = int(tb5.memory_headroom_gb * GiB)
+    assert need + 5 * GiB <= headroom  # 44 GiB: 5.38 GiB beyond what is modelled
+    vision = acc.classes["vision"]["source_bytes"]  # 0.89 GB, rank 0 only
+    metal = {"max_recommended_working_set_bytes": box.wired, "memory_bytes": box.physical,
+             "iogpu_wired_limit_mb": box.wired_limit_mb}
+    for rank in range(tb5.size):
+        weights = per["nonexpert"] + per["routed_experts"] + (
+            vision if rank in vision_ranks(tb5.size) else 0)
+        assert weights + headroom <= box.wired - box.runtime_reserve  # 482.21 GiB <= 484
+        assert preflight.check_memory(folder, weights, headroom, box.physical, "given", metal,
+                                      kv, act) == weights + headroom
 
 
 def test_k3_plan_fits_two_boxes():

@@ -20,7 +20,7 @@ from util import REPO
 
 def test_preflight_fits_and_reports(mini_build):
     report = preflight.preflight(mini_build, headroom_bytes=64 * MiB, max_batch=8,
-                                 max_context=4096, dtype="float32")
+                                 max_context=4096, prefill_chunk=32, dtype="float32")
     files = sorted(Path(mini_build).glob("*.safetensors"))
     data = 0
     for f in files:  # data = file minus the 8-byte length and the JSON header
@@ -30,6 +30,10 @@ def test_preflight_fits_and_reports(mini_build):
     assert report["footprint_bytes"] == data + 64 * MiB
     kv = preflight.kv_need(mini_build, max_batch=8, max_context=4096, dtype="float32")
     assert report["kv_need_bytes"] == kv["total"] > 0 and report["kv"]["batch"] == 8
+    act = preflight.activation_need(mini_build, max_context=4096, prefill_chunk=32,
+                                    dtype="float32")
+    assert report["activations_bytes"] == act["total"] > 0
+    assert report["need_bytes"] == kv["total"] + act["total"] <= 64 * MiB
     assert report["free_bytes"] > report["footprint_bytes"]
     assert report["free_source"].startswith("/proc/meminfo" if sys.platform == "linux"
                                             else "vm_stat")
@@ -44,7 +48,7 @@ def test_preflight_refuses_with_numbers_and_fix(mini_build):
     footprint = preflight.folder_weight_bytes(mini_build) + GiB
     with pytest.raises(PreflightError) as e:
         preflight.preflight(mini_build, headroom_bytes=GiB, max_batch=1, max_context=256,
-                            free_bytes=footprint - 4096)
+                            prefill_chunk=32, free_bytes=footprint - 4096)
     msg = str(e.value)
     assert f"{footprint:,} bytes" in msg and f"{footprint - 4096:,} bytes" in msg
     assert "fix:" in msg and "--size" in msg and str(mini_build) in msg
@@ -52,7 +56,8 @@ def test_preflight_refuses_with_numbers_and_fix(mini_build):
 
 def test_preflight_refuses_a_folder_without_weights(tmp_path):
     with pytest.raises(PreflightError, match="no \\*.safetensors"):
-        preflight.preflight(tmp_path, headroom_bytes=GiB, max_batch=1, max_context=256)
+        preflight.preflight(tmp_path, headroom_bytes=GiB, max_batch=1, max_context=256,
+                            prefill_chunk=32)
 
 
 def test_metal_wired_limit_fix_names_the_sysctl():
@@ -128,6 +133,17 @@ def test_k3_kv_numbers_equal_the_hand_calculation(tmp_path):
     assert pc["tokens_held_at_most"] == 262_144 and pc["entries_at_most"] == 9
     assert pc["total"] == (262_144 + 9 * 255) * 27_648 + 9 * K3_KDA // 2 == 9_333_384_192
     assert kv["total"] == 15_394_258_944 + 9_333_384_192 == 24_727_643_136  # 23.03 GiB
+    # and a 512-token prefill chunk at 128K: 48 of the 96 MLA heads on this rank
+    act = preflight.activation_need(_rank_folder(tmp_path, real_config()), max_context=131072,
+                                    prefill_chunk=512, dtype="bfloat16")
+    assert act["attention_heads"] == 48
+    assert act["mla_kv_decompressed"] == 48 * 131072 * (128 + 128) * 2 == 3_221_225_472
+    assert act["attention_scores"] == 2 * 48 * 512 * 131072 * 2 == 12_884_901_888
+    assert act["logits"] == 512 * 163_840 * 4  # F32
+    assert act["hidden_and_attnres_stack"] == 512 * 7168 * 2 * (2 * 8 + 4)  # 8 AttnRes blocks
+    assert act["moe"] == 512 * 16 * 3072 * 3 * 2
+    assert act["total"] == 16_739_467_264
+    assert kv["total"] + act["total"] == 41_467_110_400  # 38.62 GiB: tb5.yaml keeps 44
 
 
 def test_a_batch_the_headroom_cannot_hold_is_refused_with_the_fix(tmp_path):
@@ -155,26 +171,70 @@ def test_a_batch_the_headroom_cannot_hold_is_refused_with_the_fix(tmp_path):
     assert whole["total"] > fits["total"] and whole["attention_ranks"] == 1
 
 
+def test_headroom_for_the_kv_but_not_the_prefill_is_refused(tmp_path):
+    """tb5.yaml's limits with 40 GiB would hold the KV (24.73 GB) and a 512-token chunk's
+    activations (16.74 GB), 41.47 GB; 2048-token chunks quadruple the attention scores:
+    82.02 GB."""
+    folder = _rank_folder(tmp_path, real_config())
+    limits = {"max_batch": 4, "max_context": 131072, "prompt_cache_tokens": 131072}
+    kv = preflight.kv_need(folder, **limits)
+    act = {c: preflight.activation_need(folder, max_context=131072, prefill_chunk=c)
+           for c in (512, 2048)}
+    assert kv["total"] + act[512]["total"] <= 40 * GiB < kv["total"] + act[2048]["total"]
+    assert preflight.check_memory(folder, 400 * GiB, 40 * GiB, 500 * GiB, "given", None, kv,
+                                  act[512]) == 440 * GiB
+    with pytest.raises(PreflightError) as e:
+        preflight.check_memory(folder, 400 * GiB, 40 * GiB, 500 * GiB, "given", None, kv,
+                               act[2048])
+    msg, need = str(e.value), kv["total"] + act[2048]["total"]
+    assert str(folder) in msg and f"{need:,} bytes" in msg and f"{40 * GiB:,}" in msg
+    assert f"{act[2048]['total']:,} bytes" in msg and "prefill_chunk of 2,048 tokens" in msg
+    for fix in ("fix:", "lower max_batch, max_context, prompt_cache_tokens or prefill_chunk",
+                f"raise memory_headroom_gb above {-(-need // GiB)}"):
+        assert fix in msg, fix
+    # through preflight() itself: one request (13.18 GB of KV with the prompt cache) and a
+    # 512-token chunk (16.74 GB) are 27.87 GiB, more than 16 GiB
+    (folder / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
+    with pytest.raises(PreflightError, match="prefill_chunk of 512 tokens"):
+        preflight.preflight(folder, headroom_bytes=16 * GiB, max_batch=1, max_context=131072,
+                            prompt_cache_tokens=1, prefill_chunk=512, free_bytes=1 << 50,
+                            set_wired=False)
+
+
 def test_preflight_refuses_a_context_the_headroom_cannot_hold(mini_build):
     big = preflight.kv_need(mini_build, max_batch=256, max_context=1 << 20, dtype="float32")
     with pytest.raises(PreflightError, match="lower max_batch") as e:
         preflight.preflight(mini_build, headroom_bytes=64 * MiB, max_batch=256,
-                            max_context=1 << 20, dtype="float32")
+                            max_context=1 << 20, prefill_chunk=32, dtype="float32")
     assert f"{big['total']:,} bytes" in str(e.value) and str(mini_build) in str(e.value)
 
 
-def test_shipped_deployments_pass_the_kv_check(tmp_path):
+def _need(folder, dep) -> int:
+    kv = preflight.kv_need(folder, max_batch=dep.max_batch, max_context=dep.max_context,
+                           prompt_cache_tokens=dep.prompt_cache_tokens, dtype=dep.dtype)
+    act = preflight.activation_need(folder, max_context=dep.max_context,
+                                    prefill_chunk=dep.prefill_chunk, dtype=dep.dtype)
+    return kv["total"] + act["total"]
+
+
+def test_shipped_deployments_pass_the_memory_check(tmp_path):
     """deploy/tb5.yaml with the real K3 (sliced for its 2 ranks, attention split), and the
-    embedded default / deploy/local.yaml / the test servers' settings with the mini-K3."""
+    embedded default / deploy/local.yaml / the test servers' settings with the mini-K3:
+    the headroom holds the KV/state and the prefill activations."""
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
     assert tb5.attention == "split" and tb5.size == 2 and tb5.dtype == "bfloat16"
-    kv = preflight.kv_need(_rank_folder(tmp_path / "tb5", real_config(), size=tb5.size),
-                           max_batch=tb5.max_batch, max_context=tb5.max_context,
-                           prompt_cache_tokens=tb5.prompt_cache_tokens, dtype=tb5.dtype)
-    assert kv["total"] <= tb5.memory_headroom_gb * GiB
+    need = _need(_rank_folder(tmp_path / "tb5", real_config(), size=tb5.size), tb5)
+    assert need == 41_467_110_400 and tb5.memory_headroom_gb == 44
+    assert need + 5 * GiB <= tb5.memory_headroom_gb * GiB  # 5.38 GiB beyond the model
     mini = k3dist.DATA_DIR / "mini-k3"  # the embedded default's source (no manifest: whole)
-    for dep in (Deployment(), load_deployment(REPO / "deploy" / "local.yaml"),
-                load_deployment(REPO / "deploy" / "local.yaml", max_context=512, max_batch=8)):
-        kv = preflight.kv_need(mini, max_batch=dep.max_batch, max_context=dep.max_context,
-                               prompt_cache_tokens=dep.prompt_cache_tokens, dtype=dep.dtype)
-        assert kv["total"] <= dep.memory_headroom_gb * GiB / 10  # 38 MB of 2 GiB at 4096
+    local = REPO / "deploy" / "local.yaml"
+    deps = {"default": Deployment(), "local.yaml": load_deployment(local),
+            "tests/serving.py": load_deployment(local, max_context=512, prefill_chunk=32,
+                                                max_batch=8),
+            "test_agent_api": load_deployment(local, max_context=2048, prefill_chunk=32)}
+    needs = {name: _need(mini, dep) for name, dep in deps.items()}
+    # the largest, the defaults (4096 tokens, 8 requests, chunk 256, float32): 74 MB = KV
+    # 38.1 MB + activations 35.9 MB, 3.4% of the default 2 GiB
+    assert needs["default"] == needs["local.yaml"] == 38_089_088 + 35_913_728
+    for name, dep in deps.items():
+        assert needs[name] <= needs["default"] <= dep.memory_headroom_gb * GiB / 20, name

@@ -4,8 +4,10 @@ deployment's headroom hold what serving will keep beside the weights? Refuse wit
 numbers and the fix; otherwise wire the footprint. The headroom is the deployment's
 ``memory_headroom_gb`` (``k3dist.serve.config``); it must hold at least the KV cache and
 state of ``max_batch`` requests at ``max_context`` tokens plus the prompt cache's bound
-(:func:`kv_need`, ``k3dist.format.kvmemory``: the arithmetic the build planner budgets
-with). Running out of memory under load on Metal is a crash, not an error a client sees.
+(:func:`kv_need`) and the activations of one ``prefill_chunk`` at ``max_context``
+(:func:`activation_need`), both from ``k3dist.format.kvmemory``: the arithmetic the build
+planner budgets with. Running out of memory under load on Metal is a crash, not an error a
+client sees.
 """
 
 from __future__ import annotations
@@ -105,15 +107,10 @@ def metal_limits() -> dict | None:
     }
 
 
-def kv_need(folder: str | Path, *, max_batch: int, max_context: int,
-            prompt_cache_tokens: int | None = None, dtype: str = "bfloat16") -> dict:
-    """The KV cache and state serving keeps on this rank at most
-    (``k3dist.format.kvmemory.serving_bytes``): ``max_batch`` requests at ``max_context``
-    tokens and the prompt cache (``prompt_cache_tokens``; None: 4 x ``max_context``), in
-    the deployment's compute ``dtype``, from the folder's ``config.json``. A rank folder
-    sliced with attention split holds its share of the split layers' KDA state (its
-    manifest says which); anything else, all of it."""
-    folder = Path(folder)
+def _attention_layout(folder: Path) -> tuple[dict, int, list[int]]:
+    """The folder's text config, and the ranks its attention is split over with the
+    layers whose heads are divided (a rank folder sliced with attention split: its
+    manifest says which; anything else: 1, none)."""
     try:
         tc = layout.text_config(json.loads((folder / "config.json").read_text()))
     except (OSError, ValueError) as e:
@@ -126,6 +123,19 @@ def kv_need(folder: str | Path, *, max_batch: int, max_context: int,
             size, split = int(m["size"]), list(manifest.attention_of(m)["split_layers"])
     except (OSError, ValueError, KeyError, TypeError):
         pass  # no (readable) manifest: count the whole state; the loader checks the folder
+    return tc, size, split
+
+
+def kv_need(folder: str | Path, *, max_batch: int, max_context: int,
+            prompt_cache_tokens: int | None = None, dtype: str = "bfloat16") -> dict:
+    """The KV cache and state serving keeps on this rank at most
+    (``k3dist.format.kvmemory.serving_bytes``): ``max_batch`` requests at ``max_context``
+    tokens and the prompt cache (``prompt_cache_tokens``; None: 4 x ``max_context``), in
+    the deployment's compute ``dtype``, from the folder's ``config.json``. A rank folder
+    sliced with attention split holds its share of the split layers' KDA state (its
+    manifest says which); anything else, all of it."""
+    folder = Path(folder)
+    tc, size, split = _attention_layout(folder)
     try:
         kv = kvmemory.serving_bytes(tc, context=max_context, batch=max_batch,
                                     prompt_cache_tokens=prompt_cache_tokens,
@@ -137,26 +147,60 @@ def kv_need(folder: str | Path, *, max_batch: int, max_context: int,
     return {**kv, "dtype": dtype, "attention_ranks": size, "split_layers": len(split)}
 
 
+def activation_need(folder: str | Path, *, max_context: int, prefill_chunk: int,
+                    dtype: str = "bfloat16") -> dict:
+    """The peak activations of one prefill chunk of ``prefill_chunk`` tokens at
+    ``max_context`` on this rank (``k3dist.format.kvmemory.prefill_activation_bytes``), in
+    the deployment's compute ``dtype``; a rank folder sliced with attention split holds
+    its share of the split MLA layers' heads (its manifest says which)."""
+    folder = Path(folder)
+    tc, size, split = _attention_layout(folder)
+    try:
+        act = kvmemory.prefill_activation_bytes(tc, context=max_context, chunk=prefill_chunk,
+                                                act=kvmemory.act_bytes(dtype), size=size,
+                                                split_layers=split)
+    except (KeyError, TypeError) as e:
+        raise PreflightError(f"{folder}/config.json: no K3 model settings ({e!r} missing); "
+                             "pass a rank folder made by slicing/rank_split.py") from None
+    return {**act, "dtype": dtype, "attention_ranks": size}
+
+
 def check_memory(folder: str | Path, weights: int, headroom: int, free: int,
                  free_source: str, metal: Mapping | None = None,
-                 kv: Mapping | None = None) -> int:
-    """Refuse (PreflightError) unless the headroom holds ``kv`` (:func:`kv_need`; None:
-    not checked) and weights + headroom fit; returns the footprint.
+                 kv: Mapping | None = None, act: Mapping | None = None) -> int:
+    """Refuse (PreflightError) unless the headroom holds ``kv`` (:func:`kv_need`) plus
+    ``act`` (:func:`activation_need`; either None: not counted) and weights + headroom
+    fit; returns the footprint.
     Pure: preflight passes the measured numbers, tests pass pretend ones."""
-    if kv is not None and kv["total"] > headroom:
-        pc = kv["prompt_cache"]
+    kv_total = kv["total"] if kv is not None else 0
+    act_total = act["total"] if act is not None else 0
+    if (kv is not None or act is not None) and kv_total + act_total > headroom:
+        parts = []
+        if kv is not None:
+            pc = kv["prompt_cache"]
+            parts.append(
+                f"serving max_batch {kv['batch']} requests together of up to max_context "
+                f"{kv['context']:,} tokens keeps up to {_gib(kv['requests'])} of KV cache and "
+                f"state on this rank ({_gib(kv['per_request'])} a request, {kv['dtype']}), and "
+                f"the prompt cache up to {_gib(pc['total'])} (prompt_cache_tokens "
+                f"{pc['tokens']:,}: at most {pc['tokens_held_at_most']:,} tokens in "
+                f"{pc['entries_at_most']} entries): {_gib(kv_total)}")
+        if act is not None:
+            parts.append(
+                f"prefilling a prefill_chunk of {act['prefill_chunk']:,} tokens at "
+                f"{act['context']:,} tokens of context takes up to {_gib(act_total)} of "
+                f"activations ({act['attention_heads']} attention heads on this rank: MLA k/v "
+                f"{_gib(act['mla_kv_decompressed'])}, attention scores "
+                f"{_gib(act['attention_scores'])}, {act['dtype']})")
+        only = "" if act is not None else ", which must also hold the prefill activations"
+        knobs = ("max_batch, max_context, prompt_cache_tokens or prefill_chunk"
+                 if act is not None else "max_batch, max_context or prompt_cache_tokens")
         raise PreflightError(
-            f"{folder}: serving max_batch {kv['batch']} requests together of up to "
-            f"max_context {kv['context']:,} tokens keeps up to {_gib(kv['requests'])} of KV "
-            f"cache and state on this rank ({_gib(kv['per_request'])} a request, "
-            f"{kv['dtype']}), and the prompt cache up to {_gib(pc['total'])} "
-            f"(prompt_cache_tokens {pc['tokens']:,}: at most {pc['tokens_held_at_most']:,} "
-            f"tokens in {pc['entries_at_most']} entries): {_gib(kv['total'])} in all, but "
-            f"memory_headroom_gb is {headroom / GiB:g} ({_gib(headroom)}), which must also hold "
-            f"the prefill activations; fix: lower max_batch, max_context or "
-            f"prompt_cache_tokens, or raise memory_headroom_gb above "
-            f"{math.ceil(kv['total'] / GiB)} where the machine has the memory (a smaller build "
-            "leaves more)")
+            f"{folder}: {'; '.join(parts)}; {_gib(kv_total + act_total)} in all, but "
+            f"memory_headroom_gb is {headroom / GiB:g} ({_gib(headroom)}){only}; fix: lower "
+            f"{knobs}, or raise memory_headroom_gb above "
+            f"{math.ceil((kv_total + act_total) / GiB)} where the machine has the memory (a "
+            "smaller build leaves more)")
     footprint = weights + headroom
     need = (f"{folder} needs {_gib(footprint)}: {_gib(weights)} of weights + "
             f"{_gib(headroom)} headroom for KV cache and activations")
@@ -181,11 +225,13 @@ def check_memory(folder: str | Path, weights: int, headroom: int, free: int,
 
 
 def preflight(folder: str | Path, *, headroom_bytes: int, max_batch: int, max_context: int,
-              prompt_cache_tokens: int | None = None, dtype: str = "bfloat16",
-              free_bytes: int | None = None, set_wired: bool = True) -> dict:
+              prefill_chunk: int, prompt_cache_tokens: int | None = None,
+              dtype: str = "bfloat16", free_bytes: int | None = None,
+              set_wired: bool = True) -> dict:
     """Check that this rank's folder and what serving keeps beside it (:func:`kv_need`
     for the deployment's ``max_batch``, ``max_context``, ``prompt_cache_tokens``,
-    ``dtype``) fit before loading it; on Metal, wire it.
+    ``dtype``; :func:`activation_need` for its ``prefill_chunk``) fit before loading it;
+    on Metal, wire it.
 
     ``free_bytes`` replaces the measured free memory (tests, or a deployment that
     knows better). Returns the numbers, for serve to print as evidence.
@@ -193,14 +239,17 @@ def preflight(folder: str | Path, *, headroom_bytes: int, max_batch: int, max_co
     weights = folder_weight_bytes(folder)
     kv = kv_need(folder, max_batch=max_batch, max_context=max_context,
                  prompt_cache_tokens=prompt_cache_tokens, dtype=dtype)
+    act = activation_need(folder, max_context=max_context, prefill_chunk=prefill_chunk,
+                          dtype=dtype)
     if free_bytes is None:
         free, source = free_memory()
     else:
         free, source = int(free_bytes), "given"
     metal = metal_limits()
-    footprint = check_memory(folder, weights, headroom_bytes, free, source, metal, kv)
+    footprint = check_memory(folder, weights, headroom_bytes, free, source, metal, kv, act)
     report = {"folder": str(folder), "weights_bytes": weights, "headroom_bytes": headroom_bytes,
-              "kv_need_bytes": kv["total"],
+              "kv_need_bytes": kv["total"], "activations_bytes": act["total"],
+              "need_bytes": kv["total"] + act["total"],
               "kv": {k: kv[k] for k in ("batch", "context", "dtype", "per_request", "requests",
                                         "attention_ranks")}
               | {"prompt_cache_tokens": kv["prompt_cache"]["tokens"],
