@@ -33,7 +33,9 @@ def test_preflight_fits_and_reports(mini_build):
     act = preflight.activation_need(mini_build, max_context=4096, prefill_chunk=32,
                                     dtype="float32")
     assert report["activations_bytes"] == act["total"] > 0
-    assert report["need_bytes"] == kv["total"] + act["total"] <= 64 * MiB
+    # the mini's 8-request batch-join copy outgrows a 32-token chunk's activations
+    assert kv["requests"] > act["total"]
+    assert report["need_bytes"] == kv["total"] + kv["requests"] <= 64 * MiB
     assert report["free_bytes"] > report["footprint_bytes"]
     assert report["free_source"].startswith("/proc/meminfo" if sys.platform == "linux"
                                             else "vm_stat")
@@ -158,7 +160,9 @@ def test_a_batch_the_headroom_cannot_hold_is_refused_with_the_fix(tmp_path):
     assert str(folder) in msg and f"{kv['total']:,} bytes" in msg and f"{24 * GiB:,}" in msg
     assert "max_batch 8 requests" in msg and "max_context 131,072 tokens" in msg
     for fix in ("fix:", "lower max_batch, max_context or prompt_cache_tokens",
-                f"raise memory_headroom_gb above {-(-kv['total'] // GiB)}", "smaller build"):
+                # held + the batch-join copy of the 8 requests' caches
+                f"raise memory_headroom_gb above {-(-(kv['total'] + kv['requests']) // GiB)}",
+                "smaller build"):
         assert fix in msg, fix
     # what fits: 4 requests and a 128K prompt cache under 40 GiB
     fits = preflight.kv_need(folder, max_batch=4, max_context=131072,
@@ -199,6 +203,25 @@ def test_headroom_for_the_kv_but_not_the_prefill_is_refused(tmp_path):
         preflight.preflight(folder, headroom_bytes=16 * GiB, max_batch=1, max_context=131072,
                             prompt_cache_tokens=1, prefill_chunk=512, free_bytes=1 << 50,
                             set_wired=False)
+
+
+def test_a_prompt_joining_a_large_batch_counts_its_copy(tmp_path):
+    """8 requests at 128K with 64-token prefill chunks: the batch-join copy of the
+    caches (8 x 3.85 GB) outgrows a chunk's activations, and the need counts it."""
+    folder = _rank_folder(tmp_path, real_config())
+    kv = preflight.kv_need(folder, max_batch=8, max_context=131072, prompt_cache_tokens=1)
+    act = preflight.activation_need(folder, max_context=131072, prefill_chunk=64)
+    assert kv["requests"] == 8 * 3_848_564_736 > act["total"]
+    need = kvmemory.need_bytes(kv, act)
+    assert need["transient"] == kv["requests"]
+    assert need["total"] == kv["total"] + kv["requests"]
+    between = kv["total"] + act["total"] + GiB  # holds the prefill, not the join
+    assert between < need["total"]
+    with pytest.raises(PreflightError, match="joining the decode batch copies its caches"):
+        preflight.check_memory(folder, 400 * GiB, between, 1 << 50, "given", None, kv, act)
+    room = -(-need["total"] // GiB) * GiB
+    assert preflight.check_memory(folder, 400 * GiB, room, 1 << 50, "given", None, kv,
+                                  act) == 400 * GiB + room
 
 
 def test_preflight_refuses_a_context_the_headroom_cannot_hold(mini_build):

@@ -605,7 +605,8 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
     efmt = QFormat.parse(ne["embed"]["format"]) if "embed" in ne else SOURCE
     erow = efmt.nbytes(1, H) if efmt.quantized and efmt.fits(H) else 2 * H
     ne_read = ne_rank - ne.get("embed", {}).get("per_rank", 0) + (erow if "embed" in ne else 0)
-    fixed = ne_rank + kv["total"] + act["total"]
+    need = kvmemory.need_bytes(kv, act)  # KV held + the larger of prefill / batch join
+    fixed = ne_rank + need["total"]
     hi_b = acc.expert_bytes(MXFP4)
     params = acc.expert_params
 
@@ -655,7 +656,8 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
         if not ok:
             raise ValueError(
                 f"nothing fits {budget} bytes per rank: non-experts {ne_rank}, KV/state "
-                f"{kv['total']}, activations {act['total']} leave {budget - fixed} for "
+                f"{kv['total']}, activations {act['total']} (batch join {need['joining']}) leave "
+                f"{budget - fixed} for "
                 f"routed experts, but the smallest lo format needs "
                 f"{min(o['experts_per_rank'] for o in options)}; lower the context, the "
                 "batch or the prompt cache, quantize non-experts further or add ranks"
@@ -677,6 +679,8 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
         "routed_experts": experts_rank,
         "kv_state": kv["total"],
         "activations": act["total"],
+        # the batch-join copy of the caches where it outgrows a prefill chunk (kvmemory)
+        "batch_join_extra": need["transient"] - act["total"],
     }
     per_rank["total"] = sum(per_rank.values())
     build_bytes = (

@@ -36,10 +36,15 @@ both), in the activation dtype, over the heads the rank holds; plus the chunk's 
 (F32), the hidden states of the AttnRes block stack (``chunk x hidden x (2 x blocks + 4)``)
 and the MoE intermediates (``chunk x top_k x moe_intermediate x 3``).
 
-Not counted here: the transient copies mlx-lm makes when a prefilled prompt joins the
-decode batch (the batch's caches are concatenated), the decode step's own (small)
-activations, MLX's allocator cache; the deployment's headroom (and the plan's
-``headroom`` beyond every modelled need) must hold those too.
+Joining (:func:`need_bytes`): when a prefilled prompt joins the decode batch, mlx-lm's
+``BatchKVCache.extend`` concatenates the batch's caches, so for a moment a second copy of
+them exists (at most the requests' bytes). It never coincides with a prefill chunk (the
+prompt is prefilled and evaluated first), so the peak beside what serving holds is the
+larger of the two.
+
+Not counted here: the decode step's own (small) activations and MLX's allocator cache;
+the deployment's headroom (and the plan's ``headroom`` beyond every modelled need) must
+hold those too.
 """
 
 from __future__ import annotations
@@ -180,4 +185,20 @@ def prefill_activation_bytes(tc: dict, *, context: int, chunk: int, act: int = 2
         "hidden_and_attnres_stack": hidden,
         "moe": moe,
         "total": kv + scores + logits + hidden + moe,
+    }
+
+
+def need_bytes(serving: dict, activations: dict) -> dict:
+    """The most serving needs beside the weights (module doc): what it holds
+    (:func:`serving_bytes`) plus the larger transient, a prefill chunk's activations
+    (:func:`prefill_activation_bytes`) or the copy of the decode batch's caches made when a
+    prompt joins it."""
+    joining = serving["requests"]
+    transient = max(activations["total"], joining)
+    return {
+        "held": serving["total"],
+        "prefill": activations["total"],
+        "joining": joining,
+        "transient": transient,
+        "total": serving["total"] + transient,
     }

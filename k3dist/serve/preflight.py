@@ -174,7 +174,10 @@ def check_memory(folder: str | Path, weights: int, headroom: int, free: int,
     Pure: preflight passes the measured numbers, tests pass pretend ones."""
     kv_total = kv["total"] if kv is not None else 0
     act_total = act["total"] if act is not None else 0
-    if (kv is not None or act is not None) and kv_total + act_total > headroom:
+    # a prompt joining the decode batch copies the batch's caches; never during a prefill
+    joining = kv["requests"] if kv is not None else 0
+    need = kv_total + max(act_total, joining)
+    if (kv is not None or act is not None) and need > headroom:
         parts = []
         if kv is not None:
             pc = kv["prompt_cache"]
@@ -192,14 +195,17 @@ def check_memory(folder: str | Path, weights: int, headroom: int, free: int,
                 f"activations ({act['attention_heads']} attention heads on this rank: MLA k/v "
                 f"{_gib(act['mla_kv_decompressed'])}, attention scores "
                 f"{_gib(act['attention_scores'])}, {act['dtype']})")
+        if joining > act_total:
+            parts.append(f"a prompt joining the decode batch copies its caches: "
+                         f"{_gib(joining)} more for a moment")
         only = "" if act is not None else ", which must also hold the prefill activations"
         knobs = ("max_batch, max_context, prompt_cache_tokens or prefill_chunk"
                  if act is not None else "max_batch, max_context or prompt_cache_tokens")
         raise PreflightError(
-            f"{folder}: {'; '.join(parts)}; {_gib(kv_total + act_total)} in all, but "
+            f"{folder}: {'; '.join(parts)}; {_gib(need)} in all, but "
             f"memory_headroom_gb is {headroom / GiB:g} ({_gib(headroom)}){only}; fix: lower "
             f"{knobs}, or raise memory_headroom_gb above "
-            f"{math.ceil((kv_total + act_total) / GiB)} where the machine has the memory (a "
+            f"{math.ceil(need / GiB)} where the machine has the memory (a "
             "smaller build leaves more)")
     footprint = weights + headroom
     need = (f"{folder} needs {_gib(footprint)}: {_gib(weights)} of weights + "
@@ -249,7 +255,7 @@ def preflight(folder: str | Path, *, headroom_bytes: int, max_batch: int, max_co
     footprint = check_memory(folder, weights, headroom_bytes, free, source, metal, kv, act)
     report = {"folder": str(folder), "weights_bytes": weights, "headroom_bytes": headroom_bytes,
               "kv_need_bytes": kv["total"], "activations_bytes": act["total"],
-              "need_bytes": kv["total"] + act["total"],
+              "need_bytes": kvmemory.need_bytes(kv, act)["total"],
               "kv": {k: kv[k] for k in ("batch", "context", "dtype", "per_request", "requests",
                                         "attention_ranks")}
               | {"prompt_cache_tokens": kv["prompt_cache"]["tokens"],
