@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
 
     folder = rank_folder(dep, rank, size)
 
-    pre = preflight.preflight(folder, headroom_bytes=int(dep.memory_headroom_gb * 2**30))
+    pre = preflight.preflight(folder, headroom_bytes=int(dep.memory_headroom_gb * 2**30),
+                              max_batch=dep.max_batch, max_context=dep.max_context,
+                              prefill_chunk=dep.prefill_chunk,
+                              prompt_cache_tokens=dep.prompt_cache_tokens, dtype=dep.dtype)
     log(rank, f"preflight: {json.dumps(pre)}")
 
     t0 = time.perf_counter()

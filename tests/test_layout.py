@@ -30,6 +30,7 @@ SERVING = {
     "k3dist._blas",
     "k3dist.format",
     "k3dist.format.graded",
+    "k3dist.format.kvmemory",
     "k3dist.format.layout",
     "k3dist.format.manifest",
     "k3dist.format.placement",

@@ -10,12 +10,13 @@ from pathlib import Path
 
 from k3dist.build import plan
 from k3dist.factory.synth import real_config
-from k3dist.format import layout
+from k3dist.format import kvmemory, layout
 
 import mlx.core as mx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+GiB = 1 << 30
 # the real K3's tensor index, as the package ships it (a copy of ../shared/reference's)
 REAL_INDEX = REPO / "k3dist" / "data" / "kimi-k3-model.safetensors.index.json.gz"
 
@@ -66,6 +67,91 @@ def test_kv_state_k3():
     assert kv["mla_layers"] == 24 and kv["kda_layers"] == 69
     assert kv["mla_latent_cache"] == 24 * 4096 * 576 * 2
     assert kv["kda_state"] == 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
+
+
+def test_kv_state_scales_with_batch():
+    """The KV/state line budgets every request the server decodes together, plus the
+    prompt cache (the same arithmetic the server's preflight checks)."""
+    acc = plan.account(real_config())
+    tc = acc.tc
+    one, eight = (plan.kv_state(tc, plan.Box(batch=b)) for b in (1, 8))
+    per = 24 * 131072 * 576 * 2 + 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
+    assert one["per_request"] == eight["per_request"] == per  # 4.07 GB at 128K
+    assert eight["requests"] == 8 * per and one["requests"] == per
+    assert eight["total"] - one["total"] == 7 * per
+    assert one["prompt_cache"] == eight["prompt_cache"] and one["prompt_cache"]["total"] > 0
+    # attention split: each rank holds half the KDA state of each request, all the latent
+    split = plan.kv_state(tc, plan.Box(batch=8), attention_split=2)
+    per_split = per - 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128) // 2
+    assert split["per_request"] == per_split
+    for attention, each in (("replicated", per), ("split", per_split)):
+        req = plan.PlanRequest(ranks=2, lo="2bit-g128", attention=attention)
+        plans = {b: plan.make_plan(acc, plan.Box(batch=b), req) for b in (1, 8)}
+        kv = {b: p["bytes_per_rank"]["kv_state"] for b, p in plans.items()}
+        assert kv[8] - kv[1] == 7 * each
+        assert plans[8]["promoted_total"] < plans[1]["promoted_total"]  # KV comes off experts
+        assert "KV/state: batch 8 x 131,072 tokens" in plan.summary(plans[8])
+
+
+def test_plan_defaults_are_the_real_deployments_limits():
+    """The planner's defaults describe the deployment the project ships (deploy/tb5.yaml):
+    its serving limits, its prefill chunk, its attention layout over its ranks, its
+    compute dtype."""
+    from k3dist.serve.config import load_deployment
+
+    tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
+    box, req = plan.Box(), plan.PlanRequest()
+    assert (box.context, box.batch, box.prompt_cache_tokens, box.prefill_chunk) == (
+        tb5.max_context, tb5.max_batch, tb5.prompt_cache_tokens, tb5.prefill_chunk)
+    assert (req.attention, req.ranks) == (tb5.attention, tb5.size)
+    assert box.act_bytes == kvmemory.act_bytes(tb5.dtype)
+
+
+def test_a_plan_with_the_defaults_passes_tb5_preflight(tmp_path):
+    """A build planned with the defaults (real K3 config and tensor index) serves under
+    deploy/tb5.yaml: the plan budgets the KV/state and activations preflight computes for
+    tb5's limits, tb5's memory_headroom_gb holds them, and each rank's weights (rank 0 also
+    holds the vision tower) + that headroom fit the wired limit the plan assumes, its
+    runtime reserve left free."""
+    from k3dist.build.slicing import vision_ranks
+    from k3dist.serve import preflight
+    from k3dist.serve.config import load_deployment
+
+    tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
+    acc = plan.account(real_config(), plan.read_index(REAL_INDEX), str(REAL_INDEX))
+    box = plan.Box()
+    p = plan.make_plan(acc, box, plan.PlanRequest(ranks=tb5.size))
+    per = p["bytes_per_rank"]
+    # a rank folder sliced for tb5 (attention split over its ranks): config + manifest
+    tc = layout.text_config(real_config())
+    folder = tmp_path / "rank0"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(real_config()))
+    split = [i for i in range(tc["num_hidden_layers"])
+             if layout.attention_heads(tc, i) % tb5.size == 0]
+    assert len(split) == tc["num_hidden_layers"]  # K3: every layer's heads divide (96)
+    (folder / "k3dist.json").write_text(json.dumps({
+        "kind": "rank", "rank": 0, "size": tb5.size,
+        "attention": {"mode": tb5.attention, "split_layers": split}}))
+    kv = preflight.kv_need(folder, max_batch=tb5.max_batch, max_context=tb5.max_context,
+                           prompt_cache_tokens=tb5.prompt_cache_tokens, dtype=tb5.dtype)
+    act = preflight.activation_need(folder, max_context=tb5.max_context,
+                                    prefill_chunk=tb5.prefill_chunk, dtype=tb5.dtype)
+    # the same arithmetic at the same limits: the plan budgets what preflight checks
+    assert per["kv_state"] == kv["total"] == 24_727_643_136
+    assert per["activations"] == act["total"] == 16_739_467_264
+    need = kv["total"] + act["total"]  # 41.47 GB, 38.62 GiB
+    headroom = int(tb5.memory_headroom_gb * GiB)
+    assert need + 5 * GiB <= headroom  # 44 GiB: 5.38 GiB beyond what is modelled
+    vision = acc.classes["vision"]["source_bytes"]  # 0.89 GB, rank 0 only
+    metal = {"max_recommended_working_set_bytes": box.wired, "memory_bytes": box.physical,
+             "iogpu_wired_limit_mb": box.wired_limit_mb}
+    for rank in range(tb5.size):
+        weights = per["nonexpert"] + per["routed_experts"] + (
+            vision if rank in vision_ranks(tb5.size) else 0)
+        assert weights + headroom <= box.wired - box.runtime_reserve  # 482.21 GiB <= 484
+        assert preflight.check_memory(folder, weights, headroom, box.physical, "given", metal,
+                                      kv, act) == weights + headroom
 
 
 def test_k3_plan_fits_two_boxes():

@@ -12,7 +12,7 @@ from pathlib import Path
 from k3dist.bench.evaluate import expert_bytes
 from k3dist.build import convert, grade
 from k3dist.build.checkpoint import Source
-from k3dist.format import layout
+from k3dist.format import kvmemory, layout
 from k3dist.format.graded import HI, LO
 from k3dist.format.sfile import read_bytes, read_header
 from k3dist.serve import banks
@@ -23,6 +23,16 @@ import pytest
 from util import load_f32, prompt_ids
 
 PROJ_SRC = {v: k for k, v in convert.EXPERT_PROJ.items()}  # gate_proj -> w1
+
+
+def _graded_plan_kw(src: Source) -> dict:
+    """A budget between no promotion and all (34 of 80 experts): 2.12 MB for one 256-token
+    request's KV/state, the mini's weights and activations with attention split over the
+    2 ranks (the plan's default), plus the prompt cache bound the plan also keeps room for
+    (256 tokens)."""
+    pc = kvmemory.serving_bytes(src.text_config, context=256, batch=1, prompt_cache_tokens=256)
+    return {"budget": int(2.12e6) + pc["prompt_cache"]["total"], "context": 256, "batch": 1,
+            "prompt_cache_tokens": 256, "headroom": 0}
 
 
 def _tensors(build: Path) -> dict:
@@ -104,12 +114,11 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, alloca
     tc = src.text_config
     out = convert.convert_profile(
         mini_src, tmp_path / "graded", "graded", scores=scores, progress=False,
-        plan_kw={"budget": int(2.838e6), "context": 256, "headroom": 0},
-        allocation=allocation)
+        plan_kw=_graded_plan_kw(src), allocation=allocation)
     m = json.loads((out / "k3dist.json").read_text())
     plan = m["plan"]
     assert 0 < plan["promoted_total"] < len(layout.moe_layers(tc)) * tc["num_experts"]
-    assert plan["bytes_per_rank"]["total"] <= 2.838e6
+    assert plan["bytes_per_rank"]["total"] <= _graded_plan_kw(src)["budget"]
     assert m["convert_profile"]["profile"] == "graded"
     assert (tmp_path / "graded.mxfp4" / "k3dist.json").exists()  # the resumable stage
     cfg = json.loads((out / "config.json").read_text())
@@ -151,8 +160,7 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, alloca
     # resumable / idempotent: a second run finds both stages complete
     again = convert.convert_profile(
         mini_src, tmp_path / "graded", "graded", scores=scores, progress=False,
-        plan_kw={"budget": int(2.838e6), "context": 256, "headroom": 0},
-        allocation=allocation)
+        plan_kw=_graded_plan_kw(src), allocation=allocation)
     assert json.loads((again / "k3dist.json").read_text())["build_hash"] == m["build_hash"]
 
 

@@ -54,7 +54,9 @@ weights, so repeats hit the cache; the expert (17.5 MB) is re-read per layer bec
 are computed, after one host sync per MoE layer.
 
 Per-box footprint: the largest rank's resident weights (mlx-lm drops the vision
-tower at load) + cache, against ``usable_memory``. The build's size (``footprint``)
+tower at load) + cache (``batch`` requests at ``context``, not rounded to the cache step,
+no prompt cache: what a server must budget is ``k3dist.format.kvmemory.serving_bytes``),
+against ``usable_memory``. The build's size (``footprint``)
 is the sum of every tensor at the profile's bits; for ``mxfp4`` (experts as shipped,
 non-experts in their source dtypes) it is the source's 1,560,860,324,864 bytes.
 
@@ -73,7 +75,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from k3dist.format import layout
+from k3dist.format import kvmemory, layout
 from k3dist.format.placement import Placement, contiguous
 from k3dist.serve.config import MOE_FORMS
 
@@ -301,8 +303,10 @@ def _group(s: layout.TensorSpec) -> str:
 def facts(config: dict, profile: Profile) -> Facts:
     tc = layout.text_config(config)
     kda = layout.kda_layers(tc)
-    lc = tc["linear_attn_config"]
-    nh, hd, ks = lc["num_heads"], lc["head_dim"], lc["short_conv_kernel_size"]
+    # one request's per-layer cache and state: the arithmetic preflight and the planner
+    # budget with (k3dist.format.kvmemory)
+    kda_state = kvmemory.kda_layer_state_bytes(tc, ACT_BYTES)
+    mla_cache = kvmemory.mla_layer_bytes_per_token(tc, ACT_BYTES)
     layers = []
     for i in range(tc["num_hidden_layers"]):
         b = dict.fromkeys(GROUPS, 0.0)
@@ -313,11 +317,9 @@ def facts(config: dict, profile: Profile) -> Facts:
             if len(s.shape) == 2 and s.shape[0] > 1 and s.family not in ("norm", "attn_res"):
                 e[g] += s.shape[0] * s.shape[1]
         if i in kda:
-            state = 4 * nh * hd * hd + ACT_BYTES * (ks - 1) * 3 * nh * hd
-            cache = 0.0
+            state, cache = kda_state, 0.0
         else:
-            state = 0.0
-            cache = ACT_BYTES * (tc["kv_lora_rank"] + tc["qk_rope_head_dim"])
+            state, cache = 0.0, mla_cache
         layers.append(Layer(i, "kda" if i in kda else "mla", layout.is_moe_layer(tc, i),
                             b, e, state, cache))
     head = {"embed": 0.0, "embed_row": 0.0, "lm_head": 0.0, "norms": 0.0}

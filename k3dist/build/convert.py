@@ -499,9 +499,12 @@ def plan_graded(src: Source, ranks: int = 2, budget: int | None = None,
                 budget_total: int | None = None, target_bpw: float | None = None,
                 lo: str = "auto", nonexpert: dict[str, str] | None = None,
                 nonexpert_from: dict[str, str] | None = None, context: int | None = None,
-                headroom: int | None = None) -> dict:
+                headroom: int | None = None, batch: int | None = None,
+                prompt_cache_tokens: int | None = None) -> dict:
     """The byte-budget plan (``k3dist.build.plan``) from the source's own config and
-    index. ValueError with the numbers when nothing fits."""
+    index; ``context``, ``batch``, ``prompt_cache_tokens``: the serving limits it leaves
+    KV/state for (None: the plan's defaults). ValueError with the numbers when nothing
+    fits."""
     from dataclasses import replace
 
     from k3dist.build import plan as planner
@@ -511,7 +514,8 @@ def plan_graded(src: Source, ranks: int = 2, budget: int | None = None,
                          "--budget-total BYTES or --target-bpw BITS")
     index = json.loads(src.index_path.read_text()) if src.index_path.exists() else None
     acc = planner.account(src.config, index, str(src.index_path))
-    box = planner.Box() if context is None else replace(planner.Box(), context=context)
+    limits = {"context": context, "batch": batch, "prompt_cache_tokens": prompt_cache_tokens}
+    box = replace(planner.Box(), **{k: v for k, v in limits.items() if v is not None})
     req = planner.PlanRequest(
         ranks=ranks,
         budget_per_rank=budget if budget is not None else (
@@ -641,13 +645,18 @@ def main() -> None:
                    "the plan's promotions go to the highest scores over all layers; "
                    "per-layer: the plan's count in every layer")
     g.add_argument("--context", type=int, help="tokens of context the plan leaves KV for")
+    g.add_argument("--batch", type=int, help="requests served together the plan leaves KV "
+                   "for (plan default)")
+    g.add_argument("--prompt-cache-tokens", type=int, help="the prompt cache bound the plan "
+                   "leaves KV for (plan default)")
     g.add_argument("--headroom-gib", type=float, help="kept free per rank (plan default)")
     g.add_argument("--nonexpert-sensitivity", metavar="JSON",
                    help="measured non-expert formats (plan --nonexpert-sensitivity)")
     g.add_argument("--kl-tolerance", type=float, help="with --nonexpert-sensitivity")
     args = ap.parse_args()
     graded_only = ("budget", "budget_total", "target_bpw", "scores", "k_hi", "routes", "context",
-                   "headroom_gib", "nonexpert_sensitivity", "kl_tolerance")
+                   "batch", "prompt_cache_tokens", "headroom_gib", "nonexpert_sensitivity",
+                   "kl_tolerance")
     given = [f"--{k.replace('_', '-')}" for k in graded_only if getattr(args, k) is not None]
     if args.profile != "graded" and given:
         ap.error(f"{', '.join(given)}: only with --profile graded")
@@ -658,6 +667,7 @@ def main() -> None:
         from k3dist.build import plan as planner
 
         plan_kw = {"ranks": args.ranks, "lo": args.lo, "context": args.context,
+                   "batch": args.batch, "prompt_cache_tokens": args.prompt_cache_tokens,
                    "budget": int(args.budget) if args.budget is not None else None,
                    "budget_total": int(args.budget_total) if args.budget_total else None,
                    "target_bpw": args.target_bpw,

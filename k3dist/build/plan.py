@@ -15,12 +15,12 @@ Three parts, each usable alone:
   MLP, embedding, ``lm_head``, small tensors kept in their source dtype (norms, convs,
   ``A_log``, ``dt_bias``, AttnRes), vision (carried in the build, dropped at load).
 - **Memory model** (:class:`Box`) and **plan** (:func:`make_plan`): per box, the usable
-  memory (below), the KV/state at the context the server supports and the activations
-  of a prefill chunk at that context; what is left holds the weights. The plan picks the
-  lo-bank format of the routed experts, how many experts per layer keep their MXFP4
-  bytes (the hi bank) and the format of each non-expert class, and reports bytes per
-  rank. Which experts are promoted is for calibration (``k3dist`` sensitivity scoring)
-  to decide; the plan fixes how many.
+  memory (below), the KV/state the server holds at its limits (``batch`` requests at
+  ``context`` tokens and the prompt cache) and the activations of a prefill chunk at that
+  context; what is left holds the weights. The plan picks the lo-bank format of the
+  routed experts, how many experts per layer keep their MXFP4 bytes (the hi bank) and the
+  format of each non-expert class, and reports bytes per rank. Which experts are promoted
+  is for calibration (``k3dist`` sensitivity scoring) to decide; the plan fixes how many.
 
 Memory assumptions (:class:`Box` fields; every one a flag of ``python -m k3dist.build.plan``):
 
@@ -30,17 +30,26 @@ Memory assumptions (:class:`Box` fields; every one a flag of ``python -m k3dist.
   process's unwired memory (Python, tokenizer, HTTP server, file cache pressure);
 - of the wired memory, ``runtime_reserve`` (4 GiB) stays free for MLX's allocator cache
   and fragmentation, Metal command buffers and the collective buffers;
-- KV/state (batch 1, requests are served one at a time): the MLA latent cache
-  ``(kv_lora_rank + qk_rope_head_dim) x 2 B`` per token for each MLA layer (mlx-lm's
-  ``KVCache`` holds the latent, growing in steps of 256), and the KDA recurrent state
-  (``heads x head_dim^2`` F32) + conv state (``3 x (kernel - 1) x heads x head_dim``,
-  bf16) for each KDA layer — whole on every rank (attention replicated; split by heads
-  with ``--attention split``);
-- activations: the peak of one prefill chunk at full context — an MLA layer decompresses
-  k and v for the whole context (``heads x context x (nope + v) x 2 B``) and builds the
-  rope scores and the attention scores (``2 x heads x chunk x context x 2 B``: mlx-lm's
-  fallback path materialises both) — plus the chunk's logits (F32) and hidden states of
-  the AttnRes block stack.
+- KV/state (``k3dist.format.kvmemory``, the arithmetic the server's preflight checks a
+  deployment with): per request the MLA latent cache ``(kv_lora_rank + qk_rope_head_dim) x
+  2 B`` per token for each MLA layer (mlx-lm's ``KVCache`` holds the latent, growing in
+  steps of 256; whole on every rank), and the KDA recurrent state (``heads x head_dim^2``
+  F32) + conv state (``3 x (kernel - 1) x heads x head_dim``, bf16) for each KDA layer
+  (split by heads across the ranks with ``--attention split``, the default; whole on every
+  rank with ``--attention replicated``); ``--batch`` requests (the server's ``max_batch``:
+  they decode together, each with its own cache) at ``--context`` tokens, plus the prompt
+  cache: at most ``max(--prompt-cache-tokens, context) + context`` tokens in at most 9
+  entries, each with a whole KDA state;
+- activations (``k3dist.format.kvmemory.prefill_activation_bytes``, also what preflight
+  checks): the peak of one prefill chunk of ``--prefill-chunk`` tokens at full context —
+  an MLA layer decompresses k and v for the whole context (``heads x context x (nope + v)
+  x 2 B``) and builds the rope scores and the attention scores (``2 x heads x chunk x
+  context x 2 B``: mlx-lm's fallback path materialises both), over the heads a rank holds
+  — plus the chunk's logits (F32), hidden states of the AttnRes block stack and the MoE
+  intermediates;
+- the defaults describe the deployment the project ships, ``deploy/tb5.yaml``
+  (``tests/test_plan.py`` keeps them equal): attention split over the ranks, 4 requests at
+  128K, a 128K-token prompt cache, prefill chunks of 512 tokens.
 
 Promoted experts keep **no** 2-bit fallback copy in the lo bank by default: a route the
 hi bank cannot take (more than ``k_hi`` promoted routes in one token) is dropped and
@@ -57,6 +66,8 @@ without the file, :data:`DEFAULT_NONEXPERT`. Each class's ``from`` in the plan s
 
     python -m k3dist.build.plan --config CONFIG --index INDEX [--budget auto|BYTES] --dry-run --json
         [--nonexpert-sensitivity benchmarks/results/nonexpert-2026-12-01.json]
+        [--context TOKENS] [--batch N] [--prompt-cache-tokens TOKENS] [--prefill-chunk TOKENS]
+        [--attention split|replicated]
 """
 
 from __future__ import annotations
@@ -71,7 +82,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from k3dist import REPO
-from k3dist.format import layout
+from k3dist.format import kvmemory, layout
 
 GiB = 1 << 30
 
@@ -414,9 +425,12 @@ class Box:
     physical: int = 512 * GiB
     wired_limit_mb: int = 499712  # sysctl iogpu.wired_limit_mb (raised from the default)
     runtime_reserve: int = 4 * GiB  # MLX allocator cache, command buffers, collectives
-    context: int = 131072  # tokens of one request (prompt + completion)
-    prefill_chunk: int = 256
-    cache_step: int = 256  # mlx-lm KVCache growth step
+    # What the server holds (deploy/tb5.yaml's limits; tests/test_plan.py keeps them equal):
+    context: int = 131072  # tokens of one request (prompt + completion): max_context
+    batch: int = 4  # requests decoded together: max_batch
+    prompt_cache_tokens: int | None = 131072  # the prompt cache's bound; None: 4 x context
+    prefill_chunk: int = 512  # tokens of one prefill chunk: prefill_chunk
+    cache_step: int = kvmemory.CACHE_STEP  # mlx-lm KVCache growth step
     act_bytes: int = 2  # bf16 activations and caches on Metal
 
     @property
@@ -425,48 +439,22 @@ class Box:
 
 
 def kv_state(tc: dict, box: Box, attention_split: int = 1) -> dict:
-    """Bytes of the MLA latent cache and the KDA state of one request on one rank."""
-    kda = layout.kda_layers(tc)
-    n = tc["num_hidden_layers"]
-    mla = [i for i in range(n) if i not in kda]
-    lc = tc["linear_attn_config"]
-    ctx = -(-box.context // box.cache_step) * box.cache_step
-    latent = len(mla) * ctx * (tc["kv_lora_rank"] + tc["qk_rope_head_dim"]) * box.act_bytes
-    per_kda = (
-        4 * lc["num_heads"] * lc["head_dim"] ** 2
-        + box.act_bytes * 3 * (lc["short_conv_kernel_size"] - 1) * lc["num_heads"] * lc["head_dim"]
-    )
-    state = len(kda) * per_kda // attention_split
-    return {
-        "mla_layers": len(mla),
-        "kda_layers": len(kda),
-        "context": box.context,
-        "mla_latent_cache": latent,
-        "kda_state": state,
-        "total": latent + state,
-    }
+    """Bytes of the KV cache and KDA state a server holds on one rank:
+    ``box.batch`` requests at ``box.context`` tokens and the prompt cache
+    (``k3dist.format.kvmemory.serving_bytes``; ``mla_latent_cache`` and ``kda_state`` are
+    one request's, ``total`` all of it)."""
+    return kvmemory.serving_bytes(
+        tc, context=box.context, batch=box.batch, prompt_cache_tokens=box.prompt_cache_tokens,
+        act=box.act_bytes, size=attention_split, step=box.cache_step)
 
 
 def activations(tc: dict, box: Box, attention_split: int = 1) -> dict:
-    """Peak transient bytes of one prefill chunk at full context (see module doc)."""
-    C, T, b = box.context, box.prefill_chunk, box.act_bytes
-    heads = tc["num_attention_heads"] // attention_split
-    kv = heads * C * (tc["qk_nope_head_dim"] + tc["v_head_dim"]) * b
-    scores = 2 * heads * T * C * b
-    logits = T * tc["vocab_size"] * 4
-    blocks = -(-tc["num_hidden_layers"] // (tc.get("attn_res_block_size") or 1))
-    hidden = T * tc["hidden_size"] * b * (2 * blocks + 4)
-    moe = T * tc["num_experts_per_token"] * tc["moe_intermediate_size"] * 3 * b
-    total = kv + scores + logits + hidden + moe
-    return {
-        "prefill_chunk": T,
-        "mla_kv_decompressed": kv,
-        "attention_scores": scores,
-        "logits": logits,
-        "hidden_and_attnres_stack": hidden,
-        "moe": moe,
-        "total": total,
-    }
+    """Peak transient bytes of one prefill chunk of ``box.prefill_chunk`` tokens at
+    ``box.context`` on one rank (``k3dist.format.kvmemory.prefill_activation_bytes``, what
+    the server's preflight checks a deployment with)."""
+    return kvmemory.prefill_activation_bytes(
+        tc, context=box.context, chunk=box.prefill_chunk, act=box.act_bytes,
+        size=attention_split)
 
 
 ASSUMPTIONS = [
@@ -474,14 +462,22 @@ ASSUMPTIONS = [
     "499712 (488 GiB wired for the GPU), 24 GiB left to macOS and unwired process memory",
     "runtime_reserve of the wired memory kept free: MLX allocator cache and fragmentation, "
     "Metal command buffers, collective buffers",
-    "one request at a time (batch 1) at `context` tokens: MLA latent cache (kv_lora_rank + "
-    "qk_rope_head_dim) x 2 B per token per MLA layer in 256-token steps; KDA recurrent "
-    "state heads x head_dim^2 F32 + conv state per KDA layer",
-    "activations: peak of one prefill chunk at full context: MLA k/v decompressed for the "
-    "whole context, rope and attention scores (bf16, materialised), F32 logits of the "
-    "chunk, hidden states of the AttnRes block stack, MoE intermediates",
-    "attention replicated on every rank (k3dist.model today), shared experts split by "
-    "their intermediate dimension; routed experts split evenly, promoted experts balanced",
+    "KV/state (k3dist.format.kvmemory, as the server's preflight checks it): `batch` "
+    "requests decoded together (max_batch) at `context` tokens each: MLA latent cache "
+    "(kv_lora_rank + qk_rope_head_dim) x 2 B per token per MLA layer in 256-token steps; KDA "
+    "recurrent state heads x head_dim^2 F32 + conv state per KDA layer; plus the prompt "
+    "cache: at most max(prompt_cache_tokens, context) + context tokens in at most 9 entries, "
+    "each with a whole KDA state",
+    "activations (k3dist.format.kvmemory, as the server's preflight checks them): peak of "
+    "one prefill chunk (`prefill_chunk` tokens, the server's prefill_chunk) at full "
+    "context: MLA k/v decompressed for the whole context, rope and attention scores (bf16, "
+    "materialised), F32 logits of the chunk, hidden states of the AttnRes block stack, MoE "
+    "intermediates",
+    "attention split across ranks by heads (the default, as deploy/tb5.yaml and every "
+    "deployment serve it, k3dist.serve.model: attention weights, KDA state and prefill "
+    "activations divided over the ranks, the MLA latent cache whole on each); "
+    "--attention replicated keeps all of it on every rank; shared experts split by their "
+    "intermediate dimension; routed experts split evenly, promoted experts balanced",
     "non-expert formats: DEFAULT_NONEXPERT is a starting point (<= 6 bits for what every "
     "token reads, 8 bits for latent projections, router and lm_head); with "
     "--nonexpert-sensitivity each measured class takes the fewest bits within the KL "
@@ -508,7 +504,9 @@ class PlanRequest:
     min_promoted_fraction: float = 0.05  # "auto": the richest lo format leaving this
     nonexpert: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NONEXPERT))
     nonexpert_from: dict[str, str] = field(default_factory=dict)  # class -> why its format
-    attention: str = "replicated"  # "replicated" (k3dist.model today) | "split"
+    # "split" (deploy/tb5.yaml's and every deployment's default: each rank holds its share
+    # of the attention heads, k3dist.serve.model) | "replicated"
+    attention: str = "split"
     lo_fallback: bool = False
     headroom: int = 8 * GiB  # kept free per rank beyond every modelled need
     k_hi_drop_target: float = 1e-5  # k_hi from uniform routing: P(overflow) below this
@@ -607,7 +605,8 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
     efmt = QFormat.parse(ne["embed"]["format"]) if "embed" in ne else SOURCE
     erow = efmt.nbytes(1, H) if efmt.quantized and efmt.fits(H) else 2 * H
     ne_read = ne_rank - ne.get("embed", {}).get("per_rank", 0) + (erow if "embed" in ne else 0)
-    fixed = ne_rank + kv["total"] + act["total"]
+    need = kvmemory.need_bytes(kv, act)  # KV held + the larger of prefill / batch join
+    fixed = ne_rank + need["total"]
     hi_b = acc.expert_bytes(MXFP4)
     params = acc.expert_params
 
@@ -657,10 +656,11 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
         if not ok:
             raise ValueError(
                 f"nothing fits {budget} bytes per rank: non-experts {ne_rank}, KV/state "
-                f"{kv['total']}, activations {act['total']} leave {budget - fixed} for "
+                f"{kv['total']}, activations {act['total']} (batch join {need['joining']}) leave "
+                f"{budget - fixed} for "
                 f"routed experts, but the smallest lo format needs "
-                f"{min(o['experts_per_rank'] for o in options)}; lower the context, "
-                "quantize non-experts further or add ranks"
+                f"{min(o['experts_per_rank'] for o in options)}; lower the context, the "
+                "batch or the prompt cache, quantize non-experts further or add ranks"
             )
         chosen = max(ok, key=lambda o: (o["lo_bpw"], o["promoted_total"]))
     if not chosen["fits"]:
@@ -679,6 +679,8 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
         "routed_experts": experts_rank,
         "kv_state": kv["total"],
         "activations": act["total"],
+        # the batch-join copy of the caches where it outgrows a prefill chunk (kvmemory)
+        "batch_join_extra": need["transient"] - act["total"],
     }
     per_rank["total"] = sum(per_rank.values())
     build_bytes = (
@@ -756,7 +758,7 @@ def _gb(n: float) -> str:
 
 
 def summary(plan: dict) -> str:
-    pr = plan["bytes_per_rank"]
+    pr, kv = plan["bytes_per_rank"], plan["kv_state"]
     lines = [
         f"ranks {plan['ranks']}, budget per rank {_gb(plan['budget_per_rank'])} "
         f"(wired {_gb(plan['box']['wired_limit_mb'] << 20)} - reserve "
@@ -765,6 +767,10 @@ def summary(plan: dict) -> str:
         f"per expert); promoted {plan['promoted_total']:,} "
         f"({100 * plan['promoted_fraction']:.1f}%), expert bpw {plan['expert_bpw']}",
         "per rank: " + ", ".join(f"{k} {_gb(v)}" for k, v in pr.items()),
+        f"KV/state: batch {kv['batch']} x {kv['context']:,} tokens "
+        f"({_gb(kv['per_request'])} a request) {_gb(kv['requests'])} + prompt cache "
+        f"({kv['prompt_cache']['tokens']:,} tokens, at most "
+        f"{kv['prompt_cache']['tokens_held_at_most']:,} held) {_gb(kv['prompt_cache']['total'])}",
         f"headroom per rank {_gb(plan['headroom_per_rank'])}; build {_gb(plan['build_bytes'])}"
         f" (source {_gb(plan['source_bytes'])})",
         "non-experts: "
@@ -826,7 +832,9 @@ def main(argv: list[str] | None = None) -> None:
         help=f"nats/token a class may add (default {DEFAULT_KL_TOLERANCE}: "
         "KL of seven classes adds to well under the 2-bit experts' error)",
     )
-    ap.add_argument("--attention", choices=("replicated", "split"), default="replicated")
+    ap.add_argument("--attention", choices=("replicated", "split"), default=PlanRequest.attention,
+                    help="attention heads (and their KDA state and prefill activations) split "
+                    "across ranks, as deploy/tb5.yaml serves (default), or replicated on each")
     ap.add_argument(
         "--lo-fallback",
         action="store_true",
@@ -838,8 +846,14 @@ def main(argv: list[str] | None = None) -> None:
         default=PlanRequest.headroom / GiB,
         help="kept free per rank beyond weights, KV/state and activations",
     )
-    ap.add_argument("--context", type=int, default=Box.context)
-    ap.add_argument("--prefill-chunk", type=int, default=Box.prefill_chunk)
+    ap.add_argument("--context", type=int, default=Box.context,
+                    help="tokens of one request (the server's max_context)")
+    ap.add_argument("--batch", type=int, default=Box.batch,
+                    help="requests decoded together, each with its own KV cache (max_batch)")
+    ap.add_argument("--prompt-cache-tokens", type=int, default=Box.prompt_cache_tokens,
+                    help="the prompt cache's token bound (prompt_cache_tokens; 0: 4 x context)")
+    ap.add_argument("--prefill-chunk", type=int, default=Box.prefill_chunk,
+                    help="tokens of one prefill chunk (the server's prefill_chunk)")
     ap.add_argument("--wired-limit-mb", type=int, default=Box.wired_limit_mb)
     ap.add_argument("--physical-gib", type=int, default=512)
     ap.add_argument("--runtime-reserve-gib", type=float, default=Box.runtime_reserve / GiB)
@@ -869,8 +883,12 @@ def main(argv: list[str] | None = None) -> None:
         wired_limit_mb=args.wired_limit_mb,
         runtime_reserve=int(args.runtime_reserve_gib * GiB),
         context=args.context,
+        batch=args.batch,
+        prompt_cache_tokens=args.prompt_cache_tokens or None,
         prefill_chunk=args.prefill_chunk,
     )
+    if args.batch < 1 or args.context < 1:
+        ap.error("--batch and --context must be at least 1")
     nonexpert, origin = dict(DEFAULT_NONEXPERT), dict.fromkeys(DEFAULT_NONEXPERT, "default")
     if args.nonexpert_sensitivity:
         try:

@@ -72,10 +72,14 @@ class Deployment:
     stop_with_launcher: bool = True
     # port of rank 0's watchdog listener; None: first ring port + 1000
     watchdog_port: int | None = None
-    # refuse to start unless the folder fits in free memory with this much to spare
-    # (KV cache and activations). The K3 cache is small per token: 24 MLA layers keep
-    # 576 values x 2 B = 27,648 B/token, so 128K tokens take ~3.6 GB; KDA layers keep a
-    # fixed-size state. deploy/tb5.yaml sets 24 for the real model.
+    # GiB kept beside the weights: start only if the folder fits in free memory with this
+    # much to spare, and only if this holds the KV cache and state of max_batch requests
+    # at max_context tokens plus the prompt cache's bound and the activations of one
+    # prefill_chunk at max_context (k3dist.serve.preflight.kv_need, activation_need). The
+    # K3 cache: 24 MLA layers keep 576 values x 2 B = 27,648 B/token (128K tokens: 3.6 GB),
+    # 69 KDA layers a fixed 0.45 GB state (0.22 GB a rank, attention split); a 512-token
+    # chunk at 128K: 16.7 GB a rank. deploy/tb5.yaml: 44 for 4 requests at 128K (41.5 GB
+    # needed). The mini-K3 at these defaults needs 74 MB (float32).
     memory_headroom_gb: float = 2.0
     # completions in flight (queued or generating); past this a request gets 429 with
     # Retry-After instead of waiting
@@ -97,7 +101,8 @@ class Deployment:
     # a file holding it (first line) keeps it out of `ps` and shell history: prefer it
     api_key: str | None = None
     api_key_file: str | None = None
-    # tokens the prompt cache may hold (reused across turns); None: 4 x max_context
+    # tokens the prompt cache may hold (reused across turns); None: 4 x max_context. The
+    # newest entry is always kept, so it holds up to max(this, max_context) tokens
     prompt_cache_tokens: int | None = None
 
     def rank_path(self, rank: int) -> Path:

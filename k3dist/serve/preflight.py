@@ -1,17 +1,25 @@
 """Memory preflight: before minutes of loading, does this rank's folder fit in the
-memory this machine can give it (and, on Metal, under the wired limit)? Refuse with
-the numbers and the fix; otherwise wire the footprint. The headroom is the
-deployment's ``memory_headroom_gb`` (``k3dist.serve.config``).
+memory this machine can give it (and, on Metal, under the wired limit), and does the
+deployment's headroom hold what serving will keep beside the weights? Refuse with the
+numbers and the fix; otherwise wire the footprint. The headroom is the deployment's
+``memory_headroom_gb`` (``k3dist.serve.config``); it must hold at least the KV cache and
+state of ``max_batch`` requests at ``max_context`` tokens plus the prompt cache's bound
+(:func:`kv_need`) and the activations of one ``prefill_chunk`` at ``max_context``
+(:func:`activation_need`), both from ``k3dist.format.kvmemory``: the arithmetic the build
+planner budgets with. Running out of memory under load on Metal is a crash, not an error a
+client sees.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from k3dist.format import kvmemory, layout, manifest
 from k3dist.format.sfile import read_header
 
 import mlx.core as mx
@@ -99,10 +107,106 @@ def metal_limits() -> dict | None:
     }
 
 
+def _attention_layout(folder: Path) -> tuple[dict, int, list[int]]:
+    """The folder's text config, and the ranks its attention is split over with the
+    layers whose heads are divided (a rank folder sliced with attention split: its
+    manifest says which; anything else: 1, none)."""
+    try:
+        tc = layout.text_config(json.loads((folder / "config.json").read_text()))
+    except (OSError, ValueError) as e:
+        raise PreflightError(f"{folder}: cannot read config.json ({e}); pass a rank folder made "
+                             "by slicing/rank_split.py (or a build folder)") from None
+    size, split = 1, []
+    try:
+        m = json.loads((folder / manifest.MANIFEST).read_text())
+        if manifest.attention_of(m)["mode"] == "split":
+            size, split = int(m["size"]), list(manifest.attention_of(m)["split_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no (readable) manifest: count the whole state; the loader checks the folder
+    return tc, size, split
+
+
+def kv_need(folder: str | Path, *, max_batch: int, max_context: int,
+            prompt_cache_tokens: int | None = None, dtype: str = "bfloat16") -> dict:
+    """The KV cache and state serving keeps on this rank at most
+    (``k3dist.format.kvmemory.serving_bytes``): ``max_batch`` requests at ``max_context``
+    tokens and the prompt cache (``prompt_cache_tokens``; None: 4 x ``max_context``), in
+    the deployment's compute ``dtype``, from the folder's ``config.json``. A rank folder
+    sliced with attention split holds its share of the split layers' KDA state (its
+    manifest says which); anything else, all of it."""
+    folder = Path(folder)
+    tc, size, split = _attention_layout(folder)
+    try:
+        kv = kvmemory.serving_bytes(tc, context=max_context, batch=max_batch,
+                                    prompt_cache_tokens=prompt_cache_tokens,
+                                    act=kvmemory.act_bytes(dtype), size=size,
+                                    split_layers=split)
+    except (KeyError, TypeError) as e:
+        raise PreflightError(f"{folder}/config.json: no K3 attention settings ({e!r} missing); "
+                             "pass a rank folder made by slicing/rank_split.py") from None
+    return {**kv, "dtype": dtype, "attention_ranks": size, "split_layers": len(split)}
+
+
+def activation_need(folder: str | Path, *, max_context: int, prefill_chunk: int,
+                    dtype: str = "bfloat16") -> dict:
+    """The peak activations of one prefill chunk of ``prefill_chunk`` tokens at
+    ``max_context`` on this rank (``k3dist.format.kvmemory.prefill_activation_bytes``), in
+    the deployment's compute ``dtype``; a rank folder sliced with attention split holds
+    its share of the split MLA layers' heads (its manifest says which)."""
+    folder = Path(folder)
+    tc, size, split = _attention_layout(folder)
+    try:
+        act = kvmemory.prefill_activation_bytes(tc, context=max_context, chunk=prefill_chunk,
+                                                act=kvmemory.act_bytes(dtype), size=size,
+                                                split_layers=split)
+    except (KeyError, TypeError) as e:
+        raise PreflightError(f"{folder}/config.json: no K3 model settings ({e!r} missing); "
+                             "pass a rank folder made by slicing/rank_split.py") from None
+    return {**act, "dtype": dtype, "attention_ranks": size}
+
+
 def check_memory(folder: str | Path, weights: int, headroom: int, free: int,
-                 free_source: str, metal: Mapping | None = None) -> int:
-    """Refuse (PreflightError) unless weights + headroom fit; returns the footprint.
+                 free_source: str, metal: Mapping | None = None,
+                 kv: Mapping | None = None, act: Mapping | None = None) -> int:
+    """Refuse (PreflightError) unless the headroom holds ``kv`` (:func:`kv_need`) plus
+    ``act`` (:func:`activation_need`; either None: not counted) and weights + headroom
+    fit; returns the footprint.
     Pure: preflight passes the measured numbers, tests pass pretend ones."""
+    kv_total = kv["total"] if kv is not None else 0
+    act_total = act["total"] if act is not None else 0
+    # a prompt joining the decode batch copies the batch's caches; never during a prefill
+    joining = kv["requests"] if kv is not None else 0
+    need = kv_total + max(act_total, joining)
+    if (kv is not None or act is not None) and need > headroom:
+        parts = []
+        if kv is not None:
+            pc = kv["prompt_cache"]
+            parts.append(
+                f"serving max_batch {kv['batch']} requests together of up to max_context "
+                f"{kv['context']:,} tokens keeps up to {_gib(kv['requests'])} of KV cache and "
+                f"state on this rank ({_gib(kv['per_request'])} a request, {kv['dtype']}), and "
+                f"the prompt cache up to {_gib(pc['total'])} (prompt_cache_tokens "
+                f"{pc['tokens']:,}: at most {pc['tokens_held_at_most']:,} tokens in "
+                f"{pc['entries_at_most']} entries): {_gib(kv_total)}")
+        if act is not None:
+            parts.append(
+                f"prefilling a prefill_chunk of {act['prefill_chunk']:,} tokens at "
+                f"{act['context']:,} tokens of context takes up to {_gib(act_total)} of "
+                f"activations ({act['attention_heads']} attention heads on this rank: MLA k/v "
+                f"{_gib(act['mla_kv_decompressed'])}, attention scores "
+                f"{_gib(act['attention_scores'])}, {act['dtype']})")
+        if joining > act_total:
+            parts.append(f"a prompt joining the decode batch copies its caches: "
+                         f"{_gib(joining)} more for a moment")
+        only = "" if act is not None else ", which must also hold the prefill activations"
+        knobs = ("max_batch, max_context, prompt_cache_tokens or prefill_chunk"
+                 if act is not None else "max_batch, max_context or prompt_cache_tokens")
+        raise PreflightError(
+            f"{folder}: {'; '.join(parts)}; {_gib(need)} in all, but "
+            f"memory_headroom_gb is {headroom / GiB:g} ({_gib(headroom)}){only}; fix: lower "
+            f"{knobs}, or raise memory_headroom_gb above "
+            f"{math.ceil(need / GiB)} where the machine has the memory (a "
+            "smaller build leaves more)")
     footprint = weights + headroom
     need = (f"{folder} needs {_gib(footprint)}: {_gib(weights)} of weights + "
             f"{_gib(headroom)} headroom for KV cache and activations")
@@ -126,21 +230,36 @@ def check_memory(folder: str | Path, weights: int, headroom: int, free: int,
     return footprint
 
 
-def preflight(folder: str | Path, *, headroom_bytes: int,
-              free_bytes: int | None = None, set_wired: bool = True) -> dict:
-    """Check that this rank's folder fits before loading it; on Metal, wire it.
+def preflight(folder: str | Path, *, headroom_bytes: int, max_batch: int, max_context: int,
+              prefill_chunk: int, prompt_cache_tokens: int | None = None,
+              dtype: str = "bfloat16", free_bytes: int | None = None,
+              set_wired: bool = True) -> dict:
+    """Check that this rank's folder and what serving keeps beside it (:func:`kv_need`
+    for the deployment's ``max_batch``, ``max_context``, ``prompt_cache_tokens``,
+    ``dtype``; :func:`activation_need` for its ``prefill_chunk``) fit before loading it;
+    on Metal, wire it.
 
     ``free_bytes`` replaces the measured free memory (tests, or a deployment that
     knows better). Returns the numbers, for serve to print as evidence.
     """
     weights = folder_weight_bytes(folder)
+    kv = kv_need(folder, max_batch=max_batch, max_context=max_context,
+                 prompt_cache_tokens=prompt_cache_tokens, dtype=dtype)
+    act = activation_need(folder, max_context=max_context, prefill_chunk=prefill_chunk,
+                          dtype=dtype)
     if free_bytes is None:
         free, source = free_memory()
     else:
         free, source = int(free_bytes), "given"
     metal = metal_limits()
-    footprint = check_memory(folder, weights, headroom_bytes, free, source, metal)
+    footprint = check_memory(folder, weights, headroom_bytes, free, source, metal, kv, act)
     report = {"folder": str(folder), "weights_bytes": weights, "headroom_bytes": headroom_bytes,
+              "kv_need_bytes": kv["total"], "activations_bytes": act["total"],
+              "need_bytes": kvmemory.need_bytes(kv, act)["total"],
+              "kv": {k: kv[k] for k in ("batch", "context", "dtype", "per_request", "requests",
+                                        "attention_ranks")}
+              | {"prompt_cache_tokens": kv["prompt_cache"]["tokens"],
+                 "prompt_cache_bytes": kv["prompt_cache"]["total"]},
               "footprint_bytes": footprint, "free_bytes": free, "free_source": source,
               "metal": metal, "wired_limit_set_bytes": None, "previous_wired_limit_bytes": None}
     if metal is not None and set_wired:
