@@ -21,6 +21,13 @@ GiB = 1 << 30
 REAL_INDEX = REPO / "k3dist" / "data" / "kimi-k3-model.safetensors.index.json.gz"
 
 
+@pytest.fixture(scope="module")
+def acc() -> plan.Accounting:
+    """The real K3 accounted once against its shipped index (497,220 tensor specs built
+    and compared: seconds each time; nothing in a plan changes it)."""
+    return plan.account(real_config(), plan.read_index(REAL_INDEX), str(REAL_INDEX))
+
+
 @pytest.mark.parametrize("fmt", plan.all_formats(), ids=lambda f: f.name)
 def test_format_bytes_match_mx_quantize(fmt):
     rows, cols = 48, 384  # every group size and bit width divides it
@@ -31,8 +38,7 @@ def test_format_bytes_match_mx_quantize(fmt):
     assert fmt.bpw * rows * cols / 8 == got
 
 
-def test_k3_expert_bytes():
-    acc = plan.account(real_config())
+def test_k3_expert_bytes(acc):
     assert acc.expert_bytes(plan.MXFP4) == 17_547_264  # the source's bytes per expert
     assert acc.expert_bytes(plan.QFormat.parse("2bit-g64")) * 8 == 2.5 * acc.expert_params
     assert acc.expert_bytes(plan.QFormat.parse("2bit-g128")) * 8 == 2.25 * acc.expert_params
@@ -44,8 +50,7 @@ def test_parse_rejects_nonsense():
             plan.QFormat.parse(bad)
 
 
-def test_real_index_accounting():
-    acc = plan.account(real_config(), plan.read_index(REAL_INDEX), str(REAL_INDEX))
+def test_real_index_accounting(acc):
     assert acc.index_total == 1_560_860_324_864
     assert sum(c["source_bytes"] for c in acc.classes.values()) == acc.source_total
     assert acc.classes["experts"]["tensors"] == 92 * 896 * 6
@@ -69,10 +74,9 @@ def test_kv_state_k3():
     assert kv["kda_state"] == 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
 
 
-def test_kv_state_scales_with_batch():
+def test_kv_state_scales_with_batch(acc):
     """The KV/state line budgets every request the server decodes together, plus the
     prompt cache (the same arithmetic the server's preflight checks)."""
-    acc = plan.account(real_config())
     tc = acc.tc
     one, eight = (plan.kv_state(tc, plan.Box(batch=b)) for b in (1, 8))
     per = 24 * 131072 * 576 * 2 + 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
@@ -107,7 +111,7 @@ def test_plan_defaults_are_the_real_deployments_limits():
     assert box.act_bytes == kvmemory.act_bytes(tb5.dtype)
 
 
-def test_a_plan_with_the_defaults_passes_tb5_preflight(tmp_path):
+def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
     """A build planned with the defaults (real K3 config and tensor index) serves under
     deploy/tb5.yaml: the plan budgets the KV/state and activations preflight computes for
     tb5's limits, tb5's memory_headroom_gb holds them, and each rank's weights (rank 0 also
@@ -118,7 +122,6 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(tmp_path):
     from k3dist.serve.config import load_deployment
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
-    acc = plan.account(real_config(), plan.read_index(REAL_INDEX), str(REAL_INDEX))
     box = plan.Box()
     p = plan.make_plan(acc, box, plan.PlanRequest(ranks=tb5.size))
     per = p["bytes_per_rank"]
@@ -154,8 +157,7 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(tmp_path):
                                       kv, act) == weights + headroom
 
 
-def test_k3_plan_fits_two_boxes():
-    acc = plan.account(real_config())
+def test_k3_plan_fits_two_boxes(acc):
     p = plan.make_plan(acc, plan.Box(), plan.PlanRequest(ranks=2))
     per = p["bytes_per_rank"]
     assert per["total"] + p["headroom_requested"] <= p["budget_per_rank"]
@@ -170,8 +172,7 @@ def test_k3_plan_fits_two_boxes():
     assert p["fallback_copy_bytes"] == p["promoted_total"] * lo
 
 
-def test_more_budget_promotes_more_and_fallback_costs():
-    acc = plan.account(real_config())
+def test_more_budget_promotes_more_and_fallback_costs(acc):
     base = plan.PlanRequest(ranks=2, lo="2bit-g128")
     a = plan.make_plan(acc, plan.Box(), base)
     b = plan.make_plan(
@@ -185,8 +186,7 @@ def test_more_budget_promotes_more_and_fallback_costs():
     assert b["promoted_total"] > a["promoted_total"] > c["promoted_total"]
 
 
-def test_target_bpw():
-    acc = plan.account(real_config())
+def test_target_bpw(acc):
     p = plan.make_plan(
         acc,
         plan.Box(),
@@ -195,8 +195,7 @@ def test_target_bpw():
     assert 2.45 < p["expert_bpw"] <= 2.5
 
 
-def test_nothing_fits_says_why():
-    acc = plan.account(real_config())
+def test_nothing_fits_says_why(acc):
     with pytest.raises(ValueError, match="nothing fits"):
         plan.make_plan(acc, plan.Box(), plan.PlanRequest(ranks=2, budget_per_rank=300 * 10**9))
 
