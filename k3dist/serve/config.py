@@ -75,7 +75,8 @@ class Deployment:
     # GiB kept beside the weights: start only if the folder fits in free memory with this
     # much to spare, and only if this holds the KV cache and state of max_batch requests
     # at max_context tokens plus the prompt cache's bound and the activations of one
-    # prefill_chunk at max_context (k3dist.serve.preflight.kv_need, activation_need). The
+    # prefill_chunk at max_context, or the copy of the batch's caches a joining prompt makes
+    # if that is larger (k3dist.serve.preflight, k3dist.format.kvmemory.need_bytes). The
     # K3 cache: 24 MLA layers keep 576 values x 2 B = 27,648 B/token (128K tokens: 3.6 GB),
     # 69 KDA layers a fixed 0.45 GB state (0.22 GB a rank, attention split); a 512-token
     # chunk at 128K: 16.7 GB a rank. deploy/tb5.yaml: 44 for 4 requests at 128K (41.5 GB
