@@ -91,6 +91,7 @@ def test_cors_on_for_configured_origin_and_outside_callers_get_less(configured):
     status, _, raw = post_conn(port, b"", "/v1/k3dist", method="GET", host=addr)
     info = json.loads(raw)
     assert status == 200 and info["ranks"] == 2 and info["max_context"] == MAX_CONTEXT
+    assert info["attention"]["mode"] == "split" and info["attention"]["split_layers"]
     for private in ("preflight", "blas", "warmup", "jit_kernels"):
         assert private not in info, info
     assert str(REPO) not in raw.decode() and "folder" not in raw.decode()

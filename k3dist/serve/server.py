@@ -423,8 +423,8 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
 _OPEN: dict = {}  # handler -> "queued" (nothing sent) or "stream" (SSE headers sent)
 _OPEN_LOCK = threading.Lock()
 # What /v1/k3dist tells a caller that is not on this machine (no paths, no memory).
-PUBLIC_INFO = ("ranks", "build_hash", "placement", "placement_hash", "moe_form", "dtype",
-               "max_context", "prefill_chunks", "max_batch", "vocab_size")
+PUBLIC_INFO = ("ranks", "build_hash", "placement", "placement_hash", "moe_form", "attention",
+               "dtype", "max_context", "prefill_chunks", "max_batch", "vocab_size")
 
 
 def _error_body(message: str, kind: str = "server_error", code: str | None = None) -> bytes:
