@@ -38,6 +38,7 @@ import resource
 import socket
 import threading
 import time
+from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 from queue import Queue
@@ -572,6 +573,16 @@ class K3APIHandler(mlx_server.APIHandler):
         self.end_headers()
         self.wfile.write(body)
         if e.status == 413:
+            self._linger()
+
+    def send_error(self, code: int, message: str | None = None,
+                   explain: str | None = None) -> None:
+        """http.server's own refusals; a request line or header too long (414, 431) leaves
+        the rest of the request unread: linger so the client reads the answer, not a
+        reset."""
+        super().send_error(code, message, explain)
+        if code in (HTTPStatus.REQUEST_URI_TOO_LONG,
+                    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE):
             self._linger()
 
     def _linger(self, seconds: float = 5.0) -> None:
