@@ -30,6 +30,21 @@ PRIVATE = {
         "replaced (k3dist.serve.server): do_POST reads the validated body from self.rfile",
     "mlx_lm.models.kimi_k3:_group_expert_select": "called by group_expert_select",
     "mlx_lm.models.kimi_k3:_attn_res_mix": "called by attn_res_mix (k3dist.build.stream)",
+    "mlx_lm.server:APIHandler._set_cors_headers":
+        "overridden (k3dist.serve.server): CORS headers only for cors_origins",
+    "mlx_lm.models.cache:LRUPromptCache._trie":
+        "read by k3dist.serve.prompt_cache: the prefix copy is looked up in mlx-lm's trie",
+    "mlx_lm.models.cache:LRUPromptCache._lru":
+        "read by k3dist.serve.prompt_cache: tokens held, for the prompt_cache_tokens bound",
+    "mlx_lm.models.cache:LRUPromptCache.CacheOrder._lrus": "read with _lru (tokens held)",
+    "mlx_lm.server:_image_url": "called by k3dist.serve.vision: an image part's URL",
+    "mlx_lm.models.kimi_k3:KimiK3DeltaAttention._step":
+        "reset by k3dist.serve.model / introspect: the compiled KDA decode core is dropped "
+        "so warm-up and kernel counts start clean",
+    "mlx_lm.models.kimi_k3:KimiK3DecoderLayer._attn_res_w_eff":
+        "reset by k3dist.factory.train after an update (cached AttnRes weights)",
+    "mlx_lm.models.kimi_k3:KimiK3DecoderLayer._mlp_res_w_eff": "reset with _attn_res_w_eff",
+    "mlx_lm.models.kimi_k3:KimiK3TextModel._output_res_w_eff": "reset with _attn_res_w_eff",
 }
 
 
