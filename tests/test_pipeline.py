@@ -134,7 +134,8 @@ def test_calibration_text_through_the_source_tokenizer(tmp_path):
     (tmp_path / "mix.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     rec = calibtext.make(MINI, tmp_path / "t.npz", [str(tmp_path / "mix.jsonl")], 40, 32)
     got = np.load(tmp_path / "t.npz")
-    assert got["inputs"].shape == (40, 32) and (got["targets"][:, :-1] == got["inputs"][:, 1:]).all()
+    assert got["inputs"].shape == (40, 32)
+    assert (got["targets"][:, :-1] == got["inputs"][:, 1:]).all()
     tok = calibtext.load_tokenizer(MINI)
     first = tok.encode(lines[0]["text"], add_special_tokens=False)[:33]
     assert got["inputs"][0].tolist() == first[:32]  # the source's own ids, in order
