@@ -50,6 +50,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -460,6 +461,52 @@ def run(a: Args, dry_run: bool = False) -> dict:
     summary = []
     order = stages(a)
     redo = False
+    disk = DiskWatch(out)
+    disk.start()
+    try:
+        _run_stages(a, plan, state, sp, ks, order, summary, redo)
+    finally:
+        disk.stop()
+    result = {"command": ["python", "-m", "k3dist.build.pipeline", *sys.argv[1:]],
+              "out": str(out), "ranks": [str(r) for r in a.rank_dirs()], "stages": summary,
+              "disk_plan": d, "peak_disk_in_out_measured": disk.peak,
+              "disk_sample_s": DiskWatch.every_s,
+              "tokens": state["stages"].get("tokens", {}).get("tokens")}
+    write_json_atomic(out / SUMMARY, result)
+    print_summary(summary)
+    print(f"peak disk in OUT, sampled every {DiskWatch.every_s} s: {_tb(disk.peak)} (planned "
+          f"{_tb(d['peak_out'])})")
+    print(f"rank folders: {', '.join(result['ranks'])}; summary: {out / SUMMARY}")
+    return result
+
+
+class DiskWatch(threading.Thread):
+    """Samples the bytes under OUT (file sizes) every ``every_s``: the measured peak."""
+
+    every_s = 1.0
+
+    def __init__(self, out: Path):
+        super().__init__(daemon=True)
+        self.out, self.peak = out, _du(out)
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.every_s):
+            try:
+                self.peak = max(self.peak, _du(self.out))
+            except OSError:  # a file went between listing and stat
+                pass
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+        self.peak = max(self.peak, _du(self.out))
+
+
+def _run_stages(a: Args, plan: dict, state: dict, sp: Path, ks: dict, order: list[str],
+                summary: list, redo: bool) -> None:
+    """Each stage in order: skipped when current, else run in a child process."""
+    out = Path(a.out)
     for n, stage in enumerate(order, 1):
         key = ks[stage]
         if not redo and _done(a, state, stage, key):
@@ -507,19 +554,10 @@ def run(a: Args, dry_run: bool = False) -> dict:
                 if last == stage and scratch in state["stages"]:
                     _delete(a.path(scratch))
                     state["stages"][scratch]["deleted"] = True
-            if stage == "calibrate":
-                pass  # calibrate removes its own work folder
         write_json_atomic(sp, state)
         summary.append({"stage": stage, "skipped": False, **{
             k: rec.get(k) for k in ("seconds", "peak_rss", "read_bytes", "written_bytes",
                                     "output_bytes")}})
-    result = {"out": str(out), "ranks": [str(r) for r in a.rank_dirs()], "stages": summary,
-              "disk_plan": d, "peak_disk_in_out_measured": None,
-              "tokens": state["stages"].get("tokens", {}).get("tokens")}
-    write_json_atomic(out / SUMMARY, result)
-    print_summary(summary)
-    print(f"rank folders: {', '.join(result['ranks'])}; summary: {out / SUMMARY}")
-    return result
 
 
 def print_summary(rows: list[dict]) -> None:
