@@ -338,7 +338,16 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
         from k3dist.build import calibtext
 
         if a.calib:
+            from k3dist.build.checkpoint import load_config
+            from k3dist.format import layout
+
             tokens = teacher.read_tokens(a.calib)
+            vocab = layout.text_config(load_config(a.src))["vocab_size"]
+            if tokens.size and not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+                raise CheckpointError(
+                    f"--calib {a.calib}: token ids {int(tokens.min())}..{int(tokens.max())} "
+                    f"outside the source's vocabulary (0..{vocab - 1}); make the token set "
+                    "with this checkpoint's tokenizer (--calib-text FILES)")
             tok.parent.mkdir(parents=True, exist_ok=True)
             tmp = tok.with_name(tok.name + ".partial")
             with open(tmp, "wb") as f:
@@ -400,11 +409,14 @@ def _io() -> dict:
 
 
 def child(a: Args, stage: str, stats: Path) -> None:
-    from k3dist.build.stream import peak_rss
+    from k3dist.build.stream import StreamError, peak_rss
 
     plan = json.loads(a.path("plan").read_text())
     t0 = time.perf_counter()
-    facts = _run_stage(a, stage, plan)
+    try:
+        facts = _run_stage(a, stage, plan)
+    except (CheckpointError, StreamError, ValueError) as e:
+        raise SystemExit(f"error: stage {stage}: {e}") from None
     write_json_atomic(stats, {"seconds": round(time.perf_counter() - t0, 2),
                               "peak_rss": peak_rss(), "io": _io(), "facts": facts})
 
