@@ -47,6 +47,7 @@ import argparse
 import gzip
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -473,6 +474,7 @@ def run(a: Args, dry_run: bool = False) -> dict:
     summary = []
     order = stages(a)
     redo = False
+    load0 = os.getloadavg()
     disk = DiskWatch(out)
     disk.start()
     try:
@@ -483,6 +485,8 @@ def run(a: Args, dry_run: bool = False) -> dict:
               "out": str(out), "ranks": [str(r) for r in a.rank_dirs()], "stages": summary,
               "disk_plan": d, "peak_disk_in_out_measured": disk.peak,
               "disk_sample_s": DiskWatch.every_s,
+              "loadavg_1m": {"start": round(load0[0], 2), "end": round(os.getloadavg()[0], 2),
+                             "cpus": os.cpu_count()},
               "tokens": state["stages"].get("tokens", {}).get("tokens")}
     write_json_atomic(out / SUMMARY, result)
     print_summary(summary)
