@@ -120,6 +120,9 @@ def test_refuses_with_the_numbers_when_the_disk_is_too_small(tmp_path):
         f.write(gzip.decompress(pipeline.REAL_INDEX.read_bytes()))
     if shutil.disk_usage(tmp_path).free > 2_400_000_000_000:
         pytest.skip("this filesystem holds the real K3's peak")
+    a = pipeline.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9, dwq=True)
+    with pytest.raises(CheckpointError, match=r"need 2\.95 GiB .* in DWQ .* raise --cap"):
+        pipeline.run(a)  # 3 copies of 4,096 tokens' states: refused before any stage
     a = pipeline.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9)
     with pytest.raises(CheckpointError, match=r"needs 2\.355 TB at its peak \(during graded\)"):
         pipeline.run(a)

@@ -289,6 +289,21 @@ def disk_plan(a: Args, config: dict, index: dict | None, plan: dict, source_byte
     }
 
 
+def check_memory_caps(a: Args, config: dict, tokens: int) -> None:
+    """Before anything runs: the token set's states fit --cap in every stage that holds
+    them (teacher 1 copy, calibration 2, DWQ 3), not hours later in the stage itself."""
+    from k3dist.build import stream
+    from k3dist.format import layout
+
+    tc = layout.text_config(config)
+    copies = 3 if a.dwq else 2
+    try:
+        stream.check_cap(tc, tokens, stream.parse_bytes(a.cap), copies,
+                         "the token set's states in " + ("DWQ" if a.dwq else "calibration"))
+    except stream.StreamError as e:
+        raise CheckpointError(f"{e} (--windows x --seq tokens, --cap)") from None
+
+
 def _free_bytes(out: Path) -> int:
     p = out.resolve()
     while not p.exists():
@@ -459,6 +474,7 @@ def run(a: Args, dry_run: bool = False) -> dict:
         return {"disk_plan": d, "free": free}
     if a.src is None:
         raise CheckpointError("--config/--index plan only (--dry-run); give --src to build")
+    check_memory_caps(a, config, d["tokens"])
     if d["peak_out"] > free + already:
         raise CheckpointError(
             f"{out}: the pipeline needs {_tb(d['peak_out'])} at its peak (during "
