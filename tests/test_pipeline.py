@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -81,6 +82,21 @@ def test_readme_block_again_skips_every_stage(readme_run):
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("current, skipped") == 8, r.stdout
+
+
+def test_adding_dwq_later_remakes_the_deleted_scratch_it_reads(readme_run):
+    _, out, block, _, _ = readme_run
+    argv = shlex.split(block.split("k3dist.build.pipeline", 1)[1])
+    state = json.loads((out / pipeline.STATE).read_text())
+    a, _ = pipeline.parse(argv)
+    a.out = str(out)
+    assert pipeline.first_to_run(a, state, pipeline.keys(a)) == len(pipeline.stages(a))
+    a, _ = pipeline.parse([*argv, "--dwq"])
+    a.out = str(out)
+    # DWQ reads the teacher and the graded build, both deleted once sliced; the teacher
+    # reads the base build, deleted too: everything from the base runs again
+    first = pipeline.first_to_run(a, state, pipeline.keys(a))
+    assert pipeline.stages(a)[first] == "base"
 
 
 def test_pipeline_rank_folders_serve_on_two_ranks(readme_run):

@@ -437,6 +437,31 @@ def child(a: Args, stage: str, stats: Path) -> None:
                               "peak_rss": peak_rss(), "io": _io(), "facts": facts})
 
 
+def reads(a: Args) -> dict[str, list[str]]:
+    """stage -> the earlier outputs it reads."""
+    return {"plan": [], "tokens": [], "base": [], "teacher": ["base", "tokens"],
+            "student": ["base"], "calibrate": ["student", "base", "teacher", "tokens"],
+            "graded": ["base", "calibrate"], "dwq": ["teacher", "graded", "tokens"],
+            "slice": ["dwq" if a.dwq else "graded"]}
+
+
+def first_to_run(a: Args, state: dict, ks: dict[str, str]) -> int:
+    """Index of the first stage to run: the first one not current, moved back to the
+    stage that made any scratch a stage from there on reads and that was deleted (e.g.
+    adding --dwq after a finished run needs the teacher and the graded build again)."""
+    order = stages(a)
+    i = next((n for n, s in enumerate(order) if not _done(a, state, s, ks[s])), len(order))
+    changed = True
+    while changed:
+        changed = False
+        for s in order[i:]:
+            for x in reads(a)[s]:
+                rec = state["stages"].get(x, {})
+                if rec.get("deleted") and order.index(x) < i:
+                    i, changed = order.index(x), True
+    return i
+
+
 def _done(a: Args, state: dict, stage: str, key: str) -> bool:
     """Recorded done with this key, and its output present (or deleted as scratch after
     its last reader finished)."""
@@ -489,12 +514,11 @@ def run(a: Args, dry_run: bool = False) -> dict:
     state["disk_plan"] = d
     summary = []
     order = stages(a)
-    redo = False
     load0 = os.getloadavg()
     disk = DiskWatch(out)
     disk.start()
     try:
-        _run_stages(a, plan, state, sp, ks, order, summary, redo)
+        _run_stages(a, plan, state, sp, ks, order, summary, first_to_run(a, state, ks))
     finally:
         disk.stop()
     result = {"command": ["python", "-m", "k3dist.build.pipeline", *sys.argv[1:]],
@@ -536,20 +560,21 @@ class DiskWatch(threading.Thread):
 
 
 def _run_stages(a: Args, plan: dict, state: dict, sp: Path, ks: dict, order: list[str],
-                summary: list, redo: bool) -> None:
+                summary: list, first: int) -> None:
     """Each stage in order: skipped when current, else run in a child process."""
     out = Path(a.out)
     for n, stage in enumerate(order, 1):
         key = ks[stage]
-        if not redo and _done(a, state, stage, key):
+        if n - 1 < first:
             rec = state["stages"][stage]
             print(f"[{n}/{len(order)}] {stage}: current, skipped")
             summary.append({"stage": stage, "skipped": True, **{
                 k: rec.get(k) for k in ("seconds", "peak_rss", "read_bytes", "written_bytes",
                                         "output_bytes")}})
             continue
-        redo = True  # every later stage depends on this one
         rec = state["stages"].get(stage)
+        if rec and rec.get("deleted"):
+            rec.pop("deleted")
         if rec and rec.get("key") != key and stage != "slice":
             _delete(a.path(stage))  # made from other inputs: the tool would refuse it
         elif rec and rec.get("key") != key:
