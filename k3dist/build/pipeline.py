@@ -53,7 +53,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from k3dist.format.journal import write_json_atomic
@@ -90,7 +90,6 @@ class Args:
     keep: bool = False
     config: str | None = None
     index: str | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def work(self) -> Path:
@@ -163,10 +162,6 @@ def keys(a: Args) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------- disk plan
-
-
-def _source_files(config: dict, index: dict | None) -> tuple[dict, dict | None]:
-    return config, index
 
 
 def read_config_index(a: Args) -> tuple[dict, dict | None, int]:
@@ -510,7 +505,7 @@ def run(a: Args, dry_run: bool = False) -> dict:
     sp = out / STATE
     ks = keys(a)
     state = json.loads(sp.read_text()) if sp.exists() else {"stages": {}}
-    state["args"] = {k: v for k, v in asdict(a).items() if k != "extra"}
+    state["args"] = asdict(a)
     state["disk_plan"] = d
     summary = []
     order = stages(a)
