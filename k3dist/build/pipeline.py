@@ -187,13 +187,19 @@ def read_config_index(a: Args) -> tuple[dict, dict | None, int]:
     return config, index, index.get("metadata", {}).get("total_size", 0)
 
 
-def make_plan(a: Args, config: dict, index: dict | None) -> dict:
+def account(a: Args, config: dict, index: dict | None):
+    """Every tensor of the checkpoint in its planner class (once: the real K3 takes s)."""
+    from k3dist.build import plan as planner
+
+    return planner.account(config, index, str(a.index or a.src))
+
+
+def make_plan(a: Args, acc) -> dict:
     from k3dist.build import plan as planner
 
     if sum(x is not None for x in (a.budget, a.budget_total, a.target_bpw)) != 1:
         raise CheckpointError("give one of --budget BYTES (per rank), --budget-total BYTES or "
                               "--target-bpw BITS")
-    acc = planner.account(config, index, str(a.index or a.src))
     req = planner.PlanRequest(
         ranks=a.ranks,
         budget_per_rank=int(a.budget) if a.budget is not None else (
@@ -211,23 +217,27 @@ def plan_kw(a: Args) -> dict:
             "target_bpw": a.target_bpw}
 
 
-def disk_plan(a: Args, config: dict, index: dict | None, plan: dict, source_bytes: int
-              ) -> dict:
+def calib_tokens(a: Args) -> int:
+    """Tokens of the calibration set: --calib's, else --windows x --seq."""
+    from k3dist.build import teacher
+
+    if a.calib and Path(a.calib).exists():
+        return int(teacher.read_tokens(a.calib).size)
+    return a.windows * a.seq
+
+
+def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
     """Bytes each stage writes, what is freed after it, the peak beside the source."""
     from k3dist.build import plan as planner
     from k3dist.build import stream, teacher
-    from k3dist.format import layout
 
-    tc = layout.text_config(config)
-    acc = planner.account(config, index, str(a.index or a.src))
+    tc = acc.tc
     L, E = len(acc.moe_layers), acc.num_experts
     ne = sum(v["bytes"] for v in plan["nonexpert"].values())
     vision = acc.classes.get("vision", {}).get("source_bytes", 0)
     hi_b = acc.expert_bytes(planner.MXFP4)
     lo_b = acc.expert_bytes(planner.QFormat.parse(plan["lo"]["format"]))
-    ntok = a.windows * a.seq
-    if a.calib and Path(a.calib).exists():
-        ntok = int(teacher.read_tokens(a.calib).size)
+    ntok = calib_tokens(a)
     H, V = tc["hidden_size"], tc["vocab_size"]
     states = 0
     for b in teacher.boundaries(tc):
@@ -485,8 +495,11 @@ def _delete(path: Path) -> None:
 def run(a: Args, dry_run: bool = False) -> dict:
     out = Path(a.out)
     config, index, source_bytes = read_config_index(a)
-    plan = make_plan(a, config, index)
-    d = disk_plan(a, config, index, plan, source_bytes)
+    if not dry_run:
+        check_memory_caps(a, config, calib_tokens(a))
+    acc = account(a, config, index)
+    plan = make_plan(a, acc)
+    d = disk_plan(a, acc, plan, source_bytes)
     free = _free_bytes(out)
     already = _du(out) if out.exists() else 0
     print_disk_plan(d, free, already)
@@ -494,7 +507,6 @@ def run(a: Args, dry_run: bool = False) -> dict:
         return {"disk_plan": d, "free": free}
     if a.src is None:
         raise CheckpointError("--config/--index plan only (--dry-run); give --src to build")
-    check_memory_caps(a, config, d["tokens"])
     if d["peak_out"] > free + already:
         raise CheckpointError(
             f"{out}: the pipeline needs {_tb(d['peak_out'])} at its peak (during "
