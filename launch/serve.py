@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
     ap.add_argument("--cors-origin", action="append", dest="cors_origins",
                     help="an origin web pages may call the API from ('*': any); repeatable")
     ap.add_argument("--no-warmup", action="store_true", help="skip warm-up (tests only)")
+    ap.add_argument("--allow-no-api-key", action="store_true", default=None,
+                    help="serve a non-loopback host without an API key (refused otherwise)")
     ap.add_argument("--vision", action="store_true", default=None,
                     help="serve images in chat requests (pip install 'k3dist[vision]')")
     args = ap.parse_args(argv)
@@ -77,7 +79,11 @@ def rank_folder(dep: Deployment, rank: int, size: int) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     dep = parse_args(argv)
-    api_key = auth.load_key(dep.api_key, dep.api_key_file)  # a bad key file stops us here
+    try:  # a bad key file, or another machine's reach without a key, stops us here
+        api_key = auth.load_key(dep.api_key, dep.api_key_file)
+        auth.check_exposure(dep.host, api_key, dep.allow_no_api_key)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"launch/serve.py: refusing to start: {e}") from None
     if dep.blas_threads:
         k3dist.set_blas_threads(dep.blas_threads)
     group = mx.distributed.init()

@@ -69,7 +69,7 @@ def configured(ranks, tmp_path_factory):
     """A second server: all interfaces, CORS for one origin, a queue bound of 2."""
     tmp = tmp_path_factory.mktemp("serve-configured")
     # host in YAML: mlx.launch takes a --host flag for its own --hosts/--hostfile
-    (tmp / "deploy.yaml").write_text("host: 0.0.0.0\n")
+    (tmp / "deploy.yaml").write_text("host: 0.0.0.0\nallow_no_api_key: true\n")
     s = Server(ranks, tmp, ("--no-warmup", "--config", str(tmp / "deploy.yaml"),
                             "--cors-origin", "http://app.example", "--max-queued-requests", "2"))
     yield s

@@ -661,6 +661,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.src is None and (args.config is None or args.index is None):
         a.error("give a checkpoint folder SRC, or both --config and --index")
+    if args.src and args.config is None and args.index is None:
+        from k3dist.build import mlxbuild
+
+        if (Path(args.src) / "config.json").exists() and mlxbuild.is_mlx_build(args.src):
+            # an MLX build (ours or published): its own audit (k3dist.build.mlxbuild)
+            return mlxbuild.main([args.src, *(["--json"] if args.json else [])])
     try:
         report = audit(args.src, config=args.config, index=args.index)
     except CheckpointError as e:

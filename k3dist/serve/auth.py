@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from pathlib import Path
 
 
@@ -25,6 +26,26 @@ def load_key(key: str | None, key_file: str | None) -> str | None:
     if key is not None and len(key) < 8:
         raise ValueError("the API key must have at least 8 characters")
     return key
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def check_exposure(host: str, key: str | None, allow_no_key: bool = False) -> None:
+    """Refuse to serve a non-loopback address with no API key, unless ``allow_no_key``
+    (``allow_no_api_key`` in the deployment, ``--allow-no-api-key``) says so."""
+    if key is None and not allow_no_key and not is_loopback(host):
+        raise ValueError(
+            f"host {host} is reachable from other machines and no API key is set: anyone "
+            "who can reach the port could use the model. Write a key to a file (e.g. "
+            "`openssl rand -hex 24 > ~/.k3dist-key && chmod 600 ~/.k3dist-key`) and set "
+            "api_key_file: ~/.k3dist-key in the deployment YAML (or --api-key-file); or bind "
+            "127.0.0.1; or, on a network you trust, set allow_no_api_key: true "
+            "(--allow-no-api-key)")
 
 
 def presented(headers) -> str:

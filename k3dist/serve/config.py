@@ -102,6 +102,9 @@ class Deployment:
     # a file holding it (first line) keeps it out of `ps` and shell history: prefer it
     api_key: str | None = None
     api_key_file: str | None = None
+    # serve a non-loopback host with no API key anyway (launch/serve.py refuses otherwise:
+    # anyone who can reach the port could use the model); say so only on a trusted network
+    allow_no_api_key: bool = False
     # tokens the prompt cache may hold (reused across turns); None: 4 x max_context. The
     # newest entry is always kept, so it holds up to max(this, max_context) tokens
     prompt_cache_tokens: int | None = None

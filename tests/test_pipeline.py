@@ -1,0 +1,235 @@
+"""The one-command pipeline (k3dist.build.pipeline): the README's block run as written on
+data/mini-k3 and its rank folders served on 2 ranks; the real K3's disk plan; calibration
+text through the source's own tokenizer; a published mlx-lm build audited, sliced and
+served equal to single-process mlx-lm; a non-loopback server without a key refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from k3dist.build import calibtext, mlxbuild, pipeline, slicing
+from k3dist.format import tokens
+from k3dist.format.sfile import CheckpointError
+from k3dist.serve import auth
+from k3dist.serve.engine import greedy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+from serving import Server, wait_logs
+from util import REPO, failed_ranks, load_f32, mlx_launch
+
+MINI = REPO / "data" / "mini-k3"
+
+
+def readme_pipeline_block() -> str:
+    text = (REPO / "README.md").read_text()
+    blocks = [textwrap.dedent(b) for b in re.findall(r"```sh\n(.*?)```", text, re.S)]
+    found = [b for b in blocks if "k3dist.build.pipeline --src data/mini-k3" in b]
+    assert len(found) == 1, "README: one ```sh block runs the pipeline on data/mini-k3"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def readme_run(tmp_path_factory):
+    """The README's block, verbatim, in a fresh folder holding only data/ (python = this
+    venv's)."""
+    tmp = tmp_path_factory.mktemp("readme")
+    (tmp / "data").symlink_to(REPO / "data")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    block = readme_pipeline_block()
+    out = re.search(r"--out (\S+)", block).group(1)
+    r = subprocess.run(["bash", "-ec", block], cwd=tmp, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return tmp, tmp / out, block, env, r
+
+
+def test_readme_block_makes_rank_folders_and_a_summary(readme_run):
+    tmp, out, _, _, r = readme_run
+    print("\n" + r.stdout[-1500:])
+    summary = json.loads((out / pipeline.SUMMARY).read_text())
+    stages = [s["stage"] for s in summary["stages"]]
+    assert stages == ["plan", "tokens", "base", "teacher", "student", "calibrate", "graded",
+                      "slice"]
+    for s in summary["stages"][1:]:
+        assert not s["skipped"] and s["seconds"] > 0 and s["peak_rss"] > 0, s
+    for r_ in (0, 1):
+        m = json.loads((out / f"rank{r_}" / "k3dist.json").read_text())
+        assert m["rank"] == r_ and m["size"] == 2
+    # scratch went once read: only the token set and the calibration scores remain
+    assert sorted(p.name for p in (out / "work").iterdir()) == ["calib", "tokens.npz"]
+    tokens = summary["tokens"]
+    assert tokens["shares"]["domain"] == {"code": 0.5, "prose": 0.5}
+    assert any("zh" in w for w in tokens["warnings"])
+    # the peak the plan promised holds what was written
+    assert summary["disk_plan"]["rank_folders_total"] > 0
+
+
+def test_readme_block_again_skips_every_stage(readme_run):
+    tmp, _, block, env, _ = readme_run
+    r = subprocess.run(["bash", "-ec", block], cwd=tmp, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("current, skipped") == 8, r.stdout
+
+
+def test_adding_dwq_later_remakes_the_deleted_scratch_it_reads(readme_run):
+    _, out, block, _, _ = readme_run
+    argv = shlex.split(block.split("k3dist.build.pipeline", 1)[1])
+    state = json.loads((out / pipeline.STATE).read_text())
+    a, _ = pipeline.parse(argv)
+    a.out = str(out)
+    assert pipeline.first_to_run(a, state, pipeline.keys(a)) == len(pipeline.stages(a))
+    a, _ = pipeline.parse([*argv, "--dwq"])
+    a.out = str(out)
+    # DWQ reads the teacher and the graded build, both deleted once sliced; the teacher
+    # reads the base build, deleted too: everything from the base runs again
+    first = pipeline.first_to_run(a, state, pipeline.keys(a))
+    assert pipeline.stages(a)[first] == "base"
+
+
+def test_pipeline_rank_folders_serve_on_two_ranks(readme_run):
+    tmp, out, _, _, _ = readme_run
+    srv = Server(str(out / "rank{rank}"), tmp / "srv", ("--no-warmup",))
+    try:
+        c = srv.client().completions.create(model="kimi-k3", prompt="def add(a, b):\n",
+                                            max_tokens=8, temperature=0)
+        assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 8
+        logs = wait_logs(srv, 0, 1)  # rank 1 logs when its own generation ends
+        assert logs[0] and logs[0] == logs[1]  # both ranks generated the same tokens
+    finally:
+        srv.stop()
+
+
+def test_real_k3_disk_plan_from_config_and_index():
+    a = pipeline.Args(src=None, out="/nonexistent-k3dist-out", budget=480e9,
+                      config=str(pipeline.REAL_CONFIG), index=str(pipeline.REAL_INDEX))
+    d = pipeline.run(a, dry_run=True)["disk_plan"]
+    writes = {s["stage"]: s["writes"] for s in d["stages"]}
+    assert d["source_bytes"] == 1_560_860_324_864
+    assert writes["base"] == 1_495_118_740_480  # MXFP4 experts + the plan's non-experts
+    assert d["rank_folders_total"] == 860_765_495_296
+    assert (d["peak_out"], d["peak_stage"]) == (2_355_361_249_280, "graded")
+    # stated, not met: the base and the student are still full intermediate builds
+    assert d["goal_bytes"] == 1_560_860_324_864 + int(1.1 * 860_765_495_296)
+    assert not d["goal_met"]
+
+
+def test_refuses_with_the_numbers_when_the_disk_is_too_small(tmp_path):
+    src = tmp_path / "k3"  # the real K3's config + index, no weights
+    src.mkdir()
+    shutil.copyfile(pipeline.REAL_CONFIG, src / "config.json")
+    with open(src / "model.safetensors.index.json", "wb") as f:
+        import gzip
+
+        f.write(gzip.decompress(pipeline.REAL_INDEX.read_bytes()))
+    if shutil.disk_usage(tmp_path).free > 2_400_000_000_000:
+        pytest.skip("this filesystem holds the real K3's peak")
+    a = pipeline.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9, dwq=True)
+    with pytest.raises(CheckpointError, match=r"need 2\.95 GiB .* in DWQ .* raise --cap"):
+        pipeline.run(a)  # 3 copies of 4,096 tokens' states: refused before any stage
+    a = pipeline.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9)
+    with pytest.raises(CheckpointError, match=r"needs 2\.355 TB at its peak \(during graded\)"):
+        pipeline.run(a)
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_calibration_text_through_the_source_tokenizer(tmp_path):
+    lines = [{"text": f"def f{i}(x):\n    return x * {i}\n" * 20, "domain": "code"}
+             for i in range(40)]
+    lines.append({"text": "The quick brown fox jumps over the lazy dog. " * 3,
+                  "domain": "prose"})  # one window of 40: 2.5 %
+    (tmp_path / "mix.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    rec = calibtext.make(MINI, tmp_path / "t.npz", [str(tmp_path / "mix.jsonl")], 40, 32)
+    got = np.load(tmp_path / "t.npz")
+    assert got["inputs"].shape == (40, 32)
+    assert (got["targets"][:, :-1] == got["inputs"][:, 1:]).all()
+    # the source's own tiktoken model, read independently of mlx-lm, gives the same ids
+    first = tokens.load_encoding(MINI).encode_ordinary(lines[0]["text"])
+    assert got["inputs"][0].tolist() == first[:32]
+    shares = rec["shares"]["domain"]
+    assert shares["prose"] < calibtext.MIN_SHARE < shares["code"]
+    assert any("domain 'prose'" in w for w in rec["warnings"]), rec["warnings"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(calibtext.CalibTextError, match=r"bad.jsonl:2: not JSON"):
+        calibtext.read_sources([tmp_path / "bad.jsonl"])
+
+
+def _publish(build: Path, out: Path) -> Path:
+    """A K3 build as mlx-lm writes one: loaded with load_model, experts dequantized and
+    re-quantized uniform affine 4-bit, saved with save_model/save_config; no k3dist.json."""
+    model, config = load_model(build)
+    swaps = []
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedSwitchLinear):
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
+                              mode=m.mode)
+            f = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias=False)
+            f.weight = w.astype(mx.bfloat16)
+            swaps.append((name, f))
+    model.update_modules(tree_unflatten(swaps))
+    config.pop("quantization", None)
+    model, config = quantize_model(model, config, 32, 4,
+                                   quant_predicate=lambda p, m: "switch_mlp" in p)
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    for n in ("tiktoken.model", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(build / n, out / n)
+    return out
+
+
+def test_published_mlx_build_audited_sliced_and_served(mini_build, tmp_path):
+    pub = _publish(mini_build, tmp_path / "pub")
+    assert not (pub / "k3dist.json").exists()
+    r = mlxbuild.audit_build(pub)
+    assert r["ok"], r["findings"]
+    assert "mlx_lm_model_names_and_shapes" in r["checks"] and r["cannot_verify"]
+    assert r["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    assert not mlxbuild.audit_build(pub, ranks=3)["ok"]  # 64 experts over 3 ranks
+    model, config = load_f32(pub)
+    vocab = config["text_config"]["vocab_size"]
+    prompt = np.random.default_rng(0).integers(0, vocab - 256, size=40).tolist()
+    tokens, logits = greedy(model, prompt, 16)
+    slicing.slice_all(pub, str(tmp_path / "ranks" / "rank{rank}"), 2, progress=False)
+    res = mlx_launch(
+        2, "launch/generate.py", "--rank-dir", str(tmp_path / "ranks" / "rank{rank}"),
+        "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "16",
+        "--dump", str(tmp_path / "out" / "rank{rank}.npz"),
+    )
+    assert res.returncode == 0 and not failed_ranks(res), res.stdout[-2000:] + res.stderr[-3000:]
+    for i in range(2):
+        x = np.load(tmp_path / "out" / f"rank{i}.npz")
+        assert x["tokens"].tolist() == tokens
+        diff = float(np.abs(x["logits"] - logits).max())
+        print(f"\nrank {i}: max |logit - single-process mlx-lm| = {diff:.3g}")
+        assert diff < 1e-4
+
+
+def test_open_bind_without_a_key_refuses_naming_the_fix(tmp_path):
+    env = dict(os.environ, HOME=str(tmp_path))  # no ~/.k3dist-key here
+    r = subprocess.run([sys.executable, "launch/serve.py", "--config", "deploy/tb5.yaml"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "refusing to start: api_key_file" in r.stderr and "write the key" in r.stderr
+    (tmp_path / "open.yaml").write_text("host: 0.0.0.0\n")
+    r = subprocess.run([sys.executable, "launch/serve.py", "--config", str(tmp_path / "open.yaml")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "no API key is set" in r.stderr and "api_key_file" in r.stderr
+    assert "--allow-no-api-key" in r.stderr
+    auth.check_exposure("0.0.0.0", None, allow_no_key=True)
+    auth.check_exposure("127.0.0.1", None)
+    auth.check_exposure("::1", None)
+    auth.check_exposure("0.0.0.0", "a-long-key")
