@@ -105,6 +105,15 @@ class Deployment:
     # tokens the prompt cache may hold (reused across turns); None: 4 x max_context. The
     # newest entry is always kept, so it holds up to max(this, max_context) tokens
     prompt_cache_tokens: int | None = None
+    # -- prefix caches on disk (k3dist.serve.prefix_store): survive restarts --
+    # folder of per-rank prefix caches (a chat's system prompt + tools, and each prompt's
+    # snapshot), restored after a restart; None: memory only. Each rank writes its own
+    # subfolder; on two boxes each box needs this path on its own disk
+    prefix_cache_dir: str | None = None
+    # GB (1e9 B) each rank's folder may hold (least recently used entries go first)
+    prefix_cache_gb: float = 20.0
+    # shorter prefixes are not written (prefilling them again is cheap)
+    prefix_cache_min_tokens: int = 1024
 
     def rank_path(self, rank: int) -> Path:
         return Path(self.rank_dir.format(rank=rank))
@@ -146,6 +155,10 @@ def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
         raise ValueError(f"cors_origins must be a list of origins, not {d.cors_origins!r}")
     if d.api_key and d.api_key_file:
         raise ValueError("give api_key or api_key_file, not both")
+    if d.prefix_cache_dir is not None and not (d.prefix_cache_gb > 0
+                                                and d.prefix_cache_min_tokens >= 1):
+        raise ValueError(f"prefix_cache_gb ({d.prefix_cache_gb}) must be positive and "
+                         f"prefix_cache_min_tokens ({d.prefix_cache_min_tokens}) at least 1")
     if d.dtype not in DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, not {d.dtype!r}")
     return d
