@@ -990,7 +990,7 @@ def prefill(f: Facts, mode: str, size: int, hw: Hardware, prompt: int, chunk: in
     """Time to first token of a ``prompt``-token prompt whose first ``start`` tokens are
     cached: its chunks (``chunk`` tokens, the rest last) one after another, then the
     first token (one decode step: lm_head and sampling)."""
-    total = comm = attn = 0.0
+    total = comm = attn = flops = 0.0
     n = 0
     pos = start
     while pos < prompt:
@@ -999,13 +999,14 @@ def prefill(f: Facts, mode: str, size: int, hw: Hardware, prompt: int, chunk: in
         total += step["time_s"]["total"]
         comm += step["time_s"]["comm"]
         attn += step["attention_flops"]
+        flops += step["flops"]
         pos += c
         n += 1
     first = bytes_per_token(mode, f, size, hw, "local" if form == "local" else "placeholder",
                             None, prompt)["time_s"]["total"]
     return {"mode": mode, "form": form if mode in EP_MODES else None, "prompt": prompt,
             "cached": start, "chunk": chunk, "chunks": n, "prefill_s": total,
-            "comm_s": comm, "attention_flops": attn, "first_token_s": first,
+            "comm_s": comm, "flops": flops, "attention_flops": attn, "first_token_s": first,
             "ttft_s": total + first, "prefill_tok_s": (prompt - start) / total if total else None}
 
 

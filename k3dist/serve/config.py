@@ -78,9 +78,10 @@ class Deployment:
     # prefill_chunk at max_context, or the copy of the batch's caches a joining prompt makes
     # if that is larger (k3dist.serve.preflight, k3dist.format.kvmemory.need_bytes). The
     # K3 cache: 24 MLA layers keep 576 values x 2 B = 27,648 B/token (128K tokens: 3.6 GB),
-    # 69 KDA layers a fixed 0.45 GB state (0.22 GB a rank, attention split); a 512-token
-    # chunk at 128K: 16.7 GB a rank. deploy/tb5.yaml: 44 for 4 requests at 128K (41.5 GB
-    # needed). The mini-K3 at these defaults needs 74 MB (float32).
+    # 69 KDA layers a fixed 0.45 GB state (0.22 GB a rank, attention split); a 256-token
+    # chunk at 128K: 10.0 GB a rank. deploy/tb5.yaml: 44 for 4 requests at 128K (40.1 GB
+    # needed: the batch-join copy, 15.4 GB, outgrows its 256-token chunks). The mini-K3 at
+    # these defaults needs 74 MB (float32).
     memory_headroom_gb: float = 2.0
     # completions in flight (queued or generating); past this a request gets 429 with
     # Retry-After instead of waiting

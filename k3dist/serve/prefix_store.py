@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -221,7 +222,10 @@ class PrefixStore:
             return None, 0
         self._touch(entry)
         self.stats["hits"] += 1
-        self.stats["restore_s"].append(round(time.perf_counter() - t0, 4))
+        took = time.perf_counter() - t0
+        self.stats["restore_s"].append(round(took, 4))
+        print(f"k3dist: prefix cache hit: {n} tokens restored in {took:.3f} s (rank "
+              f"{self.ident.rank}, {entry.file_bytes:,} B)", file=sys.stderr, flush=True)
         return cache, n
 
     def save(self, tokens: list[int], cache: list[Any]) -> bool:
