@@ -4,7 +4,7 @@ loopback); and the inter-token latency of a running request while a cold prompt 
 same size prefills beside it.
 
     python benchmarks/prefix_cache.py [--prefill-chunk 256] [--tools 24]
-        --out benchmarks/results/prefix-cache-DATE.json
+        --out benchmarks/results/prefix-cache-DATE.json   (defaults: ~4K-token prefix)
 
 Server 1 (empty ``--prefix-cache-dir``): session A's first turn (system prompt + a
 coding agent's tool list, ~4K tokens, then a user turn) is cold; session B (the same
@@ -174,8 +174,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rank-dir", help="rank folders ({rank}); default: the embedded mini")
     ap.add_argument("--prefill-chunk", type=int, default=256)
-    ap.add_argument("--tools", type=int, default=24, help="tools in the agent's list")
-    ap.add_argument("--rules", type=int, default=40, help="rules in its system prompt")
+    ap.add_argument("--tools", type=int, default=12, help="tools in the agent's list")
+    ap.add_argument("--rules", type=int, default=34, help="rules in its system prompt")
     ap.add_argument("--skip-gaps", action="store_true")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
