@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--tools", type=int, default=12, help="tools in the agent's list")
     ap.add_argument("--rules", type=int, default=34, help="rules in its system prompt")
     ap.add_argument("--skip-gaps", action="store_true")
+    ap.add_argument("--gaps-only", action="store_true",
+                    help="one server: only the running request's gaps (to compare chunks)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="prefix-cache-"))
@@ -185,6 +187,15 @@ def main() -> None:
     sys_a = system("Ada", a.rules)
     report: dict = {**kit.environment(), "prefill_chunk": a.prefill_chunk,
                     "load_before": os.getloadavg()}
+    if a.gaps_only:
+        s = Srv(a, store, tmp, "gaps")
+        try:
+            report["running_request_gaps"] = running_gaps(s, system("Bob", a.rules), tl,
+                                                          _eos(a))
+        finally:
+            s.stop()
+        report["load_after"] = os.getloadavg()
+        return _emit(report, a.out)
     s1 = Srv(a, store, tmp, "1")
     try:
         report["server_1_start_s"] = s1.start_s
@@ -203,11 +214,8 @@ def main() -> None:
         restores = [float(x) for x in re.findall(r"prefix cache hit: \d+ tokens restored in "
                                                    r"([0-9.]+) s", log)]
         if not a.skip_gaps:
-            from mlx_lm.utils import load_tokenizer
-
-            folder = Path((a.rank_dir or "runs/ranks/rank{rank}").format(rank=0))
-            eos = sorted(load_tokenizer(REPO / folder).eos_token_ids)
-            report["running_request_gaps"] = running_gaps(s2, system("Bob", a.rules), tl, eos)
+            report["running_request_gaps"] = running_gaps(s2, system("Bob", a.rules), tl,
+                                                          _eos(a))
     finally:
         s2.stop()
     for t in (cold, mem, disk):
@@ -224,11 +232,22 @@ def main() -> None:
         "restore_s_per_rank_log": restores,
         "load_after": os.getloadavg(),
     })
+    _emit(report, a.out)
+
+
+def _eos(a) -> list[int]:
+    from mlx_lm.utils import load_tokenizer
+
+    folder = Path((a.rank_dir or "runs/ranks/rank{rank}").format(rank=0))
+    return sorted(load_tokenizer(REPO / folder).eos_token_ids)
+
+
+def _emit(report: dict, out: Path | None) -> None:
     text = json.dumps(report, indent=1)
     print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

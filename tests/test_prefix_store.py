@@ -98,3 +98,25 @@ def test_lru_by_bytes_survives_reopen(tmp_path):
                                                          ".safetensors"]
     with pytest.raises(ValueError, match="must be positive"):
         PrefixStore(tmp_path, IDENT, 0)
+
+
+def test_a_prefill_copy_that_is_not_the_state_after_its_tokens_is_never_kept(tmp_path):
+    """mlx-lm's batch prefill fills the batch's caches, not the request's own: the copy
+    taken at the prompt's last token but one then holds fewer tokens than it is filed
+    under (seen on the server: 4,044 tokens holding 4,014, or 0), and would serve a later
+    prompt with tokens skipped. Neither the memory cache nor the disk keeps it."""
+    from k3dist.serve.prompt_cache import K3PromptCache
+
+    store = PrefixStore(tmp_path, IDENT, 10**9, min_tokens=1)
+    pc = K3PromptCache(8, lambda: _cache(0, 0)[:1], max_tokens=10**6, store=store)
+    cache, rest = pc.fetch_nearest_cache("m", list(range(20)))
+    assert rest == list(range(20))
+    pc.prefill_progress(19, 20)  # the request's cache was never filled: not kept
+    assert len(pc) == 0 and store.entries == {}
+    cache, _ = pc.fetch_nearest_cache("m", list(range(20)))
+    k = mx.zeros((1, 1, 19, 8))
+    cache[0].update_and_fetch(k, k)  # filled in place (mlx-lm's single-request path)
+    pc.prefill_progress(19, 20)
+    assert len(pc) == 1 and len(store.entries) == 1
+    assert not store.save(list(range(30)), _cache(12, 3))  # 12 held, 30 claimed
+    assert len(store.entries) == 1 and len(list(store.dir.glob("*.safetensors"))) == 1

@@ -145,7 +145,7 @@ class PrefixStore:
         return None
 
     def total_bytes(self) -> int:
-        return sum(e.bytes for e in self.entries.values())
+        return sum(e.bytes for e in list(self.entries.values()))  # read by the HTTP thread
 
     def key(self, tokens: list[int]) -> str:
         return prefix_key(tokens, self.ident)
@@ -186,8 +186,11 @@ class PrefixStore:
             if path.stat().st_size != e.file_bytes or file_sha256(path) != e.sha256:
                 raise ValueError("size or SHA-256 differs from its sidecar")
             cache, meta = load_prompt_cache(str(path), return_metadata=True)
-            if int(meta.get("tokens", -1)) != len(e.tokens) or meta.get("key") != e.key:
-                raise ValueError(f"holds {meta.get('tokens')} tokens of {meta.get('key')}")
+            held = {int(c.offset) for c in cache if hasattr(c, "offset")}
+            if int(meta.get("tokens", -1)) != len(e.tokens) or meta.get("key") != e.key or \
+                    held - {len(e.tokens)}:
+                raise ValueError(f"holds {meta.get('tokens')} tokens of {meta.get('key')} "
+                                 f"(KV offsets {sorted(held)}), not {len(e.tokens)}")
             mx.eval([c.state for c in cache])
             return cache
         except Exception as ex:  # noqa: BLE001 - any unreadable entry is skipped
@@ -241,6 +244,10 @@ class PrefixStore:
         ok, size, digest = 1, 0, ""
         if had is not None:  # this rank has it; another may have lost it: agree below
             size, digest = had.file_bytes, had.sha256
+        elif {int(c.offset) for c in cache if hasattr(c, "offset")} - {len(tokens)}:
+            ok = 0  # not the state after these tokens: never written (the caller's bug)
+            logging.warning("prefix cache: a cache of other length offered for %d tokens",
+                            len(tokens))
         else:
             part = self.dir / f"{key}.partial.safetensors"
             try:
@@ -284,7 +291,7 @@ class PrefixStore:
         save = self.stats["save_s"]
         return {"folder": str(self.dir), "entries": len(self.entries),
                 "bytes": self.total_bytes(), "max_bytes": self.max_bytes,
-                "tokens": sum(len(e.tokens) for e in self.entries.values()),
+                "tokens": sum(len(e.tokens) for e in list(self.entries.values())),
                 "skipped_at_start": len(self.skipped),
                 **{k: v for k, v in self.stats.items() if k not in ("restore_s", "save_s")},
                 "last_restore_s": restore[-1] if restore else None,

@@ -29,10 +29,18 @@ restores it, every rank the same or none (the store agrees across ranks).
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+
+def cache_tokens(cache: list) -> int | None:
+    """Tokens a model's cache list holds: its KV layers' (MLA) offset, the same in each;
+    None when it has none (the KDA state alone does not say) or they differ."""
+    offsets = {int(c.offset) for c in cache if hasattr(c, "offset")}
+    return offsets.pop() if len(offsets) == 1 else None
 
 
 class K3PromptCache(LRUPromptCache):
@@ -89,5 +97,13 @@ class K3PromptCache(LRUPromptCache):
             return
         model, tokens, start, cache = self._current
         self._current = None
+        held = cache_tokens(cache)
+        if held is not None and held != start + processed:
+            # mlx-lm's batch prefill fills the batch's caches, not this request's own: the
+            # copy would be the state at fetch time, and kept under these tokens it would
+            # serve a later prompt with tokens skipped (seen: 4,044 tokens holding 4,014)
+            logging.info("prompt cache: prefill copy of %d tokens holds %d: not kept",
+                         start + processed, held)
+            return
         self.insert_cache(model, tokens[:start + processed], copy.deepcopy(cache),
                           cache_type="user")
