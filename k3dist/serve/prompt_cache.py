@@ -33,6 +33,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 
@@ -98,12 +99,16 @@ class K3PromptCache(LRUPromptCache):
         model, tokens, start, cache = self._current
         self._current = None
         held = cache_tokens(cache)
-        if held is not None and held != start + processed:
-            # mlx-lm's batch prefill fills the batch's caches, not this request's own: the
-            # copy would be the state at fetch time, and kept under these tokens it would
-            # serve a later prompt with tokens skipped (seen: 4,044 tokens holding 4,014)
-            logging.info("prompt cache: prefill copy of %d tokens holds %d: not kept",
-                         start + processed, held)
+        stale = held is not None and held != start + processed
+        group = mx.distributed.init()
+        if group.size() > 1:  # every rank keeps the copy or none does (lockstep)
+            stale = mx.distributed.all_sum(mx.array(int(stale)), group=group).item() > 0
+        if stale:
+            # the request's cache object did not follow the prefill (seen on the batch
+            # path: 4,044 tokens holding 4,014, or 0): kept under these tokens it would
+            # serve a later prompt with tokens skipped
+            logging.warning("prompt cache: prefill copy of %d tokens holds %s: not kept",
+                            start + processed, held)
             return
         self.insert_cache(model, tokens[:start + processed], copy.deepcopy(cache),
                           cache_type="user")
