@@ -3,13 +3,17 @@
     python benchmarks/project.py [--boxes 2] [--profile mxfp4 graded] [--backend ring jaccl]
         [--bw-fraction 0.7] [--jaccl-latency-us 50] [--ring-latency-us 600] [--sync-ms 1]
         [--counts routing.npz] [--batch 1 8] [--calibrate]
-        [--out benchmarks/results/project-DATE.json]
+        [--prefill] [--out benchmarks/results/project-DATE.json]
 
 Prints JSON: per build profile and backend, each mode's bytes / FLOPs / collectives per
 step and rank, time split, tok/s and per-box footprint; the published two-box anchors
 next to the model with what each implies; the constants with where each comes from.
 ``--calibrate`` also measures this machine (memory bandwidth, MLX matvecs, loopback
 all_sum under ``mlx.launch -n 2``). Model and equations: ``k3dist/costmodel.py``.
+``--prefill`` adds time to first token (cold 2K / 20K / 100K prompts, EP-split and TP,
+at two prefill efficiencies), the inter-token latency of running requests per prefill
+chunk size, and a cached prefix restored from disk against recomputing it
+(``prefill`` in the JSON; equations in ``costmodel.prefill_chunk``).
 """
 
 from __future__ import annotations
@@ -82,6 +86,12 @@ def parse_args() -> argparse.Namespace:
                     "token counted from its running models, checked against this model's "
                     "count for the same build's config (a mismatch stops the projection)")
     ap.add_argument("--calibrate", action="store_true", help="measure this machine too")
+    ap.add_argument("--prefill", action="store_true",
+                    help="time to first token, chunk trade-off, cached prefix restore")
+    ap.add_argument("--disk-gbs", type=float, default=5.0,
+                    help="prefix-cache read speed (GB/s; assumed: Mac Studio internal SSD)")
+    ap.add_argument("--sha-gbs", type=float, default=2.0,
+                    help="SHA-256 check of a restored entry (GB/s; assumed, one core)")
     ap.add_argument("--allsum-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out")
     return ap.parse_args()
@@ -176,6 +186,59 @@ def check_collectives(path: str) -> dict:
     return out
 
 
+PREFILL_PROMPTS = (2048, 20480, 102400)
+PREFILL_CHUNKS = (128, 256, 512, 2048)
+
+
+def prefill_section(config: dict, prof: cm.Profile, hw: cm.Hardware, boxes: int, args
+                    ) -> dict:
+    """Cold time to first token per mode, the chunk trade-off, and a cached prefix."""
+    f = cm.facts(config, prof)
+    tc = f.tc
+    effs = {"headline": cm.PREFILL_FLOPS_FRACTION, "optimistic": 0.5}
+    runs = (("ep-split", "local"), ("ep-split", "placeholder"), ("tp", "local"))
+    cold = {}
+    for name, eff in effs.items():
+        for mode, form in runs:
+            key = f"{mode}/{form}" if mode in cm.EP_MODES else mode
+            for P in PREFILL_PROMPTS:
+                r = cm.prefill(f, mode, boxes, hw, P, 512, 0, form, eff)
+                cold.setdefault(name, {}).setdefault(key, {})[str(P)] = {
+                    "ttft_s": round(r["ttft_s"], 1), "prefill_tok_s": round(r["prefill_tok_s"], 1),
+                    "comm_s": round(r["comm_s"], 2),
+                    "attention_share_of_flops": round(r["attention_flops"] / r["flops"], 3)}
+    trade = {name: {f"{P}-token prompt": cm.chunk_tradeoff(
+        f, "ep-split", boxes, hw, PREFILL_CHUNKS, P, 4, 4096, "local", eff)
+        for P in (4096, 20480)} for name, eff in effs.items()}
+    # a cached 20K-token prefix (an agent's system prompt + tools) and a new turn
+    from k3dist.format import kvmemory
+
+    cached = {}
+    for n in (20480,):
+        req = kvmemory.request_bytes(tc, n, 2, size=boxes, step=256)
+        nbytes = req["per_request"]
+        restore = nbytes / (args.disk_gbs * 1e9) + nbytes / (args.sha_gbs * 1e9)
+        rows = {}
+        for name, eff in effs.items():
+            for suffix in (64, 256, 1024):
+                warm = cm.prefill(f, "ep-split", boxes, hw, n + suffix, 512, n, "local", eff)
+                coldr = cm.prefill(f, "ep-split", boxes, hw, n + suffix, 512, 0, "local", eff)
+                rows.setdefault(name, {})[f"new_turn_{suffix}"] = {
+                    "ttft_cached_s": round(restore + warm["ttft_s"], 2),
+                    "ttft_cold_s": round(coldr["ttft_s"], 1),
+                    "ratio": round((restore + warm["ttft_s"]) / coldr["ttft_s"], 4)}
+        cached[str(n)] = {"bytes_per_rank": nbytes, "mla_latent_bytes": req["mla_latent_cache"],
+                          "kda_state_bytes": req["kda_state"],
+                          "restore_s": round(restore, 3), "ttft": rows}
+    return {"mode_for_tradeoff": "ep-split, local form, batch of 4 decoding at 4K context",
+            "efficiencies": effs, "sources": cm.PREFILL_SOURCES,
+            "disk": {"read_GBps": args.disk_gbs, "sha256_GBps": args.sha_gbs,
+                     "source": "assumed: Apple publishes no SSD speed; Mac Studio internal "
+                               "SSDs read ~5-7 GB/s in public tests; SHA-256 ~2 GB/s on one "
+                               "core with ARMv8 SHA extensions"},
+            "cold_chunk_512": cold, "chunk_tradeoff": trade, "cached_prefix": cached}
+
+
 def summary(res: dict) -> list[str]:
     rows = [f"{'profile':10} {'backend':7} {'mode':14} {'tok/s':>6} {'GB/rank':>8} "
             f"{'coll':>5} {'comp ms':>8} {'comm ms':>8} {'box GB':>7} fits"]
@@ -266,6 +329,10 @@ def main() -> None:
     res["summary_tok_s"] = {
         pn: {b: {m: round(v["tok_s"], 2) for m, v in pr["modes"].items()}
              for b, pr in per.items()} for pn, per in res["projections"].items()}
+    if args.prefill:
+        pn = next(iter(profs))
+        res["prefill"] = {pn: {b: prefill_section(config, profs[pn], h, args.boxes, args)
+                               for b, h in hws.items()}}
     if args.calibrate:
         res["measured_here"] = calibrate()
     text = json.dumps(res, indent=1, default=float)

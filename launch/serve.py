@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
                        ("max-queued-requests", int), ("max-connections", int),
                        ("max-batch", int), ("max-images", int), ("max-image-pixels", int),
                        ("image-dir", str), ("api-key", str), ("api-key-file", str),
-                       ("prompt-cache-tokens", int)):
+                       ("prompt-cache-tokens", int), ("prefix-cache-dir", str),
+                       ("prefix-cache-gb", float), ("prefix-cache-min-tokens", int)):
         ap.add_argument(f"--{name}", type=kind)
     ap.add_argument("--verify", choices=("stamp", "full", "size"),
                     help="rank-folder content check before serving (default stamp)")
@@ -160,12 +161,24 @@ def main(argv: list[str] | None = None) -> None:
     if token_log is not None:
         token_log.parent.mkdir(parents=True, exist_ok=True)
         token_log.unlink(missing_ok=True)
+    store = None
+    if dep.prefix_cache_dir:  # imported only when configured
+        from k3dist.serve import prefix_store
+
+        ident = prefix_store.Identity(manifest["build_hash"], manifest["placement_hash"],
+                                      dep.attention if size > 1 else "replicated",
+                                      dep.dtype, rank, size)
+        store = prefix_store.PrefixStore(dep.prefix_cache_dir, ident,
+                                         int(dep.prefix_cache_gb * 1e9),
+                                         dep.prefix_cache_min_tokens, group)
+        info["prefix_cache"] = store.report()
+        log(rank, f"prefix cache: {json.dumps(store.report())}")
     server.serve(dep.host, dep.port, provider, max_context=dep.max_context, info=info,
                  vocab_size=config["text_config"]["vocab_size"],
                  max_queued_requests=dep.max_queued_requests,
                  max_connections=dep.max_connections, token_log=token_log,
                  vision_limits=limits, api_key=api_key,
-                 prompt_cache_tokens=dep.prompt_cache_tokens)
+                 prompt_cache_tokens=dep.prompt_cache_tokens, prefix_store=store)
 
 
 if __name__ == "__main__":

@@ -200,3 +200,28 @@ def test_plan_profile_reproduces_the_planner(cfg):
     nonexpert = sum(v for g, v in step["bytes"].items()
                     if g not in ("routed_experts", "routed_experts_mean", "placeholder", "state"))
     assert nonexpert == pytest.approx(plan["nonexpert_read_per_token_per_rank"], rel=1e-6)
+
+
+def test_prefill_chunks_trade_time_to_first_token_for_running_requests_latency(cfg):
+    """Prefill: a chunk reads every expert its routes touch (a 512-token chunk ~all 448 of a
+    rank's), MLA's work grows with the context (KDA's does not), and the placeholder form
+    computes every routed pair; bigger chunks shorten the prompt and stall the decoders."""
+    f = cm.facts(cfg, cm.PROFILES["mxfp4"])
+    hw = cm.Hardware()
+    c = cm.prefill_chunk(f, "ep-split", 2, hw, 512, 0)
+    assert 447 < c["experts_touched_per_layer"] <= 448
+    assert c["n_collectives"] == 186  # as decode: one all_sum per layer + per MoE layer
+    far = cm.prefill_chunk(f, "ep-split", 2, hw, 512, 100_000)
+    assert far["attention_flops"] > 10 * c["attention_flops"]
+    assert far["flops"] - far["attention_flops"] == pytest.approx(
+        c["flops"] - c["attention_flops"])
+    ph = cm.prefill_chunk(f, "ep-split", 2, hw, 512, 0, "placeholder")
+    assert ph["flops"] > 1.3 * c["flops"] and ph["time_s"]["sync"] == 0 < c["time_s"]["sync"]
+    tp = cm.prefill_chunk(f, "tp", 2, hw, 512, 0)
+    assert tp["flops"] < c["flops"] < 1.01 * tp["flops"]  # EP: the busiest rank's pairs
+    rows = cm.chunk_tradeoff(f, "ep-split", 2, hw, (128, 512), 2048, 1, 4096)
+    assert rows[0]["ttft_s"] > rows[1]["ttft_s"] and rows[0]["itl_mean_s"] < rows[1]["itl_mean_s"]
+    assert rows[0]["decode_steps_stalled"] == 16 and rows[1]["decode_steps_stalled"] == 4
+    cached = cm.prefill(f, "ep-split", 2, hw, 2048 + 64, 512, start=2048)
+    assert cached["chunks"] == 1 and cached["ttft_s"] < 0.1 * cm.prefill(
+        f, "ep-split", 2, hw, 2048 + 64, 512)["ttft_s"]

@@ -429,7 +429,7 @@ class Box:
     context: int = 131072  # tokens of one request (prompt + completion): max_context
     batch: int = 4  # requests decoded together: max_batch
     prompt_cache_tokens: int | None = 131072  # the prompt cache's bound; None: 4 x context
-    prefill_chunk: int = 512  # tokens of one prefill chunk: prefill_chunk
+    prefill_chunk: int = 256  # tokens of one prefill chunk: prefill_chunk
     cache_step: int = kvmemory.CACHE_STEP  # mlx-lm KVCache growth step
     act_bytes: int = 2  # bf16 activations and caches on Metal
 

@@ -78,9 +78,10 @@ class Deployment:
     # prefill_chunk at max_context, or the copy of the batch's caches a joining prompt makes
     # if that is larger (k3dist.serve.preflight, k3dist.format.kvmemory.need_bytes). The
     # K3 cache: 24 MLA layers keep 576 values x 2 B = 27,648 B/token (128K tokens: 3.6 GB),
-    # 69 KDA layers a fixed 0.45 GB state (0.22 GB a rank, attention split); a 512-token
-    # chunk at 128K: 16.7 GB a rank. deploy/tb5.yaml: 44 for 4 requests at 128K (41.5 GB
-    # needed). The mini-K3 at these defaults needs 74 MB (float32).
+    # 69 KDA layers a fixed 0.45 GB state (0.22 GB a rank, attention split); a 256-token
+    # chunk at 128K: 10.0 GB a rank. deploy/tb5.yaml: 44 for 4 requests at 128K (40.1 GB
+    # needed: the batch-join copy, 15.4 GB, outgrows its 256-token chunks). The mini-K3 at
+    # these defaults needs 74 MB (float32).
     memory_headroom_gb: float = 2.0
     # completions in flight (queued or generating); past this a request gets 429 with
     # Retry-After instead of waiting
@@ -108,6 +109,15 @@ class Deployment:
     # tokens the prompt cache may hold (reused across turns); None: 4 x max_context. The
     # newest entry is always kept, so it holds up to max(this, max_context) tokens
     prompt_cache_tokens: int | None = None
+    # -- prefix caches on disk (k3dist.serve.prefix_store): survive restarts --
+    # folder of per-rank prefix caches (a chat's system prompt + tools, and each prompt's
+    # snapshot), restored after a restart; None: memory only. Each rank writes its own
+    # subfolder; on two boxes each box needs this path on its own disk
+    prefix_cache_dir: str | None = None
+    # GB (1e9 B) each rank's folder may hold (least recently used entries go first)
+    prefix_cache_gb: float = 20.0
+    # shorter prefixes are not written (prefilling them again is cheap)
+    prefix_cache_min_tokens: int = 1024
 
     def rank_path(self, rank: int) -> Path:
         return Path(self.rank_dir.format(rank=rank))
@@ -149,6 +159,10 @@ def load_deployment(path: str | Path | None = None, **overrides) -> Deployment:
         raise ValueError(f"cors_origins must be a list of origins, not {d.cors_origins!r}")
     if d.api_key and d.api_key_file:
         raise ValueError("give api_key or api_key_file, not both")
+    if d.prefix_cache_dir is not None and not (d.prefix_cache_gb > 0
+                                                and d.prefix_cache_min_tokens >= 1):
+        raise ValueError(f"prefix_cache_gb ({d.prefix_cache_gb}) must be positive and "
+                         f"prefix_cache_min_tokens ({d.prefix_cache_min_tokens}) at least 1")
     if d.dtype not in DTYPES:
         raise ValueError(f"dtype must be float32, bfloat16 or float16, not {d.dtype!r}")
     return d

@@ -18,21 +18,38 @@ the attention heads. Memory is bounded through tokens and entries
 MLA layers keep 27,648 B/token, so 4 x 4,096 tokens is ~0.45 GB per rank, 4 x 128K
 ~14.5 GB; every entry also holds a whole KDA state (0.45 GB, 0.22 GB a rank with attention
 split), up to 8 entries and one more while it is inserted.
+
+With a ``store`` (``k3dist.serve.prefix_store.PrefixStore``, deployment
+``prefix_cache_dir``), the prefixes mlx-lm keeps as ``system`` entries (a chat's system
+prompt and tools) and this cache's ``user`` snapshots are also written to disk, and a
+prompt whose memory hit is shorter than a stored prefix (after a restart: all of them)
+restores it, every rank the same or none (the store agrees across ranks).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 
+def cache_tokens(cache: list) -> int | None:
+    """Tokens a model's cache list holds: its KV layers' (MLA) offset, the same in each;
+    None when it has none (the KDA state alone does not say) or they differ."""
+    offsets = {int(c.offset) for c in cache if hasattr(c, "offset")}
+    return offsets.pop() if len(offsets) == 1 else None
+
+
 class K3PromptCache(LRUPromptCache):
-    def __init__(self, max_size: int, make_cache: Callable[[], list], max_tokens: int):
+    def __init__(self, max_size: int, make_cache: Callable[[], list], max_tokens: int,
+                 store: Any = None):
         super().__init__(max_size)  # no byte bound: it would differ between ranks
         self.make_cache, self.max_tokens = make_cache, max_tokens
+        self.store = store  # prefix caches on disk (PrefixStore) or None
         self._current: tuple[Any, list[int], int, list] | None = None
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
@@ -43,6 +60,10 @@ class K3PromptCache(LRUPromptCache):
                 rest = tokens[-1:]
             else:
                 cache, rest = self._shorter(model, tokens)
+        if self.store is not None:  # every rank, every request: the store agrees
+            stored, n = self.store.lookup(tokens, len(tokens) - len(rest))
+            if stored is not None:
+                cache, rest = stored, tokens[n:]
         if cache is None:
             cache = self.make_cache()
         self._current = (model, list(tokens), len(tokens) - len(rest), cache)
@@ -65,6 +86,8 @@ class K3PromptCache(LRUPromptCache):
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        if self.store is not None and cache_type in ("system", "user"):
+            self.store.save(list(tokens), prompt_cache)
         while len(self) > 1 and self.tokens() > self.max_tokens:
             self.trim_to(n_sequences=len(self) - 1)  # in mlx-lm's eviction order
 
@@ -75,5 +98,17 @@ class K3PromptCache(LRUPromptCache):
             return
         model, tokens, start, cache = self._current
         self._current = None
+        held = cache_tokens(cache)
+        stale = held is not None and held != start + processed
+        group = mx.distributed.init()
+        if group.size() > 1:  # every rank keeps the copy or none does (lockstep)
+            stale = mx.distributed.all_sum(mx.array(int(stale)), group=group).item() > 0
+        if stale:
+            # the request's cache object did not follow the prefill (seen on the batch
+            # path: 4,044 tokens holding 4,014, or 0): kept under these tokens it would
+            # serve a later prompt with tokens skipped
+            logging.warning("prompt cache: prefill copy of %d tokens holds %s: not kept",
+                            start + processed, held)
+            return
         self.insert_cache(model, tokens[:start + processed], copy.deepcopy(cache),
                           cache_type="user")

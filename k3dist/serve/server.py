@@ -56,6 +56,8 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 # The agent APIs: each translates its body into a chat completion (k3dist.serve.relay).
 AGENT_PATHS = ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
+# Pre-compute a chat prefix (system prompt + tools) into the prompt caches (_precompute).
+PREFIX_PATH = "/v1/k3dist/prefix"
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # A token is rarely more than ~16 characters: longer prompts are refused before
 # tokenizing them at all.
@@ -652,6 +654,8 @@ class K3APIHandler(mlx_server.APIHandler):
             self._api = responses_api
         if not self._authorized():
             return
+        if self.path == PREFIX_PATH:
+            return self._precompute()
         if self.path not in COMPLETION_PATHS + AGENT_PATHS:
             return super().do_POST()
         path = "/v1/chat/completions" if self._api else self.path  # what is run
@@ -722,6 +726,67 @@ class K3APIHandler(mlx_server.APIHandler):
             self.admission.leave(time.monotonic() - t0)
             if sink is not None:
                 sink.end()
+
+    def _precompute(self) -> None:
+        """``POST /v1/k3dist/prefix`` with ``{"messages": [system messages], "tools": [...]}``:
+        prefill that prefix (as the start of a chat whose first user turn is to come) into
+        the prompt cache and, with ``prefix_cache_dir``, its on-disk store, so the first
+        session's first turn is warm even after a restart. Runs as a one-token chat
+        completion through the lockstep loop (mlx-lm keeps a chat's system segment as a
+        ``system`` entry); answers the prefix's token count and whether it is stored."""
+        try:
+            length = int(self.headers.get("Content-Length", "-1"))
+            if not 0 <= length <= MAX_BODY_BYTES:
+                raise RequestError(400, f"a Content-Length of 0 to {MAX_BODY_BYTES} is required")
+            body = json.loads(self.rfile.read(length).decode("utf-8"))
+            msgs = body.get("messages") if isinstance(body, dict) else None
+            if not (isinstance(msgs, list) and msgs and all(
+                    isinstance(m, dict) and m.get("role") in ("system", "developer")
+                    for m in msgs)):
+                raise RequestError(400, "messages must be a non-empty list of system (or "
+                                   "developer) messages: the prefix every session starts with",
+                                   "messages")
+            kw = body.get("chat_template_kwargs") or {}
+            chat = {"model": self.model_id, "tools": body.get("tools"), "max_tokens": 1,
+                    "temperature": 0, "chat_template_kwargs": kw,
+                    "messages": [*msgs, {"role": "user", "content": "."}]}
+            validate_request("/v1/chat/completions", chat, model_id=self.model_id,
+                             max_context=self.max_context, vocab_size=self.vocab_size)
+            tok = self.response_generator.model_provider.tokenizer
+            ids = tok.apply_chat_template(chat["messages"], tools=chat["tools"],
+                                          add_generation_prompt=True, tokenize=True, **kw)
+            head = tok.apply_chat_template([*msgs, {"role": "user", "content": ""}],
+                                           tools=chat["tools"], add_generation_prompt=False,
+                                           tokenize=True, **kw)
+            n = next((i for i, (a, b) in enumerate(zip(head, ids, strict=False))
+                      if a != b), 0)
+            if len(ids) + 1 > self.max_context:
+                raise RequestError(400, f"prefix of {len(ids)} tokens exceeds the context of "
+                                   f"{self.max_context}", code="context_length_exceeded")
+        except (ValueError, TypeError, AttributeError) as e:  # JSON, UTF-8, template
+            return self._error(e if isinstance(e, RequestError) else RequestError(400, str(e)))
+        if not self.admission.enter():
+            return self._error(RequestError(429, "too many requests in flight; retry later",
+                                            code="too_many_requests"),
+                               {"Retry-After": str(self.admission.retry_after())})
+        raw = json.dumps(chat).encode()
+        self.headers.replace_header("Content-Length", str(len(raw)))
+        self.rfile, self.path = io.BytesIO(raw), "/v1/chat/completions"
+        out, self.wfile = self.wfile, io.BytesIO()  # mlx-lm's answer is not the reply
+        t0 = time.monotonic()
+        try:
+            super().do_POST()
+        finally:
+            self.admission.leave(time.monotonic() - t0)
+            answered, self.wfile = self.wfile.getvalue(), out
+        if b" 200 " not in answered.split(b"\r\n", 1)[0]:
+            return self._error(RequestError(500, "the prefix run failed: " + answered.decode(
+                "utf-8", "replace")[-300:]))
+        store = getattr(self.response_generator.prompt_cache, "store", None)
+        stored = bool(store is not None and n and store.has(ids[:n]))
+        self._json(200, {"prefix_tokens": n, "seconds": round(time.monotonic() - t0, 3),
+                         "stored": stored, "key": store.key(ids[:n]) if stored else None,
+                         "prefix_cache": store.report() if store is not None else None})
 
     def _agent_body(self, body: Any) -> dict:
         """The chat-completion body an agent API request runs as."""
@@ -868,12 +933,13 @@ def cli_args(*, model_id: str, max_tokens: int, temp: float, top_p: float,
 def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, info: dict,
           vocab_size: int, max_queued_requests: int = 64, max_connections: int = 2048,
           token_log: Path | None = None, vision_limits=None, api_key: str | None = None,
-          prompt_cache_tokens: int | None = None) -> None:
-    """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves."""
+          prompt_cache_tokens: int | None = None, prefix_store=None) -> None:
+    """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves.
+    ``prefix_store``: prefix caches on disk (k3dist.serve.prefix_store) or None."""
     group = mx.distributed.init()
     prompt_cache = K3PromptCache(provider.cli_args.prompt_cache_size,
                                  lambda: make_prompt_cache(provider.model),
-                                 prompt_cache_tokens or 4 * max_context)
+                                 prompt_cache_tokens or 4 * max_context, prefix_store)
     generator = K3ResponseGenerator(provider, prompt_cache, token_log)
     if group.rank() != 0:
         generator.join()

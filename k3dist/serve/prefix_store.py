@@ -1,0 +1,298 @@
+"""Prompt-prefix caches on disk, so a restart does not lose an agent's warm prefix.
+
+Each rank keeps its own caches (MLA latents, KDA recurrent and conv states: mlx-lm's
+``save_prompt_cache`` of the rank's ``make_cache()`` list) in
+``<folder>/<identity>/rank<r>-of-<n>/``: one ``<key>.safetensors`` per prefix and a
+``<key>.json`` beside it holding the prefix's tokens, the deployment identity, the
+file's size and SHA-256, the bytes the entry is accounted at and its last use. The
+key hashes the tokens with the identity (build hash, placement hash, attention mode,
+dtype, rank, size); a folder of another build or placement is another ``identity``
+subfolder and is never read. Every file is written as ``.partial`` then renamed; the
+sidecar is renamed last, so an entry exists only once both are whole.
+
+Lockstep: a prompt-cache hit decides what each rank prefills, so all ranks must hit
+the same prefix or none does (a hit on one rank and a miss on another would
+desynchronise every later collective). ``lookup`` therefore loads and checks this
+rank's longest matching entry (size, SHA-256, identity, token count in the file), then
+``all_gather``s its length: only when every rank holds the same verified length is it
+used, else no rank uses any (a corrupt or missing entry on one rank is a miss on all).
+``save`` runs at the same request and token on every rank (the prompt cache calls it
+from the lockstep loop) and ``all_gather``s (bytes, written): the entry is accounted at
+the largest rank's bytes, so the byte bound (LRU by a use counter that every rank
+advances alike) evicts the same entries everywhere; an entry some rank failed to write
+is removed on all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+FORMAT = 1  # sidecar format version: another version is skipped as stale
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a cached prefix is valid for: the same tokens under another build, placement,
+    attention layout, dtype or rank give other tensors."""
+
+    build_hash: str
+    placement_hash: str
+    attention: str
+    dtype: str
+    rank: int
+    size: int
+
+    def folder(self) -> str:
+        shared = {k: v for k, v in asdict(self).items() if k != "rank"}
+        digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+        return f"{digest}/rank{self.rank}-of-{self.size}"
+
+
+def prefix_key(tokens: list[int] | tuple[int, ...], ident: Identity) -> str:
+    """The entry's name: SHA-256 of the identity (rank aside) and the token ids."""
+    shared = {k: v for k, v in asdict(ident).items() if k != "rank"}
+    h = hashlib.sha256(json.dumps(shared, sort_keys=True).encode())
+    h.update(b"\0")
+    h.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    return h.hexdigest()[:32]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class Entry:
+    key: str
+    tokens: tuple[int, ...]
+    file_bytes: int
+    sha256: str
+    bytes: int  # accounted (the largest rank's): what the bound counts
+    used: int  # use counter: the same on every rank
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    part = path.with_name(path.name + ".partial")
+    part.write_text(json.dumps(obj))
+    os.replace(part, path)
+
+
+class PrefixStore:
+    """One rank's bounded folder of prefix caches (see the module's docstring)."""
+
+    def __init__(self, root: str | Path, ident: Identity, max_bytes: int,
+                 min_tokens: int = 1024, group: mx.distributed.Group | None = None):
+        if max_bytes <= 0:
+            raise ValueError(f"prefix cache bound must be positive, not {max_bytes} bytes")
+        self.root = Path(root)
+        self.ident, self.max_bytes, self.min_tokens = ident, max_bytes, min_tokens
+        self.group = group
+        self.dir = self.root / ident.folder()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.entries: dict[str, Entry] = {}
+        self.skipped: dict[str, str] = {}  # key -> why (stale, corrupt) at scan
+        self.stats = {"hits": 0, "misses": 0, "disagreed": 0, "saved": 0, "evicted": 0,
+                      "corrupt": 0, "restore_s": [], "save_s": []}
+        self._scan()
+
+    # ---------------------------------------------------------------- index
+
+    def _scan(self) -> None:
+        for part in self.dir.glob("*.partial*"):  # an interrupted write
+            part.unlink(missing_ok=True)
+        for side in sorted(self.dir.glob("*.json")):
+            key = side.stem
+            try:
+                meta = json.loads(side.read_text())
+                why = self._stale(meta, key)
+            except (OSError, ValueError) as e:
+                why = f"unreadable sidecar ({e})"
+            if why:
+                self.skipped[key] = why
+                logging.warning("prefix cache %s: skipped (%s)", side, why)
+                continue
+            self.entries[key] = Entry(key, tuple(meta["tokens"]), meta["file_bytes"],
+                                      meta["sha256"], meta["bytes"], meta["used"])
+        for f in self.dir.glob("*.safetensors"):  # data without a sidecar: never whole
+            if f.stem not in self.entries and f.stem not in self.skipped:
+                f.unlink(missing_ok=True)
+
+    def _stale(self, meta: dict, key: str) -> str | None:
+        if meta.get("format") != FORMAT:
+            return f"format {meta.get('format')} is not {FORMAT}"
+        if meta.get("identity") != asdict(self.ident):
+            return f"made for {meta.get('identity')}, not {asdict(self.ident)}"
+        if prefix_key(meta["tokens"], self.ident) != key:
+            return "its tokens do not hash to its name"
+        data = self.dir / f"{key}.safetensors"
+        if not data.exists() or data.stat().st_size != meta["file_bytes"]:
+            return f"{data.name} is missing or not {meta['file_bytes']} bytes"
+        return None
+
+    def total_bytes(self) -> int:
+        return sum(e.bytes for e in list(self.entries.values()))  # read by the HTTP thread
+
+    def key(self, tokens: list[int]) -> str:
+        return prefix_key(tokens, self.ident)
+
+    def has(self, tokens: list[int]) -> bool:
+        return self.key(tokens) in self.entries
+
+    def _clock(self) -> int:
+        return max((e.used for e in self.entries.values()), default=0) + 1
+
+    def _remove(self, key: str) -> None:
+        self.entries.pop(key, None)
+        (self.dir / f"{key}.json").unlink(missing_ok=True)
+        (self.dir / f"{key}.safetensors").unlink(missing_ok=True)
+
+    def _touch(self, e: Entry) -> None:
+        e.used = self._clock()
+        self._write_sidecar(e)
+
+    def _write_sidecar(self, e: Entry) -> None:
+        _write_json(self.dir / f"{e.key}.json", {
+            "format": FORMAT, "identity": asdict(self.ident), "tokens": list(e.tokens),
+            "file_bytes": e.file_bytes, "sha256": e.sha256, "bytes": e.bytes,
+            "used": e.used})
+
+    # ---------------------------------------------------------------- lockstep
+
+    def _agree(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (one small all_gather); one rank: its own."""
+        if self.group is None or self.group.size() == 1:
+            return [values]
+        got = mx.distributed.all_gather(mx.array([values], dtype=mx.int64), group=self.group)
+        return got.tolist()
+
+    def _load(self, e: Entry) -> list | None:
+        path = self.dir / f"{e.key}.safetensors"
+        try:
+            if path.stat().st_size != e.file_bytes or file_sha256(path) != e.sha256:
+                raise ValueError("size or SHA-256 differs from its sidecar")
+            cache, meta = load_prompt_cache(str(path), return_metadata=True)
+            held = {int(c.offset) for c in cache if hasattr(c, "offset")}
+            if int(meta.get("tokens", -1)) != len(e.tokens) or meta.get("key") != e.key or \
+                    held - {len(e.tokens)}:
+                raise ValueError(f"holds {meta.get('tokens')} tokens of {meta.get('key')} "
+                                 f"(KV offsets {sorted(held)}), not {len(e.tokens)}")
+            mx.eval([c.state for c in cache])
+            return cache
+        except Exception as ex:  # noqa: BLE001 - any unreadable entry is skipped
+            logging.warning("prefix cache %s: corrupt, removed (%s)", path, ex)
+            self.stats["corrupt"] += 1
+            self._remove(e.key)
+            return None
+
+    def lookup(self, tokens: list[int], floor: int) -> tuple[list | None, int]:
+        """The longest stored prefix of ``tokens`` longer than ``floor`` (what memory
+        already gives) and shorter than ``tokens`` (one token is left to prefill), the
+        same on every rank, or (None, 0). Called by every rank at the same request."""
+        t0 = time.perf_counter()
+        cands = sorted((e for e in self.entries.values()
+                        if floor < len(e.tokens) < len(tokens)
+                        and tuple(tokens[:len(e.tokens)]) == e.tokens),
+                       key=lambda e: (-len(e.tokens), e.key))
+        cache, entry = None, None
+        for e in cands:
+            cache = self._load(e)
+            if cache is not None:
+                entry = e
+                break
+        n = len(entry.tokens) if entry else 0
+        lengths = [v[0] for v in self._agree([n])]
+        if n == 0 or any(x != n for x in lengths):
+            if any(lengths):
+                self.stats["disagreed"] += 1
+                logging.warning("prefix cache: ranks hold %s tokens of this prompt: not used",
+                                lengths)
+            self.stats["misses"] += 1
+            return None, 0
+        self._touch(entry)
+        self.stats["hits"] += 1
+        took = time.perf_counter() - t0
+        self.stats["restore_s"].append(round(took, 4))
+        print(f"k3dist: prefix cache hit: {n} tokens restored in {took:.3f} s (rank "
+              f"{self.ident.rank}, {entry.file_bytes:,} B)", file=sys.stderr, flush=True)
+        return cache, n
+
+    def save(self, tokens: list[int], cache: list[Any]) -> bool:
+        """Store ``cache`` (the state after ``tokens``) unless it is shorter than
+        ``min_tokens`` or already stored; evict least recently used entries past the
+        bound. Called by every rank at the same request and token."""
+        if len(tokens) < self.min_tokens:
+            return False
+        key = prefix_key(tokens, self.ident)
+        t0 = time.perf_counter()
+        data = self.dir / f"{key}.safetensors"
+        had = self.entries.get(key)
+        ok, size, digest = 1, 0, ""
+        if had is not None:  # this rank has it; another may have lost it: agree below
+            size, digest = had.file_bytes, had.sha256
+        elif {int(c.offset) for c in cache if hasattr(c, "offset")} - {len(tokens)}:
+            ok = 0  # not the state after these tokens: never written (the caller's bug)
+            logging.warning("prefix cache: a cache of other length offered for %d tokens",
+                            len(tokens))
+        else:
+            part = self.dir / f"{key}.partial.safetensors"
+            try:
+                save_prompt_cache(str(part), cache, {"tokens": str(len(tokens)), "key": key})
+                size, digest = part.stat().st_size, file_sha256(part)
+                os.replace(part, data)
+            except Exception as ex:  # noqa: BLE001 - a full disk must not stop serving
+                logging.warning("prefix cache: could not write %s (%s)", data, ex)
+                part.unlink(missing_ok=True)
+                ok = 0
+        rows = self._agree([size, ok, had is not None])
+        if not all(r[1] for r in rows):  # some rank could not write it: none keeps it
+            self._remove(key)
+            return False
+        e = Entry(key, tuple(int(t) for t in tokens), size, digest,
+                  max(r[0] for r in rows), self._clock())
+        self.entries[key] = e
+        self._write_sidecar(e)
+        self._evict()
+        if all(r[2] for r in rows):
+            return False  # already stored everywhere: only its use was counted
+        self.stats["save_s"].append(round(time.perf_counter() - t0, 4))
+        if key in self.entries:
+            self.stats["saved"] += 1
+            return True
+        return False
+
+    def _evict(self) -> None:
+        """Least recently used first (ties by key), until the entries fit the bound."""
+        order = sorted(self.entries.values(), key=lambda e: (e.used, e.key))
+        total = self.total_bytes()
+        for e in order:
+            if total <= self.max_bytes:
+                break
+            total -= e.bytes
+            self._remove(e.key)
+            self.stats["evicted"] += 1
+
+    def report(self) -> dict:
+        restore = self.stats["restore_s"]
+        save = self.stats["save_s"]
+        return {"folder": str(self.dir), "entries": len(self.entries),
+                "bytes": self.total_bytes(), "max_bytes": self.max_bytes,
+                "tokens": sum(len(e.tokens) for e in list(self.entries.values())),
+                "skipped_at_start": len(self.skipped),
+                **{k: v for k, v in self.stats.items() if k not in ("restore_s", "save_s")},
+                "last_restore_s": restore[-1] if restore else None,
+                "last_save_s": save[-1] if save else None}

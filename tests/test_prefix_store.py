@@ -1,0 +1,122 @@
+"""Prefix caches on disk (k3dist.serve.prefix_store): keying, checks on load, LRU by
+bytes (one process: the agreement is with itself); the restart through a real 2-rank
+server is in test_prefix_restart.py."""
+
+from __future__ import annotations
+
+import json
+
+from k3dist.serve.prefix_store import Identity, PrefixStore, prefix_key
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+IDENT = Identity("build0", "place0", "split", "float32", 0, 1)
+
+
+def _cache(n: int, seed: int) -> list:
+    """A real K3-shaped cache list: one MLA-like KVCache of n tokens, one KDA ArraysCache."""
+    mx.random.seed(seed)
+    kv = KVCache()
+    kv.update_and_fetch(mx.random.normal((1, 1, n, 8)), mx.random.normal((1, 1, n, 8)))
+    kda = ArraysCache(size=2)
+    kda[0], kda[1] = mx.random.normal((1, 3, 4)), mx.random.normal((1, 2, 4, 4))
+    return [kv, kda]
+
+
+def _same(a: list, b: list) -> bool:
+    fa, fb = tree_flatten([c.state for c in a]), tree_flatten([c.state for c in b])
+    return len(fa) == len(fb) and all(  # KVCache: keys, values, offset
+        ka == kb and (mx.array_equal(x, y).item() if isinstance(x, mx.array) else x == y)
+        for (ka, x), (kb, y) in zip(fa, fb, strict=True))
+
+
+def test_key_names_tokens_and_identity_not_rank():
+    k = prefix_key([1, 2, 3], IDENT)
+    assert k == prefix_key((1, 2, 3), Identity("build0", "place0", "split", "float32", 1, 1))
+    for other in (Identity("build1", "place0", "split", "float32", 0, 1),
+                  Identity("build0", "place1", "split", "float32", 0, 1),
+                  Identity("build0", "place0", "replicated", "float32", 0, 1),
+                  Identity("build0", "place0", "split", "bfloat16", 0, 1),
+                  Identity("build0", "place0", "split", "float32", 0, 2)):
+        assert prefix_key([1, 2, 3], other) != k
+        assert other.folder() != IDENT.folder()
+    assert prefix_key([1, 2, 4], IDENT) != k and prefix_key([1, 2], IDENT) != k
+
+
+def test_restored_after_reopen_longest_prefix_and_checks(tmp_path):
+    s = PrefixStore(tmp_path, IDENT, 10**9, min_tokens=4)
+    a, b = _cache(6, 0), _cache(10, 1)
+    assert not s.save([1] * 3, _cache(3, 2))  # under min_tokens: not written
+    assert s.save(list(range(6)), a) and s.save(list(range(10)), b)
+    assert not s.save(list(range(6)), a)  # already there
+    s2 = PrefixStore(tmp_path, IDENT, 10**9, min_tokens=4)  # a restart
+    assert len(s2.entries) == 2
+    got, n = s2.lookup(list(range(12)), floor=0)
+    assert n == 10 and _same(got, b)
+    got, n = s2.lookup(list(range(10)), floor=0)  # one token must be left to prefill
+    assert n == 6 and _same(got, a)
+    assert s2.lookup(list(range(12)), floor=10) == (None, 0)  # memory gives as much
+    assert s2.lookup([9, *range(11)], floor=0) == (None, 0)
+    # another build under the same folder sees none of it
+    other = PrefixStore(tmp_path, Identity("build1", "place0", "split", "float32", 0, 1), 10**9)
+    assert other.entries == {}
+    # a flipped byte: skipped (and removed), the shorter entry serves instead
+    f = s2.dir / f"{prefix_key(list(range(10)), IDENT)}.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-5] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    got, n = s2.lookup(list(range(12)), floor=0)
+    assert n == 6 and _same(got, a) and s2.stats["corrupt"] == 1 and not f.exists()
+    # a sidecar of another identity in this folder (copied in): stale, skipped at start
+    side = s2.dir / f"{prefix_key(list(range(6)), IDENT)}.json"
+    meta = json.loads(side.read_text())
+    side.write_text(json.dumps(dict(meta, identity=dict(meta["identity"], dtype="float16"))))
+    s3 = PrefixStore(tmp_path, IDENT, 10**9, min_tokens=4)
+    assert s3.entries == {} and len(s3.skipped) == 1
+    # a half-written file is swept at start
+    (s3.dir / "x.partial.safetensors").write_bytes(b"junk")
+    assert not any(p.name.startswith("x.") for p in PrefixStore(tmp_path, IDENT, 10**9)
+                   .dir.iterdir())
+
+
+def test_lru_by_bytes_survives_reopen(tmp_path):
+    one = PrefixStore(tmp_path / "probe", IDENT, 10**9, min_tokens=1)
+    one.save([0] * 8, _cache(8, 0))
+    size = next(iter(one.entries.values())).bytes
+    s = PrefixStore(tmp_path, IDENT, int(2.5 * size), min_tokens=1)  # room for two
+    for i in range(2):
+        s.save([i] * 8, _cache(8, i))
+    s.lookup([0] * 8 + [5], floor=0)  # [0]*8 is now the most recently used
+    s = PrefixStore(tmp_path, IDENT, int(2.5 * size), min_tokens=1)  # order kept on disk
+    s.save([2] * 8, _cache(8, 2))
+    assert {e.tokens[0] for e in s.entries.values()} == {0, 2}  # [1]*8 evicted
+    assert s.total_bytes() <= 2.5 * size and s.stats["evicted"] == 1
+    assert sorted(p.suffix for p in s.dir.iterdir()) == [".json", ".json", ".safetensors",
+                                                         ".safetensors"]
+    with pytest.raises(ValueError, match="must be positive"):
+        PrefixStore(tmp_path, IDENT, 0)
+
+
+def test_a_prefill_copy_that_is_not_the_state_after_its_tokens_is_never_kept(tmp_path):
+    """mlx-lm's batch prefill fills the batch's caches, not the request's own: the copy
+    taken at the prompt's last token but one then holds fewer tokens than it is filed
+    under (seen on the server: 4,044 tokens holding 4,014, or 0), and would serve a later
+    prompt with tokens skipped. Neither the memory cache nor the disk keeps it."""
+    from k3dist.serve.prompt_cache import K3PromptCache
+
+    store = PrefixStore(tmp_path, IDENT, 10**9, min_tokens=1)
+    pc = K3PromptCache(8, lambda: _cache(0, 0)[:1], max_tokens=10**6, store=store)
+    cache, rest = pc.fetch_nearest_cache("m", list(range(20)))
+    assert rest == list(range(20))
+    pc.prefill_progress(19, 20)  # the request's cache was never filled: not kept
+    assert len(pc) == 0 and store.entries == {}
+    cache, _ = pc.fetch_nearest_cache("m", list(range(20)))
+    k = mx.zeros((1, 1, 19, 8))
+    cache[0].update_and_fetch(k, k)  # filled in place (mlx-lm's single-request path)
+    pc.prefill_progress(19, 20)
+    assert len(pc) == 1 and len(store.entries) == 1
+    assert not store.save(list(range(30)), _cache(12, 3))  # 12 held, 30 claimed
+    assert len(store.entries) == 1 and len(list(store.dir.glob("*.safetensors"))) == 1
