@@ -203,8 +203,10 @@ def parse_stream(api: str, events: list[tuple[str | None, str]]) -> dict:
         content = [dict(b, input=json.loads(b["_json"] or "{}")) if b["type"] == "tool_use"
                    else b for _, b in sorted(blocks.items())]
         return parse_body("messages", {"content": content, "stop_reason": stop})
-    done = [json.loads(d) for n, d in events if n == "response.completed"]
-    assert done, f"stream ended without response.completed ({[n for n, _ in events[-3:]]})"
+    done = [json.loads(d) for n, d in events
+            if n in ("response.completed", "response.incomplete")]
+    assert done and events[-1][0] == done[0]["type"], \
+        f"stream ended without response.completed ({[n for n, _ in events[-3:]]})"
     return parse_body("responses", done[0]["response"])
 
 
