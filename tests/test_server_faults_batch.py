@@ -1,7 +1,9 @@
-"""Issue 28: a rank SIGKILLed while 8 requests decode together, under the supervisor
-(launch/run.py over mlx.launch on loopback): every open stream gets an error event
-naming the lost rank within the watchdog bound, the supervisor exits non-zero (the
-killed rank's 128 + 9), and nothing is left running."""
+"""Issue 28, under the supervisor (launch/run.py over mlx.launch on loopback), one
+server start: idle, no process spins (each uses well under a CPU second in 5 s; before,
+rank 1 spun in a collective and mlx.launch on its ranks' stdin); then a rank SIGKILLed
+while 8 requests decode together: every open stream gets an error event naming the
+lost rank within the watchdog bound, the supervisor exits non-zero (the killed rank's
+128 + 9), and nothing is left running."""
 
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ import threading
 import time
 from pathlib import Path
 
-from serving import free_port, get_json
+from serving import free_port, get_json, post_conn
 from util import REPO, free_base_port
 
 PROMPTS = ["def f(x):", "class Queue:", "import os\n", "for i in range(10):",
            "The river ran", "def main():", "x = [1, 2, 3]\n", "Once upon a time"]
 WATCHDOG_S = 15.0
+IDLE_S = 5.0
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -34,6 +37,25 @@ def _session_pids(sid: int) -> list[int]:
             except OSError:
                 pass
     return out
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _roles(sid: int) -> dict[str, int]:
+    out = {}
+    for pid in _session_pids(sid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"mlx.launch" in cmd:
+            out["launcher"] = pid
+        elif b"run.py" in cmd:
+            out["supervisor"] = pid
+    return out | {f"rank{r}": _rank_pid(sid, r) for r in range(2)}
 
 
 def _rank_pid(sid: int, rank: int) -> int:
@@ -94,6 +116,12 @@ def test_sigkill_of_rank_1_while_8_requests_decode(ranks, tmp_path):
                     break
             except OSError:
                 time.sleep(0.5)
+        post_conn(port, {"prompt": "hi", "max_tokens": 2})  # through the idle gate once
+        time.sleep(1.0)
+        roles = _roles(proc.pid)
+        c0 = {r: _cpu_s(pid) for r, pid in roles.items()}
+        time.sleep(IDLE_S)
+        idle = {r: round(_cpu_s(pid) - c0[r], 3) for r, pid in roles.items()}
         streams = [_Stream(port, p) for p in PROMPTS]
         deadline = time.time() + 120
         while not all(s.chunks >= 2 for s in streams):
@@ -114,8 +142,10 @@ def test_sigkill_of_rank_1_while_8_requests_decode(ranks, tmp_path):
         log.close()
     out = (tmp_path / "server.log").read_text()
     waits = [round(s.ended - t, 2) for s in streams]
-    print(f"\nSIGKILL rank 1 with 8 decoding: errors after {waits} s; supervisor exit {rc} "
-          f"after {took:.2f} s; left running: {left}")
+    print(f"\nidle {IDLE_S:g} s: CPU seconds {idle}; SIGKILL rank 1 with 8 decoding: errors "
+          f"after {waits} s; supervisor exit {rc} after {took:.2f} s; left running: {left}")
+    assert set(idle) == {"supervisor", "launcher", "rank0", "rank1"}, idle
+    assert all(v < 0.25 for v in idle.values()), idle
     for s in streams:
         body = s.raw.split(b"\r\n\r\n", 1)[1]
         assert b"[DONE]" not in body and re.search(rb'"error".*rank 1 was lost', body), body[-400:]
