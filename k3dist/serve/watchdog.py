@@ -612,6 +612,25 @@ class Watchdog:
                                                   if self._stopping else ""))
         return True
 
+    def _peer_closed(self, sel: selectors.BaseSelector) -> bool:
+        """Read the peers' sockets that have something now (not waiting): True when one
+        has closed and that was handled as a loss. Before a stop request is acted on:
+        a frozen rank 0 resumed by its peer's SIGTERM (after the peer closed its socket)
+        saw the signal in one select and the close only in the next."""
+        conns = list(self.conns.values())
+        ready = select.select([c.sock for c in conns], [], [], 0)[0] if conns else []
+        for c in conns:
+            if c.sock not in ready or c.rank not in self.conns:
+                continue
+            lines = c.read_lines()
+            if lines is None:
+                if self._on_close(c, sel):
+                    return True
+                continue
+            if any(self._on_line(c, line) for line in lines):
+                return True
+        return False
+
     def _run(self) -> None:
         try:
             self._loop()
@@ -669,6 +688,8 @@ class Watchdog:
             # a stop (e.g. mlx.launch's SIGTERM after that very death) arrives with it.
             events.sort(key=lambda e: isinstance(e[0].data, str))
             for key, _ in events:
+                if isinstance(key.data, str) and self._peer_closed(sel):
+                    return  # a stop that follows a peer's end (its SIGTERM) is a loss
                 if key.data == "ctl":
                     data = os.read(self._ctl_r, 4096).decode(errors="replace")
                     for line in data.splitlines():
