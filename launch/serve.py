@@ -78,7 +78,20 @@ def rank_folder(dep: Deployment, rank: int, size: int) -> Path:
     return default.ensure_default_rank(rank, size, folder)
 
 
+def close_stdin() -> None:
+    """A rank reads nothing from stdin: close the pipe mlx.launch gave it (/dev/null in
+    its place), so mlx.launch's forwarding thread can drop it instead of spinning on it
+    (k3dist.serve.supervise writes the line that makes it notice)."""
+    try:
+        fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(fd, 0)
+        os.close(fd)
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
+    close_stdin()
     dep = parse_args(argv)
     try:  # a bad key file, or another machine's reach without a key, stops us here
         api_key = auth.load_key(dep.api_key, dep.api_key_file)
@@ -178,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
                  max_queued_requests=dep.max_queued_requests,
                  max_connections=dep.max_connections, token_log=token_log,
                  vision_limits=limits, api_key=api_key,
-                 prompt_cache_tokens=dep.prompt_cache_tokens, prefix_store=store)
+                 prompt_cache_tokens=dep.prompt_cache_tokens, prefix_store=store,
+                 idle_gate=watchdog)
 
 
 if __name__ == "__main__":

@@ -63,14 +63,23 @@ class Server:
                "--port", str(self.port), "--max-context", str(MAX_CONTEXT),
                "--prefill-chunk", "32", "--token-log", str(tmp / "tokens-{rank}.jsonl"),
                "--watchdog-timeout-s", "15", *extra]
+        # stdin a pipe, written once the ranks run: mlx.launch spins on a stdin at EOF,
+        # and on each rank's stdin pipe until a write to it fails (the ranks close theirs;
+        # k3dist.serve.supervise does the same)
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+                                     stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
+                                     start_new_session=True)
         deadline = time.time() + 240
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.output()}")
             try:
                 if get_json(self.url + "/health", 2)[0] == 200:
+                    try:
+                        self.proc.stdin.write(b"\n")
+                        self.proc.stdin.flush()
+                    except OSError:
+                        pass
                     return
             except OSError:
                 pass

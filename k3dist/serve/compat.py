@@ -28,6 +28,12 @@ PRIVATE = {
         "set by stop_generation: the ranks stop a request together (client gone)",
     "mlx_lm.server:APIHandler.rfile":
         "replaced (k3dist.serve.server): do_POST reads the validated body from self.rfile",
+    "mlx_lm.server:ResponseGenerator._next_request":
+        "overridden (k3dist.serve.server): idle ranks wait on the watchdog, not a collective",
+    "mlx_lm.server:ResponseGenerator._stop": "read by the idle wait (k3dist.serve.server)",
+    "mlx_lm.server:_image_parts": "called by has_images",
+    "mlx_lm.server:ResponseGenerator._time_budget":
+        "replaced (k3dist.serve.server): a stopped request ends the batch loop's pass",
     "mlx_lm.models.kimi_k3:_group_expert_select": "called by group_expert_select",
     "mlx_lm.models.kimi_k3:_attn_res_mix": "called by attn_res_mix (k3dist.build.stream)",
     "mlx_lm.server:APIHandler._set_cors_headers":
@@ -71,6 +77,14 @@ def holds_request(generator) -> bool:
     """Whether this rank of an mlx_lm.server ResponseGenerator holds the real request
     (rank 0, or the only process); the others get a placeholder from ``_share_request``."""
     return generator._rank == 0 or not generator._is_distributed
+
+
+def has_images(request) -> bool:
+    """Whether a shared mlx-lm request carries images (mlx-lm serves those one at a time,
+    outside its batch)."""
+    from mlx_lm import server as mlx_server
+
+    return any(mlx_server._image_parts(request.messages or []))
 
 
 def stop_generation(ctx) -> None:

@@ -94,8 +94,13 @@ class Deployment:
     # serve image_url parts of chat requests: the tower runs on rank 0
     vision: bool = False
     max_images: int = 4
-    # decoded pixels per image, checked from the header before decoding
-    max_image_pixels: int = 4096 * 4096
+    # decoded pixels per image, checked from the header before decoding. The default
+    # keeps the vision tower's running peak within memory_headroom_gb (2 GB): measured
+    # (benchmarks/vision_memory.py --activations) 1.48 GB at 64x64 patches with the
+    # real tower's width on CPU float32, where attention's scores grow as patches^2
+    # (48.5 B per patch pair); 1008x1008 px (5,184 patches) fits, the old 4096x4096
+    # would take ~219 GB
+    max_image_pixels: int = 1008 * 1008
     # local image paths are read only under this directory; None: data URLs only
     image_dir: str | None = None
     # -- access --

@@ -14,10 +14,11 @@ class DeviceHeartbeat:
     (a GPU that has clocked down adds latency to the first token after a pause).
 
     It runs on its own stream, created inside its thread (MLX streams belong to the
-    thread that made them), and never issues a collective: the ring between ranks
-    is already kept busy by mlx_lm.server's idle poll (an ``all_sum`` every 0.1 s),
-    and a collective from a side thread would break the same-order-on-every-rank
-    rule. On CPU it runs too (cheap), so it is tested here.
+    thread that made them), and never issues a collective: a collective from a side
+    thread would break the same-order-on-every-rank rule. (Idle ranks issue none
+    either: they wait on the watchdog's socket, not in mlx_lm.server's old idle poll
+    of an ``all_sum`` every 0.1 s, which spun a core; the watchdog's heartbeat keeps
+    the side channel alive.) On CPU it runs too (cheap), so it is tested here.
     """
 
     def __init__(self, interval_s: float = 1.0, device: mx.Device | None = None):

@@ -185,9 +185,12 @@ class Relay:
         self.status: int | None = None  # of mlx-lm's reply, once its headers are read
         self.started = False  # our own headers sent (streaming)
         self.done = False
+        self.client_gone = False  # a write to the client failed: nothing more is sent
 
     # file protocol -------------------------------------------------------------
     def write(self, data: bytes) -> int:
+        if self.client_gone:  # the handler stops at its next write
+            raise BrokenPipeError("the client went away")
         self.buf += bytes(data)
         if self.status is None:
             end = self.buf.find(b"\r\n\r\n")
@@ -223,8 +226,9 @@ class Relay:
         self.out.close()
 
     def end(self) -> None:
-        """The handler is done: answer what has not been answered."""
-        if self.done:
+        """The handler is done: answer what has not been answered (never raises: a
+        client that went away is not told)."""
+        if self.done or self.client_gone:
             return
         if self.status not in (None, 200):  # mlx-lm's error reply before any token
             try:
@@ -237,28 +241,47 @@ class Relay:
             self._fail("the generation ended without a finish")
 
     # ------------------------------------------------------------------------------
+    def _out(self, data: bytes) -> None:
+        """Write to the client. One that went away ends the answer here; the handler
+        raises on its own next write to the relay (``write``), which stops the request
+        on every rank."""
+        if self.client_gone:
+            raise BrokenPipeError("the client went away")
+        try:
+            self.out.write(data)
+            self.out.flush()
+        except OSError:
+            self.client_gone = self.done = True
+            raise
+
     def _send(self, parts: list[bytes]) -> None:
         if not parts or not self.t.stream:
             return
         if not self.started:
             parts = [head(200, "text/event-stream", extra=self.headers), *parts]
             self.started = True
-        self.out.write(b"".join(parts))
-        self.out.flush()
+        self._out(b"".join(parts))
 
     def _reply(self, status: int, body: dict) -> None:
         self.done = True
         raw = json.dumps(body, ensure_ascii=False).encode()
-        self.out.write(head(status, "application/json", len(raw), self.headers) + raw)
-        self.out.flush()
+        self._out(head(status, "application/json", len(raw), self.headers) + raw)
 
     def _fail(self, message: str, status: int = 500) -> None:
         """An error: an error event if our stream has begun, else an error reply."""
+        if self.client_gone:
+            self.done = True
+            return
         if not self.started:
-            return self._reply(status, self.t.error_body(status, message))
+            try:
+                return self._reply(status, self.t.error_body(status, message))
+            except OSError:
+                return  # nobody left to tell
         self.done = True
-        self.out.write(b"".join(self.t.error_event(message)))
-        self.out.flush()
+        try:
+            self._out(b"".join(self.t.error_event(message)))
+        except OSError:
+            pass
 
     def _chunk(self, data: str) -> None:
         if self.done:
@@ -270,8 +293,7 @@ class Relay:
                 self._send(parts)
             else:
                 raw = json.dumps(self.t.body(), ensure_ascii=False).encode()
-                self.out.write(head(200, "application/json", len(raw), self.headers) + raw)
-                self.out.flush()
+                self._out(head(200, "application/json", len(raw), self.headers) + raw)
             return
         try:
             chunk = json.loads(data)

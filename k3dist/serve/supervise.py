@@ -30,6 +30,15 @@ across machines (ssh hands the remote rank's exit status to mlx.launch, which
 prints it), needs no shared folder, and the line is pinned with MLX (the tests read
 it from a real mlx.launch, so a change of format fails them).
 
+Idle: the wrapper waits on a pipe (signals, the pumps' failure lines, mlx.launch's
+end), never a timed poll. mlx.launch's own per-rank thread selects on the rank's
+stdin pipe, which is always writable, so it spins a core while its ranks run; it
+lets go of that pipe once a write to it fails. So each rank closes its stdin at
+start (``launch/serve.py``), and once every rank has announced its pid the wrapper
+writes one line to mlx.launch's stdin: forwarded, it meets the closed pipe and
+mlx.launch's threads then sleep in select (ranks started over ssh keep the pipe
+open in their ssh client: there the spin stays, mlx.launch's to fix).
+
 A stop asked of the wrapper (SIGTERM, SIGINT, SIGHUP) goes to the ranks as SIGTERM
 (those on this machine, else one over ssh): the watchdog stops the whole group, every
 rank exits 0 and so does the wrapper. A second one does not wait.
@@ -49,6 +58,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import select
 import shlex
 import signal
 import subprocess
@@ -199,6 +209,14 @@ class _State:
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid on its host
     ended: set[int] = field(default_factory=set)  # ranks whose exit mlx.launch saw
     lock: threading.Lock = field(default_factory=threading.Lock)
+    wake_fd: int | None = None  # written when a line changed the state (run's wait)
+
+    def wake(self) -> None:
+        if self.wake_fd is not None:
+            try:
+                os.write(self.wake_fd, b"w")
+            except OSError:
+                pass  # full (a wake-up is pending anyway) or closed (run is done)
 
     def scan(self, line: str) -> None:
         line = _ANSI.sub("", line)
@@ -213,6 +231,8 @@ class _State:
         if m := _PID.search(line):
             with self.lock:
                 self.pids[int(m[1])] = int(m[2])
+        if self.failures or m:
+            self.wake()
 
     @property
     def first_failure(self) -> tuple[int, int] | None:
@@ -302,9 +322,12 @@ def run(
         except (BrokenPipeError, ValueError):
             pass
 
-    state = _State()
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    state = _State(wake_fd=wake_w)
     # Its own process group: the wrapper can end mlx.launch and everything it started
-    # on this machine at once; stdin a pipe nobody writes (mlx.launch polls it).
+    # on this machine at once; stdin a pipe only the stdin release below writes.
     proc = subprocess.Popen(
         list(launch_cmd),
         stdin=subprocess.PIPE,
@@ -318,18 +341,33 @@ def run(
     ]
     for t in pumps:
         t.start()
+    waiter = threading.Thread(target=lambda: (proc.wait(), state.wake()), daemon=True)
+    waiter.start()
 
     signals: list[int] = []
     previous = {}
+    previous_wakeup = None
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             previous[s] = signal.signal(s, lambda signum, frame: signals.append(signum))
+        previous_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
 
     deadline = math.inf
     handled = 0  # signals acted on
     escalated = False
+    stdin_released = False
     try:
         while proc.poll() is None:
+            # Block until something happens: a signal, a failure or pid line, the end
+            # of mlx.launch, or the deadline. No timed poll.
+            timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+            if select.select([wake_r], [], [], timeout)[0]:
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            if not stdin_released and len(state.pids) >= len(hosts):
+                stdin_released = _release_stdin(proc)
             now = time.monotonic()
             if len(signals) > handled:
                 if handled == 0:
@@ -353,7 +391,6 @@ def run(
                 _end_group(proc.pid, kill_grace_s, log, leader=proc)
                 escalated = True
                 break
-            time.sleep(0.05)
         proc.wait()
         if escalated or state.first_failure is not None or signals:
             _end_group(proc.pid, kill_grace_s, log)  # anything of ours still on this machine
@@ -369,8 +406,16 @@ def run(
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        if previous_wakeup is not None:
+            signal.set_wakeup_fd(previous_wakeup)
+        state.wake_fd = None
+        for fd in (wake_r, wake_w):
+            os.close(fd)
         if proc.stdin:
-            proc.stdin.close()
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
 
     cause = state.cause()
     if cause is not None:
@@ -384,6 +429,17 @@ def run(
     if proc.returncode != 0:
         return exit_code(proc.returncode)
     return 0
+
+
+def _release_stdin(proc: subprocess.Popen) -> bool:
+    """One line to mlx.launch's stdin, once every rank runs (and has closed its stdin):
+    mlx.launch forwards it to each rank's stdin pipe, the write fails, and its per-rank
+    thread stops selecting on that always-writable pipe (which spun a core)."""
+    try:
+        os.write(proc.stdin.fileno(), b"\n")
+        return True
+    except OSError:
+        return True  # mlx.launch is going; nothing to release
 
 
 def _request_stop(pgid: int, signum: int, hosts: Sequence[Host], state: _State, log) -> None:

@@ -56,8 +56,9 @@ class VisionLimits:
     """What a request's images may be; checked before any rank works."""
     max_images: int = 4
     # decoded pixels per image, checked from the header before decoding (a
-    # decompression bomb is a small file with huge dimensions)
-    max_pixels: int = 4096 * 4096
+    # decompression bomb is a small file with huge dimensions); the deployment's
+    # default (k3dist.serve.config: the tower's measured peak within the headroom)
+    max_pixels: int = 1008 * 1008
     # local image paths: only files under this directory; None: refused
     image_dir: str | None = None
 

@@ -85,6 +85,7 @@ class _Conn:
         self.acked = False  # acknowledged a stop
         self.left = False  # said BYE: left normally
         self.pid: int | None = None  # the peer's process id (its PID line)
+        self.send_lock = threading.Lock()  # the watchdog thread and the wake-ups send
         # Same machine: the peer connects from this socket's own address (loopback, or
         # one interface talking to itself). Only then can a pid be signalled.
         try:
@@ -93,7 +94,8 @@ class _Conn:
             self.local = False
 
     def send(self, line: str) -> None:
-        self.sock.sendall(line.encode() + b"\n")
+        with self.send_lock:
+            self.sock.sendall(line.encode() + b"\n")
 
     def read_lines(self) -> list[str] | None:
         """Lines available now; None once the peer has closed (EOF or reset)."""
@@ -178,6 +180,11 @@ class Watchdog:
       peers are told why (``FAIL``), log ``lost rank r (failed: reason)`` and exit 3
       at once; this rank exits 1 (``install_failure_hook`` calls it on an uncaught
       exception).
+    - Idle wake-ups (``wake_peers`` on rank 0, ``wait_wake`` on the others): a rank
+      with nothing to do blocks here instead of inside a collective (the ring
+      backend's collectives spin while they wait); rank 0 sends ``W`` just before
+      the collective that shares a request, and each other rank enters it after
+      taking one ``W``.
     - A silent peer on the same machine (frozen: SIGSTOP, a debugger, a wedged
       driver) is ended before the survivor exits: SIGTERM + SIGCONT (a stopped
       process resumes, sees the group gone and exits), SIGKILL after
@@ -232,6 +239,7 @@ class Watchdog:
         self._requested = False  # a peer asked rank 0 to stop, awaiting the relay
         self._stop_deadline = math.inf
         self._stop_cb: threading.Thread | None = None
+        self._wakes = threading.Semaphore(0)  # W lines from rank 0 not yet taken
         self._listener: socket.socket | None = None
         if self.rank == 0 and self.size > 1:
             # Listen now, not in start(): peers that come up first queue in the backlog
@@ -354,6 +362,19 @@ class Watchdog:
             last = f"rank 0 closed before all ranks joined ({reply!r})"
 
     # ------------------------------------------------------------ requests
+
+    def wake_peers(self) -> None:
+        """Rank 0: tell every other rank to enter the next collective (``W``). A peer
+        that cannot be told is gone; the watchdog loop reports that."""
+        for c in list(self.conns.values()):
+            try:
+                c.send("W")
+            except OSError:
+                pass
+
+    def wait_wake(self, timeout_s: float) -> bool:
+        """Other ranks: block until rank 0's next ``W`` (True) or ``timeout_s`` (False)."""
+        return self._wakes.acquire(timeout=timeout_s)
 
     def broadcast_stop(self, reason: str) -> None:
         """Stop every rank (exit 0). Safe from any thread and from a signal handler:
@@ -557,6 +578,9 @@ class Watchdog:
         kind, _, rest = line.partition(" ")
         if kind == "H":
             return False
+        if kind == "W":
+            self._wakes.release()
+            return False
         if kind == "PID" and rest.isdigit():
             c.pid = int(rest)
         elif kind == "FAIL":
@@ -587,6 +611,25 @@ class Watchdog:
         self._lost(c.rank, "connection closed" + (" without acknowledging the stop"
                                                   if self._stopping else ""))
         return True
+
+    def _peer_closed(self, sel: selectors.BaseSelector) -> bool:
+        """Read the peers' sockets that have something now (not waiting): True when one
+        has closed and that was handled as a loss. Before a stop request is acted on:
+        a frozen rank 0 resumed by its peer's SIGTERM (after the peer closed its socket)
+        saw the signal in one select and the close only in the next."""
+        conns = list(self.conns.values())
+        ready = select.select([c.sock for c in conns], [], [], 0)[0] if conns else []
+        for c in conns:
+            if c.sock not in ready or c.rank not in self.conns:
+                continue
+            lines = c.read_lines()
+            if lines is None:
+                if self._on_close(c, sel):
+                    return True
+                continue
+            if any(self._on_line(c, line) for line in lines):
+                return True
+        return False
 
     def _run(self) -> None:
         try:
@@ -645,6 +688,8 @@ class Watchdog:
             # a stop (e.g. mlx.launch's SIGTERM after that very death) arrives with it.
             events.sort(key=lambda e: isinstance(e[0].data, str))
             for key, _ in events:
+                if isinstance(key.data, str) and self._peer_closed(sel):
+                    return  # a stop that follows a peer's end (its SIGTERM) is a loss
                 if key.data == "ctl":
                     data = os.read(self._ctl_r, 4096).decode(errors="replace")
                     for line in data.splitlines():
