@@ -62,6 +62,11 @@ def _scan(tree: ast.AST, module: str, rel: str, used: dict, own: set) -> None:
             own.add(n.name)
         elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
             own.add(n.id)
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+              and n.func.attr == "add_argument"):  # an option's dest is k3dist's own name
+            for a in n.args:
+                if isinstance(a, ast.Constant) and str(a.value).startswith("--"):
+                    own.add(str(a.value)[2:].replace("-", "_"))
         elif isinstance(n, ast.Attribute):
             used.setdefault(n.attr, set()).add(rel)
         elif isinstance(n, ast.ImportFrom) and (n.module or "").startswith("mlx_lm"):
