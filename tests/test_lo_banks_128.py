@@ -87,3 +87,26 @@ def test_unigram_floor():
         assert row["tokens"] == 4 * 256
         assert 200 < row["ppl"] < 4352, (dom, row)
         assert row["nll"] == pytest.approx(np.log(row["ppl"]), abs=1e-3)
+
+
+def test_shipped_sparse_mini_k3():
+    """data/mini-k3-sparse (issue 27): Moonshot's format, 128-wide experts and latent
+    (2-bit g64/g128 exist), 128 experts top-8, 2 shared, trained and MXFP4-frozen, and
+    held-out perplexity below the unigram floor in every domain (first 4 windows)."""
+    from k3dist.build import checkpoint
+    from k3dist.factory import train
+    from k3dist.factory.corpus import DATA_DIR
+
+    shipped = DATA_DIR / "mini-k3-sparse"
+    report = checkpoint.audit(shipped)
+    assert report.ok, checkpoint.format_table(report)
+    assert sum(f.stat().st_size for f in shipped.iterdir()) <= train.MAX_EXPORT_BYTES
+    tc = layout.text_config(checkpoint.load_config(shipped))
+    assert tc["moe_intermediate_size"] % 128 == 0 and tc["routed_expert_hidden_size"] % 128 == 0
+    assert (tc["num_experts"], tc["num_experts_per_token"], tc["num_shared_experts"]) == (128, 8, 2)
+    prov = json.loads((shipped / "training.json").read_text())
+    assert prov["phase"] == "freeze" and prov["step"] > prov["phase_start"] > 0
+    ppl = quality.perplexity(quality.load_teacher(shipped), 256, 4)
+    floor = quality.unigram(256, 4)
+    for dom in floor:
+        assert ppl[dom]["ppl"] < 0.75 * floor[dom]["ppl"], (dom, ppl[dom], floor[dom])
