@@ -45,15 +45,18 @@ def child(*args: str) -> dict:
     return membound.child_peak(_CHILD, *args)
 
 
-def real_k3_bound(tokens_per_step: int = 256, chunk: int = 16) -> dict:
+def real_k3_bound(tokens_per_step: int = 256, chunk: int = 16, lo_format: str = "2bit-g64",
+                  state_bytes: int = 4) -> dict:
     """The parts of a DWQ step's peak on real K3 (one 12-layer block, 2-bit g64 lo bank,
     non-expert weights in float32, float32 scales/biases with Adam m and v and a best copy,
     one chunk of expert gradients (benchmarks/expert_grad_memory.py's fit: 8.42 x chunk x
     out x in x 4 B + the returned float32 scales/biases), the block backward's activations
-    (KDA: 5 recurrent states per token and layer, k3dist.build.calibrate), 3 state sets."""
+    (KDA: 5 recurrent states per token and layer, k3dist.build.calibrate), 3 state sets.
+    ``lo_format``: the lo bank (g128 halves every scale/bias term); ``state_bytes``: bytes
+    per element of Adam's m and v and the best copy (2: bf16, 4: float32)."""
     cfg = synth.real_config()
     tc = layout.text_config(cfg)
-    lo = QFormat.parse("2bit-g64")
+    lo = QFormat.parse(lo_format)
     E, D, F = tc["num_experts"], tc["routed_expert_hidden_size"], tc["moe_intermediate_size"]
     layer_params = 3 * E * D * F
     experts = int(layer_params * lo.bpw / 8)
@@ -65,12 +68,13 @@ def real_k3_bound(tokens_per_step: int = 256, chunk: int = 16) -> dict:
     kda_layers = block * 3 // 4
     parts = {
         "student_block_weights": block * (experts - sb // 2 + sb + dense),
-        "adam_and_best_copy": block * 3 * sb,
+        "adam_and_best_copy": block * 3 * sb * state_bytes // 4,
         "expert_grad_chunk": int(8.42 * chunk * F * D * 4) + sb,
         "block_backward_activations": tokens_per_step * kda * kda_layers,
         "states_3_sets_4096_tokens": 3 * stream.state_bytes(tc, 4096),
     }
-    return {"tokens_per_step": tokens_per_step, "chunk": chunk, "parts": parts,
+    return {"tokens_per_step": tokens_per_step, "chunk": chunk, "lo": lo.name,
+            "state_bytes": state_bytes, "parts": parts,
             "total": sum(parts.values())}
 
 
@@ -80,7 +84,15 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out")
+    ap.add_argument("--bound-only", action="store_true",
+                    help="only the real-K3 bounds (2-bit g64 / g128 lo, float32 / bf16 Adam "
+                    "state): arithmetic, no run")
     a = ap.parse_args()
+    bounds = {f"{lo}-{'bf16' if sb == 2 else 'f32'}-state": real_k3_bound(
+        lo_format=lo, state_bytes=sb) for lo in ("2bit-g64", "2bit-g128") for sb in (4, 2)}
+    if a.bound_only:
+        bench.emit({"command": bench.command_line(), "real_k3_bounds": bounds}, a.out)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         src = synth.synthesize(tmp / "src", "bench", progress=False)
@@ -99,7 +111,7 @@ def main() -> None:
         model_bytes = sum(f.stat().st_size for f in build.glob("*.safetensors"))
     report = {"command": bench.command_line(), "preset": "bench", "windows": a.windows,
               "seq": a.seq, "steps_per_block": a.steps, "model_bytes": model_bytes,
-              "runs": runs, "real_k3_bound": real_k3_bound()}
+              "runs": runs, "real_k3_bound": real_k3_bound(), "real_k3_bounds": bounds}
     bench.emit(report, a.out)
 
 

@@ -123,3 +123,48 @@ def test_deterministic_and_cli(report, mini_build, students, tmp_path):
             assert a[k] == b[k], k
     assert again["command"].startswith("python -m k3dist.bench.evaluate --teacher")
     assert "graded-25" in md.read_text() and (tmp_path / "q.png").stat().st_size > 0
+    assert "p95 KL" in md.read_text() and again["rows"][1]["kl_p95"] == report["rows"][1]["kl_p95"]
+
+
+def test_p95_kl_per_token(report):
+    """p95 of the per-token KL: 0 for the teacher itself, a tail above the mean of
+    the students (KL per token is skewed), per domain too."""
+    teacher, *students = report["rows"]
+    assert teacher["kl_p95"] == 0.0
+    assert set(teacher["kl_p95_by_domain"].values()) == {0.0}
+    for row in students:
+        assert row["kl_p95"] > row["kl"] > 0
+        doms = row["kl_p95_by_domain"]
+        assert set(doms) == {"code", "prose"} and all(v > 0 for v in doms.values())
+
+
+def test_row_sums_per_token_kl_matches_numpy():
+    """The per-token KLs behind the percentile: KL(p || q) of each position, computed
+    in numpy from the same logits; their sum is the row's KL, and the percentile is
+    numpy's."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    t_logits = rng.normal(size=(2, 5, 11)).astype(np.float32)
+    s_logits = (t_logits + rng.normal(scale=0.5, size=t_logits.shape)).astype(np.float32)
+    y = mx.array(rng.integers(0, 11, size=(2, 5)))
+
+    def logp(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    tp, sp = logp(t_logits.astype(np.float64)), logp(s_logits.astype(np.float64))
+    want = (np.exp(tp) * (tp - sp)).sum(-1)
+    kl, _, _, kl_tok = evaluate.row_sums(
+        None, evaluate.log_softmax(mx.array(t_logits)), mx.array(s_logits), y
+    )
+    assert kl_tok.shape == (2, 5)
+    np.testing.assert_allclose(kl_tok, want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(kl, want.sum(-1), rtol=1e-4)
+    sums = [evaluate.Sums(), evaluate.Sums()]
+    sums[0].add(0.0, 0, 0.0, 5, kl_tok[0])
+    sums[1].add(0.0, 0, 0.0, 5, kl_tok[1])
+    assert evaluate.kl_percentile(sums) == pytest.approx(np.percentile(want, 95), rel=1e-4)
+    with pytest.raises(ValueError, match="no per-token KLs"):
+        evaluate.kl_percentile([evaluate.Sums()])

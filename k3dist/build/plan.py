@@ -486,8 +486,9 @@ ASSUMPTIONS = [
     "MLA kv_b_proj counted as its source matrix; mlx-lm splits it into embed_q / "
     "unembed_out at load (same element count; group boundaries may differ slightly)",
     "lo-format choice 'auto': the richest lo format that still promotes "
-    "min_promoted_fraction; which of the alternatives (equal bytes) is better is for the "
-    "quality evaluation to decide",
+    "min_promoted_fraction (0.15: at 2.594 expert bpw, 2-bit g128 with 17% promoted gave "
+    "a third of the KL of 2-bit g64 with 5% promoted on the 128-expert mini-K3, "
+    "benchmarks/results/quality-bits-2026-12-02.md)",
 ]
 
 
@@ -501,7 +502,11 @@ class PlanRequest:
     target_expert_bpw: float | None = None  # instead of a budget
     lo: str = "auto"  # a QFormat name, or "auto"
     lo_candidates: tuple[str, ...] = ("3bit-g64", "2bit-g32", "2bit-g64", "2bit-g128", "1bit-g64")
-    min_promoted_fraction: float = 0.05  # "auto": the richest lo format leaving this
+    # "auto": the richest lo format leaving this promoted. 0.15, measured (issue 27,
+    # benchmarks/results/quality-bits-2026-12-02.md, data/mini-k3-sparse, equal bytes at
+    # 2.594 expert bpw): 2-bit g128 + 17.2% promoted, mean KL 0.0059 / p95 0.020, against
+    # 2-bit g64 + 5.3% promoted, 0.0163 / 0.051 (uniform 2-bit g64: 0.0203 / 0.061).
+    min_promoted_fraction: float = 0.15
     nonexpert: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NONEXPERT))
     nonexpert_from: dict[str, str] = field(default_factory=dict)  # class -> why its format
     # "split" (deploy/tb5.yaml's and every deployment's default: each rank holds its share
@@ -809,8 +814,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--min-promoted",
         type=float,
-        default=0.05,
-        help="auto lo: richest format that still promotes this fraction",
+        default=PlanRequest.min_promoted_fraction,
+        help="auto lo: richest format that still promotes this fraction (default 0.15, "
+        "measured: benchmarks/results/quality-bits-2026-12-02.md)",
     )
     ap.add_argument(
         "--nonexpert",

@@ -1,6 +1,7 @@
 """Quality of a trained mini-K3 on the committed corpus (issue 6).
 
-* **Held-out perplexity** per domain (``eval`` split, never trained on): the run's float
+* **Held-out perplexity** per domain (``eval`` split, never trained on), beside a unigram
+  model of the ``train`` split (``unigram_train``, the floor to beat): the run's float
   weights at the freeze (float32, and rounded to bf16 where K3 stores bf16), against the
   shipped MXFP4 teacher, loaded the way everything else loads it (mlx-lm's
   ``load_model`` on the Moonshot-format folder, float32 activations).
@@ -105,6 +106,25 @@ def perplexity(model: nn.Module, seq: int = 256, max_windows: int | None = None,
                tokenizer_dir: Path = corpus.TOKENIZER_DIR) -> dict[str, dict]:
     """{domain: {nll, ppl, tokens}} over ``split``'s windows (all, or the first n)."""
     return score(model, split, seq, max_windows, corpus_dir, tokenizer_dir)[0]
+
+
+def unigram(seq: int = 256, max_windows: int | None = None,
+            corpus_dir: Path = corpus.CORPUS_DIR,
+            tokenizer_dir: Path = corpus.TOKENIZER_DIR) -> dict[str, dict]:
+    """The baseline a trained model must beat: a unigram model of the ``train`` split's
+    tokens (both domains, add-one smoothed over the whole vocabulary), scored on the
+    same held-out windows as ``perplexity``: {domain: {nll, ppl, tokens}}."""
+    enc = tokenizer.load_encoding(tokenizer_dir)
+    stream = np.concatenate([train.token_stream(corpus.load_split("train", d, corpus_dir), enc)
+                             for d in corpus.DOMAINS])
+    counts = np.bincount(stream, minlength=enc.n_vocab).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    out = {}
+    for dom in corpus.DOMAINS:
+        _, y = windows("eval", dom, seq, max_windows, corpus_dir, tokenizer_dir)
+        nll = float(-logp[np.array(y)].mean())
+        out[dom] = {"nll": round(nll, 5), "ppl": round(math.exp(nll), 3), "tokens": y.size}
+    return out
 
 
 # ----------------------------------------------------------------------------- routing
@@ -250,7 +270,8 @@ def report(teacher: str | Path, run: str | Path | None, seq: int = 256,
     say("teacher: held-out split")
     ppl, held = score(model, "eval", seq, max_windows)
     out: dict = {"teacher": str(teacher), "seq": seq, "max_windows": max_windows,
-                 "perplexity": {"mxfp4_teacher": ppl}}
+                 "perplexity": {"mxfp4_teacher": ppl,
+                                "unigram_train": unigram(seq, max_windows)}}
     say("teacher: calibration split")
     calib_ppl, calib = score(model, "calib", seq, max_windows)
     out["calib_perplexity"] = calib_ppl

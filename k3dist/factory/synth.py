@@ -63,6 +63,12 @@ PRESETS = {
                    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                    intermediate_size=128, num_experts=16, experts_per_token=4,
                    moe_intermediate_size=32, latent_size=32, base_vocab=512),
+    # Tests of g64 / g128 lo banks: "mini" with routed experts and latent 128 wide.
+    "mini128": Preset(hidden_size=64, num_layers=6, attn_res_block_size=2, kda_heads=4,
+                      kda_head_dim=16, mla_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                      intermediate_size=128, num_experts=16, experts_per_token=4,
+                      moe_intermediate_size=128, latent_size=128, base_vocab=512),
     # Benchmarks: routed experts are ~85% of ~450 MB, as they dominate the real model.
     "bench": Preset(hidden_size=1024, num_layers=8, attn_res_block_size=4, kda_heads=8,
                     kda_head_dim=128, mla_heads=8, q_lora_rank=256, kv_lora_rank=128,

@@ -86,6 +86,22 @@ SIZES = {
                       qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                       intermediate_size=768, num_experts=64, experts_per_token=4,
                       moe_intermediate_size=128, latent_size=128, base_vocab=4096),
+    # Issue 27's second mini ("sparse"): expert and latent widths 128, so 2-bit g64/g128
+    # and 3-bit g64 exist; 128 experts top-8 (6.25% active) and 2 shared experts; otherwise
+    # `s` (6 layers, MLA at 4 and 6, hidden 192, KDA 2 x 64).
+    "sparse": synth.Preset(hidden_size=192, num_layers=6, attn_res_block_size=2,
+                           kda_heads=2, kda_head_dim=64, mla_heads=3, q_lora_rank=96,
+                           kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                           v_head_dim=32, intermediate_size=512, num_experts=128,
+                           experts_per_token=8, moe_intermediate_size=128, latent_size=128,
+                           base_vocab=4096),
+    # The same with 256 experts top-8 (3.1% active, nearer K3's 1.8%).
+    "sparse256": synth.Preset(hidden_size=192, num_layers=6, attn_res_block_size=2,
+                              kda_heads=2, kda_head_dim=64, mla_heads=3, q_lora_rank=96,
+                              kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                              v_head_dim=32, intermediate_size=512, num_experts=256,
+                              experts_per_token=8, moe_intermediate_size=128,
+                              latent_size=128, base_vocab=4096),
     # Tests: well under a second a step, still every K3 feature (MLA at 4, 5; 64 experts).
     "tiny": synth.Preset(hidden_size=64, num_layers=5, attn_res_block_size=2, kda_heads=2,
                          kda_head_dim=32, mla_heads=2, q_lora_rank=32, kv_lora_rank=32,
