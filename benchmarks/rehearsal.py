@@ -87,7 +87,7 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
                             "--out", cal], [cal],
               "weight bytes read twice (fwd + bwd) + tokens x active params"),
         Stage("plan", ["-m", "k3dist.build.plan", "--src", src, "--target-bpw",
-                       str(target_bpw), "--routes", f"{cal}/routes.npz", "--json",
+                       str(target_bpw), "--dry-run", "--json",
                        "--out", f"{w}/plan.json"], [f"{w}/plan.json"],
               "experts (82,432) + tensors"),
         Stage("grade", ["-m", "k3dist.build.convert", "--src", src, "--out", graded,
