@@ -104,6 +104,81 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
     ]
 
 
+# ----------------------------------------------------------------------------- projection
+# Constants for the real K3 on an M3 Ultra (assumptions, stated; the same as the README's
+# verify section: ~6.5 GB/s internal SSD, ~2 GB/s SHA-256 per performance core with
+# ARMv8 SHA-2; GPU: half of the 80-core M3 Ultra's ~28 TFLOP/s peak, achieved).
+SSD_BPS = 6.5e9
+SHA256_BPS = 2.0e9
+GPU_FLOPS = 14e12
+REAL_TOKENS = 4096  # the README's calibration set: 16 windows x 256 tokens
+DWQ_STEPS, DWQ_BATCH, DWQ_SEQ = 240, 8, 256  # the DWQ that met issue 13's goal
+PLAN = REPO / "benchmarks/results/plan-k3-2026-12-02.json"
+
+
+def real_sizes() -> dict[str, float]:
+    """Bytes of the real K3's source, its builds and its active parameters per token."""
+    from k3dist.factory import synth
+    from k3dist.format import layout
+
+    cfg = synth.real_config()
+    tc = cfg["text_config"]
+    specs = layout.source_specs(cfg)
+    src = sum(s.nbytes for s in specs)
+    experts = sum(s.nbytes for s in specs if s.family == "experts")
+    nonexpert = src - experts
+    n_exp = len(layout.moe_layers(tc)) * tc["num_experts"]
+    expert_params = n_exp * 3 * tc["moe_intermediate_size"] * tc["routed_expert_hidden_size"]
+    embed = tc["vocab_size"] * tc["hidden_size"]
+    active = (len(layout.moe_layers(tc)) * tc["num_experts_per_token"] * expert_params / n_exp
+              + nonexpert / 2 - embed)
+    graded = json.loads(PLAN.read_text())["build_bytes"] if PLAN.exists() else None
+    return {"source": src, "mxfp4": src, "2bit": nonexpert + expert_params * 2.5 / 8,
+            "graded": graded, "graded-dwq": graded, "ranks": graded, "expert_params":
+            expert_params, "active_params": active, "experts": n_exp,
+            "tensors": len(specs), "layers": tc["num_hidden_layers"]}
+
+
+# stage -> (builds read, build written, FLOPs per token x tokens factor, what dominates)
+def stage_model(name: str, r: dict) -> tuple[list[str], str | None, float]:
+    f = 2 * r["active_params"]  # forward FLOPs per token
+    return {
+        "audit": ([], None, 0.0),
+        "convert-mxfp4": (["source"], "mxfp4", 0.0),
+        "convert-2bit": (["mxfp4"], "2bit", 0.0),
+        "teacher": (["mxfp4"], None, f * REAL_TOKENS),
+        "calibrate": (["2bit", "mxfp4"], None, 3 * f * REAL_TOKENS),
+        "plan": ([], None, 0.0),
+        "grade": (["mxfp4"], "graded", 0.0),
+        "dwq": (["mxfp4", "graded"], "graded-dwq",
+                3 * f * DWQ_STEPS * DWQ_BATCH * DWQ_SEQ + f * REAL_TOKENS),
+        "slice": (["graded-dwq"], "ranks", 0.0),
+    }.get(name, ([], None, 0.0))
+
+
+def project(stage: dict, r: dict) -> dict | None:
+    """The stage on the real K3: disk (read + write at SSD_BPS), SHA-256 of what it
+    writes (twice: file and tensor digests, one thread), compute (GPU_FLOPS), and the
+    overhead that scales with counts, which the preset has at the real counts: its own
+    CPU seconds (an upper bound: they include the preset's small byte and compute work)."""
+    if stage["stage"] not in ("audit", "convert-mxfp4", "convert-2bit", "teacher",
+                              "calibrate", "plan", "grade", "dwq", "slice"):
+        return None
+    reads, write, flops = stage_model(stage["stage"], r)
+    read_b = sum(r[b] for b in reads)
+    write_b = r[write] if write else 0.0
+    terms = {"disk_read_s": read_b / SSD_BPS, "disk_write_s": write_b / SSD_BPS,
+             "sha256_s": 2 * write_b / SHA256_BPS, "compute_s": flops / GPU_FLOPS,
+             "count_overhead_s": stage.get("cpu_s", stage["wall_s"])}
+    dominant = max(terms, key=terms.get)
+    out = {"real_read_gb": round(read_b / 1e9, 1), "real_written_gb": round(write_b / 1e9, 1),
+           **{k: round(v, 1) for k, v in terms.items()},
+           "total_s": round(sum(terms.values()), 1), "dominant": dominant}
+    if read_b:
+        out["overhead_vs_disk_read"] = round(terms["count_overhead_s"] / terms["disk_read_s"], 3)
+    return out
+
+
 def run_stage(st: Stage, log_dir: Path) -> dict:
     rep = log_dir / f"{st.name}.io.json"
     rep.unlink(missing_ok=True)
@@ -135,6 +210,55 @@ def load_avg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def write_report(args, prior: dict[str, dict]) -> dict:
+    order = [s.name for s in stages(args.work, args.target_bpw, args.dwq_steps)]
+    r = real_sizes()
+    rows = sorted(prior.values(), key=lambda s: order.index(s["stage"]))
+    for row in rows:
+        row["real_k3"] = project(row, r)
+    report = {"command": "python benchmarks/rehearsal.py " + " ".join(sys.argv[1:]),
+              "machine": platform.platform(), "cpus": os.cpu_count(),
+              "preset": "k3counts (python -m k3dist.factory.synth --preset k3counts)",
+              "preset_bytes": {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+                               for p in (args.work / n for n in ("src", "mxfp4", "2bit",
+                                                                  "graded", "graded-dwq",
+                                                                  "ranks")) if p.exists()},
+              "real_k3": {k: v for k, v in r.items()},
+              "constants": {"ssd_bytes_per_s": SSD_BPS, "sha256_bytes_per_s_per_core":
+                            SHA256_BPS, "gpu_flops_achieved": GPU_FLOPS,
+                            "real_tokens": REAL_TOKENS, "dwq": [DWQ_STEPS, DWQ_BATCH, DWQ_SEQ],
+                            "sources": "SSD and SHA-256: README 'Weights checked before "
+                            "serving' (assumed M3 Ultra); GPU: half the ~28 TFLOP/s peak "
+                            "of an 80-core M3 Ultra (assumed); graded build bytes: "
+                            "benchmarks/results/plan-k3-2026-12-02.json"},
+              "stages": rows}
+    tmp = Path(args.out + ".partial")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(args.out)
+    return report
+
+
+def table(report: dict) -> str:
+    """The README's table: measured on the preset, projected to the real K3."""
+    lines = ["| stage | preset wall s (cpu s) | peak RSS MB | read / written MB | scales with "
+             "| real K3: read / written GB | disk s | sha256 s | compute s | count overhead s "
+             "(of disk read) | dominant |", "|" + "---|" * 11]
+    for s in report["stages"]:
+        p = s.get("real_k3")
+        if not p:
+            continue
+        frac = p.get("overhead_vs_disk_read")
+        lines.append(
+            f"| {s['stage']} | {s['wall_s']:.0f} ({s.get('cpu_s', 0):.0f}) | "
+            f"{s['peak_rss_mb']:.0f} | {s.get('read_mb', 0):.0f} / {s.get('written_mb', 0):.0f} "
+            f"| {s['scales_with']} | {p['real_read_gb']:.0f} / {p['real_written_gb']:.0f} | "
+            f"{p['disk_read_s'] + p['disk_write_s']:.0f} | {p['sha256_s']:.0f} | "
+            f"{p['compute_s']:.0f} | {p['count_overhead_s']:.0f}"
+            f"{f' ({100 * frac:.0f} %)' if frac is not None else ''} | "
+            f"{p['dominant'].removesuffix('_s')} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, required=True, help="folder for every stage's output")
@@ -145,7 +269,12 @@ def main() -> None:
                     "(benchmarks/results/plan-k3-2026-12-02.json), scale-free")
     ap.add_argument("--dwq-steps", type=int, default=2)
     ap.add_argument("--out", help="also write the JSON here (merged by stage)")
+    ap.add_argument("--table", action="store_true",
+                    help="print the README table from --out and exit (no stage runs)")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.out).read_text())))
+        return
 
     args.work.mkdir(parents=True, exist_ok=True)
     log_dir = args.work / "logs"
@@ -172,13 +301,7 @@ def main() -> None:
         print(json.dumps(r), flush=True)
         prior[st.name] = r
         if args.out:
-            order = [s.name for s in stages(args.work, args.target_bpw, args.dwq_steps)]
-            report = {"command": "python benchmarks/rehearsal.py " + " ".join(sys.argv[1:]),
-                      "machine": platform.platform(), "cpus": os.cpu_count(),
-                      "stages": sorted(prior.values(), key=lambda s: order.index(s["stage"]))}
-            tmp = Path(args.out + ".partial")
-            tmp.write_text(json.dumps(report, indent=2) + "\n")
-            tmp.replace(args.out)
+            write_report(args, prior)
         if r["exit"]:
             raise SystemExit(f"stage {st.name} failed (exit {r['exit']}); log: "
                              f"{log_dir / (st.name + '.log')}")
