@@ -12,6 +12,7 @@ from importlib import resources
 from k3dist.factory import bpe, synth
 from k3dist.format import layout
 
+import numpy as np
 import pytest
 
 PRESET = synth.PRESETS["k3counts"]
@@ -66,3 +67,39 @@ def test_tokenizer_has_the_real_vocabulary_size(tmp_path):
     assert enc.n_vocab == 163_840
     text = "The experts live in memory; decoding gives back the same bytes."
     assert enc.decode(enc.encode(text)) == text
+
+
+def test_grade_runs_of_experts_equal_one_at_a_time(mini_build, tmp_path, monkeypatch):
+    """The lo bank, re-quantized a run of consecutive experts per call (runs cut at the
+    promoted ones and at CHUNK_BYTES, here 3 experts), holds for each expert exactly
+    the bytes of quantizing it alone."""
+    from k3dist.build import grade
+    from k3dist.format.graded import LO
+    from k3dist.format.sfile import mx_to_bytes, read_bytes, read_header
+
+    import mlx.core as mx
+
+    assert grade.expert_runs([0, 1, 2, 5, 6, 9], 2) == [(0, 2), (2, 1), (5, 2), (9, 1)]
+    layer, hi = 1, [3, 4, 9]
+    src = read_header(mini_build / f"model-layer-{layer:03d}.safetensors").tensors
+    p = f"language_model.model.layers.{layer}.mlp"
+    w, s = src[f"{p}.switch_mlp.gate_proj.weight"], src[f"{p}.switch_mlp.gate_proj.scales"]
+    E, rows = w.shape[0], w.shape[1]
+    monkeypatch.setattr(grade, "CHUNK_BYTES", 3 * w.nbytes // E)
+    out = grade.grade(mini_build, tmp_path / "g", {layer: hi}, 2, lo="2bit-g32",
+                      progress=False)
+    got = read_header(out / f"model-layer-{layer:03d}.safetensors").tensors
+    lo = [e for e in range(E) if e not in hi]
+    parts = {k: read_bytes(got[f"{p}.{LO}.gate_proj.{k}"]) for k in ("weight", "scales",
+                                                                         "biases")}
+    for i, e in enumerate(lo):
+        wq = mx.array(np.frombuffer(read_bytes(w, e * w.nbytes // E, w.nbytes // E), np.uint32))
+        sq = mx.array(np.frombuffer(read_bytes(s, e * s.nbytes // E, s.nbytes // E), np.uint8))
+        dense = mx.dequantize(wq.reshape(rows, -1), sq.reshape(rows, -1), mode="mxfp4",
+                              group_size=32, bits=4, dtype=mx.bfloat16)
+        alone = dict(zip(("weight", "scales", "biases"),
+                         mx.quantize(dense, group_size=32, bits=2, mode="affine"),
+                         strict=True))
+        for k, a in alone.items():
+            b = mx_to_bytes(a)
+            assert parts[k][i * len(b):(i + 1) * len(b)] == b, (e, k)
