@@ -93,7 +93,8 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
         Stage("grade", ["-m", "k3dist.build.convert", "--src", src, "--out", graded,
                         "--profile", "graded", "--target-bpw", str(target_bpw), "--scores",
                         f"{cal}/scores-taylor.npz", "--routes", f"{cal}/routes.npz",
-                        "--mxfp4", mx4], [graded], "expert parameters (re-quantized)"),
+                        "--mxfp4", f"{w}/mxfp4-plan"], [graded, f"{w}/mxfp4-plan"],
+              "bytes (an MXFP4 base in the plan's non-expert formats, then re-quantized)"),
         Stage("dwq", ["-m", "k3dist.build.dwq", "--teacher-build", mx4, "--teacher", teacher,
                       "--student", graded, "--tokens", tok, "--out", dwq, "--steps",
                       str(dwq_steps), "--batch", "2", "--valid-windows", "2"], [dwq],
@@ -140,36 +141,39 @@ def real_sizes() -> dict[str, float]:
 
 
 # stage -> (builds read, build written, FLOPs per token x tokens factor, what dominates)
-def stage_model(name: str, r: dict) -> tuple[list[str], str | None, float]:
+def stage_model(name: str, r: dict) -> tuple[list[str], list[str], float]:
     f = 2 * r["active_params"]  # forward FLOPs per token
     return {
-        "audit": ([], None, 0.0),
-        "convert-mxfp4": (["source"], "mxfp4", 0.0),
-        "convert-2bit": (["mxfp4"], "2bit", 0.0),
-        "teacher": (["mxfp4"], None, f * REAL_TOKENS),
-        "calibrate": (["2bit", "mxfp4"], None, 3 * f * REAL_TOKENS),
-        "plan": ([], None, 0.0),
-        "grade": (["mxfp4"], "graded", 0.0),
-        "dwq": (["mxfp4", "graded"], "graded-dwq",
+        "audit": ([], [], 0.0),
+        "convert-mxfp4": (["source"], ["mxfp4"], 0.0),
+        "convert-2bit": (["mxfp4"], ["2bit"], 0.0),
+        "teacher": (["mxfp4"], [], f * REAL_TOKENS),
+        "calibrate": (["2bit", "mxfp4"], [], 3 * f * REAL_TOKENS),
+        "plan": ([], [], 0.0),
+        # the graded profile first builds its own MXFP4 base (the plan's non-expert formats)
+        "grade": (["source", "mxfp4"], ["mxfp4", "graded"], 0.0),
+        "dwq": (["mxfp4", "graded"], ["graded-dwq"],
                 3 * f * DWQ_STEPS * DWQ_BATCH * DWQ_SEQ + f * REAL_TOKENS),
-        "slice": (["graded-dwq"], "ranks", 0.0),
-    }.get(name, ([], None, 0.0))
+        "slice": (["graded-dwq"], ["ranks"], 0.0),
+    }.get(name, ([], [], 0.0))
 
 
 def project(stage: dict, r: dict) -> dict | None:
     """The stage on the real K3: disk (read + write at SSD_BPS), SHA-256 of what it
     writes (twice: file and tensor digests, one thread), compute (GPU_FLOPS), and the
     overhead that scales with counts, which the preset has at the real counts: its own
-    CPU seconds (an upper bound: they include the preset's small byte and compute work)."""
+    CPU seconds (an upper bound: they include the preset's small byte and compute work;
+    for the token stages, the CPU of a run on a quarter of the tokens where measured)."""
     if stage["stage"] not in ("audit", "convert-mxfp4", "convert-2bit", "teacher",
                               "calibrate", "plan", "grade", "dwq", "slice"):
         return None
     reads, write, flops = stage_model(stage["stage"], r)
     read_b = sum(r[b] for b in reads)
-    write_b = r[write] if write else 0.0
+    write_b = sum(r[b] for b in write)
     terms = {"disk_read_s": read_b / SSD_BPS, "disk_write_s": write_b / SSD_BPS,
              "sha256_s": 2 * write_b / SHA256_BPS, "compute_s": flops / GPU_FLOPS,
-             "count_overhead_s": stage.get("cpu_s", stage["wall_s"])}
+             "count_overhead_s": min(stage.get("cpu_s", stage["wall_s"]),
+                                     stage.get("small_tokens", {}).get("cpu_s", 1e30))}
     dominant = max(terms, key=terms.get)
     out = {"real_read_gb": round(read_b / 1e9, 1), "real_written_gb": round(write_b / 1e9, 1),
            **{k: round(v, 1) for k, v in terms.items()},
@@ -214,7 +218,10 @@ def write_report(args, prior: dict[str, dict]) -> dict:
     order = [s.name for s in stages(args.work, args.target_bpw, args.dwq_steps)]
     r = real_sizes()
     rows = sorted(prior.values(), key=lambda s: order.index(s["stage"]))
+    small = json.loads(Path(args.small_runs).read_text()) if args.small_runs else {}
     for row in rows:
+        if row["stage"] in small:
+            row["small_tokens"] = small[row["stage"]]
         row["real_k3"] = project(row, r)
     report = {"command": "python benchmarks/rehearsal.py " + " ".join(sys.argv[1:]),
               "machine": platform.platform(), "cpus": os.cpu_count(),
@@ -269,6 +276,8 @@ def main() -> None:
                     "(benchmarks/results/plan-k3-2026-12-02.json), scale-free")
     ap.add_argument("--dwq-steps", type=int, default=2)
     ap.add_argument("--out", help="also write the JSON here (merged by stage)")
+    ap.add_argument("--small-runs", help="JSON {stage: {tokens, cpu_s, command}}: teacher / "
+                    "calibrate on fewer tokens, separating count overhead from token compute")
     ap.add_argument("--table", action="store_true",
                     help="print the README table from --out and exit (no stage runs)")
     args = ap.parse_args()
