@@ -37,10 +37,10 @@ def test_index_equals_the_real_one(preset_cfg):
     wrong = [(k, mine[k], real[k]) for k in real if mine[k] != real[k]]
     assert not wrong, wrong[:5]
     # dtypes: the real layout's (its sizes add up to the real total_size exactly)
-    real_dtypes = {s.name: s.dtype for s in layout.source_specs(synth.real_config())}
+    real_specs = layout.source_specs(synth.real_config())
     dtypes = {s.name: s.dtype for specs in files.values() for s in specs}
-    assert dtypes == real_dtypes
-    assert sum(s.nbytes for s in layout.source_specs(synth.real_config())) == 1_560_860_324_864
+    assert dtypes == {s.name: s.dtype for s in real_specs}
+    assert sum(s.nbytes for s in real_specs) == 1_560_860_324_864
 
 
 def test_config_has_every_real_count_and_g64_experts(preset_cfg):
