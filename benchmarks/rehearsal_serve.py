@@ -144,7 +144,8 @@ def one_request(url: str, api: str, stream: bool, max_tokens: int, i: int) -> di
                                          temperature=temp).choices[0].text
     elif api == "messages":
         ac = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=3600)
-        kw = dict(model=MODEL, max_tokens=max_tokens, temperature=temp,
+        # this anthropic SDK (2.15) has no temperature argument: sent in the body
+        kw = dict(model=MODEL, max_tokens=max_tokens, extra_body={"temperature": temp},
                   messages=[{"role": "user", "content": f"Name an expert, #{i}."}])
         if stream:
             with ac.messages.stream(**kw) as s:
