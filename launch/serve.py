@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
             "max_context": dep.max_context, "prefill_chunks": model.chunk_sizes,
             "max_batch": dep.max_batch,
             "vocab_size": config["text_config"]["vocab_size"],
-            "warmup": warm, "blas": k3dist.blas_status(), "preflight": pre,
+            "warmup": warm, "warmup_kernels": warmup.jit_kernels_loaded(),
+            "blas": k3dist.blas_status(), "preflight": pre,
             "verify": manifest["verify"]["mode"]}
     args = server.cli_args(model_id=dep.model_id, max_tokens=dep.max_tokens,
                            temp=dep.temperature, top_p=dep.top_p,

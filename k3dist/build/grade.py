@@ -38,6 +38,7 @@ from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.manifest import JOURNAL, MANIFEST
 from k3dist.format.placement import read_counts
 from k3dist.format.sfile import (
+    CHUNK_BYTES,
     CheckpointError,
     Header,
     StreamWriter,
@@ -66,6 +67,17 @@ def _identity(build_manifest: dict, gmap: GradedMap, lo: QFormat) -> dict:
         ).hexdigest(),
     }
 
+
+
+def expert_runs(ids: list[int], most: int) -> list[tuple[int, int]]:
+    """(first id, count) of runs of consecutive ``ids`` (in order), each at most ``most``."""
+    runs: list[tuple[int, int]] = []
+    for e in ids:
+        if runs and runs[-1][0] + runs[-1][1] == e and runs[-1][1] < most:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((e, 1))
+    return runs
 
 class GradedBuilder:
     def __init__(
@@ -161,13 +173,16 @@ class GradedBuilder:
         held: dict[str, list[bytes]] = {"scales": [], "biases": []}
 
         def codes():
+            # Runs of consecutive lo experts, read and re-quantized a run at a time (up to
+            # CHUNK_BYTES of codes): per-expert calls cost ~0.1 ms each, 25 s over the real
+            # K3's 82,432 experts x 3 projections (measured on the k3counts preset).
             wper, sper = w.nbytes // E, s.nbytes // E
-            for e in lo:
-                wq = mx.array(np.frombuffer(read_bytes(w, e * wper, wper), np.uint32))
-                sq = mx.array(np.frombuffer(read_bytes(s, e * sper, sper), np.uint8))
+            for e, n in expert_runs(lo, max(1, CHUNK_BYTES // wper)):
+                wq = mx.array(np.frombuffer(read_bytes(w, e * wper, n * wper), np.uint32))
+                sq = mx.array(np.frombuffer(read_bytes(s, e * sper, n * sper), np.uint8))
                 dense = mx.dequantize(
-                    wq.reshape(rows, -1),
-                    sq.reshape(rows, -1),
+                    wq.reshape(n, rows, -1),
+                    sq.reshape(n, rows, -1),
                     mode="mxfp4",
                     group_size=32,
                     bits=4,

@@ -101,6 +101,24 @@ def mini_tokenizer(vocab_size: int = 512) -> dict[bytes, int]:
     return ranks
 
 
+def padded_ranks(ranks: dict[bytes, int], vocab_size: int) -> dict[bytes, int]:
+    """``ranks`` grown to ``vocab_size`` tokens, each new one the concatenation of two
+    earlier ones (in order, skipping those present): a valid BPE merge, so the
+    tokenizer is a real one of that size (K3's 163,584 base tokens), cheap to make."""
+    out = dict(ranks)
+    base = sorted(ranks, key=ranks.__getitem__)
+    for a in base:
+        for b in base:
+            if len(out) >= vocab_size:
+                return out
+            tok = a + b
+            if tok not in out:
+                out[tok] = len(out)
+    if len(out) < vocab_size:
+        raise ValueError(f"{len(ranks)} tokens pair up to only {len(out)}, asked {vocab_size}")
+    return out
+
+
 # Written for this project so mini checkpoints do not depend on any external corpus.
 MINI_TEXT = '''\
 The Kimi K3 model is a large mixture-of-experts language model. Each token is routed to a

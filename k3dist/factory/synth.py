@@ -54,6 +54,9 @@ class Preset:
     base_vocab: int
     vision_hidden: int = 32
     vision_layers: int = 2
+    # Set: the real config's counts are kept (layers, pattern, experts, top-k, vocabulary,
+    # vision blocks) and only the widths above apply; base_vocab is then the real one.
+    real_counts: bool = False
 
 
 PRESETS = {
@@ -75,6 +78,16 @@ PRESETS = {
                     qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
                     intermediate_size=2048, num_experts=128, experts_per_token=8,
                     moe_intermediate_size=512, latent_size=512, base_vocab=512),
+    # The rehearsal (issue 26): every count of the real K3 (93 layers, 896 experts top-16,
+    # 2 shared, 163,840-entry vocabulary, 27 vision blocks; the index is the real one key
+    # for key and shard for shard), widths shrunk; expert widths multiples of 64 so the
+    # 2-bit g64 lo bank of the real plan exists. ~1.0 GB on disk.
+    "k3counts": Preset(hidden_size=128, num_layers=93, attn_res_block_size=12, kda_heads=4,
+                       kda_head_dim=32, mla_heads=4, q_lora_rank=64, kv_lora_rank=64,
+                       qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                       intermediate_size=256, num_experts=896, experts_per_token=16,
+                       moe_intermediate_size=64, latent_size=64, base_vocab=163584,
+                       vision_layers=27, real_counts=True),
 }
 
 
@@ -106,6 +119,16 @@ def make_config(p: Preset, vocab_size: int) -> dict:
 
     kda, full = k3_layer_pattern(p.num_layers)
     tc = cfg["text_config"]
+    if p.real_counts:
+        real_tc = real_config()["text_config"]
+        counts = {"num_hidden_layers": p.num_layers, "attn_res_block_size":
+                  p.attn_res_block_size, "num_experts": p.num_experts,
+                  "num_experts_per_token": p.experts_per_token, "vocab_size": vocab_size}
+        wrong = {k: (v, real_tc[k]) for k, v in counts.items() if real_tc[k] != v}
+        if wrong or (kda, full) != (real_tc["linear_attn_config"]["kda_layers"],
+                                    real_tc["linear_attn_config"]["full_attn_layers"]):
+            raise ValueError(f"a real-counts preset differs from the real config "
+                             f"(key: (preset, real)): {wrong}")
     tc.update(
         hidden_size=p.hidden_size, num_hidden_layers=p.num_layers,
         attn_res_block_size=p.attn_res_block_size, num_attention_heads=p.mla_heads,
@@ -139,6 +162,17 @@ def shard_names(tc: dict) -> dict[str, str]:
     out = {f"layer.{i}": name(i + 1) for i in range(tc["num_hidden_layers"])}
     out.update(head=name(n - 2), projector=name(n - 1), vision=name(n))
     return out
+
+
+def files_of(cfg: dict) -> dict[str, list[layout.TensorSpec]]:
+    """Shard file -> the tensors it holds, in writing order: the checkpoint's layout
+    (for the ``k3counts`` preset, the real index's key -> shard map exactly)."""
+    files = shard_names(layout.text_config(cfg))
+    by_file: dict[str, list[layout.TensorSpec]] = {}
+    for s in layout.source_specs(cfg):
+        key = "projector" if s.name.startswith("mm_projector.") else s.group
+        by_file.setdefault(files[key], []).append(s)
+    return by_file
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -190,16 +224,14 @@ def synthesize(out: str | Path, preset: str = "mini", seed: int = 0,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
 
-    ranks = bpe.mini_tokenizer(p.base_vocab)
+    if p.real_counts:
+        ranks = bpe.padded_ranks(bpe.mini_tokenizer(512), p.base_vocab)
+    else:
+        ranks = bpe.mini_tokenizer(p.base_vocab)
     vocab_size = tokenizer.write_tokenizer_files(out, ranks)
     cfg = make_config(p, vocab_size)
     tc = cfg["text_config"]
-    files = shard_names(tc)
-
-    by_file: dict[str, list[layout.TensorSpec]] = {}
-    for s in layout.source_specs(cfg):
-        key = "projector" if s.name.startswith("mm_projector.") else s.group
-        by_file.setdefault(files[key], []).append(s)
+    by_file = files_of(cfg)
 
     weight_map, total = {}, 0
     bar = tqdm(total=sum(s.nbytes for v in by_file.values() for s in v), unit="B",

@@ -1000,7 +1000,12 @@ class K3APIHandler(mlx_server.APIHandler):
             self.end_headers()
             if self._is_local():
                 model = self.response_generator.model_provider.model
+                loaded = warmup.jit_kernels_loaded()
+                warmed = set(self.info.get("warmup_kernels") or ())
                 info = dict(self.info, jit_kernels=warmup.jit_kernel_count(),
+                            jit_kernels_loaded=None if loaded is None else len(loaded),
+                            jit_kernels_after_warmup=None if loaded is None
+                            else sorted(set(loaded) - warmed),
                             shapes_seen=sorted(getattr(model, "shapes_seen", set()).copy()))
             else:  # folders, free memory and library paths stay on this machine
                 info = {k: self.info[k] for k in PUBLIC_INFO if k in self.info}

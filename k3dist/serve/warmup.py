@@ -57,6 +57,26 @@ def jit_kernel_count() -> int:
     return sum(1 for f in os.listdir(d) if f.startswith("lib") and f.endswith(".so"))
 
 
+def jit_kernels_loaded() -> list[str] | None:
+    """The compiled-kernel libraries this process has loaded (Linux: from
+    ``/proc/self/maps``), by name; None where that cannot be read (macOS).
+
+    Per process, unlike ``jit_kernel_count`` (a directory every MLX process on the
+    machine shares, so another process's compiles count there too): a graph first run
+    after warm-up loads a library here even when another process compiled it first.
+    """
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return None
+    d = str(jit_cache_dir())
+    names = set()
+    for line in maps.read_text().splitlines():
+        path = line.rsplit(None, 1)[-1] if line.count(" ") >= 5 else ""
+        if path.startswith(d) and path.endswith(".so"):
+            names.add(Path(path).name)
+    return sorted(names)
+
+
 # Samplers the server builds from request parameters. mlx-lm compiles each sampler
 # chain with its parameters as constants: a request with a temperature (or top_p,
 # min_p) value not warmed here compiles one small kernel, on every rank at the same
@@ -109,6 +129,7 @@ def warm_up(model, prefill_chunk: int, vocab_size: int,
 
     t0 = time.perf_counter()
     before = jit_kernel_count()
+    loaded_before = jit_kernels_loaded()
     model.set_collectives(False)
     try:
         sizes = chunk_sizes(prefill_chunk)
@@ -134,7 +155,12 @@ def warm_up(model, prefill_chunk: int, vocab_size: int,
     if hasattr(model, "shapes_seen"):
         model.shapes_seen.clear()  # from here on: the shapes served
     decode = sorted({b for b, t in seen if t == 1}) or [1]
+    loaded = jit_kernels_loaded()
     return {"prefill_chunks": sizes, "decode": decode, "shapes": sorted(seen),
             "seconds": round(time.perf_counter() - t0, 2),
             "jit_kernels_compiled": jit_kernel_count() - before,
-            "jit_kernels_total": jit_kernel_count()}
+            "jit_kernels_total": jit_kernel_count(),
+            # this process's own: what warm-up loaded (compiled, or found compiled)
+            "jit_kernels_loaded": None if loaded is None else len(loaded),
+            "jit_kernels_loaded_by_warmup": None if loaded is None
+            else len(set(loaded) - set(loaded_before or ()))}
