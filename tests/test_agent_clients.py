@@ -155,3 +155,86 @@ def test_aider_chat_turn(srv, work, tmp_path):
                         env, work)
     assert rc == 0 and "Hi." in out, (rc, out[-3000:], err[-3000:])
     assert "Error" not in out and "raw.githubusercontent" not in out + err, out[-3000:]
+
+
+def test_routes_ignore_the_query_and_answer_head_and_unknown_paths(srv):
+    from serving import post_conn
+
+    hi = {"model": "kimi-k3", "max_tokens": 8,
+          "messages": [{"role": "user", "content": "hi"},
+                       {"role": "system", "content": "Mid-conversation note."}]}
+    status, _, body = post_conn(srv.port, hi, "/v1/messages/count_tokens?beta=true")
+    assert status == 200 and json.loads(body)["input_tokens"] > 0, body
+    status, _, body = post_conn(srv.port, hi, "/v1/messages?beta=true&x=1")
+    assert status == 200 and json.loads(body)["content"][-1]["text"] == "Hi.", body
+    # unknown paths: 404 in the API's shape (the body unread, no reset)
+    status, _, body = post_conn(srv.port, hi, "/v1/messages/batches?beta=true")
+    err = json.loads(body)
+    assert status == 404 and err["type"] == "error" and \
+        err["error"]["type"] == "not_found_error", body
+    status, _, body = post_conn(srv.port, {"x": 1}, "/v1/nothing")
+    assert status == 404 and json.loads(body)["error"]["code"] == "not_found", body
+    # HEAD: GET's status and headers, no body
+    for path, want in (("/", 200), ("/health?probe=1", 200), ("/v1/models", 200),
+                       ("/v1/nothing", 404)):
+        status, headers, body = post_conn(srv.port, b"", path, method="HEAD")
+        assert status == want and body == b"", (path, status, body)
+        assert int(headers["Content-Length"]) > 0
+    status, _, body = post_conn(srv.port, b"", "/v1/models?limit=5", method="GET")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "kimi-k3"
+
+
+def test_agent_tool_kinds_and_system_messages_translate():
+    from k3dist.serve import anthropic_api, relay, responses_api
+
+    schema = {"type": "object", "properties": {"path": {"type": "string"}}}
+    chat = anthropic_api.to_chat({
+        "model": "kimi-k3", "max_tokens": 8,
+        "tools": [{"name": "Read", "input_schema": schema},
+                  {"name": "Grep", "input_schema": schema},
+                  {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}],
+        "tool_choice": {"type": "tool", "name": "Grep"},
+        "messages": [{"role": "user", "content": "a"},
+                     {"role": "system", "content": [{"type": "text", "text": "env"}]}]})
+    assert [(m["role"], m["content"]) for m in chat["messages"]] == [("user", "a"),
+                                                                     ("system", "env")]
+    assert [t["function"]["name"] for t in chat["tools"]] == ["Grep"]  # the named one
+    assert chat["chat_template_kwargs"]["tool_choice"] == "required"
+    for choice, needle in (({"type": "tool", "name": "web_search"}, "not among"),
+                           ({"type": "tool"}, "not among")):
+        with pytest.raises(relay.BadRequest, match=needle):
+            anthropic_api.to_chat({"model": "m", "max_tokens": 5, "tool_choice": choice,
+                                   "tools": [{"type": "web_search_20250305",
+                                              "name": "web_search"}],
+                                   "messages": [{"role": "user", "content": "a"}]})
+
+    body = {"model": "kimi-k3", "input": "hi", "tools": [
+        {"type": "function", "name": "exec_command", "parameters": schema},
+        {"type": "namespace", "name": "multi_agent_v1", "description": "d",
+         "tools": [{"type": "function", "name": "spawn_agent", "parameters": schema}]},
+        {"type": "custom", "name": "apply_patch", "description": "Patch.",
+         "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+        {"type": "web_search", "external_web_access": False}]}
+    chat, req = responses_api.to_chat(body)
+    assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command", "spawn_agent",
+                                                               "apply_patch"]
+    assert "lark" in chat["tools"][2]["function"]["description"]
+    t = responses_api.ResponsesTranslator(model="kimi-k3", stream=False, prompt_tokens=1)
+    t.request = req
+    spawn = {"kind": "tool_call", "id": "c1", "name": "spawn_agent", "arguments": "{}"}
+    patch = {"kind": "tool_call", "id": "c2", "name": "apply_patch",
+             "arguments": json.dumps({"input": "*** Begin Patch"})}
+    assert t._item(0, spawn, True)["namespace"] == "multi_agent_v1"
+    item = t._item(1, patch, True)
+    assert (item["type"], item["input"]) == ("custom_tool_call", "*** Begin Patch")
+    # the custom call and its output come back in as a function call and a tool message
+    chat, _ = responses_api.to_chat(dict(body, input=[
+        {"role": "user", "content": "hi"},
+        {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch",
+         "input": "*** Begin Patch"},
+        {"type": "custom_tool_call_output", "call_id": "c2", "output": "Done"}],
+        tool_choice={"type": "function", "name": "exec_command"}))
+    assert chat["messages"][1]["tool_calls"][0]["function"]["arguments"] == {
+        "input": "*** Begin Patch"}
+    assert chat["messages"][2] == {"role": "tool", "tool_call_id": "c2", "content": "Done"}
+    assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command"]
