@@ -31,6 +31,17 @@ from k3dist.factory import synth  # noqa: E402
 from serving import Server, post_conn, rank_folders, wait_logs  # noqa: E402
 
 
+def _command() -> str:
+    return " ".join([Path(sys.executable).name, *sys.argv])
+
+
+def _write(path: Path, out: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".partial")
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    tmp.rename(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
@@ -46,11 +57,12 @@ def main() -> None:
                                           str(64 * 64), "--max-batch", "2"))
         try:
             report = fuzz.Report()
-            for i in range(0, args.requests, 100):  # a line of progress per 100
+            for i in range(0, args.requests, 100):  # progress (and figures so far) per 100
                 fuzz.run(srv.port, min(100, args.requests - i), args.seed + i, report=report)
                 s = report.summary()
                 print(f"{s['requests']} requests, {s['failures']} failures, "
                       f"{s['seconds']:.0f} s", flush=True)
+                _write(Path(args.out), {"command": _command(), "complete": False, **s})
             alive = srv.proc.poll() is None and set(srv.rank_pids()) == {0, 1}
             after = post_conn(srv.port, {"model": "kimi-k3", "prompt": "hi", "max_tokens": 2})
             logs = wait_logs(srv, 0, 1)
@@ -58,7 +70,7 @@ def main() -> None:
             load = os.getloadavg()
         finally:
             srv.stop()
-    out = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+    out = {"command": _command(), "complete": True,
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
            "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                                  capture_output=True, text=True).stdout.strip(),
@@ -66,11 +78,7 @@ def main() -> None:
            **report.summary(), "ranks_alive_after": alive,
            "request_after_status": after[0], "token_log_entries": [len(x) for x in logs],
            "ranks_in_lockstep": lockstep}
-    path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = path.with_suffix(path.suffix + ".partial")
-    tmp_out.write_text(json.dumps(out, indent=1) + "\n")
-    tmp_out.rename(path)
+    _write(Path(args.out), out)
     print(json.dumps({k: v for k, v in out.items() if k != "first_failures"}, indent=1))
 
 

@@ -712,6 +712,9 @@ class K3APIHandler(mlx_server.APIHandler):
                 raise RequestError(400, f"messages cannot be rendered: {e}") from None
             if self.path == "/v1/messages/count_tokens":
                 return self._json(200, {"input_tokens": n_prompt})
+            if n_prompt < 1:  # mlx-lm's batch loop dies on an empty prompt (every rank)
+                raise RequestError(400, "prompt is empty: it must have at least one token",
+                                   "prompt")
             room = self.max_context - n_prompt
             if room < 1 or (asked is not None and asked > room):
                 raise RequestError(400, f"prompt of {n_prompt} tokens plus max_tokens "
