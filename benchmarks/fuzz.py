@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the server on the way out
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         src = synth.synthesize(t / "src", "mini", seed=0, progress=False)

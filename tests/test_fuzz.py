@@ -18,7 +18,7 @@ from serving import Server, post_conn, wait_logs
 pytest.importorskip("mlx_vlm", reason="vision tests need the extra: pip install "
                     "'k3dist[vision]' (CI installs it)")
 
-N_REQUESTS = 150  # ~30 per endpoint
+N_REQUESTS = 100  # ~20 per endpoint
 
 
 @pytest.fixture(scope="module")

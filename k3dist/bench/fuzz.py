@@ -262,6 +262,8 @@ def _set(v: Any, path: tuple, new: Any, delete: bool = False) -> Any:
 def mutated(draw, endpoint: str) -> tuple[bytes, dict]:
     """(raw body, the JSON value sent or {}) for one request to ``endpoint``."""
     body = draw(BODIES[endpoint])
+    if isinstance(body, dict) and draw(st.integers(0, 3)):  # mostly the served model
+        body["model"] = MODEL
     how = draw(st.sampled_from(["none", "none", "leaf", "leaf", "delete", "extra", "raw"]))
     if how in ("leaf", "delete") and isinstance(body, dict):
         paths = _paths(body)
@@ -399,7 +401,7 @@ class Report:
 
 def run(port: int, n: int, seed_: int = 0, endpoints: tuple[str, ...] = ENDPOINTS,
         report: Report | None = None) -> Report:
-    """Send ``n`` generated requests (round robin over ``endpoints``), one at a time."""
+    """Send ``n`` generated requests (each to one of ``endpoints``), one at a time."""
     report = report or Report()
     t0 = time.monotonic()
 
@@ -408,7 +410,7 @@ def run(port: int, n: int, seed_: int = 0, endpoints: tuple[str, ...] = ENDPOINT
               suppress_health_check=list(HealthCheck), derandomize=False)
     @given(st.data())
     def one(data):
-        endpoint = endpoints[report.requests % len(endpoints)]
+        endpoint = data.draw(st.sampled_from(endpoints))
         raw, _ = data.draw(mutated(endpoint))
         status, headers, out = post(port, endpoint, raw)
         report.count(endpoint, status)
