@@ -54,9 +54,9 @@ def main() -> None:
         t = Path(tmp)
         src = synth.synthesize(t / "src", "mini", seed=0, progress=False)
         ranks = rank_folders(convert.convert(src, t / "build", progress=False), t / "ranks")
-        srv = Server(ranks, t / "serve", ("--max-tokens", str(fuzz.SMALL_TOKENS), "--vision",
-                                          "--max-images", "2", "--max-image-pixels",
-                                          str(64 * 64), "--max-batch", "2"))
+        srv = Server(ranks, t / "serve", (
+            "--max-tokens", str(fuzz.SMALL_TOKENS), "--prefill-chunk", "256", "--vision",
+            "--max-images", "2", "--max-image-pixels", str(64 * 64), "--max-batch", "2"))
         try:
             report = fuzz.Report()
             for i in range(0, args.requests, 100):  # progress (and figures so far) per 100

@@ -120,11 +120,12 @@ def test_codex_exec_with_its_default_tools(srv, work, tmp_path):
     (tmp_path / "codex").mkdir()
     (tmp_path / "instructions.md").write_text("You are a coding agent. Be terse.\n")
     provider = (f'{{name="k3", base_url="{srv.url}/v1", env_key="K3_API_KEY", '
-                'wire_api="responses", stream_idle_timeout_ms=1800000, '
+                'wire_api="responses", stream_idle_timeout_ms=60000, '
                 'request_max_retries=0, stream_max_retries=0}')
     env = _env(tmp_path, CODEX_HOME=str(tmp_path / "codex"), K3_API_KEY="dummy-key")
     # its default tools (functions, a namespace, web_search) as sent; only the long
-    # base instructions are replaced, to keep the mini's prefill short
+    # base instructions are replaced, to keep the mini's prefill short. Idle timeout 60 s:
+    # a prefill longer than that (minutes here under load) must send progress events
     rc, out, err = _run([str(CODEX), "exec", "--skip-git-repo-check", "--json",
                          "-m", "kimi-k3", "-c", 'model_provider="k3"',
                          "-c", f"model_providers.k3={provider}",
@@ -160,7 +161,7 @@ def test_aider_chat_turn(srv, work, tmp_path):
 def test_routes_ignore_the_query_and_answer_head_and_unknown_paths(srv):
     from serving import post_conn
 
-    hi = {"model": "kimi-k3", "max_tokens": 8,
+    hi = {"model": "kimi-k3", "max_tokens": 64,
           "messages": [{"role": "user", "content": "hi"},
                        {"role": "system", "content": "Mid-conversation note."}]}
     status, _, body = post_conn(srv.port, hi, "/v1/messages/count_tokens?beta=true")
@@ -238,3 +239,25 @@ def test_agent_tool_kinds_and_system_messages_translate():
         "input": "*** Begin Patch"}
     assert chat["messages"][2] == {"role": "tool", "tool_call_id": "c2", "content": "Done"}
     assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command"]
+
+
+def test_prefill_progress_reaches_agent_streams():
+    """mlx-lm's keepalive comments during prefill become events the agents count as
+    activity (Codex drops a stream idle for its stream_idle_timeout_ms): Anthropic's
+    ping, Responses' response.in_progress; none once output has begun."""
+    import io
+
+    from k3dist.serve import anthropic_api, relay, responses_api
+
+    for t, kind in ((anthropic_api.MessagesTranslator(model="k", stream=True,
+                                                      prompt_tokens=1), "ping"),
+                    (responses_api.ResponsesTranslator(model="k", stream=True,
+                                                       prompt_tokens=1),
+                     "response.in_progress")):
+        out = io.BytesIO()
+        sink = relay.Relay(out, t)
+        sink.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+        typed = f'"type": "{kind}"'.encode()
+        before = out.getvalue().count(typed)
+        sink.write(b": keepalive 512/4096\n\n: keepalive 1024/4096\n\n")
+        assert out.getvalue().count(typed) == before + 2, out.getvalue()

@@ -336,3 +336,6 @@ class MessagesTranslator(Translator):
 
     def error_event(self, message):
         return [sse("error", error_body(500, message))]
+
+    def keepalive(self):
+        return [sse("ping", {"type": "ping"})]

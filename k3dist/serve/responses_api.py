@@ -405,6 +405,11 @@ class ResponsesTranslator(Translator):
     def error_body(self, status, message):
         return error_body(status, message)
 
+    def keepalive(self):
+        if self.blocks:  # only before the first output item
+            return []
+        return [self._event("response.in_progress", response=self.response("in_progress"))]
+
     def error_event(self, message):
         return [self._event("error", code="server_error", message=message, param=None),
                 self._event("response.failed", response=dict(

@@ -207,6 +207,28 @@ def _check_template_kwargs(kw: Any) -> None:
                                "chat_template_kwargs")
 
 
+def _check_tool_call(tc: Any, where: str) -> None:
+    """An assistant message's tool call: an object whose function has a name and JSON
+    object arguments (a string is parsed here, as mlx-lm would later, past the checks)."""
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError(400, f"{where} must be an object with a function object that has "
+                           "a name", "messages")
+    args = fn.get("arguments")
+    if args is None:
+        args = {}
+    elif isinstance(args, str):
+        try:
+            args = json.loads(args) if args else {}
+        except ValueError:
+            raise RequestError(400, f"{where}.function.arguments is not JSON: "
+                               f"{args[:80]!r}", "messages") from None
+    if not isinstance(args, dict):
+        raise RequestError(400, f"{where}.function.arguments must be a JSON object, not "
+                           f"{type(args).__name__}", "messages")
+    fn["arguments"] = args
+
+
 def validate_request(path: str, body: Any, *, model_id: str, max_context: int,
                      vocab_size: int, images: bool = False) -> int:
     """Check a completion request's shape and values before it is queued, and
@@ -245,6 +267,8 @@ def validate_request(path: str, body: Any, *, model_id: str, max_context: int,
             if m.get("tool_calls") is not None:
                 if not isinstance(m["tool_calls"], list):
                     raise RequestError(400, f"{where}.tool_calls must be a list", "messages")
+                for j, tc in enumerate(m["tool_calls"]):
+                    _check_tool_call(tc, f"{where}.tool_calls[{j}]")
                 chars += len(json.dumps(m["tool_calls"], ensure_ascii=False))
         tools = body.get("tools")
         if tools is not None:
