@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,6 +31,11 @@ from k3dist.build import convert  # noqa: E402
 from k3dist.factory import synth  # noqa: E402
 
 from serving import Server, post_conn, rank_folders, wait_logs  # noqa: E402
+
+
+def _block(job: tuple[int, int, int]) -> fuzz.Report:
+    port, n, seed = job
+    return fuzz.run(port, n, seed)
 
 
 def _command() -> str:
@@ -47,6 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=3, help="client processes")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the server on the way out
@@ -59,12 +66,19 @@ def main() -> None:
             "--max-images", "2", "--max-image-pixels", str(64 * 64), "--max-batch", "2"))
         try:
             report = fuzz.Report()
-            for i in range(0, args.requests, 100):  # progress (and figures so far) per 100
-                fuzz.run(srv.port, min(100, args.requests - i), args.seed + i, report=report)
-                s = report.summary()
-                print(f"{s['requests']} requests, {s['failures']} failures, "
-                      f"{s['seconds']:.0f} s", flush=True)
-                _write(Path(args.out), {"command": _command(), "complete": False, **s})
+            t0 = time.monotonic()
+            blocks = [(srv.port, min(50, args.requests - i), args.seed + i)
+                      for i in range(0, args.requests, 50)]
+            # client processes side by side (each its own hypothesis run and seed); the
+            # figures so far are written after each block of 50
+            with ProcessPoolExecutor(args.workers) as ex:
+                for part in ex.map(_block, blocks):
+                    report.merge(part)
+                    report.seconds = time.monotonic() - t0
+                    s = report.summary()
+                    print(f"{s['requests']} requests, {s['failures']} failures, "
+                          f"{s['seconds']:.0f} s", flush=True)
+                    _write(Path(args.out), {"command": _command(), "complete": False, **s})
             alive = srv.proc.poll() is None and set(srv.rank_pids()) == {0, 1}
             after = post_conn(srv.port, {"model": "kimi-k3", "prompt": "hi", "max_tokens": 2})
             logs = wait_logs(srv, 0, 1)

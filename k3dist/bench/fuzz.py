@@ -388,6 +388,12 @@ class Report:
         self.requests += 1
         self.by_endpoint.setdefault(endpoint, Counter())[str(status)] += 1
 
+    def merge(self, other: Report) -> None:
+        self.requests += other.requests
+        for k, c in other.by_endpoint.items():
+            self.by_endpoint.setdefault(k, Counter()).update(c)
+        self.failures += other.failures
+
     def summary(self) -> dict:
         statuses = Counter()
         for c in self.by_endpoint.values():
