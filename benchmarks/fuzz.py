@@ -83,6 +83,8 @@ def main() -> None:
             after = post_conn(srv.port, {"model": "kimi-k3", "prompt": "hi", "max_tokens": 2})
             logs = wait_logs(srv, 0, 1)
             lockstep = len(logs[0]) == len(logs[1]) and logs[0] == logs[1]
+            differ = [{"entry": i, "rank0": a, "rank1": b}
+                      for i, (a, b) in enumerate(zip(*logs, strict=False)) if a != b][:5]
             load = os.getloadavg()
         finally:
             srv.stop()
@@ -93,7 +95,7 @@ def main() -> None:
            "load_average_at_end": [round(x, 2) for x in load],
            **report.summary(), "ranks_alive_after": alive,
            "request_after_status": after[0], "token_log_entries": [len(x) for x in logs],
-           "ranks_in_lockstep": lockstep}
+           "ranks_in_lockstep": lockstep, "first_differing_entries": differ}
     _write(Path(args.out), out)
     print(json.dumps({k: v for k, v in out.items() if k != "first_failures"}, indent=1))
 
