@@ -14,6 +14,7 @@ small, and the server's own default (``--max-tokens``) should be small too.
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 import time
@@ -261,7 +262,8 @@ def _set(v: Any, path: tuple, new: Any, delete: bool = False) -> Any:
 @st.composite
 def mutated(draw, endpoint: str) -> tuple[bytes, dict]:
     """(raw body, the JSON value sent or {}) for one request to ``endpoint``."""
-    body = draw(BODIES[endpoint])
+    # a copy: st.just values are shared objects, and the mutations below change the body
+    body = copy.deepcopy(draw(BODIES[endpoint]))
     if isinstance(body, dict) and draw(st.integers(0, 3)):  # mostly the served model
         body["model"] = MODEL
     how = draw(st.sampled_from(["none", "none", "leaf", "leaf", "delete", "extra", "raw"]))
