@@ -49,17 +49,18 @@ def post_raw(url: str, data: bytes, timeout: float = 30.0):
 
 
 class Server:
-    def __init__(self, rank_pattern: str, tmp: Path, extra: tuple[str, ...] = ()):
+    def __init__(self, rank_pattern: str, tmp: Path, extra: tuple[str, ...] = (),
+                 entry: Path | None = None, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tmp = tmp
         # An empty HOME: no Hugging Face cache (mlx_lm.server's /v1/models crashed there).
-        env = dict(os.environ, HOME=str(tmp / "home"))
+        env = dict(os.environ, HOME=str(tmp / "home"), **(env or {}))
         (tmp / "home").mkdir(parents=True, exist_ok=True)
         launcher = Path(sys.executable).with_name("mlx.launch")
         self.log = open(tmp / "server.log", "w")
         cmd = [str(launcher), "-n", "2", "-p", str(free_base_port(2)), "--python", sys.executable,
-               str(REPO / "launch/serve.py"), "--rank-dir", rank_pattern,
+               str(entry or REPO / "launch/serve.py"), "--rank-dir", rank_pattern,
                "--port", str(self.port), "--max-context", str(MAX_CONTEXT),
                "--prefill-chunk", "32", "--token-log", str(tmp / "tokens-{rank}.jsonl"),
                "--watchdog-timeout-s", "15", *extra]

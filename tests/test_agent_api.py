@@ -166,7 +166,7 @@ def test_requests_translate_to_chat_and_malformed_ones_are_refused():
     user = [{"role": "user", "content": "hi"}]
     for body, needle in (
             ({"model": "m", "messages": user}, "max_tokens"),
-            ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+            ({"model": "m", "max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]},
              "messages.0.role"),
             ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}]},

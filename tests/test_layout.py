@@ -45,6 +45,7 @@ SERVING = {
     "k3dist.serve.keepawake",
     "k3dist.serve.loader",
     "k3dist.serve.model",
+    "k3dist.serve.notices",
     "k3dist.serve.preflight",
     "k3dist.serve.prompt_cache",
     "k3dist.serve.relay",

@@ -17,6 +17,7 @@ import json
 import uuid
 from typing import Annotated, Literal
 
+from k3dist.serve.notices import dropped_tool
 from k3dist.serve.relay import BadRequest, Translator, sse, validation_message
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -54,26 +55,43 @@ class ToolUseBlock(_Model):
     input: dict
 
 
+class ImageSource(_Model):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(_Model):
+    type: Literal["image"]
+    source: ImageSource
+
+
 class ToolResultBlock(_Model):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] \
+        | None = None
     is_error: bool | None = None
 
 
-Block = Annotated[TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock
-                  | ToolResultBlock, Field(discriminator="type")]
+Block = Annotated[TextBlock | ImageBlock | ThinkingBlock | RedactedThinkingBlock
+                  | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
 
 
 class Message(_Model):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code's mid-conversation system messages, rendered where they stand
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
 class Tool(_Model):
+    # no type (or "custom"): a tool the client runs, described by input_schema; any other
+    # type is one of Anthropic's built-in tools (web_search_20250305, bash_20250124, ...)
+    type: str | None = None
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
-    input_schema: dict
+    input_schema: dict | None = None
 
 
 class ToolChoice(_Model):
@@ -105,10 +123,55 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
 
 
-def _text(content: str | list[TextBlock] | None) -> str:
+def _text(content: str | list | None, where: str = "") -> str:
     if content is None or isinstance(content, str):
         return content or ""
+    if any(isinstance(b, ImageBlock) for b in content):
+        raise BadRequest(400, f"{where}: images in tool_result blocks are not supported; "
+                         "send the image in a user message")
     return "".join(b.text for b in content)
+
+
+def _image_part(b: ImageBlock, where: str) -> dict:
+    """An image block as the chat image part the server checks (vision or not)."""
+    src = b.source
+    if src.type == "base64":
+        if not (src.media_type and src.data):
+            raise BadRequest(400, f"{where}.source: a base64 image needs media_type and data")
+        url = f"data:{src.media_type};base64,{src.data}"
+    else:
+        if not src.url:
+            raise BadRequest(400, f"{where}.source: a url image needs url")
+        url = src.url
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _tools(tools: list[Tool], choice: ToolChoice | None) -> tuple[list[dict], str | None]:
+    """Chat tools and K3's tool_choice ("required", "none" or None) for the request's
+    tools: Anthropic's built-in tools, which this server cannot run, are left out (a
+    notice is logged); ``tool_choice`` naming a tool keeps only that tool, required."""
+    out = []
+    for t in tools:
+        if t.type not in (None, "custom"):
+            dropped_tool("anthropic", t.type)
+            continue
+        if t.input_schema is None:
+            raise BadRequest(400, f"tools: tool {t.name!r} has no input_schema")
+        out.append({"type": "function", "function": {
+            "name": t.name, "description": t.description or "", "parameters": t.input_schema}})
+    if choice is None or choice.type == "auto" or (not out and choice.type == "none"):
+        return out, None
+    if choice.type == "none":
+        return out, "none"
+    if choice.type == "tool":
+        named = [t for t in out if t["function"]["name"] == choice.name]
+        if not named:
+            raise BadRequest(400, f"tool_choice: names tool {choice.name!r}, which is not "
+                             f"among the request's tools {[t['function']['name'] for t in out]}")
+        return named[:1], "required"
+    if not out:
+        raise BadRequest(400, f"tool_choice: {choice.type!r} needs at least one tool")
+    return out, "required"
 
 
 def to_chat(body: dict, *, count_only: bool = False) -> dict:
@@ -124,13 +187,20 @@ def to_chat(body: dict, *, count_only: bool = False) -> dict:
     for i, m in enumerate(req.messages):
         blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) \
             else m.content
+        if m.role == "system":
+            bad = [b.type for b in blocks if not isinstance(b, TextBlock)]
+            if bad:
+                raise BadRequest(400, f"messages.{i}: a system message holds text blocks "
+                                 f"only, not {bad[0]}")
+            messages.append({"role": "system", "content": _text(blocks)})
+            continue
         if m.role == "assistant":
             text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
             thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
             uses = [b for b in blocks if isinstance(b, ToolUseBlock)]
-            bad = [b.type for b in blocks if isinstance(b, ToolResultBlock)]
+            bad = [b.type for b in blocks if isinstance(b, ToolResultBlock | ImageBlock)]
             if bad:
-                raise BadRequest(400, f"messages.{i}: tool_result blocks belong in a user "
+                raise BadRequest(400, f"messages.{i}: {bad[0]} blocks belong in a user "
                                  "message")
             msg: dict = {"role": "assistant", "content": text}
             if thinking:
@@ -142,34 +212,38 @@ def to_chat(body: dict, *, count_only: bool = False) -> dict:
             calls = {b.id for b in uses}
             messages.append(msg)
             continue
-        text = []
+        text: list[str] = []
+        images: list[dict] = []
         for j, b in enumerate(blocks):
             if isinstance(b, ToolResultBlock):
                 if b.tool_use_id not in calls:
                     raise BadRequest(400, f"messages.{i}.content.{j}: tool_result block's "
                                      f"tool_use_id {b.tool_use_id!r} answers no tool_use "
                                      "block of the assistant message before it")
-                out = _text(b.content)
+                out = _text(b.content, f"messages.{i}.content.{j}")
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
                                  "content": f"Error: {out}" if b.is_error else out})
             elif isinstance(b, TextBlock):
                 text.append(b.text)
+            elif isinstance(b, ImageBlock):
+                images.append(_image_part(b, f"messages.{i}.content.{j}"))
             else:
                 raise BadRequest(400, f"messages.{i}.content.{j}: a {b.type} block belongs "
                                  "in an assistant message")
-        if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+        if images:
+            messages.append({"role": "user", "content": [
+                *images, *({"type": "text", "text": t} for t in text)]})
+        elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
             messages.append({"role": "user", "content": "".join(text)})
         calls = set()
     chat: dict = {"model": req.model, "messages": messages,
                   "chat_template_kwargs": {"thinking": bool(
                       req.thinking and req.thinking.type != "disabled")}}
-    if req.tools:
-        chat["tools"] = [{"type": "function", "function": {
-            "name": t.name, "description": t.description or "", "parameters": t.input_schema}}
-            for t in req.tools]
-        if req.tool_choice is not None and req.tool_choice.type != "auto":
-            chat["chat_template_kwargs"]["tool_choice"] = (
-                "none" if req.tool_choice.type == "none" else "required")
+    tools, choice = _tools(req.tools or [], req.tool_choice)
+    if tools:
+        chat["tools"] = tools
+        if choice is not None:
+            chat["chat_template_kwargs"]["tool_choice"] = choice
     if count_only:
         return chat
     chat["max_tokens"] = req.max_tokens
@@ -262,3 +336,6 @@ class MessagesTranslator(Translator):
 
     def error_event(self, message):
         return [sse("error", error_body(500, message))]
+
+    def keepalive(self):
+        return [sse("ping", {"type": "ping"})]

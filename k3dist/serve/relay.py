@@ -157,6 +157,10 @@ class Translator:
     def error_event(self, message: str) -> list[bytes]:
         raise NotImplementedError
 
+    def keepalive(self) -> list[bytes]:
+        """An event while the prompt is prefilled (agents drop a silent stream)."""
+        return []
+
 
 def sse(event: str | None, data: Any) -> bytes:
     head = f"event: {event}\n" if event else ""
@@ -210,6 +214,8 @@ class Relay:
                 event, self.buf = self.buf[:end], self.buf[end + 2:]
                 if event.startswith(b"data: "):
                     self._chunk(event[6:].decode("utf-8", "replace"))
+                elif event.startswith(b": keepalive") and not self.done:
+                    self._send(self.t.keepalive())  # prefill progress: clients' idle timers
         return len(data)
 
     def flush(self) -> None:

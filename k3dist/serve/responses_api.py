@@ -15,9 +15,10 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
+from k3dist.serve.notices import dropped_tool
 from k3dist.serve.relay import BadRequest, Translator, sse, validation_message
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 EFFORTS = {"low": "low", "medium": "high", "high": "high", "xhigh": "max"}
@@ -51,14 +52,28 @@ class FunctionCallOutputItem(_Model):
     output: str | list[TextPart]
 
 
+class CustomCallItem(_Model):
+    """A call of a ``custom`` (freeform) tool: its input is plain text."""
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+
+
+class CustomCallOutputItem(_Model):
+    type: Literal["custom_tool_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+
+
 class ReasoningItem(_Model):
     type: Literal["reasoning"]
     summary: list[TextPart] = []
     content: list[TextPart] | None = None
 
 
-Item = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
-                 Field(discriminator="type")]
+Item = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | CustomCallItem
+                 | CustomCallOutputItem | ReasoningItem, Field(discriminator="type")]
 
 
 class FunctionTool(_Model):
@@ -70,7 +85,7 @@ class FunctionTool(_Model):
 
 
 class NamedChoice(_Model):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
 
 
@@ -93,6 +108,56 @@ class ResponsesRequest(_Model):
     previous_response_id: str | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict | None = None
+    # set by to_chat: the namespace of each flattened tool, and the custom tools' names
+    _namespaces: dict[str, str] = PrivateAttr(default_factory=dict)
+    _custom: set[str] = PrivateAttr(default_factory=set)
+
+
+# A custom (freeform) tool runs as a function of one string argument.
+CUSTOM_INPUT = "input"
+
+
+def _flatten_tools(tools: Any) -> tuple[Any, dict[str, str], set[str]]:
+    """The request's tools as function tools: a ``namespace`` tool's tools are listed
+    on their own (each remembered with its namespace, for the calls back), a ``custom``
+    (freeform) tool becomes a function of one string ``input`` (its grammar or format
+    in the description), and the hosted tools this server cannot run (``web_search``,
+    ``file_search``, ``code_interpreter``, ...) are left out, with a notice logged.
+    Anything else is left as it is, for validation to refuse."""
+    if not isinstance(tools, list):
+        return tools, {}, set()
+    out: list = []
+    namespaces: dict[str, str] = {}
+    custom: set[str] = set()
+
+    def add(t: Any, ns: str | None) -> None:
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind == "namespace" and ns is None and isinstance(t.get("tools"), list):
+            for sub in t["tools"]:
+                add(sub, t.get("name") if isinstance(t.get("name"), str) else "")
+        elif kind == "custom" and isinstance(t.get("name"), str):
+            fmt = t.get("format")
+            how = ""
+            if isinstance(fmt, dict) and fmt.get("type") == "grammar":
+                how = (f"\n\nThe input must follow this {fmt.get('syntax', '')} grammar:\n"
+                       f"{fmt.get('definition', '')}")
+            desc = t.get("description") if isinstance(t.get("description"), str) else ""
+            out.append({"type": "function", "name": t["name"], "description": desc + how,
+                        "parameters": {"type": "object", "properties": {CUSTOM_INPUT: {
+                            "type": "string", "description": "the tool's input, as text"}},
+                            "required": [CUSTOM_INPUT]}})
+            custom.add(t["name"])
+        elif isinstance(kind, str) and kind not in ("function", "namespace"):
+            dropped_tool("responses", kind)
+        else:
+            if ns and isinstance(t.get("name"), str):
+                namespaces[t["name"]] = ns
+            out.append(t if kind is not None or not isinstance(t, dict)
+                       else dict(t, type="function"))
+
+    for t in tools:
+        add(t, None)
+    return out, namespaces, custom
 
 
 def _text(content: str | list[TextPart]) -> str:
@@ -108,10 +173,12 @@ def _items(body: dict) -> list[dict]:
 
 def to_chat(body: dict) -> tuple[dict, ResponsesRequest]:
     """The chat-completion body for a Responses request body (and the parsed request)."""
+    tools, namespaces, custom = _flatten_tools(body.get("tools"))
     try:
-        req = ResponsesRequest.model_validate(dict(body, input=_items(body)))
+        req = ResponsesRequest.model_validate(dict(body, input=_items(body), tools=tools))
     except ValidationError as e:
         raise BadRequest(400, validation_message(e)) from None
+    req._namespaces, req._custom = namespaces, custom
     if req.previous_response_id is not None:
         raise BadRequest(400, "previous_response_id is not supported: this server keeps no "
                          "responses; send the whole conversation in input",
@@ -127,19 +194,22 @@ def to_chat(body: dict) -> tuple[dict, ResponsesRequest]:
         last = messages[-1] if messages else None
         if isinstance(it, ReasoningItem):
             reasoning += _text(it.content or it.summary)
-        elif isinstance(it, FunctionCallItem):
+        elif isinstance(it, FunctionCallItem | CustomCallItem):
             if not (last and last["role"] == "assistant" and not _answered(messages)):
                 last = {"role": "assistant", "content": ""}
                 messages.append(last)
-            try:
-                args: Any = json.loads(it.arguments or "{}")
-            except ValueError:
-                raise BadRequest(400, f"input.{i}.arguments is not JSON", "input") from None
+            if isinstance(it, CustomCallItem):
+                args: Any = {CUSTOM_INPUT: it.input}
+            else:
+                try:
+                    args = json.loads(it.arguments or "{}")
+                except ValueError:
+                    raise BadRequest(400, f"input.{i}.arguments is not JSON", "input") from None
             last.setdefault("tool_calls", []).append(
                 {"id": it.call_id, "type": "function",
                  "function": {"name": it.name, "arguments": args}})
             calls.add(it.call_id)
-        elif isinstance(it, FunctionCallOutputItem):
+        elif isinstance(it, FunctionCallOutputItem | CustomCallOutputItem):
             if it.call_id not in calls:
                 raise BadRequest(400, f"input.{i}: function_call_output call_id "
                                  f"{it.call_id!r} answers no function_call before it", "input")
@@ -160,11 +230,19 @@ def to_chat(body: dict) -> tuple[dict, ResponsesRequest]:
     if effort in EFFORTS:
         kwargs["thinking_effort"] = EFFORTS[effort]
     chat: dict = {"model": req.model, "messages": messages, "chat_template_kwargs": kwargs}
-    if req.tools:
+    tools = req.tools or []
+    if isinstance(req.tool_choice, NamedChoice):  # only the named tool, and it must be called
+        tools = [t for t in tools if t.name == req.tool_choice.name][:1]
+        if not tools:
+            raise BadRequest(400, f"tool_choice names tool {req.tool_choice.name!r}, which is "
+                             "not among the request's tools", "tool_choice")
+    elif req.tool_choice == "required" and not tools:
+        raise BadRequest(400, "tool_choice 'required' needs at least one tool", "tool_choice")
+    if tools:
         chat["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description or "",
             "parameters": t.parameters or {"type": "object", "properties": {}}}}
-            for t in req.tools]
+            for t in tools]
         if req.tool_choice is not None and req.tool_choice != "auto":
             kwargs["tool_choice"] = "none" if req.tool_choice == "none" else "required"
     if req.max_output_tokens is not None:
@@ -206,9 +284,31 @@ class ResponsesTranslator(Translator):
         if block["kind"] == "text":
             return {"type": "message", "id": item_id, "role": "assistant", "status": status,
                     "content": [self._part(block, done)] if done else []}
-        return {"type": "function_call", "id": item_id, "call_id": block["id"],
+        if self._custom(block):
+            return {"type": "custom_tool_call", "id": item_id, "call_id": block["id"],
+                    "name": block["name"], "input": self._input(block) if done else "",
+                    "status": status}
+        item = {"type": "function_call", "id": item_id, "call_id": block["id"],
                 "name": block["name"], "arguments": block["arguments"] if done else "",
                 "status": status}
+        ns = self.request._namespaces.get(block["name"]) if self.request else None
+        if ns:
+            item["namespace"] = ns
+        return item
+
+    def _custom(self, block: dict) -> bool:
+        return block["kind"] == "tool_call" and self.request is not None \
+            and block["name"] in self.request._custom
+
+    @staticmethod
+    def _input(block: dict) -> str:
+        """A custom tool call's text input (the one argument of its function)."""
+        try:
+            args = json.loads(block["arguments"])
+        except ValueError:
+            return block["arguments"]
+        v = args.get(CUSTOM_INPUT) if isinstance(args, dict) else None
+        return v if isinstance(v, str) else json.dumps(args)
 
     @staticmethod
     def _part(block: dict, done: bool) -> dict:
@@ -263,6 +363,9 @@ class ResponsesTranslator(Translator):
         return out
 
     def delta(self, index, block, text):
+        if self._custom(block):
+            return [self._event("response.custom_tool_call_input.delta", output_index=index,
+                                item_id=block["item_id"], delta=self._input(block))]
         kind = {"reasoning": "response.reasoning_text.delta",
                 "text": "response.output_text.delta",
                 "tool_call": "response.function_call_arguments.delta"}[block["kind"]]
@@ -274,7 +377,10 @@ class ResponsesTranslator(Translator):
 
     def close_block(self, index, block):
         iid = block["item_id"]
-        if block["kind"] == "tool_call":
+        if self._custom(block):
+            out = [self._event("response.custom_tool_call_input.done", output_index=index,
+                               item_id=iid, input=self._input(block))]
+        elif block["kind"] == "tool_call":
             out = [self._event("response.function_call_arguments.done", output_index=index,
                                item_id=iid, name=block["name"], arguments=block["arguments"])]
         else:
@@ -298,6 +404,11 @@ class ResponsesTranslator(Translator):
 
     def error_body(self, status, message):
         return error_body(status, message)
+
+    def keepalive(self):
+        if self.blocks:  # only before the first output item
+            return []
+        return [self._event("response.in_progress", response=self.response("in_progress"))]
 
     def error_event(self, message):
         return [self._event("error", code="server_error", message=message, param=None),

@@ -220,6 +220,28 @@ def _check_template_kwargs(kw: Any) -> None:
                                "chat_template_kwargs")
 
 
+def _check_tool_call(tc: Any, where: str) -> None:
+    """An assistant message's tool call: an object whose function has a name and JSON
+    object arguments (a string is parsed here, as mlx-lm would later, past the checks)."""
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError(400, f"{where} must be an object with a function object that has "
+                           "a name", "messages")
+    args = fn.get("arguments")
+    if args is None:
+        args = {}
+    elif isinstance(args, str):
+        try:
+            args = json.loads(args) if args else {}
+        except ValueError:
+            raise RequestError(400, f"{where}.function.arguments is not JSON: "
+                               f"{args[:80]!r}", "messages") from None
+    if not isinstance(args, dict):
+        raise RequestError(400, f"{where}.function.arguments must be a JSON object, not "
+                           f"{type(args).__name__}", "messages")
+    fn["arguments"] = args
+
+
 def validate_request(path: str, body: Any, *, model_id: str, max_context: int,
                      vocab_size: int, images: bool = False) -> int:
     """Check a completion request's shape and values before it is queued, and
@@ -258,6 +280,8 @@ def validate_request(path: str, body: Any, *, model_id: str, max_context: int,
             if m.get("tool_calls") is not None:
                 if not isinstance(m["tool_calls"], list):
                     raise RequestError(400, f"{where}.tool_calls must be a list", "messages")
+                for j, tc in enumerate(m["tool_calls"]):
+                    _check_tool_call(tc, f"{where}.tool_calls[{j}]")
                 chars += len(json.dumps(m["tool_calls"], ensure_ascii=False))
         tools = body.get("tools")
         if tools is not None:
@@ -739,6 +763,8 @@ class K3APIHandler(mlx_server.APIHandler):
         before a client still sending it reads the answer. Half-close, then discard
         what is still coming for a few seconds (nginx's lingering close)."""
         self.close_connection = True
+        if self.command == "HEAD":  # no body; the head is still being written (do_HEAD)
+            return
         try:
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_WR)
@@ -794,17 +820,33 @@ class K3APIHandler(mlx_server.APIHandler):
         self._linger()  # the body was not read
         return False
 
-    def do_POST(self):
-        if self.path.startswith("/v1/messages"):
+    def _route(self) -> str:
+        """Route on the URL's path: the query string is ignored (Claude Code posts to
+        ``/v1/messages?beta=true``), and ``self.path`` becomes the bare path (mlx-lm's
+        handler routes on it). Errors under ``/v1/messages`` take Anthropic's shape."""
+        path = self.path.partition("?")[0].partition("#")[0]
+        if "://" in path:  # absolute-form (through a proxy): its path
+            path = "/" + path.split("://", 1)[1].partition("/")[2]
+        self.path = path
+        if path == "/v1/messages" or path.startswith("/v1/messages/"):
             self._api = anthropic_api
-        elif self.path == "/v1/responses":
+        elif path == "/v1/responses" or path.startswith("/v1/responses/"):
             self._api = responses_api
+        return path
+
+    def _not_found(self) -> None:
+        self._error(RequestError(404, f"no such endpoint: {self.command} {self.path[:200]}",
+                                 code="not_found"))
+        self._linger()  # a body, if any, was not read
+
+    def do_POST(self):
+        path = self._route()
         if not self._authorized():
             return
-        if self.path == PREFIX_PATH:
+        if path == PREFIX_PATH:
             return self._precompute()
-        if self.path not in COMPLETION_PATHS + AGENT_PATHS:
-            return super().do_POST()
+        if path not in COMPLETION_PATHS + AGENT_PATHS:
+            return self._not_found()
         path = "/v1/chat/completions" if self._api else self.path  # what is run
         try:
             length = int(self.headers.get("Content-Length", "-1"))
@@ -845,6 +887,9 @@ class K3APIHandler(mlx_server.APIHandler):
                 raise RequestError(400, f"messages cannot be rendered: {e}") from None
             if self.path == "/v1/messages/count_tokens":
                 return self._json(200, {"input_tokens": n_prompt})
+            if n_prompt < 1:  # mlx-lm's batch loop dies on an empty prompt (every rank)
+                raise RequestError(400, "prompt is empty: it must have at least one token",
+                                   "prompt")
             room = self.max_context - n_prompt
             if room < 1 or (asked is not None and asked > room):
                 raise RequestError(400, f"prompt of {n_prompt} tokens plus max_tokens "
@@ -987,7 +1032,12 @@ class K3APIHandler(mlx_server.APIHandler):
         return (mapped or addr).is_loopback
 
     def do_GET(self):
-        if self.path != "/health" and not self._authorized():
+        path = self._route()
+        if path == "/health":
+            return self.handle_health_check()
+        if path == "/":  # a client's probe of the base URL (HEAD / too)
+            return self._json(200, {"status": "ok"})
+        if not self._authorized():
             return
         if self.path.startswith("/v1/models"):
             self._set_completion_headers(200)
@@ -1011,7 +1061,19 @@ class K3APIHandler(mlx_server.APIHandler):
                 info = {k: self.info[k] for k in PUBLIC_INFO if k in self.info}
             self.wfile.write(json.dumps(info).encode())
         else:
-            super().do_GET()
+            self._not_found()
+
+    def do_HEAD(self):
+        """GET's status and headers, without the body (http.server answers 501)."""
+        real, self.wfile = self.wfile, io.BytesIO()
+        try:
+            self.do_GET()
+        finally:
+            out, self.wfile = self.wfile.getvalue(), real
+        head, _, body = out.partition(b"\r\n\r\n")
+        if b"\r\ncontent-length:" not in head.lower():
+            head += f"\r\nContent-Length: {len(body)}".encode()
+        self.wfile.write(head + b"\r\n\r\n")
 
 
 class K3HTTPServer(ThreadingHTTPServer):

@@ -1,0 +1,52 @@
+"""Generated hostile input (issue 28): a short fixed-seed run of the property-based
+fuzzer (k3dist.bench.fuzz) over chat/completions, completions, messages, count_tokens
+and responses against the 2-rank server with vision on (mlx.launch on loopback).
+Every answer a 2xx with a well-formed body or stream, or a 4xx in that API's error
+shape; no 5xx, no reset; both ranks alive and in lockstep afterwards. The long run is
+benchmarks/fuzz.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+from k3dist.bench import fuzz
+
+import pytest
+from serving import Server, post_conn, wait_logs
+
+pytest.importorskip("mlx_vlm", reason="vision tests need the extra: pip install "
+                    "'k3dist[vision]' (CI installs it)")
+
+N_REQUESTS = 100  # ~20 per endpoint
+
+
+@pytest.fixture(scope="module")
+def srv(ranks, tmp_path_factory):
+    s = Server(ranks, tmp_path_factory.mktemp("fuzz-serve"),
+               ("--max-tokens", str(fuzz.SMALL_TOKENS), "--vision", "--max-images", "2",
+                "--max-image-pixels", str(64 * 64), "--max-batch", "2"))
+    yield s
+    s.stop()
+
+
+def test_generated_requests_get_2xx_or_4xx_in_shape_and_ranks_stay_in_lockstep(srv):
+    report = fuzz.run(srv.port, N_REQUESTS, seed_=20261202)
+    summary = report.summary()
+    print(json.dumps(summary, indent=1)[:4000])
+    assert summary["requests"] == N_REQUESTS
+    assert set(summary["by_endpoint"]) == set(fuzz.ENDPOINTS)
+    assert summary["failures"] == 0, summary["first_failures"]
+    # some of each kind: the fuzzer reaches generation as well as the refusals
+    ok = sum(n for c in summary["by_endpoint"].values() for s, n in c.items()
+             if s.startswith("2"))
+    assert ok >= 10 and summary["5xx"] == summary["connection_errors"] == 0
+    # both ranks alive, serving, and agreed on every token they generated
+    assert srv.proc.poll() is None and set(srv.rank_pids()) == {0, 1}
+    status, _, body = post_conn(srv.port, {"model": "kimi-k3", "prompt": "hi",
+                                           "max_tokens": 2})
+    assert status == 200, body
+    logs = wait_logs(srv, 0, 1)
+    n = min(len(logs[0]), len(logs[1]))
+    assert n >= 1 and logs[0][:n] == logs[1][:n]
+    assert len(logs[0]) == len(logs[1])
