@@ -201,13 +201,7 @@ def main() -> None:
               "scenarios": rows,
               "restart": restart(["--max-batch", "8", "--max-context", "4096"], a.restarts)
               if a.restarts else None}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        part = a.out.with_suffix(a.out.suffix + ".partial")
-        part.write_text(text + "\n")
-        part.rename(a.out)
+    kit.emit(report, a.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ their latency (request sent -> answer read) percentiles.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -76,13 +75,7 @@ def main() -> None:
         "idle_gap_before_each_request_s": a.gap_s,
         "server_exit_code_after_sigterm": rc,
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        part = a.out.with_suffix(a.out.suffix + ".partial")
-        part.write_text(text + "\n")
-        part.rename(a.out)
+    kit.emit(report, a.out, indent=1)
 
 
 if __name__ == "__main__":

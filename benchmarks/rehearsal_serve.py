@@ -17,7 +17,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,32 +26,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from _served import free_base_port, free_port  # benchmarks/, beside this script
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "kimi-k3"
 MESSAGES = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": "Write a Python function that adds two numbers."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_base_port(n: int = 2) -> int:
-    """A ring base port with P..P+n-1 and the watchdog's P+1000 free now."""
-    for _ in range(50):
-        p = free_port()
-        if p > 60000:
-            continue
-        try:
-            for q in (*range(p, p + n), p + 1000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free base port")
 
 
 def get_json(url: str, timeout: float = 10.0):

@@ -423,13 +423,7 @@ def main() -> None:
         "mismatch_examples": mism, "lost_examples": lost,
         "tracebacks_in_server_log": srv.output().count("Traceback"),
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        part = a.out.with_suffix(a.out.suffix + ".partial")
-        part.write_text(text + "\n")
-        part.rename(a.out)
+    kit.emit(report, a.out, indent=1)
 
 
 if __name__ == "__main__":

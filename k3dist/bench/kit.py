@@ -78,8 +78,12 @@ def emit(report: dict, out: str | Path | None, indent: int = 2) -> str:
     """Print a benchmark's JSON report and write it to ``out`` when given."""
     text = json.dumps(report, indent=indent)
     print(text)
-    if out:
-        Path(out).write_text(text + "\n")
+    if out:  # .partial then renamed: a killed run leaves no half report
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        part = out.with_suffix(out.suffix + ".partial")
+        part.write_text(text + "\n")
+        part.rename(out)
     return text
 
 
