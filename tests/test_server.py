@@ -253,6 +253,7 @@ OUT_OF_RANGE = {
     "min_p -0.1": (COMPL, {**HI, "min_p": -0.1}, "min_p"),
     "min_p 1.5": (COMPL, {**HI, "min_p": 1.5}, "min_p"),
     "top_p -0.1": (COMPL, {**HI, "top_p": -0.1}, "top_p"),
+    "top_p 1e-200": (COMPL, {**HI, "top_p": 1e-200}, "top_p"),  # 0 in float32: see below
     "temperature 2.5": (COMPL, {**HI, "temperature": 2.5}, "temperature"),
     "temperature Infinity": (COMPL, {**HI, "temperature": float("inf")}, "temperature"),
     "temperature NaN": (COMPL, {**HI, "temperature": float("nan")}, "temperature"),
@@ -320,6 +321,34 @@ def test_out_of_range_field_gets_400_naming_it(srv, name):
     if param is not None:
         assert param in err["message"], err
     assert took < 5, took  # refused before tokenizing or queueing anything costly
+
+
+def test_smallest_top_p_samples_the_same_token_on_both_ranks(srv):
+    """top_p at its floor keeps only the top token, on both ranks. Below it, top_p times
+    the float32 mass is 0 and mlx-lm's top-p filter read one past the vocabulary: the
+    fuzzer saw the ranks sample different first tokens (benchmarks/fuzz.py)."""
+    seen = len(token_log(srv, 0))
+    for t in (0.7, 1.5):
+        got, _, raw = post_conn(srv.port, {**HI, "max_tokens": 3, "temperature": t,
+                                           "top_p": 1e-30})
+        assert got == 200, raw[:300]
+    logs = wait_logs(srv, seen, 2)
+    assert len(logs[0]) == 2 and logs[0] == logs[1]
+    greedy = post_conn(srv.port, {**HI, "max_tokens": 3, "temperature": 0})
+    assert greedy[0] == 200
+    logs = wait_logs(srv, seen, 3)
+    # only the top token is kept: the sampled answers are the greedy one
+    assert logs[0][0]["tokens"] == logs[0][1]["tokens"] == logs[0][2]["tokens"]
+
+
+def test_null_fields_are_the_defaults(srv):
+    """null is "not given" in OpenAI's API: served, not refused in mlx-lm's own error
+    shape (found by the fuzzer: stream and temperature null were a bare {"error": str})."""
+    for path, base in ((COMPL, HI), (CHAT, OK)):
+        got, _, raw = post_conn(srv.port, {**base, "stream": None, "temperature": None,
+                                           "top_p": None, "stop": None, "seed": None}, path)
+        assert got == 200, (path, raw[:300])
+        assert json.loads(raw)["choices"], raw[:300]
 
 
 def test_edge_values_are_served(srv):

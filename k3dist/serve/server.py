@@ -80,6 +80,10 @@ MAX_TOOLS = 128  # tools (OpenAI: 128)
 MAX_TOP_LOGPROBS = 11  # mlx-lm's own bound
 MAX_TEMPLATE_KWARGS = 16
 SEED_MAX = 2**64 - 1  # mx.random.seed takes a uint64
+# A smaller top_p times the float32 probability mass is 0: mlx-lm's apply_top_p then drops
+# every token and takes its threshold one past the vocabulary, an out-of-bounds read that
+# gave each rank another first token (found by the fuzzer: benchmarks/fuzz.py).
+MIN_TOP_P = 1e-30
 MAX_JSON_DEPTH = 64  # the request is pickled to the other ranks: no deep recursion
 MAX_JSON_VALUES = 100_000
 # Keys mlx-lm passes to apply_chat_template itself: a request may not override them.
@@ -318,6 +322,12 @@ def validate_request(path: str, body: Any, *, model_id: str, max_context: int,
                         ("repetition_penalty", 0, 10), ("xtc_probability", 0, 1),
                         ("xtc_threshold", 0, 0.5)):
         _check_range(body, key, lo, hi)
+    top_p = body.get("top_p")
+    if top_p is not None and 0 < top_p < MIN_TOP_P:
+        raise RequestError(400, f"top_p must be 0 or at least {MIN_TOP_P:g}, not {top_p!r} "
+                           f"(in float32 it rounds to 0, and mlx-lm's top-p filter then reads "
+                           f"past the vocabulary); {MIN_TOP_P:g} already keeps only the top "
+                           f"token", "top_p")
     for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
         _check_range(body, key, 0, max_context, integer=True)
     _check_range(body, "top_k", 0, vocab_size - 1, integer=True)  # mlx-lm: k < vocab
@@ -873,6 +883,8 @@ class K3APIHandler(mlx_server.APIHandler):
                                    f"{MAX_JSON_DEPTH} levels)") from None
             if self._api is not None:
                 client_body, body = body, self._agent_body(body)
+            if isinstance(body, dict):  # OpenAI's null is the default; mlx-lm's handler
+                body = {k: v for k, v in body.items() if v is not None}  # refuses it
             chars = validate_request(path, body, model_id=self.model_id,
                                      max_context=self.max_context, vocab_size=self.vocab_size,
                                      images=self.vision_limits is not None)
