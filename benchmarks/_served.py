@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,28 +15,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, str(REPO / "tests"))  # the port helpers the tests use
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_base_port(n: int = 2) -> int:
-    """A ring base port P with P..P+n-1 and P+1000 (the watchdog) free now."""
-    for _ in range(50):
-        p = free_port()
-        if p > 60000:
-            continue
-        try:
-            for q in (*range(p, p + n), p + 1000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no free port range for the ring")
+from serving import free_port  # noqa: E402
+from util import free_base_port  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> float | None:
