@@ -474,14 +474,21 @@ class ScriptedGenerator:
     def generation_available(self) -> bool:
         return True
 
+    def tokenize(self, request, chat_template_kwargs):
+        """The handler's one tokenization of the prompt (K3ResponseGenerator's)."""
+        from k3dist.serve.lockstep import Prompt
+
+        ids = self.tok.apply_chat_template(request.messages, tools=request.tools,
+                                           add_generation_prompt=True, tokenize=True,
+                                           **(chat_template_kwargs or {}))
+        return Prompt(**vars(request), tokenized=(ids, [ids], ["assistant"], "normal", None))
+
     def generate(self, request, args, progress_callback=None):
         from mlx_lm.generate import make_text_state_machine
         from mlx_lm.server import GenerationContext, Response
 
         tok = self.tok
-        prompt = tok.apply_chat_template(request.messages, tools=request.tools,
-                                         add_generation_prompt=True, tokenize=True,
-                                         **(args.chat_template_kwargs or {}))
+        prompt = request.tokens
         ctx = GenerationContext(has_tool_calling=True, has_thinking=True,
                                 tool_parser=tok.tool_parser,
                                 text_sm=make_text_state_machine(tok, args.stop_words),

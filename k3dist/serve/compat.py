@@ -15,9 +15,9 @@ from mlx_lm.models import kimi_k3
 # "module:Class.name" or "module:name" -> how k3dist uses it
 PRIVATE = {
     "mlx_lm.server:ResponseGenerator._share_request":
-        "overridden (k3dist.serve.server): wraps the shared request to log each rank's tokens",
+        "overridden (k3dist.serve.lockstep): wraps the shared request to log each rank's tokens",
     "mlx_lm.server:ResponseGenerator._is_batchable":
-        "overridden (k3dist.serve.server): batched only when max_batch > 1",
+        "overridden (k3dist.serve.lockstep): batched only when max_batch > 1",
     "mlx_lm.server:ResponseGenerator._rank": "read by holds_request",
     "mlx_lm.server:ResponseGenerator._is_distributed": "read by holds_request",
     "mlx_lm.server:APIHandler._set_stream_headers":
@@ -26,14 +26,15 @@ PRIVATE = {
         "overridden (k3dist.serve.server): a failure after acceptance is 500/503, not 404",
     "mlx_lm.server:GenerationContext._should_stop":
         "set by stop_generation: the ranks stop a request together (client gone)",
-    "mlx_lm.server:APIHandler.rfile":
-        "replaced (k3dist.serve.server): do_POST reads the validated body from self.rfile",
     "mlx_lm.server:ResponseGenerator._next_request":
-        "overridden (k3dist.serve.server): idle ranks wait on the watchdog, not a collective",
-    "mlx_lm.server:ResponseGenerator._stop": "read by the idle wait (k3dist.serve.server)",
+        "overridden (k3dist.serve.lockstep): idle ranks wait on the watchdog, not a collective",
+    "mlx_lm.server:ResponseGenerator._stop": "read by the idle wait (k3dist.serve.lockstep)",
+    "mlx_lm.server:ResponseGenerator._tokenize":
+        "called once per request by rank 0's handler (k3dist.serve.lockstep.tokenize) and "
+        "overridden: every rank takes the tokens the request carries",
     "mlx_lm.server:_image_parts": "called by has_images",
     "mlx_lm.server:ResponseGenerator._time_budget":
-        "replaced (k3dist.serve.server): a stopped request ends the batch loop's pass",
+        "replaced (k3dist.serve.lockstep): a stopped request ends the batch loop's pass",
     "mlx_lm.models.kimi_k3:_group_expert_select": "called by group_expert_select",
     "mlx_lm.models.kimi_k3:_attn_res_mix": "called by attn_res_mix (k3dist.build.stream)",
     "mlx_lm.server:APIHandler._set_cors_headers":

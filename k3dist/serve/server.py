@@ -1,36 +1,23 @@
-"""OpenAI-compatible HTTP serving of an expert-parallel K3, on mlx-lm's server.
+"""HTTP serving of an expert-parallel K3 on mlx-lm's server: the handler, routing and
+the HTTP server; rank 0 serves.
 
-mlx_lm.server already runs generation in lockstep on every rank (rank 0 shares
-each request with an ``all_sum``; all ranks run the same steps). We add only what
-expert parallelism and a two-box deployment need:
+The APIs are thin modules over one lockstep core (``k3dist.serve.lockstep``): OpenAI
+chat/completions and completions (``openai_api``), Anthropic Messages
+(``anthropic_api``) and OpenAI Responses (``responses_api``), the last two retold
+through ``relay``. Per request, the handler parses the body once; the API module
+validates it (and translates it into a chat completion) once; the prompt is rendered
+and tokenized once (``K3ResponseGenerator.tokenize``), its length checked on those
+tokens, which every rank then generates from; mlx-lm's ``handle_completion`` streams
+the answer.
 
-- ``K3ModelProvider``: the model is this rank's EP model, loaded before serving;
-  a request naming another model is refused (mlx-lm would try to load that path).
-- ``K3ResponseGenerator``: concurrent requests are decoded together, up to
-  ``max_batch`` (mlx-lm's BatchGenerator, in lockstep on every rank; prefill one
-  request at a time; the warm-up covers every batch size up to ``max_batch``), the
-  rest wait; each rank can log the tokens it generated, so ranks can be compared.
 - ``K3APIHandler``: every request is validated before it reaches the generation
-  loop (OpenAI-style 4xx errors), prompts longer than the context are refused at
-  once, ``/v1/models`` lists the served model without scanning a Hugging Face
+  loop (4xx errors in each API's shape), prompts longer than the context are refused
+  at once, ``/v1/models`` lists the served model without scanning a Hugging Face
   cache, and ``/v1/k3dist`` reports the deployment (in full to loopback callers
   only); CORS is off unless origins are configured.
 - ``K3HTTPServer``: a deep listen backlog and a bounded number of handler threads,
   so a burst of clients is queued, never reset; past ``max_queued_requests``
   completions in flight a request gets 429 with ``Retry-After``.
-
-Lockstep: every rank runs the same generation steps, so anything that ends a
-request early must end it on every rank at the same token. mlx-lm stops a request
-whose client went away on rank 0 alone (``ctx.stop()``); here that only marks the
-request, and the ranks agree to stop every ``STOP_CHECK_EVERY`` tokens and after
-every prefill chunk (one scalar ``all_sum``, read one check later so it never stalls
-decoding). Rank 0 also looks at the client's socket at each check (a closed
-connection reads as EOF), so a client that hangs up during a long prefill, or while
-a non-streamed answer is generated, stops its request too.
-
-Idle: a rank other than 0 waiting for the next request blocks on the watchdog's
-side channel (``IdleGate``) and enters the collective only when rank 0 says a
-request is coming; the ring backend's collectives spin while they wait.
 """
 
 from __future__ import annotations
@@ -42,19 +29,18 @@ import json
 import logging
 import math
 import resource
-import select
 import socket
 import threading
 import time
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from queue import Empty as QueueEmpty
-from queue import Queue
 from typing import Any
 
 from k3dist import __version__ as k3dist_version
-from k3dist.serve import anthropic_api, auth, compat, relay, responses_api, warmup
+from k3dist.serve import anthropic_api, auth, lockstep, openai_api, relay, responses_api, warmup
+from k3dist.serve.lockstep import ClientGone, K3ModelProvider, K3ResponseGenerator
+from k3dist.serve.openai_api import IMAGE_PART_TYPES, RequestError
 from k3dist.serve.prompt_cache import K3PromptCache
 
 import mlx.core as mx
@@ -67,539 +53,9 @@ COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completion
 AGENT_PATHS = ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
 # Pre-compute a chat prefix (system prompt + tools) into the prompt caches (_precompute).
 PREFIX_PATH = "/v1/k3dist/prefix"
-ROLES = ("system", "user", "assistant", "tool", "developer")
 # A token is rarely more than ~16 characters: longer prompts are refused before
 # tokenizing them at all.
 MAX_CHARS_PER_TOKEN = 16
-# Bounds on what a request may carry into the generation loop (OpenAI's where it has
-# one): each costs time or memory before the first token, or crashes out of range.
-MAX_STOP = 4  # stop sequences (OpenAI: up to 4)
-MAX_STOP_CHARS = 256  # characters per stop sequence
-MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI: 300)
-MAX_TOOLS = 128  # tools (OpenAI: 128)
-MAX_TOP_LOGPROBS = 11  # mlx-lm's own bound
-MAX_TEMPLATE_KWARGS = 16
-SEED_MAX = 2**64 - 1  # mx.random.seed takes a uint64
-# A smaller top_p times the float32 probability mass is 0: mlx-lm's apply_top_p then drops
-# every token and takes its threshold one past the vocabulary, an out-of-bounds read that
-# gave each rank another first token (found by the fuzzer: benchmarks/fuzz.py).
-MIN_TOP_P = 1e-30
-MAX_JSON_DEPTH = 64  # the request is pickled to the other ranks: no deep recursion
-MAX_JSON_VALUES = 100_000
-# Keys mlx-lm passes to apply_chat_template itself: a request may not override them.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "tokenize", "add_generation_prompt", "chat_template",
-    "return_dict", "return_tensors", "continue_final_message", "documents", "tokenizer_kwargs",
-    "return_assistant_tokens_mask", "padding", "truncation", "max_length"})
-# Tokens between the ranks' checks whether a request's client went away.
-STOP_CHECK_EVERY = 8
-# Idle: how long a rank waits (blocked) for a request before it looks at its stop flag.
-IDLE_WAIT_S = 0.5
-# OpenAI-style image parts (mlx-lm's reading of them)
-IMAGE_PART_TYPES = ("image_url", "input_image", "image")
-
-
-class RequestError(ValueError):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": "invalid_request_error",
-                          "param": self.param, "code": self.code}}
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _check_content(content: Any, where: str, images: bool = False) -> int:
-    """Message content: a string, null (assistant with tool calls) or a list of
-    text parts (and image parts when ``images``: checked by k3dist.serve.vision).
-    Returns its character count."""
-    if content is None or isinstance(content, str):
-        return len(content or "")
-    if isinstance(content, list):
-        n = 0
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise RequestError(400, f"{where}.content[{i}] must be an object with a type",
-                                   f"{where}.content")
-            if part["type"] == "text":
-                if not isinstance(part.get("text"), str):
-                    raise RequestError(400, f"{where}.content[{i}].text must be a string",
-                                       f"{where}.content")
-                n += len(part["text"])
-            elif images and part["type"] in IMAGE_PART_TYPES:
-                continue
-            else:
-                raise RequestError(400, f"{where}.content[{i}] has type {part['type']!r}; this "
-                                   "deployment serves text only", f"{where}.content")
-        return n
-    raise RequestError(400, f"{where}.content must be a string or a list of parts, not "
-                       f"{type(content).__name__}", f"{where}.content")
-
-
-def _json_shape(value: Any) -> tuple[int, int]:
-    """(deepest nesting, number of values) of parsed JSON, without recursion; stops
-    counting past the limits (the request is refused then anyway)."""
-    depth, count = 0, 0
-    stack = [(value, 1)]
-    while stack and depth <= MAX_JSON_DEPTH and count <= MAX_JSON_VALUES:
-        v, d = stack.pop()
-        count += 1
-        if isinstance(v, dict):
-            depth = max(depth, d)
-            stack.extend((x, d + 1) for x in v.values())
-        elif isinstance(v, list):
-            depth = max(depth, d)
-            stack.extend((x, d + 1) for x in v)
-    return depth, count
-
-
-def _check_range(body: dict, key: str, lo: float, hi: float, *, integer: bool = False) -> None:
-    v = body.get(key)
-    if v is None:
-        return
-    ok = _is_int(v) if integer else _is_num(v)
-    # NaN and the infinities (Python's json accepts them) fail the comparison too
-    if not ok or not lo <= v <= hi:
-        kind = "an integer" if integer else "a number"
-        raise RequestError(400, f"{key} must be {kind} in [{lo}, {hi}], not {v!r}", key)
-
-
-def _check_logit_bias(lb: Any, vocab_size: int) -> dict[str, float] | None:
-    if lb is None:
-        return None
-    if not isinstance(lb, dict):
-        raise RequestError(400, "logit_bias must be an object of token id to bias", "logit_bias")
-    if len(lb) > MAX_LOGIT_BIAS:
-        raise RequestError(400, f"logit_bias has {len(lb)} entries; at most {MAX_LOGIT_BIAS}",
-                           "logit_bias")
-    out = {}
-    for k, v in lb.items():
-        if not (k.isascii() and k.isdigit() and len(k) <= 10 and int(k) < vocab_size):
-            raise RequestError(400, f"logit_bias key {k[:32]!r} is not a token id in "
-                               f"[0, {vocab_size})", "logit_bias")
-        if not _is_num(v) or not -100 <= v <= 100:
-            raise RequestError(400, f"logit_bias[{k}] must be a number in [-100, 100], not "
-                               f"{v!r}", "logit_bias")
-        out[str(int(k))] = float(v)
-    return out
-
-
-def _check_stop(stop: Any) -> None:
-    if stop is None:
-        return
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise RequestError(400, "stop must be a string or a list of strings", "stop")
-    if len(stops) > MAX_STOP:
-        raise RequestError(400, f"stop has {len(stops)} sequences; at most {MAX_STOP}", "stop")
-    for s in stops:
-        if not 1 <= len(s) <= MAX_STOP_CHARS:
-            raise RequestError(400, f"each stop sequence must have 1 to {MAX_STOP_CHARS} "
-                               f"characters, not {len(s)}", "stop")
-
-
-def _check_template_kwargs(kw: Any) -> None:
-    if kw is None:
-        return
-    if not isinstance(kw, dict) or len(kw) > MAX_TEMPLATE_KWARGS:
-        raise RequestError(400, "chat_template_kwargs must be an object of at most "
-                           f"{MAX_TEMPLATE_KWARGS} entries", "chat_template_kwargs")
-    for k, v in kw.items():
-        if not k.isidentifier() or k in RESERVED_TEMPLATE_KWARGS:
-            raise RequestError(400, f"chat_template_kwargs may not set {k[:32]!r}",
-                               "chat_template_kwargs")
-        if not (v is None or isinstance(v, (bool, int, float))
-                or (isinstance(v, str) and len(v) <= 256)):
-            raise RequestError(400, f"chat_template_kwargs[{k!r}] must be a number, a bool, "
-                               "null or a string of at most 256 characters",
-                               "chat_template_kwargs")
-
-
-def _check_tool_call(tc: Any, where: str) -> None:
-    """An assistant message's tool call: an object whose function has a name and JSON
-    object arguments (a string is parsed here, as mlx-lm would later, past the checks)."""
-    fn = tc.get("function") if isinstance(tc, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise RequestError(400, f"{where} must be an object with a function object that has "
-                           "a name", "messages")
-    args = fn.get("arguments")
-    if args is None:
-        args = {}
-    elif isinstance(args, str):
-        try:
-            args = json.loads(args) if args else {}
-        except ValueError:
-            raise RequestError(400, f"{where}.function.arguments is not JSON: "
-                               f"{args[:80]!r}", "messages") from None
-    if not isinstance(args, dict):
-        raise RequestError(400, f"{where}.function.arguments must be a JSON object, not "
-                           f"{type(args).__name__}", "messages")
-    fn["arguments"] = args
-
-
-def validate_request(path: str, body: Any, *, model_id: str, max_context: int,
-                     vocab_size: int, images: bool = False) -> int:
-    """Check a completion request's shape and values before it is queued, and
-    normalise what mlx-lm would otherwise trip over later (``body`` is updated in
-    place). Every field mlx-lm 0.32.2's server reads is checked here; values that
-    reach the lockstep loop out of range can crash both ranks (a ``logit_bias`` id
-    past the vocabulary corrupts memory) or fail after the response has begun.
-    Returns the prompt's character count (for the cheap length pre-check)."""
-    if not isinstance(body, dict):
-        raise RequestError(400, "request body must be a JSON object")
-    depth, count = _json_shape(body)
-    if depth > MAX_JSON_DEPTH or count > MAX_JSON_VALUES:
-        raise RequestError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} or has "
-                           f"more than {MAX_JSON_VALUES} values")
-    model = body.get("model", model_id)
-    if not isinstance(model, str):
-        raise RequestError(400, "model must be a string", "model")
-    if model not in (model_id, "default_model"):
-        raise RequestError(404, f"model {model!r} does not exist; this server serves "
-                           f"{model_id!r}", "model", "model_not_found")
-
-    if path.endswith("chat/completions"):
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise RequestError(400, "messages must be a non-empty list", "messages")
-        chars = 0
-        for i, m in enumerate(msgs):
-            where = f"messages[{i}]"
-            if not isinstance(m, dict):
-                raise RequestError(400, f"{where} must be an object", "messages")
-            role = m.get("role")
-            if role not in ROLES:
-                raise RequestError(400, f"{where}.role must be one of {list(ROLES)}, not "
-                                   f"{role!r}", "messages")
-            chars += _check_content(m.get("content"), where, images)
-            if m.get("tool_calls") is not None:
-                if not isinstance(m["tool_calls"], list):
-                    raise RequestError(400, f"{where}.tool_calls must be a list", "messages")
-                for j, tc in enumerate(m["tool_calls"]):
-                    _check_tool_call(tc, f"{where}.tool_calls[{j}]")
-                chars += len(json.dumps(m["tool_calls"], ensure_ascii=False))
-        tools = body.get("tools")
-        if tools is not None:
-            if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-                raise RequestError(400, "tools must be a list of objects", "tools")
-            if len(tools) > MAX_TOOLS:
-                raise RequestError(400, f"tools has {len(tools)} entries; at most {MAX_TOOLS}",
-                                   "tools")
-            chars += len(json.dumps(tools, ensure_ascii=False))  # rendered into the prompt
-        _check_template_kwargs(body.get("chat_template_kwargs"))
-        if body.get("role_mapping") is not None:
-            raise RequestError(400, "role_mapping is not supported (the model has a chat "
-                               "template)", "role_mapping")
-    else:
-        prompt = body.get("prompt")
-        if body.get("images") is not None or (isinstance(prompt, list) and any(
-                isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in prompt)):
-            raise RequestError(400, "images are accepted only as image_url parts of "
-                               "/v1/chat/completions messages", "prompt")
-        if not isinstance(prompt, str):
-            raise RequestError(400, "prompt must be a string", "prompt")
-        chars = len(prompt)
-        for key in ("messages", "tools", "chat_template_kwargs", "role_mapping"):
-            if body.get(key) is not None:
-                raise RequestError(400, f"{key} belongs to /v1/chat/completions", key)
-
-    n = body.get("n", 1)
-    if not _is_int(n) or n != 1:
-        raise RequestError(400, f"n must be 1 (one choice per request), not {n!r}", "n")
-    for key in ("max_tokens", "max_completion_tokens"):
-        _check_range(body, key, 1, max_context, integer=True)
-    for key, lo, hi in (("temperature", 0, 2), ("top_p", 0, 1), ("min_p", 0, 1),
-                        ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2),
-                        ("repetition_penalty", 0, 10), ("xtc_probability", 0, 1),
-                        ("xtc_threshold", 0, 0.5)):
-        _check_range(body, key, lo, hi)
-    top_p = body.get("top_p")
-    if top_p is not None and 0 < top_p < MIN_TOP_P:
-        raise RequestError(400, f"top_p must be 0 or at least {MIN_TOP_P:g}, not {top_p!r} "
-                           f"(in float32 it rounds to 0, and mlx-lm's top-p filter then reads "
-                           f"past the vocabulary); {MIN_TOP_P:g} already keeps only the top "
-                           f"token", "top_p")
-    for key in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
-        _check_range(body, key, 0, max_context, integer=True)
-    _check_range(body, "top_k", 0, vocab_size - 1, integer=True)  # mlx-lm: k < vocab
-    _check_range(body, "seed", 0, SEED_MAX, integer=True)
-    _check_range(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, integer=True)
-    for key in ("stream", "logprobs"):
-        v = body.get(key)
-        if v is not None and not isinstance(v, bool):
-            raise RequestError(400, f"{key} must be true or false, not {v!r}", key)
-    _check_stop(body.get("stop"))
-    so = body.get("stream_options")
-    if so is not None:
-        if not isinstance(so, dict) or not isinstance(so.get("include_usage", False), bool):
-            raise RequestError(400, "stream_options must be an object with include_usage "
-                               "true or false", "stream_options")
-        so.setdefault("include_usage", False)  # mlx-lm reads it unguarded at the end
-    lb = _check_logit_bias(body.get("logit_bias"), vocab_size)
-    if lb is not None:
-        body["logit_bias"] = lb
-    for key in ("xtc_probability", "xtc_threshold"):  # mlx-lm wants floats
-        if body.get(key) is not None:
-            body[key] = float(body[key])
-    for key in ("adapters", "draft_model", "num_draft_tokens", "images"):
-        if body.get(key) is not None:
-            raise RequestError(400, f"{key} is not supported by the expert-parallel server", key)
-    return chars
-
-
-class K3ModelProvider(mlx_server.ModelProvider):
-    """Holds the already loaded EP model; never loads anything per request."""
-
-    def __init__(self, cli_args: argparse.Namespace, model, tokenizer, model_id: str):
-        super().__init__(cli_args)
-        self.served_id = model_id
-        self.model, self.tokenizer = model, tokenizer
-        self.processor = None
-        self.draft_model = None
-        # mlx-lm's test: every cache can be merged into a batch (kimi_k3's can)
-        self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
-        self.model_key = (model_id, None, None)
-
-    def load(self, model_path, adapter_path=None, draft_model_path=None):
-        if model_path not in (self.served_id, "default_model") or adapter_path:
-            raise ValueError(f"model {model_path!r} is not served here ({self.served_id!r})")
-        return self.model, self.tokenizer
-
-    def load_default(self):
-        pass
-
-
-class ClientGone(Exception):
-    """The request was stopped on every rank because its client went away."""
-
-
-# The handler submitting a request (rank 0): its socket is probed for a hang-up.
-_SUBMITTER = threading.local()
-
-
-def _client_closed(sock: socket.socket | None) -> bool:
-    """Whether the client closed its end of ``sock`` (EOF or reset waiting to be read).
-    Pipelined bytes count as alive; a socket closed here already counts as gone."""
-    if sock is None:
-        return False
-    try:  # poll, not select: a server with 1,000 connections has fds past FD_SETSIZE
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        if not poller.poll(0):
-            return False  # nothing to read: still there
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError, TimeoutError):
-        return False
-    except (OSError, ValueError):
-        return True
-
-
-class _CuttableBudget(mlx_server.TimeBudget):
-    """mlx-lm's time budget for one pass of its batch loop (a count of steps agreed by
-    all ranks), which a stopped request can end early: the loop removes stopped
-    requests only after the pass, and a pass of long prefill chunks lasts many
-    seconds. ``cut`` is set by an agreed stop, so at the same step on every rank."""
-
-    cut = False
-
-    def __next__(self):
-        if self.cut:
-            self.cut = False
-            raise StopIteration()
-        return super().__next__()
-
-
-class _Requests(Queue):
-    """The generator's request queue: each response queue is tagged with the socket of
-    the handler that submitted it (read from the handler's thread)."""
-
-    def put(self, item, block=True, timeout=None):
-        item[0].client_socket = getattr(_SUBMITTER, "socket", None)
-        super().put(item, block, timeout)
-
-
-class _RequestQueue(Queue):
-    """One request's response queue on every rank (rank 1's has no reader).
-
-    It keeps the ranks in lockstep when a client goes away: mlx-lm's handler calls
-    ``ctx.stop()`` on rank 0 alone, and its loop then abandons the request on rank 0
-    while the other ranks go on (their next collective meets rank 0's next request:
-    seen here, every later request hung while /health said ok). Here ``ctx.stop()``
-    only marks the request; every
-    ``STOP_CHECK_EVERY`` tokens the ranks ``all_sum`` rank 0's mark and all stop at
-    the same token (in a batch, the others go on). It also logs the generated tokens
-    when asked (``log``), so the tokens of every rank can be compared."""
-
-    def __init__(self, inner: Queue | None, rank: int, size: int, log: Path | None,
-                 request_no: int, on_progress=None, *, batched: bool = True,
-                 client_socket: socket.socket | None = None,
-                 budget: _CuttableBudget | None = None):
-        super().__init__()
-        self.inner, self.rank, self.size = inner, rank, size
-        self.on_progress = on_progress  # the prompt cache's prefill snapshot
-        self.log, self.no = log, request_no
-        # mlx-lm's batch loop (stops a request it finds marked) or its single path
-        # (stream_generate: only an exception ends a prefill)
-        self.batched = batched
-        self.client_socket = client_socket  # rank 0: the client's connection
-        self.budget = budget  # the batch loop's pass, ended at once by a stop
-        self.tokens: list[int] = []
-        self.progress: tuple[int, int] | None = None
-        self.ctx = None
-        self.client_gone = False
-        self.stopped = False  # the ranks agreed to stop this request
-        self.pending: mx.array | None = None
-        self.logged = False
-
-    def _client_gone(self) -> None:
-        self.client_gone = True
-        if self.size == 1 and self.ctx is not None:
-            compat.stop_generation(self.ctx)
-
-    def _gone_here(self) -> bool:
-        """Rank 0: the handler saw the client leave, or its socket says so now."""
-        if not self.client_gone and _client_closed(self.client_socket):
-            self.client_gone = True
-        return self.client_gone
-
-    def _agree_on_stop(self) -> bool:
-        """True once every rank has agreed to stop this request (the same call on every
-        rank: the checks happen at the same tokens and prefill chunks everywhere)."""
-        if self.stopped:
-            return True
-        if self.size == 1:  # no peers to agree with: stop at this check
-            if not (self.rank == 0 and self._gone_here()):
-                return False
-        # Read the previous check's sum (long done: no stall of the decode pipeline),
-        # then queue this one behind the step already in flight. Every rank reads the
-        # same sums at the same tokens, so all stop together, 8-16 tokens (or one
-        # prefill chunk) after.
-        elif self.pending is None or not self.pending.item():
-            mark = mx.array(1 if self.rank == 0 and self._gone_here() else 0)
-            self.pending = mx.distributed.all_sum(mark)
-            mx.async_eval(self.pending)
-            return False
-        self.stopped = True
-        compat.stop_generation(self.ctx)
-        where = (f"after {len(self.tokens)} generated tokens" if self.tokens else
-                 f"at prompt token {self.progress[0]} of {self.progress[1]}"
-                 if self.progress else "before its prefill")
-        (logging.warning if self.rank == 0 else logging.debug)(
-            "request %d: the client went away; stopped on every rank %s", self.no, where)
-        self._write_log("client went away")
-        if self.batched:
-            if self.budget is not None:
-                self.budget.cut = True  # removed after this step, not after the pass
-            if self.inner is not None:
-                # mlx-lm's batch loop drops a stopped request without a word on its
-                # queue: end the handler's wait
-                self.inner.put(ClientGone("the client went away"))
-        return True
-
-    def put(self, item, block=True, timeout=None):
-        if self.stopped:
-            # after the stop: the single path's own "stopped" error, or a last token
-            # of the step in flight; the handler has had its ClientGone (batched)
-            if (self.inner is not None and not self.batched
-                    and (item is None or isinstance(item, Exception))):
-                self.inner.put(ClientGone("the client went away"), block, timeout)
-            return
-        if isinstance(item, mlx_server.GenerationContext):
-            self.ctx = item
-            item.stop = self._client_gone  # shadows the method, for this request only
-        elif isinstance(item, tuple):
-            if self.on_progress is not None:
-                self.on_progress(*item)
-            self.progress = item
-            if self.inner is not None:
-                self.inner.put(item, block, timeout)
-            if self._agree_on_stop() and not self.batched:
-                # stream_generate's prefill ends only by an exception; every rank
-                # raises at this same chunk, and _serve_single reports it here
-                raise ClientGone("the client went away")
-            return
-        elif isinstance(item, mlx_server.Response):
-            self.tokens.append(int(item.token))
-            if self.inner is not None:
-                self.inner.put(item, block, timeout)
-            if len(self.tokens) % STOP_CHECK_EVERY == 0 and item.finish_reason is None:
-                self._agree_on_stop()
-            return
-        elif item is None or isinstance(item, Exception):
-            self._write_log(None if item is None else (str(item) or type(item).__name__))
-        if self.inner is not None:
-            self.inner.put(item, block, timeout)
-
-    def _write_log(self, error: str | None) -> None:
-        if self.log is None or self.logged:
-            return
-        self.logged = True
-        with open(self.log, "a") as f:
-            f.write(json.dumps({"request": self.no, "tokens": self.tokens,
-                                "cached": getattr(self.ctx, "prompt_cache_count", None),
-                                "error": error}) + "\n")
-
-
-class K3ResponseGenerator(mlx_server.ResponseGenerator):
-    def __init__(self, model_provider, prompt_cache, token_log: Path | None = None,
-                 idle_gate=None):
-        self.token_log = token_log
-        self._request_no = 0
-        self.idle_gate = idle_gate  # k3dist.serve.watchdog.IdleGate (multi-rank)
-        super().__init__(model_provider, prompt_cache)
-        self.requests = _Requests()
-        self._time_budget = _CuttableBudget()
-
-    def _is_batchable(self, args) -> bool:
-        # decode_concurrency is max_batch (cli_args); 1: one request at a time
-        return self.cli_args.decode_concurrency > 1 and super()._is_batchable(args)
-
-    def _next_request(self, timeout=None):
-        """mlx-lm's, but idle ranks block instead of spinning in a collective: with no
-        batch in flight (``timeout`` set: the same on every rank) rank 0 waits for a
-        request and wakes the others (``idle_gate``) before it shares it; the others
-        wait for that wake-up, then enter the collective."""
-        gate = self.idle_gate
-        if gate is None or timeout is None or not self._is_distributed:
-            return super()._next_request(timeout)
-        if self._rank == 0:
-            try:
-                request = self.requests.get(timeout=IDLE_WAIT_S)
-            except QueueEmpty:
-                return None  # no collective: the others stay at the gate
-            gate.wake_peers()
-            return self._share_request(request)
-        while not self._stop:
-            if gate.wait_wake(IDLE_WAIT_S):
-                return self._share_request(None)
-        return None
-
-    def _share_request(self, request):
-        shared = super()._share_request(request)
-        if shared is None:
-            return shared
-        self._request_no += 1
-        group = mx.distributed.init()
-        rq = shared[0] if compat.holds_request(self) else None
-        request, args = shared[1], shared[2]
-        # mlx-lm's own choice of path (its _generate): batched unless images or a seed
-        batched = self._is_batchable(args) and not compat.has_images(request)
-        return (_RequestQueue(rq, group.rank(), group.size(), self.token_log, self._request_no,
-                              getattr(self.prompt_cache, "prefill_progress", None),
-                              batched=batched,
-                              client_socket=getattr(rq, "client_socket", None),
-                              budget=self._time_budget),
-                *shared[1:])
-
 
 # Handlers with a completion in flight (rank 0): what each has written so far.
 _OPEN: dict = {}  # handler -> "queued" (nothing sent) or "stream" (SSE headers sent)
@@ -708,7 +164,7 @@ class K3APIHandler(mlx_server.APIHandler):
         with _OPEN_LOCK:
             _OPEN[self] = "queued"
         self._in_completion = True
-        _SUBMITTER.socket = self.connection
+        lockstep.SUBMITTER.socket = self.connection
         try:
             super().handle_completion(request, stop_words)
         except (BrokenPipeError, ConnectionResetError, ClientGone) as e:
@@ -719,7 +175,7 @@ class K3APIHandler(mlx_server.APIHandler):
             logging.exception("request failed")
             self._fail(e)
         finally:
-            _SUBMITTER.socket = None
+            lockstep.SUBMITTER.socket = None
             with _OPEN_LOCK:
                 _OPEN.pop(self, None)
 
@@ -786,10 +242,10 @@ class K3APIHandler(mlx_server.APIHandler):
         except OSError:
             pass
 
-    def _check_images(self, body: dict, path: str) -> list:
+    def _check_images(self, body: dict) -> list:
         """A chat request's images, each checked (and made a data URL) before any rank
         works: 400 naming the image and what is wrong."""
-        if self.vision_limits is None or not path.endswith("chat/completions"):
+        if self.vision_limits is None:
             return []
         from k3dist.serve import vision
 
@@ -804,22 +260,72 @@ class K3APIHandler(mlx_server.APIHandler):
         except vision.ImageError as e:
             raise RequestError(400, str(e), "messages") from None
 
-    def _prompt_tokens(self, body: dict, path: str, images: list | None = None) -> int:
-        tok = self.response_generator.model_provider.tokenizer
-        if path.endswith("chat/completions"):
-            kwargs = body.get("chat_template_kwargs") or {}
-            if images:  # the prompt as the processor expands it: one pad per feature
-                from k3dist.serve import vision
+    def _prompt(self, req: openai_api.ChatRequest | openai_api.TextRequest
+                ) -> tuple[mlx_server.CompletionRequest, int]:
+        """mlx-lm's request for ``req`` (its handler's own ``handle_*_completions``) and
+        the prompt's token count. The prompt is rendered and tokenized here, once: the
+        tokens travel with the request to every rank (``lockstep.Prompt``). A chat with
+        images is counted as the processor expands it, and tokenized by every rank's
+        generator (its pixels stay off the collective)."""
+        self.body = req.body()  # what mlx-lm's handle_*_completions read
+        chat = isinstance(req, openai_api.ChatRequest)
+        images = self._check_images(self.body) if chat else []
+        if req.chars() > MAX_CHARS_PER_TOKEN * self.max_context:
+            raise RequestError(400, f"prompt of {req.chars()} characters cannot fit the "
+                               f"context of {self.max_context} tokens",
+                               code="context_length_exceeded")
+        request = self.handle_chat_completions() if chat else self.handle_text_completions()
+        try:
+            if not images:
+                prompt = self.response_generator.tokenize(request, self.chat_template_kwargs)
+                return prompt, len(prompt.tokens)
+            from k3dist.serve import vision
 
-                text = tok.apply_chat_template(body["messages"], tools=body.get("tools"),
-                                               add_generation_prompt=True, tokenize=False,
-                                               **kwargs)
-                processor = self.response_generator.model_provider.processor
-                return len(vision.prompt_tokens(tok, processor, text, images))
-            ids = tok.apply_chat_template(body["messages"], tools=body.get("tools"),
-                                          add_generation_prompt=True, tokenize=True, **kwargs)
-            return len(ids)
-        return len(tok.encode(body["prompt"]))
+            tok = self.response_generator.model_provider.tokenizer
+            text = tok.apply_chat_template(self.body["messages"], tools=self.body["tools"],
+                                           add_generation_prompt=True, tokenize=False,
+                                           **(self.chat_template_kwargs or {}))
+            processor = self.response_generator.model_provider.processor
+            return request, len(vision.prompt_tokens(tok, processor, text, images))
+        except Exception as e:  # a template that cannot render these messages
+            raise RequestError(400, f"messages cannot be rendered: {e}") from None
+
+    def _read_json(self) -> Any:
+        """The request's body, read and parsed: the only parse of it."""
+        try:
+            length = int(self.headers.get("Content-Length", "-1"))
+        except ValueError:
+            length = -1
+        if length < 0:
+            raise RequestError(411, "a Content-Length header with a length is required")
+        if length > MAX_BODY_BYTES:
+            raise RequestError(413, f"request body of {length} bytes exceeds "
+                               f"{MAX_BODY_BYTES}", code="request_too_large")
+        raw = self.rfile.read(length)
+        if not self.response_generator.generation_available():
+            raise RequestError(503, "the generation loop has stopped; the server must be "
+                               "restarted", code="generation_stopped")
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise RequestError(400, f"request body is not valid UTF-8 ({e})") from None
+        except json.JSONDecodeError as e:
+            raise RequestError(400, f"request body is not valid JSON ({e})") from None
+        except RecursionError:
+            raise RequestError(400, "request body is nested too deeply (at most "
+                               f"{openai_api.MAX_JSON_DEPTH} levels)") from None
+
+    def _check(self, path: str, body: Any, **stream) -> openai_api.ChatRequest | \
+            openai_api.TextRequest:
+        """``body`` checked by the OpenAI API module, and set on this handler as
+        mlx-lm's ``do_POST`` would (``stream``: what an agent API's relay needs)."""
+        req = openai_api.validate(path, body, model_id=self.model_id,
+                                  max_context=self.max_context, vocab_size=self.vocab_size,
+                                  images=self.vision_limits is not None)
+        fields = openai_api.handler_fields(req, self.response_generator.cli_args)
+        for k, v in (fields | stream).items():
+            setattr(self, k, v)
+        return req
 
     def _authorized(self) -> bool:
         """Refuse (401, in the API's shape) a request without the deployment's key."""
@@ -857,58 +363,27 @@ class K3APIHandler(mlx_server.APIHandler):
             return self._precompute()
         if path not in COMPLETION_PATHS + AGENT_PATHS:
             return self._not_found()
-        path = "/v1/chat/completions" if self._api else self.path  # what is run
+        agent = None  # the agent API's request (Responses: the parsed request)
         try:
-            length = int(self.headers.get("Content-Length", "-1"))
-        except ValueError:
-            length = -1
-        try:
-            if length < 0:
-                raise RequestError(411, "a Content-Length header with a length is required")
-            if length > MAX_BODY_BYTES:
-                raise RequestError(413, f"request body of {length} bytes exceeds "
-                                   f"{MAX_BODY_BYTES}", code="request_too_large")
-            raw = self.rfile.read(length)
-            if not self.response_generator.generation_available():
-                raise RequestError(503, "the generation loop has stopped; the server must be "
-                                   "restarted", code="generation_stopped")
-            try:
-                body = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise RequestError(400, f"request body is not valid UTF-8 ({e})") from None
-            except json.JSONDecodeError as e:
-                raise RequestError(400, f"request body is not valid JSON ({e})") from None
-            except RecursionError:
-                raise RequestError(400, "request body is nested too deeply (at most "
-                                   f"{MAX_JSON_DEPTH} levels)") from None
+            body = self._read_json()
             if self._api is not None:
-                client_body, body = body, self._agent_body(body)
-            if isinstance(body, dict):  # OpenAI's null is the default; mlx-lm's handler
-                body = {k: v for k, v in body.items() if v is not None}  # refuses it
-            chars = validate_request(path, body, model_id=self.model_id,
-                                     max_context=self.max_context, vocab_size=self.vocab_size,
-                                     images=self.vision_limits is not None)
-            images = self._check_images(body, path)
-            asked = body.get("max_completion_tokens") or body.get("max_tokens")
-            if chars > MAX_CHARS_PER_TOKEN * self.max_context:
-                raise RequestError(400, f"prompt of {chars} characters cannot fit the context "
-                                   f"of {self.max_context} tokens", code="context_length_exceeded")
-            try:
-                n_prompt = self._prompt_tokens(body, path, images)
-            except Exception as e:  # a template that cannot render these messages
-                raise RequestError(400, f"messages cannot be rendered: {e}") from None
-            if self.path == "/v1/messages/count_tokens":
+                agent, body = self._agent_body(body)
+                self.path = "/v1/chat/completions"  # what is run
+            req = self._check(self.path, body, **({} if agent is None else {
+                "stream": True, "stream_options": {"include_usage": True}}))
+            prompt, n_prompt = self._prompt(req)
+            if path == "/v1/messages/count_tokens":
                 return self._json(200, {"input_tokens": n_prompt})
             if n_prompt < 1:  # mlx-lm's batch loop dies on an empty prompt (every rank)
                 raise RequestError(400, "prompt is empty: it must have at least one token",
                                    "prompt")
             room = self.max_context - n_prompt
-            if room < 1 or (asked is not None and asked > room):
+            if room < 1 or (req.asked is not None and req.asked > room):
                 raise RequestError(400, f"prompt of {n_prompt} tokens plus max_tokens "
-                                   f"{asked or 1} exceeds the context of {self.max_context} "
-                                   "tokens", code="context_length_exceeded")
-            if asked is None:  # unasked: the server default, capped to what fits
-                body["max_tokens"] = min(self.response_generator.cli_args.max_tokens, room)
+                                   f"{req.asked or 1} exceeds the context of "
+                                   f"{self.max_context} tokens", code="context_length_exceeded")
+            if req.asked is None:  # unasked: the server default, capped to what fits
+                self.max_tokens = min(self.response_generator.cli_args.max_tokens, room)
         except RequestError as e:
             return self._error(e)
         except relay.BadRequest as e:
@@ -918,14 +393,10 @@ class K3APIHandler(mlx_server.APIHandler):
                 RequestError(429, f"{self.admission.limit} requests are already in flight; "
                              "retry later", code="too_many_requests"),
                 {"Retry-After": str(self.admission.retry_after())})
-        # Valid and admitted: hand the (normalised) body to mlx-lm's handler.
-        raw = json.dumps(body).encode()
-        self.headers.replace_header("Content-Length", str(len(raw)))
-        self.rfile = io.BytesIO(raw)
         t0 = time.monotonic()
-        sink = self._relay(client_body, n_prompt) if self._api is not None else None
+        sink = self._relay(agent, n_prompt, req.stop_words()) if agent is not None else None
         try:
-            return super().do_POST()
+            return self.handle_completion(prompt, req.stop_words())
         finally:
             self.admission.leave(time.monotonic() - t0)
             if sink is not None:
@@ -939,10 +410,7 @@ class K3APIHandler(mlx_server.APIHandler):
         completion through the lockstep loop (mlx-lm keeps a chat's system segment as a
         ``system`` entry); answers the prefix's token count and whether it is stored."""
         try:
-            length = int(self.headers.get("Content-Length", "-1"))
-            if not 0 <= length <= MAX_BODY_BYTES:
-                raise RequestError(400, f"a Content-Length of 0 to {MAX_BODY_BYTES} is required")
-            body = json.loads(self.rfile.read(length).decode("utf-8"))
+            body = self._read_json()
             msgs = body.get("messages") if isinstance(body, dict) else None
             if not (isinstance(msgs, list) and msgs and all(
                     isinstance(m, dict) and m.get("role") in ("system", "developer")
@@ -950,36 +418,30 @@ class K3APIHandler(mlx_server.APIHandler):
                 raise RequestError(400, "messages must be a non-empty list of system (or "
                                    "developer) messages: the prefix every session starts with",
                                    "messages")
-            kw = body.get("chat_template_kwargs") or {}
             chat = {"model": self.model_id, "tools": body.get("tools"), "max_tokens": 1,
-                    "temperature": 0, "chat_template_kwargs": kw,
+                    "temperature": 0, "chat_template_kwargs": body.get("chat_template_kwargs"),
                     "messages": [*msgs, {"role": "user", "content": "."}]}
-            validate_request("/v1/chat/completions", chat, model_id=self.model_id,
-                             max_context=self.max_context, vocab_size=self.vocab_size)
-            tok = self.response_generator.model_provider.tokenizer
-            ids = tok.apply_chat_template(chat["messages"], tools=chat["tools"],
-                                          add_generation_prompt=True, tokenize=True, **kw)
-            head = tok.apply_chat_template([*msgs, {"role": "user", "content": ""}],
-                                           tools=chat["tools"], add_generation_prompt=False,
-                                           tokenize=True, **kw)
-            n = next((i for i, (a, b) in enumerate(zip(head, ids, strict=False))
-                      if a != b), 0)
+            self.path = "/v1/chat/completions"
+            prompt, _ = self._prompt(self._check(self.path, chat))
+            ids = prompt.tokens
+            # the system segment mlx-lm's cache keeps (its _tokenize found it)
+            segments, kinds = prompt.tokenized[1], prompt.tokenized[2]
+            n = len(segments[0]) if kinds[0] == "system" else 0
             if len(ids) + 1 > self.max_context:
                 raise RequestError(400, f"prefix of {len(ids)} tokens exceeds the context of "
                                    f"{self.max_context}", code="context_length_exceeded")
-        except (ValueError, TypeError, AttributeError) as e:  # JSON, UTF-8, template
-            return self._error(e if isinstance(e, RequestError) else RequestError(400, str(e)))
+        except RequestError as e:
+            return self._error(e)
+        except (ValueError, TypeError, AttributeError) as e:  # the template
+            return self._error(RequestError(400, str(e)))
         if not self.admission.enter():
             return self._error(RequestError(429, "too many requests in flight; retry later",
                                             code="too_many_requests"),
                                {"Retry-After": str(self.admission.retry_after())})
-        raw = json.dumps(chat).encode()
-        self.headers.replace_header("Content-Length", str(len(raw)))
-        self.rfile, self.path = io.BytesIO(raw), "/v1/chat/completions"
         out, self.wfile = self.wfile, io.BytesIO()  # mlx-lm's answer is not the reply
         t0 = time.monotonic()
         try:
-            super().do_POST()
+            self.handle_completion(prompt, [])
         finally:
             self.admission.leave(time.monotonic() - t0)
             answered, self.wfile = self.wfile.getvalue(), out
@@ -992,34 +454,28 @@ class K3APIHandler(mlx_server.APIHandler):
                          "stored": stored, "key": store.key(ids[:n]) if stored else None,
                          "prefix_cache": store.report() if store is not None else None})
 
-    def _agent_body(self, body: Any) -> dict:
-        """The chat-completion body an agent API request runs as."""
+    def _agent_body(self, body: Any) -> tuple[Any, dict]:
+        """An agent API request (Responses: parsed; Anthropic: its body) and the
+        chat-completion body it runs as: translated once."""
         if not isinstance(body, dict):
             raise RequestError(400, "request body must be a JSON object")
         if self._api is responses_api:
-            chat, _ = responses_api.to_chat(body)
-        else:
-            chat = anthropic_api.to_chat(body, count_only=self.path.endswith("count_tokens"))
-        return chat
+            chat, req = responses_api.to_chat(body)
+            return req, chat
+        return body, anthropic_api.to_chat(body, count_only=self.path.endswith("count_tokens"))
 
-    def _relay(self, client_body: dict, n_prompt: int) -> relay.Relay:
+    def _relay(self, agent: Any, n_prompt: int, stops: list[str]) -> relay.Relay:
         """Run the chat completion streamed, and answer in the agent API's shape: the
         handler's wfile becomes a Relay (what it writes is translated), its generator a
         Tap (the raw text tells which stop sequence ended generation)."""
         tok = self.response_generator.model_provider.tokenizer
-        body = json.loads(self.rfile.getvalue())
+        client_stream = agent.stream if self._api is responses_api else agent.get("stream")
         t = (responses_api.ResponsesTranslator if self._api is responses_api
              else anthropic_api.MessagesTranslator)(
-            model=self.model_id, stream=bool(client_body.get("stream")),
-            prompt_tokens=n_prompt, stop_sequences=list(body.get("stop") or []),
-            eos_token_ids=tuple(tok.eos_token_ids))
+            model=self.model_id, stream=bool(client_stream), prompt_tokens=n_prompt,
+            stop_sequences=stops, eos_token_ids=tuple(tok.eos_token_ids))
         if self._api is responses_api:
-            t.request = responses_api.to_chat(client_body)[1]
-        body.update(stream=True, stream_options={"include_usage": True})
-        raw = json.dumps(body).encode()
-        self.headers.replace_header("Content-Length", str(len(raw)))
-        self.rfile = io.BytesIO(raw)
-        self.path = "/v1/chat/completions"
+            t.request = agent
         saved, self._headers_buffer = getattr(self, "_headers_buffer", []), []
         self._set_cors_headers()  # the relay writes its own heads: with these lines
         cors, self._headers_buffer = b"".join(self._headers_buffer), saved

@@ -1,0 +1,327 @@
+"""The lockstep core: one request queue and one generation loop on every rank.
+
+mlx_lm.server already runs generation in lockstep on every rank (rank 0 shares
+each request with an ``all_sum``; all ranks run the same steps). What expert
+parallelism and a two-box deployment add:
+
+- ``K3ModelProvider``: the model is this rank's EP model, loaded before serving;
+  a request naming another model is refused (mlx-lm would try to load that path).
+- ``K3ResponseGenerator``: concurrent requests are decoded together, up to
+  ``max_batch`` (mlx-lm's BatchGenerator, in lockstep on every rank; prefill one
+  request at a time; the warm-up covers every batch size up to ``max_batch``), the
+  rest wait; each rank can log the tokens it generated, so ranks can be compared.
+  A request that rank 0's handler has tokenized already (``Prompt``) carries its
+  tokens to every rank: no rank renders or tokenizes it again.
+
+Stops: anything that ends a request early must end it on every rank at the same
+token. mlx-lm stops a request whose client went away on rank 0 alone
+(``ctx.stop()``); here that only marks the request, and the ranks agree to stop every
+``STOP_CHECK_EVERY`` tokens and after every prefill chunk (one scalar ``all_sum``,
+read one check later so it never stalls decoding). Rank 0 also looks at the
+client's socket at each check (a closed connection reads as EOF), so a client that
+hangs up during a long prefill, or while a non-streamed answer is generated, stops
+its request too.
+
+Idle: a rank other than 0 waiting for the next request blocks on the watchdog's
+side channel (``IdleGate``) and enters the collective only when rank 0 says a
+request is coming; the ring backend's collectives spin while they wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import select
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from queue import Empty as QueueEmpty
+from queue import Queue
+from types import SimpleNamespace
+
+from k3dist.serve import compat
+
+import mlx.core as mx
+from mlx_lm import server as mlx_server
+from mlx_lm.models.cache import make_prompt_cache
+
+# Tokens between the ranks' checks whether a request's client went away.
+STOP_CHECK_EVERY = 8
+# Idle: how long a rank waits (blocked) for a request before it looks at its stop flag.
+IDLE_WAIT_S = 0.5
+
+
+@dataclass
+class Prompt(mlx_server.CompletionRequest):
+    """mlx-lm's request with its prompt already tokenized on rank 0: ``tokenized`` is
+    what mlx-lm's ``ResponseGenerator._tokenize`` returns (tokens, cache segments,
+    initial state, vision), pickled to the other ranks with the request."""
+
+    tokenized: tuple | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.tokenized[0]
+
+
+class K3ModelProvider(mlx_server.ModelProvider):
+    """Holds the already loaded EP model; never loads anything per request."""
+
+    def __init__(self, cli_args: argparse.Namespace, model, tokenizer, model_id: str):
+        super().__init__(cli_args)
+        self.served_id = model_id
+        self.model, self.tokenizer = model, tokenizer
+        self.processor = None
+        self.draft_model = None
+        # mlx-lm's test: every cache can be merged into a batch (kimi_k3's can)
+        self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+        self.model_key = (model_id, None, None)
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        if model_path not in (self.served_id, "default_model") or adapter_path:
+            raise ValueError(f"model {model_path!r} is not served here ({self.served_id!r})")
+        return self.model, self.tokenizer
+
+    def load_default(self):
+        pass
+
+
+class ClientGone(Exception):
+    """The request was stopped on every rank because its client went away."""
+
+
+# The handler submitting a request (rank 0): its socket is probed for a hang-up.
+SUBMITTER = threading.local()
+
+
+def _client_closed(sock: socket.socket | None) -> bool:
+    """Whether the client closed its end of ``sock`` (EOF or reset waiting to be read).
+    Pipelined bytes count as alive; a socket closed here already counts as gone."""
+    if sock is None:
+        return False
+    try:  # poll, not select: a server with 1,000 connections has fds past FD_SETSIZE
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
+            return False  # nothing to read: still there
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError, TimeoutError):
+        return False
+    except (OSError, ValueError):
+        return True
+
+
+class _CuttableBudget(mlx_server.TimeBudget):
+    """mlx-lm's time budget for one pass of its batch loop (a count of steps agreed by
+    all ranks), which a stopped request can end early: the loop removes stopped
+    requests only after the pass, and a pass of long prefill chunks lasts many
+    seconds. ``cut`` is set by an agreed stop, so at the same step on every rank."""
+
+    cut = False
+
+    def __next__(self):
+        if self.cut:
+            self.cut = False
+            raise StopIteration()
+        return super().__next__()
+
+
+class _Requests(Queue):
+    """The generator's request queue: each response queue is tagged with the socket of
+    the handler that submitted it (read from the handler's thread)."""
+
+    def put(self, item, block=True, timeout=None):
+        item[0].client_socket = getattr(SUBMITTER, "socket", None)
+        super().put(item, block, timeout)
+
+
+class _RequestQueue(Queue):
+    """One request's response queue on every rank (rank 1's has no reader).
+
+    It keeps the ranks in lockstep when a client goes away: mlx-lm's handler calls
+    ``ctx.stop()`` on rank 0 alone, and its loop then abandons the request on rank 0
+    while the other ranks go on (their next collective meets rank 0's next request:
+    seen here, every later request hung while /health said ok). Here ``ctx.stop()``
+    only marks the request; every
+    ``STOP_CHECK_EVERY`` tokens the ranks ``all_sum`` rank 0's mark and all stop at
+    the same token (in a batch, the others go on). It also logs the generated tokens
+    when asked (``log``), so the tokens of every rank can be compared."""
+
+    def __init__(self, inner: Queue | None, rank: int, size: int, log: Path | None,
+                 request_no: int, on_progress=None, *, batched: bool = True,
+                 client_socket: socket.socket | None = None,
+                 budget: _CuttableBudget | None = None):
+        super().__init__()
+        self.inner, self.rank, self.size = inner, rank, size
+        self.on_progress = on_progress  # the prompt cache's prefill snapshot
+        self.log, self.no = log, request_no
+        # mlx-lm's batch loop (stops a request it finds marked) or its single path
+        # (stream_generate: only an exception ends a prefill)
+        self.batched = batched
+        self.client_socket = client_socket  # rank 0: the client's connection
+        self.budget = budget  # the batch loop's pass, ended at once by a stop
+        self.tokens: list[int] = []
+        self.progress: tuple[int, int] | None = None
+        self.ctx = None
+        self.client_gone = False
+        self.stopped = False  # the ranks agreed to stop this request
+        self.pending: mx.array | None = None
+        self.logged = False
+
+    def _client_gone(self) -> None:
+        self.client_gone = True
+        if self.size == 1 and self.ctx is not None:
+            compat.stop_generation(self.ctx)
+
+    def _gone_here(self) -> bool:
+        """Rank 0: the handler saw the client leave, or its socket says so now."""
+        if not self.client_gone and _client_closed(self.client_socket):
+            self.client_gone = True
+        return self.client_gone
+
+    def _agree_on_stop(self) -> bool:
+        """True once every rank has agreed to stop this request (the same call on every
+        rank: the checks happen at the same tokens and prefill chunks everywhere)."""
+        if self.stopped:
+            return True
+        if self.size == 1:  # no peers to agree with: stop at this check
+            if not (self.rank == 0 and self._gone_here()):
+                return False
+        # Read the previous check's sum (long done: no stall of the decode pipeline),
+        # then queue this one behind the step already in flight. Every rank reads the
+        # same sums at the same tokens, so all stop together, 8-16 tokens (or one
+        # prefill chunk) after.
+        elif self.pending is None or not self.pending.item():
+            mark = mx.array(1 if self.rank == 0 and self._gone_here() else 0)
+            self.pending = mx.distributed.all_sum(mark)
+            mx.async_eval(self.pending)
+            return False
+        self.stopped = True
+        compat.stop_generation(self.ctx)
+        where = (f"after {len(self.tokens)} generated tokens" if self.tokens else
+                 f"at prompt token {self.progress[0]} of {self.progress[1]}"
+                 if self.progress else "before its prefill")
+        (logging.warning if self.rank == 0 else logging.debug)(
+            "request %d: the client went away; stopped on every rank %s", self.no, where)
+        self._write_log("client went away")
+        if self.batched:
+            if self.budget is not None:
+                self.budget.cut = True  # removed after this step, not after the pass
+            if self.inner is not None:
+                # mlx-lm's batch loop drops a stopped request without a word on its
+                # queue: end the handler's wait
+                self.inner.put(ClientGone("the client went away"))
+        return True
+
+    def put(self, item, block=True, timeout=None):
+        if self.stopped:
+            # after the stop: the single path's own "stopped" error, or a last token
+            # of the step in flight; the handler has had its ClientGone (batched)
+            if (self.inner is not None and not self.batched
+                    and (item is None or isinstance(item, Exception))):
+                self.inner.put(ClientGone("the client went away"), block, timeout)
+            return
+        if isinstance(item, mlx_server.GenerationContext):
+            self.ctx = item
+            item.stop = self._client_gone  # shadows the method, for this request only
+        elif isinstance(item, tuple):
+            if self.on_progress is not None:
+                self.on_progress(*item)
+            self.progress = item
+            if self.inner is not None:
+                self.inner.put(item, block, timeout)
+            if self._agree_on_stop() and not self.batched:
+                # stream_generate's prefill ends only by an exception; every rank
+                # raises at this same chunk, and _serve_single reports it here
+                raise ClientGone("the client went away")
+            return
+        elif isinstance(item, mlx_server.Response):
+            self.tokens.append(int(item.token))
+            if self.inner is not None:
+                self.inner.put(item, block, timeout)
+            if len(self.tokens) % STOP_CHECK_EVERY == 0 and item.finish_reason is None:
+                self._agree_on_stop()
+            return
+        elif item is None or isinstance(item, Exception):
+            self._write_log(None if item is None else (str(item) or type(item).__name__))
+        if self.inner is not None:
+            self.inner.put(item, block, timeout)
+
+    def _write_log(self, error: str | None) -> None:
+        if self.log is None or self.logged:
+            return
+        self.logged = True
+        with open(self.log, "a") as f:
+            f.write(json.dumps({"request": self.no, "tokens": self.tokens,
+                                "cached": getattr(self.ctx, "prompt_cache_count", None),
+                                "error": error}) + "\n")
+
+
+class K3ResponseGenerator(mlx_server.ResponseGenerator):
+    def __init__(self, model_provider, prompt_cache, token_log: Path | None = None,
+                 idle_gate=None):
+        self.token_log = token_log
+        self._request_no = 0
+        self.idle_gate = idle_gate  # k3dist.serve.watchdog.IdleGate (multi-rank)
+        super().__init__(model_provider, prompt_cache)
+        self.requests = _Requests()
+        self._time_budget = _CuttableBudget()
+
+    def tokenize(self, request: mlx_server.CompletionRequest,
+                 chat_template_kwargs: dict | None) -> Prompt:
+        """Rank 0's handler: ``request`` rendered and tokenized once, by mlx-lm's own
+        ``_tokenize`` (the template, the cache segments), ahead of the queue; the
+        prompt's length is checked on these tokens and every rank generates from them."""
+        args = SimpleNamespace(chat_template_kwargs=chat_template_kwargs)  # all it reads
+        tokenized = super()._tokenize(self.model_provider.tokenizer, request, args)
+        return Prompt(**vars(request), tokenized=tokenized)
+
+    def _tokenize(self, tokenizer, request, args):
+        if isinstance(request, Prompt) and request.tokenized is not None:
+            return request.tokenized
+        return super()._tokenize(tokenizer, request, args)
+
+    def _is_batchable(self, args) -> bool:
+        # decode_concurrency is max_batch (cli_args); 1: one request at a time
+        return self.cli_args.decode_concurrency > 1 and super()._is_batchable(args)
+
+    def _next_request(self, timeout=None):
+        """mlx-lm's, but idle ranks block instead of spinning in a collective: with no
+        batch in flight (``timeout`` set: the same on every rank) rank 0 waits for a
+        request and wakes the others (``idle_gate``) before it shares it; the others
+        wait for that wake-up, then enter the collective."""
+        gate = self.idle_gate
+        if gate is None or timeout is None or not self._is_distributed:
+            return super()._next_request(timeout)
+        if self._rank == 0:
+            try:
+                request = self.requests.get(timeout=IDLE_WAIT_S)
+            except QueueEmpty:
+                return None  # no collective: the others stay at the gate
+            gate.wake_peers()
+            return self._share_request(request)
+        while not self._stop:
+            if gate.wait_wake(IDLE_WAIT_S):
+                return self._share_request(None)
+        return None
+
+    def _share_request(self, request):
+        shared = super()._share_request(request)
+        if shared is None:
+            return shared
+        self._request_no += 1
+        group = mx.distributed.init()
+        rq = shared[0] if compat.holds_request(self) else None
+        request, args = shared[1], shared[2]
+        # mlx-lm's own choice of path (its _generate): batched unless images or a seed
+        batched = self._is_batchable(args) and not compat.has_images(request)
+        return (_RequestQueue(rq, group.rank(), group.size(), self.token_log, self._request_no,
+                              getattr(self.prompt_cache, "prefill_progress", None),
+                              batched=batched,
+                              client_socket=getattr(rq, "client_socket", None),
+                              budget=self._time_budget),
+                *shared[1:])
+
+
