@@ -296,9 +296,11 @@ def add_arguments(parser: argparse.ArgumentParser, keys_: tuple[str, ...] | None
         section = f.json_schema_extra["section"]
         group = groups.get(section) or groups.setdefault(
             section, parser.add_argument_group(f"deployment: {section}"))
-        default = "" if f.default in (None, []) else f" (default {f.default})"
+        notes = [allowed(key)] if f.metadata else []  # a range (choices show anyway)
+        notes += [] if f.default in (None, []) else [f"default {f.default}"]
+        suffix = f" ({'; '.join(notes)})" if notes else ""
         kw: dict[str, Any] = {"dest": key, "default": None,
-                              "help": (f.description + default).replace("%", "%%")}
+                              "help": (f.description + suffix).replace("%", "%%")}
         kind = _scalar(f.annotation)
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
