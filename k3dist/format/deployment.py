@@ -221,9 +221,12 @@ def _choices(annotation: Any) -> tuple[str, ...]:
 
 
 def _scalar(annotation: Any) -> type:
+    """What a flag parses: str for choices, list for a list of strings, else the type
+    (without None)."""
+    if get_origin(annotation) in (Literal, list):
+        return str if get_origin(annotation) is Literal else list
     args = [a for a in get_args(annotation) if a is not type(None)]
-    base = args[0] if get_origin(annotation) not in (Literal, list) and args else annotation
-    return list if get_origin(base) is list else (str if _choices(base) else base)
+    return args[0] if args else annotation
 
 
 _SAID = {"literal_error", "greater_than", "greater_than_equal", "less_than", "less_than_equal"}
