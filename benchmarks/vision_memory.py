@@ -90,7 +90,7 @@ def _peak(config: dict, layers: int, side: int, dtype) -> int:
 
 def activations(real: dict, sides: list[int], headroom_gb: float) -> dict:
     """The tower's measured peak while running, fitted and extrapolated (see --help)."""
-    from k3dist.serve.config import Deployment
+    from k3dist.format.deployment import Deployment
 
     import numpy as np
 
@@ -111,7 +111,7 @@ def activations(real: dict, sides: list[int], headroom_gb: float) -> dict:
 
     ip = vision.K3Processor(real["vision_config"]).ip
     p = ip.patch_size
-    cap_default = Deployment.max_image_pixels
+    cap_default = Deployment().max_image_pixels
     largest = min(cap_default // (p * p), ip.in_patch_limit)
     budget = headroom_gb * 2**30
     # the largest patch count whose peak fits the headroom (the fit is increasing)
@@ -166,11 +166,11 @@ def main() -> None:
             "rank_total_without_tower": total,
             "rank0_total_with_tower": total + report["kimi_k3"]["tower_bf16"]}
     if args.activations:
-        from k3dist.serve.config import Deployment
+        from k3dist.format.deployment import Deployment
 
         report["tower_activations"] = activations(
             real, [int(x) for x in args.sides.split(",")],
-            args.headroom_gb if args.headroom_gb is not None else Deployment.memory_headroom_gb)
+            args.headroom_gb if args.headroom_gb is not None else Deployment().memory_headroom_gb)
     bench.emit(report, args.out)
 
 

@@ -16,39 +16,30 @@ import time
 from pathlib import Path
 
 import k3dist
+from k3dist.format import deployment
 from k3dist.serve import engine, loader
-from k3dist.serve.config import ATTENTION_MODES, DEFAULT_DEPLOYMENT, MOE_FORMS, load_deployment
 
 import mlx.core as mx
 import numpy as np
 
+# what one rank's model takes of the deployment
+KEYS = deployment.keys("rank")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", help=f"deployment YAML (default {DEFAULT_DEPLOYMENT} if present)")
-    ap.add_argument("--rank-dir", help="rank folder pattern with {rank}")
-    ap.add_argument("--dtype", choices=sorted(loader.DTYPES))
-    ap.add_argument("--moe-form", choices=("auto", *MOE_FORMS))
-    ap.add_argument("--attention", choices=ATTENTION_MODES,
-                    help="attention split across ranks or replicated (default split)")
+    deployment.add_arguments(ap, KEYS)
     ap.add_argument("--count", action="store_true",
                     help="also report collectives per decode token and bytes held "
                     "(k3dist.serve.introspect)")
-    ap.add_argument("--blas-threads", type=int, help="OpenBLAS threads per rank")
-    ap.add_argument("--verify", choices=("stamp", "full", "size"),
-                    help="rank-folder content check before loading (default stamp)")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--prompt-ids", help="comma-separated token ids")
     g.add_argument("--prompt-random", type=int, help="N random base-vocab ids (seeded)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=32, help="greedy steps (default 32)")
     ap.add_argument("--dump", help="write tokens+logits to this .npz ({rank} allowed)")
     args = ap.parse_args()
-
-    cfg_path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
-    dep = load_deployment(cfg_path, rank_dir=args.rank_dir, dtype=args.dtype,
-                          moe_form=args.moe_form, blas_threads=args.blas_threads,
-                          verify=args.verify, attention=args.attention)
+    dep = deployment.from_args(ap, args, KEYS)
     if dep.blas_threads:
         k3dist.set_blas_threads(dep.blas_threads)
     group = mx.distributed.init()

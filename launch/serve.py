@@ -17,46 +17,23 @@ import time
 from pathlib import Path
 
 import k3dist
-from k3dist.format import manifest
+from k3dist.format import deployment, manifest
+from k3dist.format.deployment import Deployment
 from k3dist.format.verify import Report
 from k3dist.serve import auth, keepawake, loader, preflight, server, warmup
 from k3dist.serve import watchdog as harness
-from k3dist.serve.config import DEFAULT_DEPLOYMENT, Deployment, load_deployment
 
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
+# what serving takes of the deployment (the build's own keys are slicing/rank_split.py's)
+KEYS = deployment.keys("rank", "serving", "images", "access", "prefix cache")
+
 
 def parse_args(argv: list[str] | None = None) -> Deployment:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", help=f"deployment YAML (default {DEFAULT_DEPLOYMENT} if present)")
-    for name, kind in (("rank-dir", str), ("host", str), ("port", int), ("model-id", str),
-                       ("max-context", int), ("prefill-chunk", int), ("max-tokens", int),
-                       ("temperature", float), ("top-p", float), ("token-log", str),
-                       ("moe-form", str), ("attention", str), ("dtype", str), ("blas-threads", int),
-                       ("heartbeat-s", float), ("watchdog-timeout-s", float),
-                       ("watchdog-port", int), ("memory-headroom-gb", float),
-                       ("max-queued-requests", int), ("max-connections", int),
-                       ("max-batch", int), ("max-images", int), ("max-image-pixels", int),
-                       ("image-dir", str), ("api-key", str), ("api-key-file", str),
-                       ("prompt-cache-tokens", int), ("prefix-cache-dir", str),
-                       ("prefix-cache-gb", float), ("prefix-cache-min-tokens", int)):
-        ap.add_argument(f"--{name}", type=kind)
-    ap.add_argument("--verify", choices=("stamp", "full", "size"),
-                    help="rank-folder content check before serving (default stamp)")
-    ap.add_argument("--cors-origin", action="append", dest="cors_origins",
-                    help="an origin web pages may call the API from ('*': any); repeatable")
-    ap.add_argument("--no-warmup", action="store_true", help="skip warm-up (tests only)")
-    ap.add_argument("--allow-no-api-key", action="store_true", default=None,
-                    help="serve a non-loopback host without an API key (refused otherwise)")
-    ap.add_argument("--vision", action="store_true", default=None,
-                    help="serve images in chat requests (pip install 'k3dist[vision]')")
-    args = ap.parse_args(argv)
-    path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
-    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "no_warmup")}
-    if args.no_warmup:
-        overrides["warmup"] = False
-    return load_deployment(path, **overrides)
+    deployment.add_arguments(ap, KEYS)
+    return deployment.from_args(ap, ap.parse_args(argv), KEYS)
 
 
 def log(rank: int, msg: str) -> None:
@@ -68,7 +45,7 @@ def rank_folder(dep: Deployment, rank: int, size: int) -> Path:
     again when its cache is stale (data/mini-k3 or k3dist's formats changed): only then
     is the build pipeline imported (serving itself needs the format layer only)."""
     folder = dep.rank_path(rank)
-    if dep.build != Deployment.build or dep.rank_dir != Deployment.rank_dir:
+    if dep.build != Deployment().build or dep.rank_dir != Deployment().rank_dir:
         return folder
     if manifest.slices_current_build(folder, k3dist.DATA_DIR / "mini-k3"):
         return folder

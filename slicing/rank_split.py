@@ -6,7 +6,7 @@ routed experts the rank owns, and a manifest naming rank, size, placement and bu
 
 --build takes an MLX build (k3dist.build.convert, or an mlx-community K3 build) or a
 Moonshot-format checkpoint. Flags override the deployment YAML (--config, by default
-deploy/local.yaml when it exists); k3dist.serve.config.Deployment holds the defaults.
+deploy/local.yaml when it exists); k3dist.format.deployment.Deployment holds the defaults.
 With the default build missing, it is made first (k3dist.build.default).
 """
 
@@ -16,10 +16,12 @@ import argparse
 from pathlib import Path
 
 from k3dist.build import default, slicing
-from k3dist.format import manifest
+from k3dist.format import deployment, manifest
 from k3dist.format.placement import PlacementError
 from k3dist.format.sfile import CheckpointError
-from k3dist.serve.config import DEFAULT_DEPLOYMENT, load_deployment
+
+# what slicing takes of the deployment (rank_dir's flag is --out)
+KEYS = (*deployment.keys("build"), "rank_dir", "attention")
 
 
 def main() -> None:
@@ -27,20 +29,10 @@ def main() -> None:
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--rank", type=int, help="the rank whose folder to write")
     which.add_argument("--all", action="store_true", help="write every rank's folder")
-    ap.add_argument("--size", type=int, help="number of ranks")
-    ap.add_argument("--build", help="MLX build or Moonshot-format checkpoint folder")
-    ap.add_argument("--out", help="rank folder pattern with {rank}, e.g. runs/ranks/rank{rank}")
-    ap.add_argument("--placement-counts",
-                    help="routing counts (.npz/.json) for a load-aware placement")
-    ap.add_argument("--attention", choices=("split", "replicated"),
-                    help="split attention heads across ranks (default) or replicate them")
-    ap.add_argument("--config", help=f"deployment YAML (default {DEFAULT_DEPLOYMENT} if it "
-                    "exists)")
+    deployment.add_arguments(ap, KEYS, names={"rank_dir": "--out"})
     args = ap.parse_args()
+    d = deployment.from_args(ap, args, KEYS)
     try:
-        cfg = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
-        d = load_deployment(cfg, build=args.build, rank_dir=args.out, size=args.size,
-                            placement_counts=args.placement_counts, attention=args.attention)
         if not args.all:
             slicing.check_rank(args.rank, d.size)  # before any (default) build work
         build = Path(d.build)

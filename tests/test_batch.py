@@ -10,8 +10,8 @@ import json
 
 from k3dist.build import convert, slicing
 from k3dist.factory.corpus import DATA_DIR
+from k3dist.format.deployment import load_deployment
 from k3dist.serve import engine, loader, warmup
-from k3dist.serve.config import load_deployment
 
 import mlx.core as mx
 import numpy as np

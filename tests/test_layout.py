@@ -41,7 +41,7 @@ SERVING = {
     "k3dist.serve.auth",
     "k3dist.serve.banks",
     "k3dist.serve.compat",
-    "k3dist.serve.config",
+    "k3dist.format.deployment",
     "k3dist.serve.keepawake",
     "k3dist.serve.loader",
     "k3dist.serve.lockstep",

@@ -97,18 +97,49 @@ def test_kv_state_scales_with_batch(acc):
         assert "KV/state: batch 8 x 131,072 tokens" in plan.summary(plans[8])
 
 
-def test_plan_defaults_are_the_real_deployments_limits():
-    """The planner's defaults describe the deployment the project ships (deploy/tb5.yaml):
-    its serving limits, its prefill chunk, its attention layout over its ranks, its
-    compute dtype."""
-    from k3dist.serve.config import load_deployment
+def _split_rank_folder(folder: Path, size: int) -> Path:
+    """Rank 0's config and manifest of the real K3 sliced with attention split over
+    ``size`` ranks: what preflight reads."""
+    tc = layout.text_config(real_config())
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(real_config()))
+    split = [i for i in range(tc["num_hidden_layers"])
+             if layout.attention_heads(tc, i) % size == 0]
+    (folder / "k3dist.json").write_text(json.dumps({
+        "kind": "rank", "rank": 0, "size": size,
+        "attention": {"mode": "split", "split_layers": split}}))
+    return folder
+
+
+def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
+    """The planner's defaults are the deployment the project ships, deploy/tb5.yaml read
+    through the Deployment (not a copy), and its fields mean what the deployment's keys
+    mean to the server: at tb5's limits and at others (another dtype, no prompt-cache
+    bound), a box holding a deployment's limits budgets exactly the KV/state and prefill
+    activations preflight checks that deployment with."""
+    from k3dist.format.deployment import load_deployment
+    from k3dist.serve import preflight
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
-    box, req = plan.Box(), plan.PlanRequest()
-    assert (box.context, box.batch, box.prompt_cache_tokens, box.prefill_chunk) == (
-        tb5.max_context, tb5.max_batch, tb5.prompt_cache_tokens, tb5.prefill_chunk)
+    assert plan.SHIPPED == tb5
+    req = plan.PlanRequest()
     assert (req.attention, req.ranks) == (tb5.attention, tb5.size)
-    assert box.act_bytes == kvmemory.act_bytes(tb5.dtype)
+    tc = layout.text_config(real_config())
+    folder = _split_rank_folder(tmp_path / "rank0", tb5.size)
+    others = [load_deployment(None, max_context=8192, max_batch=3, prefill_chunk=64),
+              load_deployment(None, max_context=20000, max_batch=1, prefill_chunk=512,
+                              prompt_cache_tokens=50000, dtype="float16")]
+    boxes = [plan.Box()] + [plan.Box(context=d.max_context, batch=d.max_batch,
+                                     prompt_cache_tokens=d.prompt_cache_tokens,
+                                     prefill_chunk=d.prefill_chunk,
+                                     act_bytes=kvmemory.act_bytes(d.dtype)) for d in others]
+    for dep, box in zip([tb5, *others], boxes, strict=True):
+        kv = preflight.kv_need(folder, max_batch=dep.max_batch, max_context=dep.max_context,
+                               prompt_cache_tokens=dep.prompt_cache_tokens, dtype=dep.dtype)
+        act = preflight.activation_need(folder, max_context=dep.max_context,
+                                        prefill_chunk=dep.prefill_chunk, dtype=dep.dtype)
+        assert plan.kv_state(tc, box, tb5.size)["total"] == kv["total"], dep
+        assert plan.activations(tc, box, tb5.size)["total"] == act["total"], dep
 
 
 def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
@@ -118,8 +149,8 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
     holds the vision tower) + that headroom fit the wired limit the plan assumes, its
     runtime reserve left free."""
     from k3dist.build.slicing import vision_ranks
+    from k3dist.format.deployment import load_deployment
     from k3dist.serve import preflight
-    from k3dist.serve.config import load_deployment
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
     box = plan.Box()

@@ -47,9 +47,9 @@ Memory assumptions (:class:`Box` fields; every one a flag of ``python -m k3dist.
   context x 2 B``: mlx-lm's fallback path materialises both), over the heads a rank holds
   — plus the chunk's logits (F32), hidden states of the AttnRes block stack and the MoE
   intermediates;
-- the defaults describe the deployment the project ships, ``deploy/tb5.yaml``
-  (``tests/test_plan.py`` keeps them equal): attention split over the ranks, 4 requests at
-  128K, a 128K-token prompt cache, prefill chunks of 512 tokens.
+- the defaults describe the deployment the project ships, ``deploy/tb5.yaml`` (:data:`SHIPPED`,
+  read through ``k3dist.format.deployment``): attention split over the ranks, 4 requests at
+  128K, a 128K-token prompt cache, prefill chunks of 256 tokens.
 
 Promoted experts keep **no** 2-bit fallback copy in the lo bank by default: a route the
 hi bank cannot take (more than ``k_hi`` promoted routes in one token) is dropped and
@@ -83,6 +83,7 @@ from pathlib import Path
 
 from k3dist import REPO
 from k3dist.format import kvmemory, layout
+from k3dist.format.deployment import load_deployment
 
 GiB = 1 << 30
 
@@ -417,6 +418,10 @@ def account(config: dict, index: dict | None = None, where: str = "index") -> Ac
 # --------------------------------------------------------------------------- memory model
 
 
+# the deployment the project ships: Box's serving limits are its keys
+SHIPPED = load_deployment(REPO / "deploy" / "tb5.yaml")
+
+
 @dataclass(frozen=True)
 class Box:
     """One machine and what its resident set must leave room for (see module doc)."""
@@ -425,13 +430,13 @@ class Box:
     physical: int = 512 * GiB
     wired_limit_mb: int = 499712  # sysctl iogpu.wired_limit_mb (raised from the default)
     runtime_reserve: int = 4 * GiB  # MLX allocator cache, command buffers, collectives
-    # What the server holds (deploy/tb5.yaml's limits; tests/test_plan.py keeps them equal):
-    context: int = 131072  # tokens of one request (prompt + completion): max_context
-    batch: int = 4  # requests decoded together: max_batch
-    prompt_cache_tokens: int | None = 131072  # the prompt cache's bound; None: 4 x context
-    prefill_chunk: int = 256  # tokens of one prefill chunk: prefill_chunk
+    # What the server holds: the shipped deployment's keys (deploy/tb5.yaml)
+    context: int = SHIPPED.max_context  # tokens of one request (prompt + completion)
+    batch: int = SHIPPED.max_batch  # requests decoded together
+    prompt_cache_tokens: int | None = SHIPPED.prompt_cache_tokens  # None: 4 x context
+    prefill_chunk: int = SHIPPED.prefill_chunk  # tokens of one prefill chunk
     cache_step: int = kvmemory.CACHE_STEP  # mlx-lm KVCache growth step
-    act_bytes: int = 2  # bf16 activations and caches on Metal
+    act_bytes: int = kvmemory.act_bytes(SHIPPED.dtype)  # of activations and caches
 
     @property
     def wired(self) -> int:
@@ -497,7 +502,7 @@ ASSUMPTIONS = [
 
 @dataclass
 class PlanRequest:
-    ranks: int = 2
+    ranks: int = SHIPPED.size
     budget_per_rank: int | None = None  # weights + KV + activations; None: the box's
     target_expert_bpw: float | None = None  # instead of a budget
     lo: str = "auto"  # a QFormat name, or "auto"
@@ -511,7 +516,7 @@ class PlanRequest:
     nonexpert_from: dict[str, str] = field(default_factory=dict)  # class -> why its format
     # "split" (deploy/tb5.yaml's and every deployment's default: each rank holds its share
     # of the attention heads, k3dist.serve.model) | "replicated"
-    attention: str = "split"
+    attention: str = SHIPPED.attention
     lo_fallback: bool = False
     headroom: int = 8 * GiB  # kept free per rank beyond every modelled need
     k_hi_drop_target: float = 1e-5  # k_hi from uniform routing: P(overflow) below this

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from k3dist.format import graded, layout, manifest
 from k3dist.format import manifest as mf
+from k3dist.format.deployment import DTYPES as DTYPE_NAMES
 from k3dist.format.placement import Placement
 from k3dist.format.sfile import CheckpointError, read_header
 from k3dist.format.verify import verify_folder
 from k3dist.serve import banks
-from k3dist.serve.config import DTYPES as DTYPE_NAMES
 from k3dist.serve.model import make_model_class, resolve_form
 
 import mlx.core as mx

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from k3dist.format.deployment import MOE_FORMS
 from k3dist.format.placement import Placement
 from k3dist.serve import compat
-from k3dist.serve.config import MOE_FORMS
 from k3dist.serve.warmup import split_length
 
 import mlx.core as mx
