@@ -28,8 +28,8 @@ from pathlib import Path
 import k3dist
 from k3dist.bench import kit as bench
 from k3dist.factory import synth
+from k3dist.model.forms import MOE_FORMS
 from k3dist.serve import loader
-from k3dist.serve.config import MOE_FORMS
 
 import mlx.core as mx
 

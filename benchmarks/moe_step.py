@@ -23,7 +23,7 @@ import k3dist
 from k3dist.bench import kit as bench
 from k3dist.factory import synth
 from k3dist.format import layout, placement
-from k3dist.serve.model import ExpertParallelMoE
+from k3dist.model.experts import ExpertParallelMoE
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from k3dist.model.forms import MOE_FORMS  # noqa: F401 (read by launch/ through here)
+
 import yaml
 
 DEFAULT_DEPLOYMENT = Path("deploy/local.yaml")
-# how non-owned (token, expert) pairs are handled (k3dist.serve.model); "auto" picks one
-MOE_FORMS = ("placeholder", "local")
 # how attention is laid out across ranks (k3dist.format.layout.split_layers)
 ATTENTION_MODES = ("split", "replicated")
 # compute dtypes a deployment may ask for (MLX names)

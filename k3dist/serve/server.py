@@ -54,7 +54,8 @@ from queue import Queue
 from typing import Any
 
 from k3dist import __version__ as k3dist_version
-from k3dist.serve import anthropic_api, auth, compat, relay, responses_api, warmup
+from k3dist.model import compat
+from k3dist.serve import anthropic_api, auth, relay, responses_api, warmup
 from k3dist.serve.prompt_cache import K3PromptCache
 
 import mlx.core as mx
