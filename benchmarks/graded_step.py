@@ -102,7 +102,9 @@ def main() -> None:
     def routed(m: ExpertParallelMoE, x: mx.array) -> mx.array:
         inds, w = m._route(x)
         y = m.routed_expert_down_proj(x)
-        if args.form == "local" and not m._owns_all:
+        if not isinstance(m, two_bank.TwoBankMoE):  # mlx-lm's routed step
+            return (m.switch_mlp(y, inds) * w[..., None]).sum(axis=-2)
+        if args.form == "local":
             return m._routed_local(y, inds, w)
         return m._routed_placeholder(y, inds, w)
 
