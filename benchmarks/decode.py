@@ -22,7 +22,7 @@ import k3dist
 from k3dist.bench import kit as bench
 from k3dist.build import slicing
 from k3dist.factory import synth
-from k3dist.format.deployment import MOE_FORMS
+from k3dist.model.forms import MOE_FORMS
 from k3dist.serve import loader
 
 import mlx.core as mx

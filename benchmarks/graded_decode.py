@@ -4,7 +4,7 @@ side by side in one process (interleaved rounds, so drift cancels).
     python benchmarks/graded_decode.py --build runs/quality/2bit-g32 \\
         --build runs/quality/graded-20-global-taylor --out results.json
 
-Each build (``k3dist.serve.banks.load_build``: one process, every expert local, the
+Each build (``k3dist.model.two_bank.load_build``: one process, every expert local, the
 sync-free ``placeholder`` form that Metal uses) prefills the same prompt, then decodes
 one token at a time from its own cache; a round times ``--steps`` tokens of every build
 in turn. Reported: median milliseconds per token over rounds, and each build's ratio to
@@ -20,7 +20,7 @@ import time
 
 from k3dist.bench import kit as bench
 from k3dist.format.graded import GradedMap
-from k3dist.serve import banks
+from k3dist.model import two_bank
 
 import mlx.core as mx
 import numpy as np
@@ -36,7 +36,7 @@ def main() -> None:
     a = ap.parse_args()
     models = []
     for p in a.build:
-        model, config = banks.load_build(p, "float32", "placeholder")
+        model, config = two_bank.load_build(p, "float32", "placeholder")
         models.append((p, model, GradedMap.from_config(config)))
     V = models[0][1].args.text_config.vocab_size
     prompt = mx.array(np.random.default_rng(0).integers(0, V, size=(1, a.prompt)))

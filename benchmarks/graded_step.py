@@ -29,8 +29,8 @@ from k3dist.bench import kit as bench
 from k3dist.build.plan import QFormat
 from k3dist.factory import synth
 from k3dist.format import layout, placement
-from k3dist.serve import banks
-from k3dist.serve.model import ExpertParallelMoE
+from k3dist.model import two_bank
+from k3dist.model.experts import ExpertParallelMoE
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,7 +56,7 @@ def build(
         table = np.where(owners == 0, np.cumsum(owners == 0) - 1, -1).astype(np.int32)
         m = ExpertParallelMoE(args, table, None, form)
     else:
-        m = banks.TwoBankMoE(args, owners, 0, None, form, hi_ids, k_hi, False)
+        m = two_bank.TwoBankMoE(args, owners, 0, None, form, hi_ids, k_hi, False)
         _quantize(m, "switch_hi", QFormat.parse("mxfp4"))
     _quantize(m, "switch_mlp", lo)
     m.set_dtype(mx.float32)
@@ -102,7 +102,9 @@ def main() -> None:
     def routed(m: ExpertParallelMoE, x: mx.array) -> mx.array:
         inds, w = m._route(x)
         y = m.routed_expert_down_proj(x)
-        if args.form == "local" and not m._owns_all:
+        if not isinstance(m, two_bank.TwoBankMoE):  # mlx-lm's routed step
+            return (m.switch_mlp(y, inds) * w[..., None]).sum(axis=-2)
+        if args.form == "local":
             return m._routed_local(y, inds, w)
         return m._routed_placeholder(y, inds, w)
 

@@ -5,8 +5,8 @@
 Times, in one process and interleaved (so drift cancels), the expert part of a
 decode step (batch 1) on rank 0 of ``size``:
   all       - every routed pair computed (N = 1, mlx-lm's computation)
-  placeholder - as implemented, sync-free: non-owned pairs on local expert 0, weight 0
-  local     - as implemented, host sync: only owned pairs gathered and computed
+  placeholder - as implemented, sync-free: non-owned pairs on local expert 0, zeroed
+  local     - as implemented, host sync: only owned pairs gathered, computed, scattered
   owned     - lower bound: the owned pairs alone, indices known in advance
 No collective runs here: this is compute only (see benchmarks/decode.py for comms).
 """
@@ -23,13 +23,14 @@ import k3dist
 from k3dist.bench import kit as bench
 from k3dist.factory import synth
 from k3dist.format import layout, placement
-from k3dist.serve.model import ExpertParallelMoE
+from k3dist.model.experts import ExpertParallelMoE
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import numpy as np
 from mlx_lm.models import kimi_k3
+from mlx_lm.models.switch_layers import SwitchGLU
 
 
 def build_layer(tc: dict, table: np.ndarray, form: str, seed: int) -> ExpertParallelMoE:
@@ -70,13 +71,12 @@ def main() -> None:
         mx.eval(x)
 
     def routed(m: ExpertParallelMoE, x: mx.array, form: str) -> mx.array:
+        """The routed step of mlx-lm's forward: switch_mlp, then the weighted sum."""
         inds, w = m._route(x)
         y = m.routed_expert_down_proj(x)
-        if form == "local":
-            return m._routed_local(y, inds, w)
         if form == "owned":  # indices known in advance: only the lower bound
-            return m.switch_mlp(y, owned_inds).sum(axis=-2)
-        return m._routed_placeholder(y, inds, w)
+            return SwitchGLU.__call__(m.switch_mlp, y, owned_inds).sum(axis=-2)
+        return (m.switch_mlp(y, inds) * w[..., None]).sum(axis=-2)
 
     owned_inds = mx.array(np.arange(k // args.size, dtype=np.int32)[None, None] % (E // args.size))
     cases = {"all": ("all", "placeholder"), "placeholder": ("placeholder", "placeholder"),

@@ -66,7 +66,7 @@ def rank_pids(port: int) -> dict[int, int]:
 def reference_tokens(build: Path, max_tokens: int) -> list[int]:
     """Single-process mlx-lm (load_model) on the unsliced build, greedy."""
     from k3dist.format.graded import GradedMap
-    from k3dist.serve import banks
+    from k3dist.model import two_bank
 
     import mlx.core as mx
     from mlx_lm.generate import generate_step
@@ -74,7 +74,7 @@ def reference_tokens(build: Path, max_tokens: int) -> list[int]:
     from mlx_lm.utils import load_model, load_tokenizer
 
     graded = GradedMap.from_config(json.loads((build / "config.json").read_text()))
-    model = banks.load_build(build)[0] if graded is not None else load_model(build)[0]
+    model = two_bank.load_build(build)[0] if graded is not None else load_model(build)[0]
     model.set_dtype(mx.float32)
     tok = load_tokenizer(build, {"trust_remote_code": False})
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)

@@ -11,9 +11,9 @@ from k3dist.format import layout
 from k3dist.format.graded import GradedMap, balance_hi
 from k3dist.format.placement import contiguous
 from k3dist.format.sfile import CheckpointError, read_bytes, read_header
-from k3dist.serve import banks
+from k3dist.model import two_bank
+from k3dist.model.experts import ExpertParallelMoE
 from k3dist.serve.engine import greedy
-from k3dist.serve.model import ExpertParallelMoE
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -65,7 +65,8 @@ def _pair(single, mode, hi_ids, k_hi, fallback, form="placeholder", hi_mode=None
     tc = moe.args
     E = tc.num_experts
     one = ExpertParallelMoE(tc, np.arange(E, dtype=np.int32), None, "placeholder")
-    two = banks.TwoBankMoE(tc, np.zeros(E, dtype=np.int32), 0, None, form, hi_ids, k_hi, fallback)
+    two = two_bank.TwoBankMoE(tc, np.zeros(E, dtype=np.int32), 0, None, form, hi_ids, k_hi,
+                              fallback)
 
     def proj(p):
         return p.startswith("switch_") and p.endswith(PROJS)
@@ -282,7 +283,7 @@ def test_loader_checks_bank_rows(graded, tmp_path):
 
 @pytest.fixture(scope="module")
 def graded_oracle(graded):
-    model, config = banks.load_build(graded)
+    model, config = two_bank.load_build(graded)
     model.count_routes(True)
     vocab = config["text_config"]["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab - 256, size=40).tolist()
@@ -436,7 +437,7 @@ def test_plan_then_grade(mini_build, tmp_path):
         assert gmap.k_hi[int(layer)] == plan["k_hi_uniform"][layer]
     assert gmap.lo == "2bit-g32"
     assert json.loads((tmp_path / "g" / "k3dist.json").read_text())["plan"] == plan
-    model, _ = banks.load_build(tmp_path / "g")  # loads and runs
+    model, _ = two_bank.load_build(tmp_path / "g")  # loads and runs
     assert greedy(model, [5, 6, 7], 2)[0]
 
 
@@ -455,7 +456,7 @@ def test_two_rank_ep_of_an_uneven_global_promotion(mini_build, tmp_path):
     assert all(len(v) % 2 == 0 for v in promoted.values())
     k_hi = {i: (k if i == moe[0] else 1) for i in moe}
     build = grade.grade(mini_build, tmp_path / "g", promoted, k_hi, "2bit-g32", progress=False)
-    model, config = banks.load_build(build)
+    model, config = two_bank.load_build(build)
     vocab = config["text_config"]["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab - 256, size=40).tolist()
     tokens, logits = greedy(model, prompt, 16)

@@ -81,8 +81,8 @@ def test_warm_up_runs_every_batch_size_the_server_can_take(build, tmp_path):
 def test_moe_layers_give_each_row_of_a_batch_what_it_gets_alone(build, form):
     """Both MoE classes (ExpertParallelMoE, graded TwoBankMoE), with another rank's
     experts in the routing: a batch of 8 decode rows equals the 8 rows one at a time."""
-    from k3dist.serve.banks import TwoBankMoE
-    from k3dist.serve.model import ExpertParallelMoE
+    from k3dist.model.experts import ExpertParallelMoE
+    from k3dist.model.two_bank import TwoBankMoE
 
     from mlx_lm.models import kimi_k3
 

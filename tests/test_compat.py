@@ -7,7 +7,7 @@ import importlib
 import inspect
 from pathlib import Path
 
-from k3dist.serve import compat
+from k3dist.model import compat
 
 import mlx.core as mx
 import mlx_lm
@@ -92,7 +92,7 @@ def test_every_private_mlx_lm_name_in_use_is_listed():
     listed = {path.rsplit(".", 1)[-1].rsplit(":", 1)[-1] for path in compat.PRIVATE}
     unlisted = {k: sorted(v) for k, v in private_names_in_use().items() if k not in listed}
     assert not unlisted, (
-        f"k3dist uses private mlx-lm names that k3dist.serve.compat.PRIVATE does not list: "
+        f"k3dist uses private mlx-lm names that k3dist.model.compat.PRIVATE does not list: "
         f"{unlisted}. Add each there (module:Class.name -> what k3dist uses it for)."
     )
 
@@ -109,7 +109,7 @@ def test_every_private_mlx_lm_name_is_there():
     assert not gone, (
         "mlx-lm changed: k3dist relies on these private names, now gone: "
         + "; ".join(gone)
-        + ". Adapt k3dist.serve.compat and its users."
+        + ". Adapt k3dist.model.compat and its users."
     )
 
 

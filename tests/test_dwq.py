@@ -10,7 +10,7 @@ from k3dist.build import dwq, grade, teacher
 from k3dist.format import layout
 from k3dist.format.graded import HI, LO
 from k3dist.format.sfile import read_bytes, read_header
-from k3dist.serve import banks
+from k3dist.model import two_bank
 
 import mlx.core as mx
 import numpy as np
@@ -72,7 +72,7 @@ def test_output_loads_and_is_closer_to_the_teacher(setup, mini_build):
     x = mx.array(tokens[:2])
 
     def kl(path):
-        model, _ = banks.load_build(path)
+        model, _ = two_bank.load_build(path)
         s = teacher.log_softmax(model(x))
         return float((mx.exp(logp) * (logp - s)).sum(-1).mean())
 

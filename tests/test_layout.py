@@ -1,4 +1,5 @@
-"""The package's layers: serving imports the format layer only, no import cycles."""
+"""The package's layers: serving imports the format and model layers only, build nothing
+from serve, no import cycles."""
 
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ PACKAGE = REPO / "k3dist"
 # what each subpackage may import from k3dist (besides itself and the package root)
 MAY_IMPORT = {
     "format": set(),
-    # build runs serve's model (a block of a graded build: the streamed teacher,
-    # calibration); serving never imports build (SERVING below)
-    "build": {"format", "serve"},
-    "serve": {"format"},
-    "factory": {"format", "build"},
-    "bench": {"format", "build", "serve", "factory"},
+    # the EP model: mlx-lm's kimi_k3 with the routed experts swapped
+    "model": {"format"},
+    # build runs the model (a block of a graded build: the streamed teacher,
+    # calibration), never serving; serving never imports build (SERVING below)
+    "build": {"format", "model"},
+    "serve": {"format", "model"},
+    "factory": {"format", "model", "build"},
+    "bench": {"format", "model", "build", "serve", "factory"},
 }
 # launch/serve.py with its rank folder in place, in a fresh interpreter: exactly these
 SERVING = {
@@ -36,16 +39,20 @@ SERVING = {
     "k3dist.format.placement",
     "k3dist.format.sfile",
     "k3dist.format.verify",
+    "k3dist.model",
+    "k3dist.model.attention",
+    "k3dist.model.compat",
+    "k3dist.model.ep",
+    "k3dist.model.experts",
+    "k3dist.model.forms",
+    "k3dist.model.two_bank",
     "k3dist.serve",
     "k3dist.serve.anthropic_api",
     "k3dist.serve.auth",
-    "k3dist.serve.banks",
-    "k3dist.serve.compat",
     "k3dist.format.deployment",
     "k3dist.serve.keepawake",
     "k3dist.serve.loader",
     "k3dist.serve.lockstep",
-    "k3dist.serve.model",
     "k3dist.serve.notices",
     "k3dist.serve.openai_api",
     "k3dist.serve.preflight",
@@ -91,6 +98,12 @@ def test_each_layer_imports_only_the_layers_below():
             other = d.split(".")[1] if d.count(".") else None
             if other not in (None, "_blas", layer) and other not in MAY_IMPORT[layer]:
                 wrong.append(f"{mod} imports {d}")
+    assert not wrong, wrong
+
+
+def test_build_imports_nothing_from_serve():
+    wrong = sorted(f"{m} imports {d}" for m, deps in _imports().items()
+                   if m.startswith("k3dist.build") for d in deps if d.startswith("k3dist.serve"))
     assert not wrong, wrong
 
 

@@ -13,7 +13,7 @@ from k3dist.build import convert, grade, slicing
 from k3dist.build.plan import QFormat
 from k3dist.factory import quality, synth
 from k3dist.format import layout
-from k3dist.serve import banks
+from k3dist.model import two_bank
 from k3dist.serve.engine import greedy
 
 import mlx.core as mx
@@ -61,7 +61,7 @@ def test_lo_bank_values_and_bytes(build128, moe, lo, tmp_path):
 def test_two_rank_graded_g128_equals_single_process(build128, moe, tmp_path):
     graded = grade.grade(build128, tmp_path / "g", {i: PROMOTED for i in moe}, 1, "2bit-g128",
                          progress=False)
-    model, config = banks.load_build(graded)
+    model, config = two_bank.load_build(graded)
     model.count_routes(True)
     vocab = config["text_config"]["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab - 256, size=40).tolist()

@@ -15,7 +15,7 @@ from k3dist.build.checkpoint import Source
 from k3dist.format import kvmemory, layout
 from k3dist.format.graded import HI, LO
 from k3dist.format.sfile import read_bytes, read_header
-from k3dist.serve import banks
+from k3dist.model import two_bank
 
 import mlx.core as mx
 import numpy as np
@@ -74,7 +74,7 @@ def test_uniform_profiles_load_and_order_by_bytes(mini_src, mini_build, profiles
     ref_logits = _logits(ref, vocab)
     kl = {}
     for p, build in profiles.items():
-        model, cfg = banks.load_build(build)
+        model, cfg = two_bank.load_build(build)
         got = _logits(model, vocab)
         assert np.isfinite(got).all()
         kl[p] = float(np.abs(got - ref_logits).mean())
@@ -155,7 +155,7 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, alloca
     att = [v for k, v in q.items() if ".self_attn." in k]
     assert att and all(v["bits"] == int(plan["nonexpert"]["attention"]["format"][0])
                        for v in att)
-    model, _ = banks.load_build(out)
+    model, _ = two_bank.load_build(out)
     assert np.isfinite(_logits(model, tc["vocab_size"])).all()
     # resumable / idempotent: a second run finds both stages complete
     again = convert.convert_profile(

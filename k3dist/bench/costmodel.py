@@ -3,7 +3,7 @@ the bytes read, the FLOPs and the collectives of each way to split the model.
 
 Modes (what each rank holds and computes; counts follow the code, not a sketch):
 
-- ``ep-replicated`` (``k3dist.serve.model``): attention, router, latent projections, norms
+- ``ep-replicated`` (``k3dist.model``): attention, router, latent projections, norms
   and layer 0's dense MLP on every rank; shared experts split by their intermediate
   dimension; routed experts by a placement. One ``all_sum`` per MoE layer of the
   routed latent output (3584) + the shared partial output (7168).
@@ -470,7 +470,7 @@ def _routed_loads(f: Facts, size: int, pl: Placement | None, counts, samples: in
 # ---------------------------------------------------------------- one step
 
 def shared_splits(f: Facts, size: int) -> bool:
-    """Whether EP splits the shared experts (k3dist.serve.model.shard_shared_experts)."""
+    """Whether EP splits the shared experts (model.experts.ExpertParallelMoE.shard_shared)."""
     inter = f.tc["moe_intermediate_size"] * (f.tc.get("num_shared_experts") or 0)
     if not inter or inter % size:
         return False

@@ -22,7 +22,7 @@ Per student: expert bytes (every routed-expert tensor of its files: codes, scale
 biases, both banks, a fallback copy included) and expert bits per weight (those bytes
 over the routed expert parameters, each counted once); for a graded student the measured
 ``k_hi`` drop rate (routes past ``k_hi`` that had no lo-bank fallback, over all routes;
-``k3dist.serve.banks``). Float32 activations on CPU; deterministic across re-runs.
+``k3dist.model.two_bank``). Float32 activations on CPU; deterministic across re-runs.
 
     python -m k3dist.bench.evaluate --teacher runs/mini-build \\
         --student runs/quality/2bit-g32 --student runs/quality/graded-10-frequency \\

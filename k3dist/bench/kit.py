@@ -40,13 +40,11 @@ from k3dist.build.checkpoint import load_config
 from k3dist.factory import synth
 from k3dist.format import layout, placement
 from k3dist.format.journal import locked, remake_stale
-from k3dist.serve import compat, introspect, loader
-from k3dist.serve.model import (
-    ExpertParallelMoE,
-    QuantizedSumLinear,
-    SumLinear,
-    resolve_form,
-)
+from k3dist.model import compat
+from k3dist.model.attention import QuantizedSumLinear, SumLinear
+from k3dist.model.experts import ExpertParallelMoE
+from k3dist.model.forms import resolve_form
+from k3dist.serve import introspect, loader
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -141,10 +141,10 @@ def _model_check(path: Path, config: dict) -> list[str]:
     from mlx_lm.utils import load_model
 
     if "graded" in config:
-        from k3dist.serve import banks
+        from k3dist.model import two_bank
 
         def loader():
-            return banks.load_build(path, lazy=True)
+            return two_bank.load_build(path, lazy=True)
     else:
         def loader():
             return load_model(path, lazy=True, strict=True)

@@ -479,7 +479,7 @@ ASSUMPTIONS = [
     "materialised), F32 logits of the chunk, hidden states of the AttnRes block stack, MoE "
     "intermediates",
     "attention split across ranks by heads (the default, as deploy/tb5.yaml and every "
-    "deployment serve it, k3dist.serve.model: attention weights, KDA state and prefill "
+    "deployment serve it, k3dist.model.attention: attention weights, KDA state and prefill "
     "activations divided over the ranks, the MLA latent cache whole on each); "
     "--attention replicated keeps all of it on every rank; shared experts split by their "
     "intermediate dimension; routed experts split evenly, promoted experts balanced",
@@ -515,7 +515,7 @@ class PlanRequest:
     nonexpert: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NONEXPERT))
     nonexpert_from: dict[str, str] = field(default_factory=dict)  # class -> why its format
     # "split" (deploy/tb5.yaml's and every deployment's default: each rank holds its share
-    # of the attention heads, k3dist.serve.model) | "replicated"
+    # of the attention heads, k3dist.model.attention) | "replicated"
     attention: str = SHIPPED.attention
     lo_fallback: bool = False
     headroom: int = 8 * GiB  # kept free per rank beyond every modelled need

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from k3dist.format import layout
 from k3dist.format.graded import GRADED_KEY
-from k3dist.serve import compat
+from k3dist.model import compat
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -148,9 +148,9 @@ def load_lazy(path: str | Path, dtype: str = "float32") -> nn.Module:
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     if GRADED_KEY in config:
-        from k3dist.serve import banks
+        from k3dist.model import two_bank
 
-        model, _ = banks.load_build(path, dtype, lazy=True)
+        model, _ = two_bank.load_build(path, dtype, lazy=True)
     else:
         model, _ = load_model(path, lazy=True)
         model.set_dtype({"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype])

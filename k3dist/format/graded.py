@@ -7,7 +7,7 @@ fallback copy) and the **hi bank** (``mlp.switch_hi``: the promoted experts in t
 original MXFP4 bytes), each in ascending global id. ``config.json`` ``graded``
 (:class:`GradedMap`): ``hi`` (promoted global ids per MoE layer), ``k_hi`` per layer,
 ``lo_fallback``, ``lo`` (format name). The slicer, the grader and the loader read it
-here; ``k3dist.serve.banks`` runs it.
+here; ``k3dist.model.two_bank`` runs it.
 """
 
 from __future__ import annotations

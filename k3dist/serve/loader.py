@@ -22,8 +22,9 @@ from k3dist.format.deployment import DTYPES as DTYPE_NAMES
 from k3dist.format.placement import Placement
 from k3dist.format.sfile import CheckpointError, read_header
 from k3dist.format.verify import verify_folder
-from k3dist.serve import banks
-from k3dist.serve.model import make_model_class, resolve_form
+from k3dist.model import two_bank
+from k3dist.model.ep import make_model_class
+from k3dist.model.forms import resolve_form
 
 import mlx.core as mx
 import numpy as np
@@ -174,7 +175,7 @@ def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
     gmap = graded.GradedMap.from_config(json.loads((Path(folder) / "config.json").read_text()))
     split = mf.attention_of(manifest)["split_layers"]
     cls = (make_model_class(placement, rank, group, resolve_form(form), split) if gmap is None
-           else banks.make_model_class(placement, rank, group, resolve_form(form), gmap, split))
+           else two_bank.make_model_class(placement, rank, group, resolve_form(form), gmap, split))
     try:
         model, config = load_model(Path(folder), lazy=True, strict=True,
                                    get_model_classes=lambda config: (cls, kimi_k3.ModelArgs))

@@ -41,7 +41,7 @@ from queue import Empty as QueueEmpty
 from queue import Queue
 from types import SimpleNamespace
 
-from k3dist.serve import compat
+from k3dist.model import compat
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server

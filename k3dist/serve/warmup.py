@@ -31,16 +31,6 @@ def chunk_sizes(prefill_chunk: int) -> list[int]:
     return out
 
 
-def split_length(n: int, sizes: list[int]) -> list[int]:
-    """``n`` as a sum of the allowed sizes, largest first."""
-    parts = []
-    for s in sizes:
-        while n >= s:
-            parts.append(s)
-            n -= s
-    return parts
-
-
 def jit_cache_dir() -> Path:
     """Where MLX's CPU backend keeps the kernels it compiles (one shared library
     per fused graph): counting them counts compilations."""

@@ -1,6 +1,6 @@
 """Every rank: load its folder in each MoE form, decode a batch of prompts together
 (k3dist.serve.engine.batch_decode) and count the local form's host syncs (calls of
-ExpertParallelMoE._routed_local, each reads the routing on the host) in one decode
+OwnedExperts._local, each reads the routing on the host) in one decode
 step at batch 1 and at the full batch. Writes a JSON report per rank."""
 
 from __future__ import annotations
@@ -8,29 +8,31 @@ from __future__ import annotations
 import argparse
 import json
 
+from k3dist.model.experts import ExpertParallelMoE, OwnedExperts
 from k3dist.serve import engine, loader, warmup
-from k3dist.serve.model import ExpertParallelMoE
 
 import mlx.core as mx
 
 
 def host_syncs_per_step(model, batch: int) -> int:
-    layers = [layer.mlp for layer in model.layers if isinstance(layer.mlp, ExpertParallelMoE)]
+    layers = [layer.mlp.switch_mlp for layer in model.layers
+              if isinstance(layer.mlp, ExpertParallelMoE)]
+    assert all(isinstance(m, OwnedExperts) for m in layers)
     calls = [0]
     for m in layers:
-        inner = m._routed_local
+        inner = m._local
 
         def counted(*a, _inner=inner):
             calls[0] += 1
             return _inner(*a)
 
-        m._routed_local = counted
+        m._local = counted
     try:
         cache = model.make_cache()
         mx.eval(model(mx.ones((batch, 1), dtype=mx.int32), cache=cache))
     finally:
         for m in layers:
-            del m._routed_local
+            del m._local
     return calls[0]
 
 

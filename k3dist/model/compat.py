@@ -46,8 +46,8 @@ PRIVATE = {
     "mlx_lm.models.cache:LRUPromptCache.CacheOrder._lrus": "read with _lru (tokens held)",
     "mlx_lm.server:_image_url": "called by k3dist.serve.vision: an image part's URL",
     "mlx_lm.models.kimi_k3:KimiK3DeltaAttention._step":
-        "reset by k3dist.serve.model / introspect: the compiled KDA decode core is dropped "
-        "so warm-up and kernel counts start clean",
+        "reset by k3dist.model.ep / k3dist.serve.introspect: the compiled KDA decode core "
+        "is dropped so warm-up and kernel counts start clean",
     "mlx_lm.models.kimi_k3:KimiK3DecoderLayer._attn_res_w_eff":
         "reset by k3dist.factory.train after an update (cached AttnRes weights)",
     "mlx_lm.models.kimi_k3:KimiK3DecoderLayer._mlp_res_w_eff": "reset with _attn_res_w_eff",

@@ -37,7 +37,8 @@ from pathlib import Path
 from k3dist.format import layout
 from k3dist.format.graded import GRADED_KEY, GradedError, GradedMap
 from k3dist.format.placement import Placement, contiguous
-from k3dist.serve import model as ep
+from k3dist.model import ep
+from k3dist.model.experts import ExpertParallelMoE
 
 import mlx.core as mx
 import numpy as np
@@ -46,8 +47,14 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lm.utils import load_model
 
 
-class TwoBankMoE(ep.ExpertParallelMoE):
-    """``ExpertParallelMoE`` with a lo and a hi expert stack (module doc)."""
+class TwoBankMoE(ExpertParallelMoE):
+    """``ExpertParallelMoE`` with a lo and a hi expert stack (module doc).
+
+    mlx-lm calls ``switch_mlp(y, inds)`` without the router weights, and the hi bank's
+    choice needs them (the ``k_hi`` heaviest promoted routes), so this layer alone runs
+    its own forward: mlx-lm's ``KimiK3SparseMoE.__call__`` with the routed step
+    (``_routed_placeholder`` / ``_routed_local``) in place of ``switch_mlp`` and the
+    weighted sum; tests/test_banks.py holds it equal to the single-bank layer."""
 
     def __init__(
         self,
@@ -66,7 +73,15 @@ class TwoBankMoE(ep.ExpertParallelMoE):
         promoted[hi_ids] = True
         in_lo = np.ones(E, dtype=bool) if lo_fallback else ~promoted
         lo_table = _table(in_lo & (owners == rank))
-        super().__init__(args, lo_table, group, form)  # switch_mlp: this rank's lo rows
+        super().__init__(args, lo_table, group, form)
+        # switch_mlp: this rank's lo rows, addressed by local row (the tables below)
+        self.switch_mlp = SwitchGLU(
+            self.latent_size or args.hidden_size, args.moe_intermediate_size,
+            int((lo_table >= 0).sum()),
+            activation=kimi_k3.SiTU(args.activation_situ_beta or 1.0,
+                                    args.activation_situ_linear_beta))
+        self._table_np = lo_table
+        self._table = mx.array(lo_table)
         self._hi_table_np = _table(promoted & (owners == rank))
         self._hi_table = mx.array(self._hi_table_np)
         self._promoted = mx.array(promoted)
@@ -89,7 +104,6 @@ class TwoBankMoE(ep.ExpertParallelMoE):
                     args.activation_situ_beta or 1.0, args.activation_situ_linear_beta
                 ),
             )
-        self._owns_all = False  # the tables always apply (lo may not hold every expert)
         # Opt-in route counting (lazy; route_stats() reads it): overflowing promoted
         # routes, dropped routes, token-layers with an overflow, routes, tokens.
         self.count_routes = False
@@ -135,6 +149,27 @@ class TwoBankMoE(ep.ExpertParallelMoE):
 
     def reset_route_stats(self) -> None:
         self._counts = mx.zeros((5,), dtype=mx.int32)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, w = self._route(x)
+        y = self.routed_expert_down_proj(x) if self.latent_size is not None else x
+        y = (self._routed_local if self.form == "local" else self._routed_placeholder)(y, inds, w)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if self.sharding_group is not None:
+            # one collective for routed + shared partial sums, as mlx-lm's
+            if shared is not None:
+                both = mx.distributed.all_sum(mx.concatenate([y, shared], axis=-1),
+                                              group=self.sharding_group)
+                y, shared = mx.split(both, [y.shape[-1]], axis=-1)
+            else:
+                y = mx.distributed.all_sum(y, group=self.sharding_group)
+        if self.routed_expert_norm is not None:
+            y = self.routed_expert_norm(y)
+        if self.latent_size is not None:
+            y = self.routed_expert_up_proj(y)
+        if shared is not None:
+            y = y + shared
+        return y if self.replicated_shared is None else y + self.replicated_shared(x)
 
     def _routed_placeholder(self, y: mx.array, inds: mx.array, w: mx.array) -> mx.array:
         pos, hit, taken, prom = self._select_hi(inds, w)
@@ -193,7 +228,7 @@ def make_model_class(
     placement: Placement, rank: int, group: mx.distributed.Group | None, form: str, gmap: GradedMap,
     split_layers: list[int] | tuple = (),
 ) -> type[kimi_k3.Model]:
-    """``k3dist.model.make_model_class`` with every MoE layer two-banked."""
+    """``k3dist.model.ep.make_model_class`` with every MoE layer two-banked."""
     base = ep.make_model_class(placement, rank, group, form, split_layers)
 
     class GradedK3(base):
@@ -201,7 +236,7 @@ def make_model_class(
             super().__init__(args)
             tc = args.text_config
             for i, layer in enumerate(self.language_model.model.layers):
-                if isinstance(layer.mlp, ep.ExpertParallelMoE):
+                if isinstance(layer.mlp, ExpertParallelMoE):
                     layer.mlp = TwoBankMoE(
                         tc,
                         np.asarray(placement.owners[i]),
