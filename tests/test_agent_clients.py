@@ -50,12 +50,15 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(ranks, work, tmp_path_factory):
-    calls = {"Read": k3_call("Read", {"file_path": str(work / "hello.txt")})}
-    s = Server(ranks, tmp_path_factory.mktemp("agent-clients"),
+    calls = {"Read": k3_call("Read", {"file_path": str(work / "hello.txt")}),
+             "exec_command": k3_call("exec_command", {"cmd": "cat hello.txt"})}
+    tmp = tmp_path_factory.mktemp("agent-clients")
+    s = Server(ranks, tmp,
                ("--max-context", "16384", "--prefill-chunk", "512", "--max-batch", "1",
                 "--no-warmup"),
                entry=REPO / "tests/scripts/serve_scripted.py",
-               env={"K3_TEST_TOOL_CALLS": json.dumps(calls)})
+               env={"K3_TEST_TOOL_CALLS": json.dumps(calls),
+                    "K3_TEST_PROMPT_LOG": str(tmp / "prompts.txt")})
     yield s
     s.stop()
 
@@ -115,29 +118,47 @@ def test_claude_code_bare_and_default_with_a_tool_round_trip(srv, work, tmp_path
     assert "?beta=true" in srv.output()
 
 
-@_installed(CODEX)
-def test_codex_exec_with_its_default_tools(srv, work, tmp_path):
-    (tmp_path / "codex").mkdir()
-    (tmp_path / "instructions.md").write_text("You are a coding agent. Be terse.\n")
+def _codex(srv, work: Path, tmp: Path, prompt: str) -> list[dict]:
+    (tmp / "codex").mkdir(parents=True)
+    (tmp / "instructions.md").write_text("You are a coding agent. Be terse.\n")
     provider = (f'{{name="k3", base_url="{srv.url}/v1", env_key="K3_API_KEY", '
                 'wire_api="responses", stream_idle_timeout_ms=60000, '
                 'request_max_retries=0, stream_max_retries=0}')
-    env = _env(tmp_path, CODEX_HOME=str(tmp_path / "codex"), K3_API_KEY="dummy-key")
+    env = _env(tmp, CODEX_HOME=str(tmp / "codex"), K3_API_KEY="dummy-key")
     # its default tools (functions, a namespace, web_search) as sent; only the long
     # base instructions are replaced, to keep the mini's prefill short. Idle timeout 60 s:
     # a prefill longer than that (minutes here under load) must send progress events
     rc, out, err = _run([str(CODEX), "exec", "--skip-git-repo-check", "--json",
                          "-m", "kimi-k3", "-c", 'model_provider="k3"',
                          "-c", f"model_providers.k3={provider}",
-                         "-c", f'model_instructions_file="{tmp_path / "instructions.md"}"',
-                         "-c", "analytics.enabled=false", "say hi"], env, work)
+                         "-c", f'model_instructions_file="{tmp / "instructions.md"}"',
+                         "-c", "analytics.enabled=false", prompt], env, work)
     events = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     kinds = [e["type"] for e in events]
     assert rc == 0 and kinds[-1] == "turn.completed", (rc, out[-3000:], err[-3000:])
     said = [e["item"].get("text") for e in events if e["type"] == "item.completed"
             and e["item"]["type"] == "agent_message"]
     assert said == ["Hi."], events
+    return events
+
+
+@_installed(CODEX)
+def test_codex_exec_with_its_default_tools_and_a_tool_round_trip(srv, work, tmp_path):
+    _codex(srv, work, tmp_path / "plain", "say hi")
     assert "web_search" in srv.output()  # dropped, with its notice
+    # the model calls exec_command (Codex's default shell tool); Codex runs it and sends
+    # its output back as a function_call_output; the model answers
+    prompts = srv.tmp / "prompts.txt"
+    seen = prompts.read_text() if prompts.exists() else ""
+    events = _codex(srv, work, tmp_path / "tool", "CALL_TOOL: cat hello.txt")
+    runs = [e["item"] for e in events if e["type"] == "item.completed"
+            and e["item"]["type"] == "command_execution"]
+    assert len(runs) == 1 and "cat hello.txt" in runs[0]["command"], events
+    assert FILE_TEXT in runs[0]["aggregated_output"] and runs[0]["exit_code"] == 0, runs
+    # what reached the model: the call's request, then the one with the command's output
+    new = (prompts.read_text())[len(seen):].split("<|end of prompt|>")[:-1]
+    assert len(new) == 2 and 'role="tool"' not in new[0], new
+    assert 'role="tool"' in new[1] and FILE_TEXT in new[1].split('role="tool"', 1)[1]
 
 
 @_installed(AIDER)

@@ -133,3 +133,58 @@ def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_src, mi
     got, raw = post_raw(vsrv.url + CHAT, json.dumps(_chat(_data_url(other))).encode(), 120)
     assert got == 200, raw[:300]
     assert set(vsrv.rank_pids()) == {0, 1}
+
+
+def test_image_inside_an_anthropic_tool_result_is_an_image_of_the_tool_message(vsrv,
+                                                                                mini_build):
+    from k3dist.serve import anthropic_api
+
+    rng = np.random.default_rng(1)
+    img = Image.fromarray(rng.integers(0, 256, (45, 80, 3), dtype=np.uint8))
+    src = {"type": "base64", "media_type": "image/png",
+           "data": base64.b64encode(_png(img)).decode()}
+    body = {"model": "kimi-k3", "max_tokens": 3, "temperature": 0,
+            "tools": [{"name": "Read", "description": "Read a file",
+                       "input_schema": {"type": "object",
+                                        "properties": {"path": {"type": "string"}}}}],
+            "messages": [
+                {"role": "user", "content": "What is in shot.png?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                                   "name": "Read",
+                                                   "input": {"path": "shot.png"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                              "content": [{"type": "image", "source": src},
+                                                          {"type": "text",
+                                                           "text": "shot.png"}]}]}]}
+    got, raw = post_raw(vsrv.url + "/v1/messages", json.dumps(body).encode(), 120)
+    assert got == 200, raw[:500]
+    reply = json.loads(raw)
+
+    # the prompt: the tool message's image expanded into the processor's pads
+    chat = anthropic_api.to_chat(body)
+    tool = chat["messages"][-1]
+    assert tool["role"] == "tool" and [p["type"] for p in tool["content"]] == \
+        ["image_url", "text"]
+    tok = load_tokenizer(mini_build)
+    proc = vision.K3Processor(json.loads((mini_build / "config.json").read_text())
+                              ["vision_config"])
+    text = tok.apply_chat_template(chat["messages"], tools=chat["tools"],
+                                   add_generation_prompt=True, tokenize=False,
+                                   **chat["chat_template_kwargs"])
+    want = vision.prompt_tokens(tok, proc, text, [img])
+    assert want.count(tok.convert_tokens_to_ids(vision.MEDIA_PAD)) == proc.count(img) > 0
+    assert reply["usage"]["input_tokens"] == len(want)
+
+    # the same conversation through chat completions gives the same greedy answer
+    got, raw = post_raw(vsrv.url + CHAT, json.dumps(chat).encode(), 120)
+    assert got == 200, raw[:500]
+    served = json.loads(raw)
+    assert served["usage"]["prompt_tokens"] == len(want)
+    assert "".join(b.get("text", "") for b in reply["content"]) == \
+        served["choices"][0]["message"]["content"]
+
+    # an image in a tool_result is an image like any other: checked before any rank works
+    bad = json.loads(json.dumps(body))
+    bad["messages"][2]["content"][0]["content"][0]["source"]["data"] = "@@@"
+    got, raw = post_raw(vsrv.url + "/v1/messages", json.dumps(bad).encode())
+    assert got == 400 and "base64" in json.loads(raw)["error"]["message"], raw[:300]

@@ -123,13 +123,23 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
 
 
-def _text(content: str | list | None, where: str = "") -> str:
+def _text(content: str | list | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
-    if any(isinstance(b, ImageBlock) for b in content):
-        raise BadRequest(400, f"{where}: images in tool_result blocks are not supported; "
-                         "send the image in a user message")
     return "".join(b.text for b in content)
+
+
+def _tool_content(b: ToolResultBlock, where: str) -> str | list[dict]:
+    """A tool_result's content as the tool message's: text, or (with images, as a
+    client's Read of a screenshot sends) image parts then the text, as user content."""
+    blocks = b.content if isinstance(b.content, list) else []
+    images = [_image_part(x, f"{where}.content.{k}") for k, x in enumerate(blocks)
+              if isinstance(x, ImageBlock)]
+    text = ("Error: " if b.is_error else "") + _text(
+        [x for x in blocks if isinstance(x, TextBlock)] if blocks else b.content)
+    if not images:
+        return text
+    return [*images, *([{"type": "text", "text": text}] if text else [])]
 
 
 def _image_part(b: ImageBlock, where: str) -> dict:
@@ -220,9 +230,8 @@ def to_chat(body: dict, *, count_only: bool = False) -> dict:
                     raise BadRequest(400, f"messages.{i}.content.{j}: tool_result block's "
                                      f"tool_use_id {b.tool_use_id!r} answers no tool_use "
                                      "block of the assistant message before it")
-                out = _text(b.content, f"messages.{i}.content.{j}")
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                                 "content": f"Error: {out}" if b.is_error else out})
+                                 "content": _tool_content(b, f"messages.{i}.content.{j}")})
             elif isinstance(b, TextBlock):
                 text.append(b.text)
             elif isinstance(b, ImageBlock):

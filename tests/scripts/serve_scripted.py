@@ -5,7 +5,8 @@ its message, or, when the user's turn says CALL_TOOL, a K3 tool call from
 ``K3_TEST_TOOL_CALLS`` (JSON: tool name -> K3's call text; the first tool the request
 declares), then a short answer once the tool's result is in the prompt. Every rank
 forces the same tokens (chosen from the request's prompt only), so the ranks stay in
-lockstep as with sampled tokens.
+lockstep as with sampled tokens. With ``K3_TEST_PROMPT_LOG`` set, rank 0 appends each
+request's prompt text there (the tests read what reached the model).
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class Script:
 
     def _choose(self, tokens) -> list[int]:
         text = self.tok.decode(list(tokens))
+        log = os.environ.get("K3_TEST_PROMPT_LOG")
+        if log and os.environ.get("MLX_RANK", "0") == "0":
+            with open(log, "a") as f:
+                f.write(text + "\n<|end of prompt|>\n")
         head = f"{THOUGHT}<|close|>think<|sep|><|open|>response<|sep|>" \
             if text.endswith(THINK_OPEN) else ""
         call = next((c for name, c in self.calls.items() if f'"{name}"' in text), None)
