@@ -145,6 +145,18 @@ def one_request(url: str, api: str, stream: bool, max_tokens: int, i: int) -> di
             "chars": len(text)}
 
 
+def token_logs(tmp: Path, timeout: float = 60.0) -> list[list[dict]]:
+    """Both ranks' token logs, once rank 1's holds as many entries as rank 0's (it writes
+    after the reply has gone out, so it can trail by one)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        logs = [[json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+                for p in (tmp / f"tokens-{r}.jsonl" for r in range(2))]
+        if len(logs[1]) >= len(logs[0]) or time.monotonic() > deadline:
+            return logs
+        time.sleep(0.2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", type=Path, required=True, help="the unsliced build (reference)")
@@ -201,8 +213,7 @@ def main() -> None:
         oc.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=args.max_tokens,
                                    temperature=0.0)
         report["greedy_request_s"] = round(time.perf_counter() - t, 2)
-        logs = [[json.loads(x) for x in (tmp / f"tokens-{r}.jsonl").read_text().splitlines()]
-                for r in range(2)]
+        logs = token_logs(tmp)
         served = logs[0][-1]["tokens"]
         ref = reference_tokens(args.build, args.max_tokens)
         report["parity"] = {"served": served, "rank1": logs[1][-1]["tokens"],
