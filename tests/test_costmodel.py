@@ -230,9 +230,8 @@ def test_prefill_chunks_trade_time_to_first_token_for_running_requests_latency(c
 def test_mla_expansion_dominates_a_short_chunk_after_a_long_cache_and_absorbed_removes_it(cfg):
     """mlx-lm expands the cached latent to per-head K/V at every chunk: for a 64-token
     turn after 20K cached tokens that is ~0.44 of the chunk's FLOPs on real K3; the
-    absorbed form attends over the latents (wider, 2 x 512 + 64) at under half the attention
-    FLOPs there, while at the start
-    of a prompt (no cache) the two differ little."""
+    absorbed form attends over the latents (wider: 2 x 512 + 64) at under half the
+    attention FLOPs there."""
     f = cm.facts(cfg, cm.PROFILES["mxfp4"])
     hw = cm.Hardware()
     ex = cm.prefill_chunk(f, "ep-split", 2, hw, 64, 20480)
