@@ -225,3 +225,18 @@ def test_prefill_chunks_trade_time_to_first_token_for_running_requests_latency(c
     cached = cm.prefill(f, "ep-split", 2, hw, 2048 + 64, 512, start=2048)
     assert cached["chunks"] == 1 and cached["ttft_s"] < 0.1 * cm.prefill(
         f, "ep-split", 2, hw, 2048 + 64, 512)["ttft_s"]
+
+
+def test_mla_expansion_dominates_a_short_chunk_after_a_long_cache_and_absorbed_removes_it(cfg):
+    """mlx-lm expands the cached latent to per-head K/V at every chunk: for a 64-token
+    turn after 20K cached tokens that is ~0.44 of the chunk's FLOPs on real K3; the
+    absorbed form attends over the latents (wider: 2 x 512 + 64) at under half the
+    attention FLOPs there."""
+    f = cm.facts(cfg, cm.PROFILES["mxfp4"])
+    hw = cm.Hardware()
+    ex = cm.prefill_chunk(f, "ep-split", 2, hw, 64, 20480)
+    ab = cm.prefill_chunk(f, "ep-split", 2, hw, 64, 20480, mla="absorbed")
+    assert 0.3 < ex["mla_expand_flops"] / ex["flops"] < 0.6 and ab["mla_expand_flops"] == 0
+    assert ab["attention_flops"] < 0.5 * ex["attention_flops"]
+    assert ab["flops"] - ab["attention_flops"] == pytest.approx(ex["flops"] - ex["attention_flops"])
+    assert ab["time_s"]["total"] < 0.8 * ex["time_s"]["total"]

@@ -4,7 +4,9 @@ server is in test_prefix_restart.py."""
 
 from __future__ import annotations
 
+import copy
 import json
+import threading
 
 from k3dist.serve.prefix_store import Identity, PrefixStore, prefix_key
 
@@ -52,6 +54,7 @@ def test_restored_after_reopen_longest_prefix_and_checks(tmp_path):
     assert not s.save([1] * 3, _cache(3, 2))  # under min_tokens: not written
     assert s.save(list(range(6)), a) and s.save(list(range(10)), b)
     assert not s.save(list(range(6)), a)  # already there
+    s.flush()  # the writer thread has put both on disk
     s2 = PrefixStore(tmp_path, IDENT, 10**9, min_tokens=4)  # a restart
     assert len(s2.entries) == 2
     got, n = s2.lookup(list(range(12)), floor=0)
@@ -85,13 +88,16 @@ def test_restored_after_reopen_longest_prefix_and_checks(tmp_path):
 def test_lru_by_bytes_survives_reopen(tmp_path):
     one = PrefixStore(tmp_path / "probe", IDENT, 10**9, min_tokens=1)
     one.save([0] * 8, _cache(8, 0))
+    one.flush()
     size = next(iter(one.entries.values())).bytes
     s = PrefixStore(tmp_path, IDENT, int(2.5 * size), min_tokens=1)  # room for two
     for i in range(2):
         s.save([i] * 8, _cache(8, i))
+    s.flush()
     s.lookup([0] * 8 + [5], floor=0)  # [0]*8 is now the most recently used
     s = PrefixStore(tmp_path, IDENT, int(2.5 * size), min_tokens=1)  # order kept on disk
     s.save([2] * 8, _cache(8, 2))
+    s.flush()
     assert {e.tokens[0] for e in s.entries.values()} == {0, 2}  # [1]*8 evicted
     assert s.total_bytes() <= 2.5 * size and s.stats["evicted"] == 1
     assert sorted(p.suffix for p in s.dir.iterdir()) == [".json", ".json", ".safetensors",
@@ -117,6 +123,49 @@ def test_a_prefill_copy_that_is_not_the_state_after_its_tokens_is_never_kept(tmp
     k = mx.zeros((1, 1, 19, 8))
     cache[0].update_and_fetch(k, k)  # filled in place (mlx-lm's single-request path)
     pc.prefill_progress(19, 20)
+    store.flush()
     assert len(pc) == 1 and len(store.entries) == 1
     assert not store.save(list(range(30)), _cache(12, 3))  # 12 held, 30 claimed
     assert len(store.entries) == 1 and len(list(store.dir.glob("*.safetensors"))) == 1
+
+
+def test_an_entry_still_being_written_is_a_miss_and_the_loop_does_not_wait(tmp_path):
+    """``save`` returns once the snapshot is queued; until the writer has renamed the
+    entry into place a lookup is a miss (on one rank here; the lengths the ranks agree on
+    make it a miss on all), then a hit with the tensors saved, even though the cache the
+    snapshot came from was changed after ``save``. A full queue keeps no entry."""
+    s = PrefixStore(tmp_path, IDENT, 10**9, min_tokens=1)
+    hold = threading.Event()
+    s._jobs.put(hold.wait)  # the writer is busy with an earlier entry
+    a = _cache(6, 0)
+    want = [copy.deepcopy(c) for c in a]
+    assert s.save(list(range(6)), a)
+    assert s.entries[prefix_key(list(range(6)), IDENT)].state == "writing"
+    assert s.report()["writing"] == 1
+    assert not list(s.dir.glob("*.json"))  # nothing on disk yet
+    assert s.lookup(list(range(8)), floor=0) == (None, 0)
+    k = mx.ones((1, 1, 2, 8))
+    a[0].update_and_fetch(k, k)  # the request goes on: its cache grows past the snapshot
+    s._jobs.put(hold.wait)  # a second busy job: the queue (2 snapshots) is full
+    assert not s.save(list(range(9)), _cache(9, 1))  # not kept
+    assert s.stats["dropped"] == 1 and len(s.entries) == 1
+    hold.set()
+    s.flush()
+    got, n = s.lookup(list(range(8)), floor=0)
+    assert n == 6 and _same(got, want)
+    # evicted while it was being written: its file never appears
+    hold.clear()
+    s._jobs.put(hold.wait)
+    s.save(list(range(7)), _cache(7, 2))
+    s._remove(prefix_key(list(range(7)), IDENT))
+    hold.set()
+    s.flush()
+    assert len(list(s.dir.glob("*.safetensors"))) == 1
+    s.close()
+    assert not s._writer.is_alive()
+
+
+def test_another_software_version_reads_another_folder():
+    newer = Identity("build0", "place0", "split", "float32", 0, 1, "k3dist 9, mlx 9, mlx-lm 9")
+    assert "mlx-lm" in IDENT.software and newer.folder() != IDENT.folder()
+    assert prefix_key([1, 2, 3], newer) != prefix_key([1, 2, 3], IDENT)

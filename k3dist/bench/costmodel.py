@@ -909,7 +909,8 @@ PREFILL_SOURCES = {
     "mla_prefill": "mlx-lm 0.32.2 kimi_k3 MLA at L > 1: the cached latent (T tokens) is "
                    "expanded to per-head keys and values every chunk (embed_q, unembed_out: "
                    "2 x T x 512 x 256 FLOP a head), then full masked attention C x T over "
-                   "128 + 64 (q/k) and 128 (v) dims",
+                   "128 + 64 (q/k) and 128 (v) dims; absorbed (mla='absorbed'): "
+                   "2 x C x (128 x 512 + T x (2 x 512 + 64) + 512 x 128) FLOP a head",
     "kda_prefill": "8 x head_dim^2 FLOP per token and head (the decode model's), no growth "
                    "with context",
     "experts_touched": "a chunk of C tokens reads every expert one of its C x k routes "
@@ -931,19 +932,23 @@ def _busiest_pairs(f: Facts, size: int, chunk: int) -> float:
 
 
 def prefill_chunk(f: Facts, mode: str, size: int, hw: Hardware, chunk: int, start: int,
-                  form: str = "local", flops_fraction: float = PREFILL_FLOPS_FRACTION
-                  ) -> dict:
+                  form: str = "local", flops_fraction: float = PREFILL_FLOPS_FRACTION,
+                  mla: str = "expanded") -> dict:
     """One rank's time for one prefill chunk of ``chunk`` tokens after ``start`` cached
     ones: weights read once, the experts the chunk touches read once, FLOPs of every
     matmul (routed pairs: the busiest rank's under EP; every pair under the placeholder
     form), MLA's growth with the context, collectives with ``chunk`` rows, and one host
-    sync per MoE layer (EP local form). Roofline: max(memory, FLOPs) + comm + sync."""
+    sync per MoE layer (EP local form). Roofline: max(memory, FLOPs) + comm + sync.
+    ``mla``: "expanded" (mlx-lm 0.32.2 at L > 1: the cached latent expanded to per-head
+    keys and values) or "absorbed" (the decode form: queries and output projected into
+    the latent, attention over the T latents: what a short chunk after a long cache
+    would cost without the expansion)."""
     if mode not in ("ep-split", "ep-replicated", "tp"):
         raise ValueError(f"prefill is modelled for ep-split, ep-replicated and tp, not {mode!r}")
     tc = f.tc
     T = start + chunk
     nbytes = flops = 0.0
-    attn_flops = 0.0
+    attn_flops = expand_flops = 0.0
     E_r = f.num_experts / size
     touched = E_r * (1 - (1 - f.top_k / f.num_experts) ** chunk)
     for L in f.layers:
@@ -953,7 +958,12 @@ def prefill_chunk(f: Facts, mode: str, size: int, hw: Hardware, chunk: int, star
         if L.attention == "mla":
             lat, nope = tc["kv_lora_rank"], tc["qk_nope_head_dim"]
             v, rope = tc["v_head_dim"], tc["qk_rope_head_dim"]
-            a = heads * (2 * T * lat * (nope + v) + 2 * chunk * T * (nope + rope + v))
+            if mla == "absorbed":
+                a = heads * 2 * chunk * (nope * lat + T * (2 * lat + rope) + lat * v)
+            else:
+                expand = heads * 2 * T * lat * (nope + v)
+                expand_flops += expand
+                a = expand + heads * 2 * chunk * T * (nope + rope + v)
             nbytes += T * L.cache_bytes_per_token
         else:
             lc = tc["linear_attn_config"]
@@ -978,7 +988,8 @@ def prefill_chunk(f: Facts, mode: str, size: int, hw: Hardware, chunk: int, star
     mem_s = nbytes / (hw.mem_bw * hw.bw_fraction)
     flops_s = flops / (hw.flops * flops_fraction)
     return {"chunk": chunk, "start": start, "bytes": nbytes, "flops": flops,
-            "attention_flops": attn_flops, "experts_touched_per_layer": touched,
+            "attention_flops": attn_flops, "mla_expand_flops": expand_flops,
+            "experts_touched_per_layer": touched,
             "n_collectives": sum(c["count"] for c in colls),
             "time_s": {"memory": mem_s, "flops": flops_s, "comm": comm, "sync": sync,
                        "total": max(mem_s, flops_s) + comm + sync}}

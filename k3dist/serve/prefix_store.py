@@ -7,8 +7,20 @@ Each rank keeps its own caches (MLA latents, KDA recurrent and conv states: mlx-
 file's size and SHA-256, the bytes the entry is accounted at and its last use. The
 key hashes the tokens with the identity (build hash, placement hash, attention mode,
 dtype, rank, size); a folder of another build or placement is another ``identity``
-subfolder and is never read. Every file is written as ``.partial`` then renamed; the
-sidecar is renamed last, so an entry exists only once both are whole.
+subfolder and is never read, and so is one made by another k3dist, mlx or mlx-lm version
+(an upgrade may change the cache's layout or numbers). Every file is written as
+``.partial`` then renamed; the sidecar is renamed last, so an entry exists only once both
+are whole.
+
+Writes run off the lockstep loop: a real K3 entry of 20K tokens is 0.79 GB a rank, which
+written in the loop would pause every request decoding beside it. ``save`` takes a
+snapshot of the cache's arrays (evaluated there: MLX arrays are immutable once evaluated,
+and the reference held keeps mlx-lm's later in-place updates from reusing their buffers),
+settles the entry's bytes and the eviction with the other ranks, and hands the snapshot to
+this rank's writer thread (a bounded queue; when it is full on any rank, no rank keeps the
+entry). An entry is served only once its writer has renamed it into place: a lookup that
+meets an entry still being written on some rank is a miss on every rank (the lengths the
+ranks verified differ).
 
 Lockstep: a prompt-cache hit decides what each rank prefills, so all ranks must hit
 the same prefix or none does (a hit on one rank and a miss on another would
@@ -17,10 +29,12 @@ rank's longest matching entry (size, SHA-256, identity, token count in the file)
 ``all_gather``s its length: only when every rank holds the same verified length is it
 used, else no rank uses any (a corrupt or missing entry on one rank is a miss on all).
 ``save`` runs at the same request and token on every rank (the prompt cache calls it
-from the lockstep loop) and ``all_gather``s (bytes, written): the entry is accounted at
-the largest rank's bytes, so the byte bound (LRU by a use counter that every rank
-advances alike) evicts the same entries everywhere; an entry some rank failed to write
-is removed on all.
+from the lockstep loop) and ``all_gather``s (bytes, queued, held): the entry is accounted
+at the largest rank's in-memory bytes, so the byte bound (LRU by a use counter that every
+rank advances alike) evicts the same entries everywhere; an entry some rank could not
+queue is kept by none. A write that fails later (a full disk) leaves the entry accounted
+but unreadable on that rank: its lookups are misses on all ranks, and the next save of
+the same prefix writes it again there.
 """
 
 from __future__ import annotations
@@ -30,15 +44,31 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from queue import Queue
 from typing import Any
 
+import k3dist
+
 import mlx.core as mx
+import mlx_lm
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-FORMAT = 1  # sidecar format version: another version is skipped as stale
+FORMAT = 2  # sidecar format (2: SHA-256 over 64 MiB pieces): another version is stale
+# Snapshots waiting for this rank's writer: each holds a whole entry in memory (0.79 GB a
+# rank for a real K3 20K-token prefix); past this, a new entry is not kept (on any rank).
+WRITE_QUEUE = 2
+
+
+def software() -> str:
+    """The versions that make a cache's tensors: another one reads another subfolder."""
+    return f"k3dist {k3dist.__version__}, mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"
 
 
 @dataclass(frozen=True)
@@ -52,6 +82,7 @@ class Identity:
     dtype: str
     rank: int
     size: int
+    software: str = field(default_factory=software)
 
     def folder(self) -> str:
         shared = {k: v for k, v in asdict(self).items() if k != "rank"}
@@ -68,12 +99,25 @@ def prefix_key(tokens: list[int] | tuple[int, ...], ident: Identity) -> str:
     return h.hexdigest()[:32]
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
+# The check of an entry: SHA-256 of each 64 MiB piece, on HASH_THREADS threads (hashlib
+# releases the GIL), then SHA-256 of those digests; one core's SHA-256 would be most of
+# a real 0.79 GB restore.
+HASH_PIECE = 64 << 20
+HASH_THREADS = 8
+
+
+def _piece_sha256(path: Path, start: int) -> bytes:
     with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
+        f.seek(start)
+        return hashlib.sha256(f.read(HASH_PIECE)).digest()
+
+
+def file_sha256(path: Path, threads: int = HASH_THREADS) -> str:
+    """The entry's digest: SHA-256 over its pieces' SHA-256s, pieces hashed in parallel."""
+    starts = range(0, max(Path(path).stat().st_size, 1), HASH_PIECE)
+    with ThreadPoolExecutor(min(threads, len(starts))) as pool:
+        digests = pool.map(lambda s: _piece_sha256(path, s), starts)
+        return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
 @dataclass
@@ -84,6 +128,25 @@ class Entry:
     sha256: str
     bytes: int  # accounted (the largest rank's): what the bound counts
     used: int  # use counter: the same on every rank
+    state: str = "ready"  # or "writing" (queued, not yet renamed), "failed" (this rank)
+
+
+def snapshot(cache: list[Any]) -> list[Any]:
+    """A copy of ``cache`` that shares its evaluated, contiguous arrays (nothing the
+    lockstep loop does later changes them): what the writer thread saves."""
+    out = []
+    for c in cache:
+        frozen = type(c).__new__(type(c))
+        frozen.state = tree_map(lambda x: mx.contiguous(x) if isinstance(x, mx.array) else x,
+                                c.state)
+        out.append(frozen)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def _nbytes(cache: list[Any]) -> int:
+    return sum(x.nbytes for _, x in tree_flatten([c.state for c in cache])
+               if isinstance(x, mx.array))
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -107,8 +170,15 @@ class PrefixStore:
         self.entries: dict[str, Entry] = {}
         self.skipped: dict[str, str] = {}  # key -> why (stale, corrupt) at scan
         self.stats = {"hits": 0, "misses": 0, "disagreed": 0, "saved": 0, "evicted": 0,
-                      "corrupt": 0, "restore_s": [], "save_s": []}
+                      "corrupt": 0, "dropped": 0, "write_failed": 0, "restore_s": [],
+                      "save_s": [], "write_s": []}
+        # entries and their files are changed by the lockstep loop and the writer thread
+        self._lock = threading.Lock()
+        self._jobs: Queue[Callable[[], None] | None] = Queue(WRITE_QUEUE)
+        self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                        name=f"prefix-writer-rank{ident.rank}")
         self._scan()
+        self._writer.start()
 
     # ---------------------------------------------------------------- index
 
@@ -157,13 +227,64 @@ class PrefixStore:
         return max((e.used for e in self.entries.values()), default=0) + 1
 
     def _remove(self, key: str) -> None:
-        self.entries.pop(key, None)
-        (self.dir / f"{key}.json").unlink(missing_ok=True)
-        (self.dir / f"{key}.safetensors").unlink(missing_ok=True)
+        with self._lock:  # a write in flight finds its entry gone and drops its file
+            self.entries.pop(key, None)
+            (self.dir / f"{key}.json").unlink(missing_ok=True)
+            (self.dir / f"{key}.safetensors").unlink(missing_ok=True)
 
     def _touch(self, e: Entry) -> None:
         e.used = self._clock()
-        self._write_sidecar(e)
+        with self._lock:
+            if e.state == "ready":  # else the writer writes the sidecar with this use
+                self._write_sidecar(e)
+
+    # ---------------------------------------------------------------- the writer
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                job()
+            finally:
+                job = None  # the snapshot's memory goes now, not at the next entry
+                self._jobs.task_done()
+
+    def _write(self, e: Entry, frozen: list[Any]) -> None:
+        """The writer thread: ``frozen`` (a snapshot) to ``<key>.partial``, renamed into
+        place, then the sidecar; an entry evicted meanwhile leaves no file."""
+        t0 = time.perf_counter()
+        data = self.dir / f"{e.key}.safetensors"
+        part = self.dir / f"{e.key}.partial.safetensors"
+        try:
+            save_prompt_cache(str(part), frozen, {"tokens": str(len(e.tokens)), "key": e.key})
+            size, digest = part.stat().st_size, file_sha256(part)
+        except Exception as ex:  # noqa: BLE001 - a full disk must not stop serving
+            logging.warning("prefix cache: could not write %s (%s)", data, ex)
+            part.unlink(missing_ok=True)
+            with self._lock:
+                e.state = "failed"
+                self.stats["write_failed"] += 1
+            return
+        with self._lock:
+            if self.entries.get(e.key) is not e:  # evicted while it was written
+                part.unlink(missing_ok=True)
+                return
+            os.replace(part, data)
+            e.file_bytes, e.sha256, e.state = size, digest, "ready"
+            self._write_sidecar(e)
+            self.stats["write_s"].append(round(time.perf_counter() - t0, 4))
+
+    def flush(self) -> None:
+        """Wait until every queued entry is on disk (or failed)."""
+        self._jobs.join()
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer (the server's shutdown)."""
+        if self._writer.is_alive():
+            self._jobs.put(None)
+            self._writer.join()
 
     def _write_sidecar(self, e: Entry) -> None:
         _write_json(self.dir / f"{e.key}.json", {
@@ -204,7 +325,9 @@ class PrefixStore:
         already gives) and shorter than ``tokens`` (one token is left to prefill), the
         same on every rank, or (None, 0). Called by every rank at the same request."""
         t0 = time.perf_counter()
-        cands = sorted((e for e in self.entries.values()
+        with self._lock:  # only entries whose files are whole on this rank
+            ready = [e for e in self.entries.values() if e.state == "ready"]
+        cands = sorted((e for e in ready
                         if floor < len(e.tokens) < len(tokens)
                         and tuple(tokens[:len(e.tokens)]) == e.tokens),
                        key=lambda e: (-len(e.tokens), e.key))
@@ -232,40 +355,46 @@ class PrefixStore:
         return cache, n
 
     def save(self, tokens: list[int], cache: list[Any]) -> bool:
-        """Store ``cache`` (the state after ``tokens``) unless it is shorter than
-        ``min_tokens`` or already stored; evict least recently used entries past the
-        bound. Called by every rank at the same request and token."""
+        """Queue ``cache`` (the state after ``tokens``) for this rank's writer unless it
+        is shorter than ``min_tokens`` or already stored; evict least recently used
+        entries past the bound. Called by every rank at the same request and token; it
+        returns once the snapshot is queued (the write itself runs on the writer)."""
         if len(tokens) < self.min_tokens:
             return False
         key = prefix_key(tokens, self.ident)
         t0 = time.perf_counter()
-        data = self.dir / f"{key}.safetensors"
         had = self.entries.get(key)
-        ok, size, digest = 1, 0, ""
+        if had is not None and had.state == "failed":
+            had = None  # this rank could not write it: write it again
+        ok, nbytes, frozen = 1, 0, None
         if had is not None:  # this rank has it; another may have lost it: agree below
-            size, digest = had.file_bytes, had.sha256
+            nbytes = had.bytes
         elif {int(c.offset) for c in cache if hasattr(c, "offset")} - {len(tokens)}:
             ok = 0  # not the state after these tokens: never written (the caller's bug)
             logging.warning("prefix cache: a cache of other length offered for %d tokens",
                             len(tokens))
+        elif self._jobs.full():
+            ok = 0  # the writer is behind: kept by no rank rather than waited for
         else:
-            part = self.dir / f"{key}.partial.safetensors"
-            try:
-                save_prompt_cache(str(part), cache, {"tokens": str(len(tokens)), "key": key})
-                size, digest = part.stat().st_size, file_sha256(part)
-                os.replace(part, data)
-            except Exception as ex:  # noqa: BLE001 - a full disk must not stop serving
-                logging.warning("prefix cache: could not write %s (%s)", data, ex)
-                part.unlink(missing_ok=True)
-                ok = 0
-        rows = self._agree([size, ok, had is not None])
-        if not all(r[1] for r in rows):  # some rank could not write it: none keeps it
+            frozen = snapshot(cache)
+            nbytes = _nbytes(frozen)
+        rows = self._agree([nbytes, ok, had is not None])
+        if not all(r[1] for r in rows):  # some rank could not queue it: none keeps it
+            self.stats["dropped"] += 1
             self._remove(key)
             return False
-        e = Entry(key, tuple(int(t) for t in tokens), size, digest,
-                  max(r[0] for r in rows), self._clock())
-        self.entries[key] = e
-        self._write_sidecar(e)
+        size = max(r[0] for r in rows)
+        if had is not None:  # the same object the writer may hold: updated in place
+            e, e.bytes, e.used = had, size, self._clock()
+        else:
+            e = Entry(key, tuple(int(t) for t in tokens), 0, "", size, self._clock(),
+                      "writing")
+        with self._lock:
+            self.entries[key] = e
+            if e.state == "ready":
+                self._write_sidecar(e)
+        if frozen is not None:
+            self._jobs.put_nowait(lambda: self._write(e, frozen))  # a free slot: checked
         self._evict()
         if all(r[2] for r in rows):
             return False  # already stored everywhere: only its use was counted
@@ -288,11 +417,14 @@ class PrefixStore:
 
     def report(self) -> dict:
         restore = self.stats["restore_s"]
-        save = self.stats["save_s"]
+        save, write = self.stats["save_s"], self.stats["write_s"]
         return {"folder": str(self.dir), "entries": len(self.entries),
                 "bytes": self.total_bytes(), "max_bytes": self.max_bytes,
                 "tokens": sum(len(e.tokens) for e in list(self.entries.values())),
                 "skipped_at_start": len(self.skipped),
-                **{k: v for k, v in self.stats.items() if k not in ("restore_s", "save_s")},
+                "writing": sum(e.state == "writing" for e in list(self.entries.values())),
+                **{k: v for k, v in self.stats.items()
+                   if k not in ("restore_s", "save_s", "write_s")},
                 "last_restore_s": restore[-1] if restore else None,
-                "last_save_s": save[-1] if save else None}
+                "last_save_s": save[-1] if save else None,
+                "last_write_s": write[-1] if write else None}

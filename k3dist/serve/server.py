@@ -626,6 +626,8 @@ def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, 
     generator = K3ResponseGenerator(provider, prompt_cache, token_log, idle_gate)
     if group.rank() != 0:
         generator.join()
+        if prefix_store is not None:
+            prefix_store.close()  # queued entries reach the disk on a clean stop
         return
     handler = type("Handler", (K3APIHandler,), {
         "model_id": provider.served_id, "max_context": max_context, "info": info,
@@ -651,3 +653,5 @@ def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, 
     finally:
         httpd.server_close()
         generator.stop_and_join()
+        if prefix_store is not None:
+            prefix_store.close()
