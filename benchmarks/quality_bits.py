@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--dwq-lr", type=float, default=1e-3)
     ap.add_argument("--dwq-batch", type=int, default=None)
     ap.add_argument("--dwq-valid-windows", type=int, default=4)
+    ap.add_argument("--dwq-state", default="float32", choices=("float32", "bf16"),
+                    help="DWQ's Adam moments and best copy (rows <row>-dwq-bf16 for bf16)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     runs = a.runs
@@ -158,14 +160,15 @@ def main() -> None:
             if not found:
                 raise SystemExit(f"--dwq-for {want}: no such row ({[r[1] for r in rows]})")
             path, name, score = found[0]
-            out = runs / f"{path.name}-dwq-{a.dwq_steps}-{dwq_tokens.stem}"
+            tag = "" if a.dwq_state == "float32" else f"-{a.dwq_state}"
+            out = runs / f"{path.name}-dwq-{a.dwq_steps}-{dwq_tokens.stem}{tag}"
             if not (out / "k3dist.json").exists():
                 run("k3dist.build.dwq", "--teacher-build", str(mxfp4), "--teacher",
                     str(dwq_teacher), "--student", str(path), "--tokens", str(dwq_tokens),
                     "--out", str(out), "--steps", str(a.dwq_steps), "--lr", str(a.dwq_lr),
-                    "--valid-windows", str(a.dwq_valid_windows),
+                    "--valid-windows", str(a.dwq_valid_windows), "--state", a.dwq_state,
                     *(("--batch", str(a.dwq_batch)) if a.dwq_batch else ()))
-            rows.append((out, f"{name}-dwq", score))
+            rows.append((out, f"{name}-dwq{tag}", score))
     stage("dwq", t)
 
     t = time.perf_counter()
