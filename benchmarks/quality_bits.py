@@ -168,8 +168,8 @@ def main() -> None:
         rows.append((out, name, a.score))
     stage("grade", t)
 
-    out = Path(a.out)
-    plain_out = runs / f"{out.stem}-plain.json"  # the parts stay under --runs
+    report = Path(a.out)
+    plain_out = runs / f"{report.stem}-plain.json"  # the parts stay under --runs
     cmd = evaluate_cmd(mxfp4, a, rows, plain_out)
     print(f"+ [{time.strftime('%H:%M:%S')}] (in the background)", " ".join(cmd),
           file=sys.stderr, flush=True)
@@ -213,7 +213,7 @@ def main() -> None:
     t = time.perf_counter()
     parts = []
     if rows[plain_rows:]:
-        dwq_out = runs / f"{out.stem}-dwq.json"
+        dwq_out = runs / f"{report.stem}-dwq.json"
         run(*evaluate_cmd(mxfp4, a, rows[plain_rows:], dwq_out))
         parts.append(json.loads(dwq_out.read_text()))
     stage("evaluate-dwq", t)
@@ -222,13 +222,12 @@ def main() -> None:
     stage("evaluate-plain", t_plain)
     parts.insert(0, json.loads(plain_out.read_text()))
     rep = merge(parts)
-    out.write_text(json.dumps(rep, indent=1) + "\n")
-    out.with_suffix(".md").write_text(evaluate.markdown(rep))
-    evaluate.plot(rep, out.with_suffix(".png"))
+    report.with_suffix(".md").write_text(evaluate.markdown(rep))
+    evaluate.plot(rep, report.with_suffix(".png"))
     rep["pipeline"] = {"command": "python benchmarks/quality_bits.py " + " ".join(sys.argv[1:]),
                        "src": a.src, "stage_seconds": timings,
                        "seconds": round(time.perf_counter() - t0, 1)}
-    out.write_text(json.dumps(rep, indent=1) + "\n")
+    report.write_text(json.dumps(rep, indent=1) + "\n")
 
 
 if __name__ == "__main__":
