@@ -21,8 +21,10 @@ Steps under ``--runs`` (default ``runs/quality-bits``; each reused when its outp
 5. ``evaluate`` of every row on the same held-out windows: the rows of steps 1-3 in a
    second process while DWQ trains (two cores), the DWQ rows after it; one report.
 
-    python benchmarks/quality_bits.py --src data/mini-k3-sparse --windows 12 \\
-        --out benchmarks/results/quality-bits-2026-12-02.json
+    python benchmarks/quality_bits.py --src data/mini-k3-sparse --windows 8 \\
+        --graded 2.5944:2bit-g64,2.5944:2bit-g128,2.5:2bit-g128,3.0:2bit-g64 \\
+        --dwq-for graded-2.5944-2bit-g128,graded-2.5-2bit-g128,2bit-g64 --dwq-steps 30 \\
+        --dwq-calib-windows 16 --out benchmarks/results/quality-bits-2026-12-02-b.json
 """
 
 from __future__ import annotations
