@@ -18,10 +18,13 @@ Steps under ``--runs`` (default ``runs/quality-bits``; each reused when its outp
    calibration routes' observed maximum;
 4. block-aligned DWQ (``k3dist.build.dwq``) of the ``--dwq-for`` rows against the teacher
    on ``--dwq-calib-windows`` calibration windows: rows ``<row>-dwq``;
-5. ``evaluate`` of every row on the same held-out windows.
+5. ``evaluate`` of every row on the same held-out windows: the rows of steps 1-3 in a
+   second process while DWQ trains (two cores), the DWQ rows after it; one report.
 
-    python benchmarks/quality_bits.py --src data/mini-k3-sparse --windows 12 \\
-        --out benchmarks/results/quality-bits-2026-12-02.json
+    python benchmarks/quality_bits.py --src data/mini-k3-sparse --windows 8 \\
+        --graded 2.5944:2bit-g64,2.5944:2bit-g128,2.5:2bit-g128,3.0:2bit-g64 \\
+        --dwq-for graded-2.5944-2bit-g128,graded-2.5-2bit-g128,2bit-g64 --dwq-steps 30 \\
+        --dwq-calib-windows 16 --out benchmarks/results/quality-bits-2026-12-02-b.json
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from k3dist.bench import evaluate
 from k3dist.format import layout
 
 import numpy as np
@@ -62,6 +66,28 @@ def promoted_per_layer(target: float, lo: str, experts: int) -> int:
     return round(share * experts)
 
 
+def evaluate_cmd(mxfp4: Path, a: argparse.Namespace, rows: list[tuple[Path, str, str]],
+                 out: Path) -> list[str]:
+    cmd = ["k3dist.bench.evaluate", "--teacher", str(mxfp4), "--windows", str(a.windows),
+           "--seq", str(a.seq), "--out", str(out)]
+    for path, name, score in rows:
+        cmd += ["--student", str(path), "--name", name, "--score", score]
+    return cmd
+
+
+def merge(parts: list[dict]) -> dict:
+    """One report from evaluations of disjoint rows on the same teacher and windows."""
+    first = parts[0]
+    for p in parts[1:]:
+        same = ("teacher", "split", "seq", "windows_per_domain", "tokens_per_domain")
+        if any(p[k] != first[k] for k in same):
+            raise SystemExit("evaluations disagree on the teacher or the windows: "
+                             f"{[{k: q[k] for k in same} for q in parts]}")
+    return {**first, "rows": [r for p in parts for r in p["rows"]],
+            "seconds": round(sum(p["seconds"] for p in parts), 1),
+            "command": [p.get("command") for p in parts]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--src", default="data/mini-k3-sparse", help="Moonshot-format mini-K3")
@@ -76,7 +102,9 @@ def main() -> None:
     ap.add_argument("--score", default="taylor", help="promotion score (calibrate's)")
     ap.add_argument("--calib-student", default="2bit-g64",
                     help="the uniform row whose errors the scores measure")
-    ap.add_argument("--dwq-for", default="", help="comma-separated row names to DWQ")
+    ap.add_argument("--dwq-for", default="", help="comma-separated row names to DWQ; "
+                    "ROW:bf16 with bf16 Adam state (dwq --state bf16), ROW:s1 with batch "
+                    "seed 1 (DWQ's run-to-run noise): rows ROW-dwq, ROW-dwq-bf16, ROW-dwq-s1")
     ap.add_argument("--dwq-steps", type=int, default=60)
     ap.add_argument("--dwq-calib-windows", type=int, default=32)
     ap.add_argument("--dwq-lr", type=float, default=1e-3)
@@ -142,6 +170,15 @@ def main() -> None:
         rows.append((out, name, a.score))
     stage("grade", t)
 
+    report = Path(a.out)
+    plain_out = runs / f"{report.stem}-plain.json"  # the parts stay under --runs
+    cmd = evaluate_cmd(mxfp4, a, rows, plain_out)
+    print(f"+ [{time.strftime('%H:%M:%S')}] (in the background)", " ".join(cmd),
+          file=sys.stderr, flush=True)
+    t_plain = time.perf_counter()
+    plain = subprocess.Popen([PY, "-m", *cmd])
+    plain_rows = len(rows)
+
     t = time.perf_counter()
     dwq_for = [w for w in a.dwq_for.split(",") if w]
     if dwq_for:
@@ -153,35 +190,46 @@ def main() -> None:
                 "--tokenizer", str(mxfp4))
         run("k3dist.build.teacher", "--build", str(mxfp4), "--tokens", str(dwq_tokens),
             "--out", str(dwq_teacher))
-        for want in dwq_for:
+        for item in dwq_for:
+            want, *opts = item.split(":")
             found = [r for r in rows if r[1] == want]
             if not found:
                 raise SystemExit(f"--dwq-for {want}: no such row ({[r[1] for r in rows]})")
             path, name, score = found[0]
-            out = runs / f"{path.name}-dwq-{a.dwq_steps}-{dwq_tokens.stem}"
+            state = "bf16" if "bf16" in opts else "float32"
+            seed = next((int(o[1:]) for o in opts if o[:1] == "s" and o[1:].isdigit()), 0)
+            if set(opts) - {"bf16", f"s{seed}"}:
+                raise SystemExit(f"--dwq-for {item}: options are :bf16 and :s<seed>")
+            tag = "".join(f"-{o}" for o in opts)
+            out = runs / f"{path.name}-dwq-{a.dwq_steps}-{dwq_tokens.stem}{tag}"
             if not (out / "k3dist.json").exists():
                 run("k3dist.build.dwq", "--teacher-build", str(mxfp4), "--teacher",
                     str(dwq_teacher), "--student", str(path), "--tokens", str(dwq_tokens),
                     "--out", str(out), "--steps", str(a.dwq_steps), "--lr", str(a.dwq_lr),
-                    "--valid-windows", str(a.dwq_valid_windows),
+                    "--valid-windows", str(a.dwq_valid_windows), "--state", state,
+                    "--seed", str(seed),
                     *(("--batch", str(a.dwq_batch)) if a.dwq_batch else ()))
-            rows.append((out, f"{name}-dwq", score))
+            rows.append((out, f"{name}-dwq{tag}", score))
     stage("dwq", t)
 
     t = time.perf_counter()
-    out = Path(a.out)
-    ev = ["k3dist.bench.evaluate", "--teacher", str(mxfp4), "--windows", str(a.windows),
-          "--seq", str(a.seq), "--out", str(out), "--markdown", str(out.with_suffix(".md")),
-          "--plot", str(out.with_suffix(".png"))]
-    for path, name, score in rows:
-        ev += ["--student", str(path), "--name", name, "--score", score]
-    run(*ev)
-    stage("evaluate", t)
-    rep = json.loads(out.read_text())
+    parts = []
+    if rows[plain_rows:]:
+        dwq_out = runs / f"{report.stem}-dwq.json"
+        run(*evaluate_cmd(mxfp4, a, rows[plain_rows:], dwq_out))
+        parts.append(json.loads(dwq_out.read_text()))
+    stage("evaluate-dwq", t)
+    if plain.wait() != 0:
+        raise SystemExit(f"the background evaluation failed (exit {plain.returncode})")
+    stage("evaluate-plain", t_plain)
+    parts.insert(0, json.loads(plain_out.read_text()))
+    rep = merge(parts)
+    report.with_suffix(".md").write_text(evaluate.markdown(rep))
+    evaluate.plot(rep, report.with_suffix(".png"))
     rep["pipeline"] = {"command": "python benchmarks/quality_bits.py " + " ".join(sys.argv[1:]),
                        "src": a.src, "stage_seconds": timings,
                        "seconds": round(time.perf_counter() - t0, 1)}
-    out.write_text(json.dumps(rep, indent=1) + "\n")
+    report.write_text(json.dumps(rep, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -196,6 +196,37 @@ def test_export_audits_and_loads_to_the_same_logits(config, batch, tmp_path):
     shutil.rmtree(build)
 
 
+def test_init_from_an_export_starts_at_its_logits_with_float_experts(config, batch, tmp_path):
+    """``--init FOLDER``: a new run starts from an exported checkpoint (experts decoded from
+    MXFP4 to float, trainable again), at the export's logits; a mismatched size is refused."""
+    x, y = batch
+    model, opt, grad_fn, a = _trainer(config)
+    for _ in range(2):
+        train.train_step(model, opt, grad_fn, x, y, a.lr, a)
+    train.freeze_experts_mxfp4(model)
+    model.eval()
+    train.round_to_source(model, config)
+    out = train.export_source(model, config, tmp_path / "src")
+
+    tr = train.Trainer(tmp_path / "warm", dict(size="tiny", seq=32, batch=4, warmup=2,
+                                               steps=2, eval_every=0, eval_windows=2,
+                                               init=str(out)))
+    assert not experts_frozen(tr.model)
+    trainable = dict(tree_flatten(tr.model.trainable_parameters()))
+    assert any(".switch_mlp.down_proj.weight" in k for k in trainable)
+    tr.model.eval()
+    train.reset_caches(model)
+    train.reset_caches(tr.model)
+    np.testing.assert_allclose(np.array(tr.model(x)), np.array(model(x)), rtol=0, atol=1e-5)
+    before = dict(tree_flatten(tr.model.parameters()))
+    tr.run(progress=False)
+    after = dict(tree_flatten(tr.model.parameters()))
+    k = next(k for k in before if k.endswith("layers.1.mlp.switch_mlp.down_proj.weight"))
+    assert not mx.array_equal(before[k], after[k])  # the experts train again
+    with pytest.raises(ValueError, match="--size"):
+        train.Trainer(tmp_path / "other", dict(size="s", init=str(out)))
+
+
 def test_export_refuses_over_budget(config, tmp_path):
     model = train.build_model(config)
     with pytest.raises(ValueError, match="budget"):

@@ -6,6 +6,8 @@
     python train/run.py --out runs/train --freeze --minutes 10  # experts -> MXFP4, fine-tune
     python train/run.py --out runs/train --export data/mini-k3  # Moonshot source format
     python train/run.py --out runs/train --plot runs/train/curve.png
+    python train/run.py --out runs/more --size sparse --seed 1 --init data/mini-k3-sparse \
+        --max-minutes 55                                        # warm start from an export
 
 Sizes, schedule and the run folder's files: ``k3dist/train.py``; measured speeds and the
 recommended run: ``train/README.md``. Measure a size first:

@@ -18,7 +18,10 @@ norms, bf16 tensors. The lo bank's gradient is computed a chunk of experts at a 
 stack) from ``g``, the loss gradient at the MoE layer's routed sum (a zero probe added
 there). Adam; ``--valid-windows`` windows spread evenly over the token set are held out
 and scored every ``--eval-every`` steps: a worse score restores the best parameters and
-halves the learning rate.
+halves the learning rate. ``--state bf16`` keeps Adam's moments and the best copy in
+bfloat16 (the update itself in float32; the build writes the trained tensors in bf16, so
+the best copy loses nothing that the output keeps): a third of the trainable tensors'
+float32 footprint instead of three times it.
 
 Memory: one student block (weights in float32 where floating, the Adam moments and the
 best-so-far copy of its trainable tensors), the token set's states three times (teacher
@@ -79,6 +82,7 @@ class DWQConfig:
     input: str = "student"  # "student" | "teacher": the block's input state
     chunk: int = 64  # experts per gradient chunk (0: one mx.grad over the stack, reference)
     seed: int = 0
+    state: str = "float32"  # "float32" | "bf16": Adam's m and v and the best-so-far copy
 
 
 def trainable(module: nn.Module) -> dict[str, mx.array]:
@@ -127,6 +131,8 @@ class DWQ:
         self.cfg = cfg or DWQConfig()
         if self.cfg.input not in ("student", "teacher"):
             raise ValueError(f"--input {self.cfg.input!r}: student or teacher")
+        if self.cfg.state not in STATE_DTYPES:
+            raise ValueError(f"--state {self.cfg.state!r}: one of {sorted(STATE_DTYPES)}")
         self.t0 = time.perf_counter()
         self.progress = progress
         self.student = Path(student)
@@ -255,9 +261,10 @@ class DWQ:
         if not params:
             entry.update(valid_after=entry["valid_before"], steps=0, note="nothing to train")
             return entry
-        opt = _Adam(self.cfg.lr)
+        keep = STATE_DTYPES[self.cfg.state]
+        opt = _Adam(self.cfg.lr, dtype=keep)
         rng = np.random.default_rng([self.cfg.seed, a])  # per block: a resumed run redraws it
-        best, best_params, lr = before, dict(params), self.cfg.lr
+        best, best_params, lr = before, _copy(params, keep), self.cfg.lr
         losses = []
         for step in tqdm(
             range(self.cfg.steps),
@@ -278,11 +285,11 @@ class DWQ:
             if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps:
                 v = self._evaluate(a, c, s_in, t_out, self.valid_idx)
                 if v < best:
-                    best, best_params = v, dict(params)
+                    best, best_params = v, _copy(params, keep)
                 else:  # revert to the best and slow down
-                    params, lr = dict(best_params), lr / 2
+                    params, lr = _copy(best_params, mx.float32), lr / 2
                     _set(block, a, params)
-        _set(block, a, best_params)
+        _set(block, a, _copy(best_params, mx.float32))
         entry.update(
             valid_after=round(best, 6),
             change=round(best / before - 1, 4) if before else None,
@@ -422,11 +429,22 @@ class DWQ:
         return {"file": fname, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
 
 
-class _Adam:
-    """Adam on a flat dict of float32 arrays."""
+STATE_DTYPES = {"float32": mx.float32, "bf16": mx.bfloat16}
 
-    def __init__(self, lr: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):
-        self.b1, self.b2, self.eps = b1, b2, eps
+
+def _copy(params: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
+    return {n: v.astype(dtype) for n, v in params.items()}
+
+
+class _Adam:
+    """Adam on a flat dict of float32 arrays; ``m`` and ``v`` stored in ``dtype`` (the
+    update is computed in float32). bf16's 8-bit mantissa drops ``v``'s 0.999 decay and
+    increments under ~1/256 of ``v``: harmless over DWQ's tens of steps a block, not for
+    thousands."""
+
+    def __init__(self, lr: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                 dtype: mx.Dtype = mx.float32):
+        self.b1, self.b2, self.eps, self.dtype = b1, b2, eps, dtype
         self.m: dict[str, mx.array] = {}
         self.v: dict[str, mx.array] = {}
         self.t = 0
@@ -436,9 +454,9 @@ class _Adam:
         out = {}
         for n, p in params.items():
             g = grads[n].astype(mx.float32)
-            m = self.b1 * self.m.get(n, mx.zeros_like(g)) + (1 - self.b1) * g
-            v = self.b2 * self.v.get(n, mx.zeros_like(g)) + (1 - self.b2) * g * g
-            self.m[n], self.v[n] = m, v
+            m = self.b1 * self.m.get(n, mx.zeros_like(g)).astype(mx.float32) + (1 - self.b1) * g
+            v = self.b2 * self.v.get(n, mx.zeros_like(g)).astype(mx.float32) + (1 - self.b2) * g * g
+            self.m[n], self.v[n] = m.astype(self.dtype), v.astype(self.dtype)
             mh = m / (1 - self.b1**self.t)
             vh = v / (1 - self.b2**self.t)
             out[n] = p - lr * mh / (mx.sqrt(vh) + self.eps)
@@ -491,9 +509,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input", choices=("student", "teacher"), default=d.input)
     ap.add_argument("--chunk", type=int, default=d.chunk, help="experts per gradient chunk")
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--state", choices=sorted(STATE_DTYPES), default=d.state,
+                    help="dtype of Adam's m, v and the best copy (bf16: a third the memory)")
     ap.add_argument("--cap", default="2GiB", help="memory cap for the states")
     a = ap.parse_args(argv)
-    cfg = DWQConfig(a.steps, a.lr, a.batch, a.valid_windows, a.eval_every, a.input, a.chunk, a.seed)
+    cfg = DWQConfig(a.steps, a.lr, a.batch, a.valid_windows, a.eval_every, a.input, a.chunk,
+                    a.seed, a.state)
     try:
         path = dwq(
             a.teacher_build,

@@ -197,6 +197,33 @@ def update_router_bias(model: nn.Module, loads: mx.array, rate: float) -> None:
         moe.e_score_correction_bias = moe.e_score_correction_bias + step
 
 
+def init_from_source(model: nn.Module, config: dict, folder: str | Path) -> None:
+    """Warm start: load an exported Moonshot-format folder (``export_source``'s) into the
+    float model through mlx-lm's ``load_model`` (its ``sanitize``), the MXFP4 experts
+    decoded to float32 (``mxfp4.decode``) so pretraining can move them again."""
+    from mlx_lm.utils import load_model
+
+    folder = Path(folder)
+    theirs = json.loads((folder / "config.json").read_text())
+    if layout.text_config(theirs) != layout.text_config(config):
+        raise ValueError(f"{folder / 'config.json'}: its text config is not this run's "
+                         "size; pass the --size it was trained at (its training.json)")
+    src, _ = load_model(folder)
+    flat = dict(tree_flatten(src.parameters()))
+    weights = {}
+    for k, v in flat.items():
+        if k.endswith(".scales"):
+            continue
+        scales = k.removesuffix(".weight") + ".scales"
+        if ".switch_mlp." in k and scales in flat:  # an MXFP4 routed-expert projection
+            packed, e8m0 = mxfp4.from_mlx(v, flat[scales])
+            v = mx.array(mxfp4.decode(np.array(packed), np.array(e8m0)))
+        weights[k] = v.astype(mx.float32)
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    reset_caches(model)
+
+
 def freeze_experts_mxfp4(model: nn.Module) -> dict:
     """Routed experts -> mlx-lm ``QuantizedSwitchLinear`` (mode mxfp4), codes and scales
     from ``k3dist.format.mxfp4.encode`` (OCP), frozen. Returns relative RMS error per layer."""
@@ -288,6 +315,7 @@ class TrainArgs:
     grad_clip: float = 1.0
     bias_rate: float = 1e-3  # DeepSeek-V3's gamma
     seed: int = 0
+    init: str | None = None  # warm start: an exported source folder (init_from_source)
     steps: int | None = None  # horizon; None: from the time budget
     probe_steps: int = 5  # steps timed to set the horizon from the budget
     eval_every: int = 50
@@ -403,6 +431,8 @@ class Trainer:
                                             self.enc), a.seq, a.eval_windows)
             for dom in corpus.DOMAINS}
         if self.state is None:
+            if a.init is not None:
+                init_from_source(self.model, self.config, a.init)
             self.state = State(args=asdict(a), peak_lr=a.lr, horizon=a.steps)
             self.optimizer = make_optimizer(a)
         else:
@@ -823,6 +853,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=None, help="default 8")
     ap.add_argument("--lr", type=float, default=None, help="peak LR (default 2e-3)")
     ap.add_argument("--seed", type=int, default=None, help="default 0")
+    ap.add_argument("--init", default=None, help="a new run starts from this exported "
+                    "source folder (experts decoded from MXFP4 to float), not at random")
     ap.add_argument("--corpus", type=Path, default=corpus.CORPUS_DIR)
     ap.add_argument("--tokenizer", type=Path, default=corpus.TOKENIZER_DIR)
     a = ap.parse_args(argv)
@@ -830,7 +862,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.plot is not None:
         print(f"wrote {plot_log(a.out / 'log.jsonl', a.plot)}")
         return
-    given = {k: getattr(a, k) for k in ("size", "seq", "batch", "lr", "seed", "steps")
+    given = {k: getattr(a, k) for k in ("size", "seq", "batch", "lr", "seed", "steps", "init")
              if getattr(a, k) is not None}
     tr = Trainer(a.out, given, a.corpus, a.tokenizer)
     if a.export is not None:
