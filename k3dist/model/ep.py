@@ -49,7 +49,7 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
                     layer.mlp = ExpertParallelMoE(
                         tc, placement.local_table(i, rank), group, form)
             if split_layers and group is not None:
-                split_attention(self.layers, list(split_layers), group)
+                split_attention(self, list(split_layers), group)
 
         def __call__(self, inputs: mx.array, cache=None,
                      input_embeddings: mx.array | None = None) -> mx.array:
