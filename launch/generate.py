@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import k3dist
+from k3dist.bench import greedy
 from k3dist.format import deployment
-from k3dist.serve import engine, loader
+from k3dist.serve import loader
 
 import mlx.core as mx
 import numpy as np
@@ -57,7 +58,7 @@ def main() -> None:
         prompt = np.random.default_rng(args.seed).integers(0, vocab - 256, size=n).tolist()
 
     t0 = time.perf_counter()
-    tokens, logits = engine.greedy(model, prompt, args.max_tokens)
+    tokens, logits = greedy.greedy(model, prompt, args.max_tokens)
     t_gen = time.perf_counter() - t0
     if args.dump:
         path = Path(args.dump.format(rank=rank))

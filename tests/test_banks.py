@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from k3dist.bench.greedy import greedy
 from k3dist.build import grade, slicing
 from k3dist.format import layout
 from k3dist.format.graded import GradedMap, balance_hi
@@ -13,7 +14,6 @@ from k3dist.format.placement import contiguous
 from k3dist.format.sfile import CheckpointError, read_bytes, read_header
 from k3dist.model import two_bank
 from k3dist.model.experts import ExpertParallelMoE
-from k3dist.serve.engine import greedy
 
 import mlx.core as mx
 import mlx.nn as nn

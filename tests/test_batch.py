@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 
+from k3dist.bench import greedy
 from k3dist.build import convert, slicing
 from k3dist.factory.corpus import DATA_DIR
 from k3dist.format.deployment import load_deployment
-from k3dist.serve import engine, loader, warmup
+from k3dist.serve import loader, warmup
 
 import mlx.core as mx
 import numpy as np
@@ -32,8 +33,8 @@ def test_two_ranks_batch_of_8_both_forms_equal_single_process(build, tmp_path):
     vocab = config["text_config"]["vocab_size"]
     prompts = [prompt_ids(vocab, 3 + 5 * i, seed=i) for i in range(8)]  # 3..38 tokens
     steps = 8
-    ref = [engine.greedy(model, p, steps)[0] for p in prompts]
-    alone = engine.batch_decode(model, prompts, steps, prefill_step_size=32)
+    ref = [greedy.greedy(model, p, steps)[0] for p in prompts]
+    alone = greedy.batch_decode(model, prompts, steps, prefill_step_size=32)
     assert [t[:steps] for t in alone.tokens] == ref  # one process: batch == alone
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     res = mlx_launch(2, "tests/scripts/batch_decode.py", "--rank-dir",
@@ -71,7 +72,7 @@ def test_warm_up_runs_every_batch_size_the_server_can_take(build, tmp_path):
     assert warm["decode"] == [1, 2, 3, 4]
     assert {(1, t) for t in model.chunk_sizes} <= {tuple(x) for x in warm["shapes"]}
     assert not model.shapes_seen  # warm-up's own shapes are in its report only
-    engine.batch_decode(model, [prompt_ids(vocab, n, seed=n) for n in (5, 23, 40, 2)], 6,
+    greedy.batch_decode(model, [prompt_ids(vocab, n, seed=n) for n in (5, 23, 40, 2)], 6,
                         prefill_step_size=16)
     assert (4, 1) in model.shapes_seen
     assert model.shapes_seen <= {tuple(x) for x in warm["shapes"]}

@@ -9,12 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from k3dist.bench.greedy import greedy
 from k3dist.build import convert as convert_mod
 from k3dist.build.checkpoint import Source
 from k3dist.format import layout, mxfp4
 from k3dist.format.manifest import JOURNAL
 from k3dist.format.sfile import CheckpointError, read_bytes, read_header, read_numpy
-from k3dist.serve.engine import greedy
 
 import mlx.core as mx
 import numpy as np

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 
 from k3dist.bench.evaluate import expert_bytes
+from k3dist.bench.greedy import greedy
 from k3dist.build import convert, grade, slicing
 from k3dist.build.plan import QFormat
 from k3dist.factory import quality, synth
 from k3dist.format import layout
 from k3dist.model import two_bank
-from k3dist.serve.engine import greedy
 
 import mlx.core as mx
 import numpy as np

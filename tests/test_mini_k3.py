@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 
+from k3dist.bench import greedy
 from k3dist.build import checkpoint, convert, default, slicing
 from k3dist.factory import quality, train
 from k3dist.factory.corpus import DATA_DIR, TOKENIZER_DIR
 from k3dist.format import layout, placement
 from k3dist.format import tokens as tokenizer
-from k3dist.serve import engine
 
 import mlx.core as mx
 import numpy as np
@@ -72,7 +72,7 @@ def test_two_ranks_complete_python_like_one_process(shipped_build, tmp_path):
     enc = tokenizer.load_encoding(TOKENIZER_DIR)
     prompt = enc.encode_ordinary(PY_PROMPT)
     model, _ = load_f32(shipped_build)
-    tokens, _ = engine.greedy(model, prompt, 24)
+    tokens, _ = greedy.greedy(model, prompt, 24)
     res = mlx_launch(2, "launch/generate.py", "--rank-dir", str(tmp_path / "rank{rank}"),
                      "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "24",
                      "--dump", str(tmp_path / "out{rank}.npz"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from k3dist.bench.greedy import greedy
 from k3dist.format import layout, placement
 from k3dist.model.ep import make_model_class
-from k3dist.serve.engine import greedy
 
 import mlx.core as mx
 import numpy as np

@@ -15,11 +15,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+from k3dist.bench.greedy import greedy
 from k3dist.build import calibtext, mlxbuild, pipeline, slicing
 from k3dist.format import tokens
 from k3dist.format.sfile import CheckpointError
 from k3dist.serve import auth
-from k3dist.serve.engine import greedy
 
 import mlx.core as mx
 import numpy as np

@@ -44,7 +44,7 @@ def test_batch_of_8_gives_each_request_its_greedy_tokens_alone(shipped):
     batch took was warmed up before serving (no new kernel compiled)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from k3dist.serve import engine
+    from k3dist.bench import greedy
 
     n_tok = 24
     model, _ = load_model(shipped.build)
@@ -53,7 +53,7 @@ def test_batch_of_8_gives_each_request_its_greedy_tokens_alone(shipped):
     eos = set(tok.eos_token_ids)
     ref = []
     for p in BATCH_PROMPTS:
-        toks, _ = engine.greedy(model, tok.encode(p), n_tok)
+        toks, _ = greedy.greedy(model, tok.encode(p), n_tok)
         cut = next((i + 1 for i, t in enumerate(toks) if t in eos), n_tok)
         ref.append(toks[:cut])
     del model

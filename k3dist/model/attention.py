@@ -4,8 +4,6 @@ become :class:`SumLinear`, whose ``all_sum`` obeys ``set_collectives`` like the 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
@@ -42,34 +40,44 @@ class QuantizedSumLinear(nn.QuantizedLinear):
         return mx.distributed.all_sum(x, group=self.group) if self.collectives else x
 
 
-class _NoMLP(nn.Module):
-    """What ``kimi_k3.Model.shard`` sees as the MLP of an MoE layer: its dense branch
-    shards these throwaway projections, leaving the expert-parallel MoE alone."""
+class _Whole(nn.Module):
+    """Stands in for an EP MoE's ``switch_mlp`` while ``shard()`` runs: its MoE branch
+    would split every expert's intermediate dimension, and EP keeps experts whole, so
+    the projections it shards in place hold no parameters."""
 
-    def __init__(self, n: int):
+    def __init__(self):
         super().__init__()
-        self.gate_proj = nn.Linear(n, n, bias=False)
-        self.up_proj = nn.Linear(n, n, bias=False)
-        self.down_proj = nn.Linear(n, n, bias=False)
+        self.gate_proj, self.up_proj, self.down_proj = nn.Module(), nn.Module(), nn.Module()
 
 
-def split_attention(layers: list, split: list[int], group: mx.distributed.Group) -> None:
-    """Divide the attention (and a dense layer's MLP) of ``layers[i]`` for ``i`` in
-    ``split`` across ``group`` with mlx-lm's ``kimi_k3.Model.shard``, without its MoE
-    half; then swap its distributed linears for plain ones (row splits: no collective
-    in the forward pass) and :class:`SumLinear` (input splits). Call on an unquantized,
-    unloaded model: mlx-lm's loader then quantizes and loads the per-rank slices."""
+def split_attention(model: kimi_k3.Model, split: list[int], group: mx.distributed.Group) -> None:
+    """Divide the attention (and a dense layer's MLP) of ``model.layers[i]`` for ``i`` in
+    ``split`` across ``group`` with mlx-lm's ``kimi_k3.Model.shard`` on ``model``, its
+    layer list narrowed to ``split``; then swap its distributed linears for plain ones
+    (row splits: no collective in the forward pass) and :class:`SumLinear` (input
+    splits, switchable for warm-up). Of shard's MoE branch only ``sharding_group`` (the
+    EP group already) stays: routed experts are held whole (:class:`_Whole`) and shared
+    experts split after their weights load (``ExpertParallelMoE.shard_shared``). Call on
+    an unquantized, unloaded model: mlx-lm's loader then quantizes and loads the slices."""
     n = group.size()
     if n == 1 or not split:
         return
-    view = SimpleNamespace(layers=[
-        SimpleNamespace(self_attn=layers[i].self_attn, is_linear=layers[i].is_linear,
-                        mlp=(_NoMLP(n) if isinstance(layers[i].mlp, kimi_k3.KimiK3SparseMoE)
-                             else layers[i].mlp))
-        for i in split])
-    kimi_k3.Model.shard(view, group)
-    for v in view.layers:
-        for module in (v.self_attn, v.mlp):
+    tm = model.language_model.model
+    every = tm.layers
+    chosen = [every[i] for i in split]
+    moes = [(m, m.switch_mlp, m.shared_experts) for m in (layer.mlp for layer in chosen)
+            if isinstance(m, kimi_k3.KimiK3SparseMoE)]
+    for m, _, _ in moes:
+        m.switch_mlp, m.shared_experts = _Whole(), None
+    tm.layers = chosen  # shard() iterates self.layers
+    try:
+        model.shard(group)
+    finally:
+        tm.layers = every
+        for m, switch, shared in moes:
+            m.switch_mlp, m.shared_experts = switch, shared
+    for layer in chosen:
+        for module in (layer.self_attn, layer.mlp):
             for name, child in list(module.children().items()):
                 if isinstance(child, AllToShardedLinear):
                     plain = nn.Linear(child.weight.shape[1], child.weight.shape[0], bias=False)

@@ -49,7 +49,7 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
                     layer.mlp = ExpertParallelMoE(
                         tc, placement.local_table(i, rank), group, form)
             if split_layers and group is not None:
-                split_attention(self.layers, list(split_layers), group)
+                split_attention(self, list(split_layers), group)
 
         def __call__(self, inputs: mx.array, cache=None,
                      input_embeddings: mx.array | None = None) -> mx.array:
@@ -102,11 +102,15 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
                 if getattr(layer.self_attn, "_step", None) is not None:
                     layer.self_attn._step = None
 
-        def shard_shared_experts(self) -> None:
-            """Split each shared expert by its intermediate dimension (after the
-            weights load); the partial outputs ride in the MoE all_sum."""
+        def load_weights(self, file_or_weights, strict: bool = True):
+            """mlx-lm's, then each shared expert split by its intermediate dimension
+            (``ExpertParallelMoE.shard_shared``): rank folders hold them whole, and the
+            parent's forward sums their partial outputs in its all_sum, so a model with
+            a group is correct once loaded, with no call left to the loader."""
+            out = super().load_weights(file_or_weights, strict=strict)
             for layer in self.layers:
                 if isinstance(layer.mlp, ExpertParallelMoE):
                     layer.mlp.shard_shared()
+            return out
 
     return ExpertParallelK3

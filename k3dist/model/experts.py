@@ -94,6 +94,7 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
         self.sharding_group = self.group
         # a shared expert that could not be split (shard_shared); None otherwise
         self.replicated_shared = None
+        self._shared_is_split = False
 
     @property
     def _shared_split(self) -> bool:
@@ -114,12 +115,14 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
 
     def shard_shared(self) -> None:
         """Split the shared experts by their intermediate dimension across the group
-        (mlx-lm's ``shard()`` does the same); call after their weights load. A
-        quantized ``down_proj`` splits along its input only at whole groups: one that
-        does not stays replicated, outside the parent's collective."""
+        (mlx-lm's ``shard()`` does the same), once, after their weights load (the EP
+        model's ``load_weights`` calls it). A quantized ``down_proj`` splits along its
+        input only at whole groups: one that does not stays replicated, outside the
+        parent's collective."""
         se = self.shared_experts
-        if self.group is None or se is None:
+        if self.group is None or se is None or self._shared_is_split:
             return
+        self._shared_is_split = True
         n = self.group.size()
         cols = [a.shape[-1] for a in se.down_proj.parameters().values()]
         if se.gate_proj.weight.shape[0] % n or any(c % n for c in cols):

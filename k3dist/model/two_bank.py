@@ -54,7 +54,14 @@ class TwoBankMoE(ExpertParallelMoE):
     choice needs them (the ``k_hi`` heaviest promoted routes), so this layer alone runs
     its own forward: mlx-lm's ``KimiK3SparseMoE.__call__`` with the routed step
     (``_routed_placeholder`` / ``_routed_local``) in place of ``switch_mlp`` and the
-    weighted sum; tests/test_banks.py holds it equal to the single-bank layer."""
+    weighted sum; tests/test_banks.py holds it equal to the single-bank layer.
+
+    Letting the parent's forward run instead would need the weights inside
+    ``switch_mlp``: ranking by what it sees (``inds``) is not the weights' order, and
+    the alternative, a ``gate`` that keeps its output for ``switch_mlp`` to re-run
+    ``_group_expert_select`` on, is a side channel between sibling modules (state
+    carried across a call, wrong if anything calls ``gate`` or ``switch_mlp`` alone,
+    as ``_route`` and build/calibrate.py do) plus a second top-k per layer; not done."""
 
     def __init__(
         self,

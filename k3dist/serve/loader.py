@@ -185,11 +185,10 @@ def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
         raise CheckpointError(f"{folder}: its tensors do not fit the model built for attention "
                               f"split over layers {split} on {size} ranks ({e}); slice the "
                               "folder again") from None
-    model.shard_shared_experts()
     if dtype != "bfloat16":
         model.set_dtype(DTYPES[dtype])
     # Layer by layer, so transient full-size tensors (the shared experts before their
-    # split) never pile up.
+    # split in load_weights) never pile up.
     for layer in model.layers:
         mx.eval(layer.parameters())
     mx.eval(model.parameters())

@@ -1,5 +1,5 @@
 """Every rank: load its folder in each MoE form, decode a batch of prompts together
-(k3dist.serve.engine.batch_decode) and count the local form's host syncs (calls of
+(k3dist.bench.greedy.batch_decode) and count the local form's host syncs (calls of
 OwnedExperts._local, each reads the routing on the host) in one decode
 step at batch 1 and at the full batch. Writes a JSON report per rank."""
 
@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from k3dist.bench import greedy
 from k3dist.model.experts import ExpertParallelMoE, OwnedExperts
-from k3dist.serve import engine, loader, warmup
+from k3dist.serve import loader, warmup
 
 import mlx.core as mx
 
@@ -50,7 +51,7 @@ def main() -> None:
         model, _, _ = loader.load_rank(args.rank_dir.format(rank=group.rank()), group,
                                        "float32", form, "size")
         model.chunk_sizes = warmup.chunk_sizes(32)
-        res = engine.batch_decode(model, prompts, args.steps, prefill_step_size=32)
+        res = greedy.batch_decode(model, prompts, args.steps, prefill_step_size=32)
         report[form] = {"tokens": [t[:args.steps] for t in res.tokens],
                         "steps_timed": len(res.step_seconds)}
         if form == "local":
