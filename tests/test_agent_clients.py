@@ -50,12 +50,12 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(ranks, work, tmp_path_factory):
-    calls = {"Read": k3_call("Read", {"file_path": str(work / "hello.txt")})}
-    s = Server(ranks, tmp_path_factory.mktemp("agent-clients"),
-               ("--max-context", "16384", "--prefill-chunk", "512", "--max-batch", "1",
-                "--no-warmup"),
-               entry=REPO / "tests/scripts/serve_scripted.py",
-               env={"K3_TEST_TOOL_CALLS": json.dumps(calls)})
+    tmp = tmp_path_factory.mktemp("agent-clients")
+    calls = tmp / "tool-calls.json"
+    calls.write_text(json.dumps({"Read": k3_call("Read", {"file_path": str(work / "hello.txt")})}))
+    s = Server(ranks, tmp, ("--tool-calls", str(calls), "--max-context", "16384",
+                            "--prefill-chunk", "512", "--max-batch", "1", "--no-warmup"),
+               entry=REPO / "tests/scripts/serve_scripted.py")
     yield s
     s.stop()
 

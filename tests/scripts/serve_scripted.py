@@ -2,14 +2,18 @@
 real model on every rank, in lockstep, but a logits processor forces each token, so
 the mini (random weights) answers as an agent's model would: a short answer that ends
 its message, or, when the user's turn says CALL_TOOL, a K3 tool call from
-``K3_TEST_TOOL_CALLS`` (JSON: tool name -> K3's call text; the first tool the request
+``--tool-calls FILE`` (JSON: tool name -> K3's call text; the first tool the request
 declares), then a short answer once the tool's result is in the prompt. Every rank
 forces the same tokens (chosen from the request's prompt only), so the ranks stay in
-lockstep as with sampled tokens.
+lockstep as with sampled tokens. Every other argument is launch/serve.py's.
+
+    mlx.launch -n 2 tests/scripts/serve_scripted.py --tool-calls calls.json \
+        --rank-dir 'runs/mini-ranks/rank{rank}' --no-warmup
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -75,8 +79,12 @@ class Script:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    ap.add_argument("--tool-calls", type=Path, help="JSON file: tool name -> K3's call text")
+    mine, rest = ap.parse_known_args()
+    calls = json.loads(mine.tool_calls.read_text()) if mine.tool_calls else {}
+    sys.argv[1:] = rest  # launch/serve.py parses the rest
     tok = load_tokenizer(Path(_rank_dir()))
-    calls = json.loads(os.environ.get("K3_TEST_TOOL_CALLS") or "{}")
     made = mlx_server._make_logits_processors
     mlx_server.GenerationContext = _Context
     mlx_server._make_logits_processors = lambda args: [*made(args), Script(tok, calls)]
