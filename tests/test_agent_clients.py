@@ -158,6 +158,27 @@ def test_aider_chat_turn(srv, work, tmp_path):
     assert "Error" not in out and "raw.githubusercontent" not in out + err, out[-3000:]
 
 
+def test_scripted_server_calls_the_tool_of_its_flag(srv, work):
+    """--tool-calls is in force without any agent client installed: the Anthropic SDK
+    gets the scripted Read call as a tool_use block, then the answer after its result."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
+    tools = [{"name": "Read", "description": "read a file",
+              "input_schema": {"type": "object",
+                               "properties": {"file_path": {"type": "string"}}}}]
+    ask = [{"role": "user", "content": "CALL_TOOL: read hello.txt"}]
+    m = client.messages.create(model="kimi-k3", max_tokens=1024, tools=tools, messages=ask)
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(use) == 1, m
+    assert use[0].name == "Read" and use[0].input == {"file_path": str(work / "hello.txt")}
+    done = client.messages.create(model="kimi-k3", max_tokens=1024, tools=tools, messages=[
+        *ask, {"role": "assistant", "content": m.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                      "content": FILE_TEXT}]}])
+    assert done.stop_reason == "end_turn" and done.content[-1].text == "Hi.", done
+
+
 def test_routes_ignore_the_query_and_answer_head_and_unknown_paths(srv):
     from serving import post_conn
 
