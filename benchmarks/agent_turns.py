@@ -26,7 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from k3dist.bench import kit
+from k3dist.bench import record
 
 import openai
 
@@ -127,7 +127,7 @@ def main() -> None:
         log.close()
     cached = [[e["cached"] for e in lg] for lg in logs]
     report = {
-        **kit.environment(),
+        **record.environment(),
         "turn_1": turn1, "turn_2": turn2, "turn_2_edited_reply": turn2e,
         "prefill_tokens_saved_turn_2": turn2["cached_tokens"],
         "ttft_turn2_over_turn1": round(turn2["ttft_s"] / turn1["ttft_s"], 3),

@@ -14,7 +14,7 @@ tok/s = B / step time). The collectives one decode token issues and the weight b
 each rank holds are counted from the running models (``counted``). Prefill and decode
 are timed in interleaved rounds; EP's
 compute is measured with its collectives bypassed, TP/PP communication is estimated
-from microbenchmarks (see ``k3dist.bench.kit``). Rank 0 writes the JSON (``--out``) and a
+from microbenchmarks (see ``k3dist.bench.compare``). Rank 0 writes the JSON (``--out``) and a
 bar chart (``--png``, default: the JSON's name with .png).
 """
 
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import k3dist
-from k3dist.bench import kit as bench
+from k3dist.bench import builds, compare, record
 from k3dist.factory import synth
 from k3dist.model.forms import MOE_FORMS
 from k3dist.serve import loader
@@ -40,7 +40,7 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = [m for m in bench.PARALLEL if m in report["summary"]]
+    modes = [m for m in compare.PARALLEL if m in report["summary"]]
     s = report["summary"]
     total = [s[m]["decode_step_ms"]["median"] for m in modes]
     comp = [s[m]["split"]["decode_compute_ms"] for m in modes]
@@ -77,12 +77,12 @@ def plot(report: dict, path: Path) -> None:
     batches = sorted({v.get("batch", 1) for v in s.values()})
     width = 0.8 / max(1, len(batches))
     for j, B in enumerate(batches):
-        names = [bench.batch_name(m, B) for m in bench.BATCHED]
+        names = [compare.batch_name(m, B) for m in compare.BATCHED]
         c.bar([i + j * width for i in range(len(names))],
               [s[n]["decode_tok_s_aggregate"] if n in s else 0.0 for n in names], width,
               label=f"batch {B}")
-    c.set_xticks([i + width * (len(batches) - 1) / 2 for i in range(len(bench.BATCHED))],
-                 bench.BATCHED, rotation=15)
+    c.set_xticks([i + width * (len(batches) - 1) / 2 for i in range(len(compare.BATCHED))],
+                 compare.BATCHED, rotation=15)
     c.set_ylabel("decode tok/s, all requests together")
     c.set_title("Batched decode (lockstep)")
     c.legend(fontsize=7)
@@ -106,7 +106,7 @@ def main() -> None:
                      help="synthesize + convert into --cache-dir (reused); default bench")
     src.add_argument("--build", help="an MLX build folder (python -m k3dist.build.convert)")
     ap.add_argument("--cache-dir", default="runs", help="where --preset builds live")
-    d = bench.CompareSettings()
+    d = compare.CompareSettings()
     ap.add_argument("--prompt-len", type=int, default=d.prompt_len)
     ap.add_argument("--prefill-rounds", type=int, default=d.prefill_rounds)
     ap.add_argument("--decode-rounds", type=int, default=d.decode_rounds)
@@ -131,12 +131,12 @@ def main() -> None:
 
     k3dist.set_blas_threads(args.blas_threads)
     group = mx.distributed.init()
-    launcher = bench.nice_launcher() if args.nice_launcher else bench.launcher()
+    launcher = record.nice_launcher() if args.nice_launcher else record.launcher()
     if group.size() < 2:
         raise SystemExit("compare.py needs at least 2 ranks: run it under mlx.launch -n 2")
-    build = Path(args.build) if args.build else bench.ensure_preset_build(
+    build = Path(args.build) if args.build else builds.ensure_preset_build(
         args.preset or "bench", args.cache_dir)
-    s = bench.CompareSettings(
+    s = compare.CompareSettings(
         prompt_len=args.prompt_len, prefill_rounds=args.prefill_rounds,
         decode_rounds=args.decode_rounds, steps_per_round=args.steps_per_round,
         warmup_steps=args.warmup_steps, calib_len=args.calib_len,
@@ -144,14 +144,14 @@ def main() -> None:
         moe_form=args.moe_form, batches=tuple(args.batches))
     if 1 not in s.batches:
         raise SystemExit("--batches must include 1 (the baseline of every ratio)")
-    env = bench.environment()
-    mine = bench.compare(build, group, s, args.tmp,
+    env = record.environment()
+    mine = compare.compare(build, group, s, args.tmp,
                          log=lambda m: print(m, file=sys.stderr, flush=True))
-    mine["environment"] = bench.environment()  # per rank: its machine, load after the run
-    reports = bench.gather_json(mine, group)
+    mine["environment"] = record.environment()  # per rank: its machine, load after the run
+    reports = record.gather_json(mine, group)
     if group.rank() != 0:
         return
-    report = bench.merge_compare(reports, env, build)
+    report = compare.merge_compare(reports, env, build)
     report["preset"] = args.preset if not args.build else None
     report["launcher_reniced"] = bool(args.nice_launcher and launcher)
     text = json.dumps(report, indent=1)

@@ -14,8 +14,7 @@ import tempfile
 from pathlib import Path
 
 import k3dist
-from k3dist.bench import kit as bench
-from k3dist.bench import membound
+from k3dist.bench import membound, record
 from k3dist.factory import synth
 
 import mlx.core as mx
@@ -35,7 +34,7 @@ def main() -> None:
             Path(tmp) / "src", args.preset, progress=False)
         result = membound.measure(src, Path(tmp) / "build", args.nonexpert_bits)
     report = {
-        "command": bench.command_line(),
+        "command": record.command_line(),
         "versions": {"k3dist": k3dist.__version__, "mlx": mx.__version__,
                      "mlx_lm": mlx_lm.__version__, "python": platform.python_version()},
         "machine": platform.platform(),
@@ -43,7 +42,7 @@ def main() -> None:
         "result": result,
         "real_k3_bound": membound.bound(synth.real_config()),
     }
-    bench.emit(report, args.out)
+    record.emit(report, args.out)
 
 
 if __name__ == "__main__":

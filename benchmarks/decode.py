@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 import k3dist
-from k3dist.bench import kit as bench
+from k3dist.bench import builds, decode, record
 from k3dist.build import slicing
 from k3dist.factory import synth
 from k3dist.model.forms import MOE_FORMS
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--placement-counts", help="routing counts (.npz/.json): load-aware")
     ap.add_argument("--moe-form", default="auto", choices=("auto", *MOE_FORMS))
     ap.add_argument("--dtype", default="float32", choices=sorted(loader.DTYPES))
-    d = bench.DecodeSettings()
+    d = decode.DecodeSettings()
     ap.add_argument("--prompt-lens", default=",".join(map(str, d.prompt_lens)))
     ap.add_argument("--prefill-trials", type=int, default=d.prefill_trials)
     ap.add_argument("--context-len", type=int, default=d.context_len,
@@ -59,32 +59,32 @@ def main() -> None:
     k3dist.set_blas_threads(args.blas_threads)
     group = mx.distributed.init()
     rank, size = group.rank(), group.size()
-    launcher = bench.nice_launcher() if args.nice_launcher else bench.launcher()
+    launcher = record.nice_launcher() if args.nice_launcher else record.launcher()
     if args.size is not None and args.size != size:
         raise SystemExit(f"--size {args.size} but mlx.launch started {size} ranks; launch "
                          f"with -n {args.size} (or a hostfile of {args.size} hosts)")
-    s = bench.DecodeSettings(
+    s = decode.DecodeSettings(
         prompt_lens=tuple(int(x) for x in args.prompt_lens.split(",")),
         prefill_trials=args.prefill_trials, context_len=args.context_len,
         decode_trials=args.trials, warmup_steps=args.warmup_steps,
         comm_trials=args.comm_trials, seed=args.seed)
-    env = bench.environment()
+    env = record.environment()
     with tempfile.TemporaryDirectory(prefix="k3dist-decode-") as tmp:
         if args.rank_dir:
             folder = Path(args.rank_dir.format(rank=rank))
         else:
-            build = Path(args.build) if args.build else bench.ensure_preset_build(
+            build = Path(args.build) if args.build else builds.ensure_preset_build(
                 args.preset or "bench", args.cache_dir)
             plc = slicing.placement_for(build, size, args.placement_counts)
-            folder = bench.slice_for_rank(build, tmp, group, plc)
+            folder = builds.slice_for_rank(build, tmp, group, plc)
         model, config, manifest = loader.load_rank(folder, group, args.dtype, args.moe_form)
-    mine = bench.decode_report(model, group, config["text_config"]["vocab_size"], s)
-    mine.update(environment=env, folder=bench.repo_path(folder), build_hash=manifest["build_hash"],
+    mine = decode.decode_report(model, group, config["text_config"]["vocab_size"], s)
+    mine.update(environment=env, folder=record.repo_path(folder), build_hash=manifest["build_hash"],
                 placement={"kind": manifest["placement"].get("kind"),
                            "hash": manifest["placement_hash"]},
                 moe_form=loader.resolve_form(args.moe_form), dtype=args.dtype,
                 launcher={**launcher, "reniced": args.nice_launcher} if launcher else None)
-    reports = bench.gather_json(mine, group)
+    reports = record.gather_json(mine, group)
     if rank != 0:
         return
     report = {**env, "size": size, "ranks": reports}

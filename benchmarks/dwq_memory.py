@@ -16,8 +16,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from k3dist.bench import kit as bench
-from k3dist.bench import membound
+from k3dist.bench import membound, record
 from k3dist.build import convert, grade, stream, teacher
 from k3dist.build.plan import QFormat
 from k3dist.factory import synth
@@ -91,7 +90,7 @@ def main() -> None:
     bounds = {f"{lo}-{'bf16' if sb == 2 else 'f32'}-state": real_k3_bound(
         lo_format=lo, state_bytes=sb) for lo in ("2bit-g64", "2bit-g128") for sb in (4, 2)}
     if a.bound_only:
-        bench.emit({"command": bench.command_line(), "real_k3_bounds": bounds}, a.out)
+        record.emit({"command": record.command_line(), "real_k3_bounds": bounds}, a.out)
         return
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -109,10 +108,10 @@ def main() -> None:
                 str(build), str(student), str(t), str(tmp / "tokens.npy"),
                 str(tmp / f"dwq-{chunk}"), str(chunk), str(a.steps))
         model_bytes = sum(f.stat().st_size for f in build.glob("*.safetensors"))
-    report = {"command": bench.command_line(), "preset": "bench", "windows": a.windows,
+    report = {"command": record.command_line(), "preset": "bench", "windows": a.windows,
               "seq": a.seq, "steps_per_block": a.steps, "model_bytes": model_bytes,
               "runs": runs, "real_k3_bound": real_k3_bound(), "real_k3_bounds": bounds}
-    bench.emit(report, a.out)
+    record.emit(report, a.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import json
 import subprocess
 import sys
 
-from k3dist.bench import kit
+from k3dist.bench import record
 
 _CHILD = r"""
 import json, resource, sys, time
@@ -181,7 +181,7 @@ def main() -> None:
                   / dense_bytes(r["chunk"], r["D"], r["H"])
                   for r in fitted if r["method"] == "chunked")
     report = {
-        **kit.environment(),
+        **record.environment(),
         "what": "peak RSS of one backward of a quantized SwitchGLU expert bank w.r.t. its "
                 "affine scales/biases: plain mx.grad vs bank_grads (chunks of experts)",
         "rows": rows,
@@ -206,7 +206,7 @@ def main() -> None:
         },
         "real_k3_layer": k3_bound(f_plain, f_chunk, args.chunks),
     }
-    kit.emit(report, args.out)
+    record.emit(report, args.out)
 
 
 if __name__ == "__main__":

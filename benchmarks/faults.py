@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from k3dist.bench import kit  # noqa: E402
+from k3dist.bench import record  # noqa: E402
 
 from _served import Served, percentiles  # noqa: E402
 
@@ -196,12 +196,12 @@ def main() -> None:
         rows[name] = scenario(name, sig, victim, phase, args, a.watchdog_timeout_s)
         print(json.dumps({name: {k: v for k, v in rows[name].items()
                                  if k != "server_log_tail"}}), flush=True)
-    report = {**kit.environment(), "server_args": args,
+    report = {**record.environment(), "server_args": args,
               "watchdog_bound_s": a.watchdog_timeout_s + 1.0,
               "scenarios": rows,
               "restart": restart(["--max-batch", "8", "--max-context", "4096"], a.restarts)
               if a.restarts else None}
-    kit.emit(report, a.out, indent=1)
+    record.emit(report, a.out, indent=1)
 
 
 if __name__ == "__main__":

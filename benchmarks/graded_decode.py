@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 
-from k3dist.bench import kit as bench
+from k3dist.bench import record
 from k3dist.format.graded import GradedMap
 from k3dist.model import two_bank
 
@@ -63,9 +63,9 @@ def main() -> None:
             "promoted_per_layer": {str(k): len(v) for k, v in gmap.hi.items()},
             "k_hi": {str(k): v for k, v in gmap.k_hi.items() if gmap.hi.get(k)},
         })
-    report = {"command": bench.command_line(), "prompt": a.prompt, "steps": a.steps,
+    report = {"command": record.command_line(), "prompt": a.prompt, "steps": a.steps,
               "rounds": a.rounds, "rows": rows}
-    bench.emit(report, a.out, indent=1)
+    record.emit(report, a.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import k3dist
-from k3dist.bench import kit as bench
+from k3dist.bench import record
 from k3dist.build.plan import QFormat
 from k3dist.factory import synth
 from k3dist.format import layout, placement
@@ -152,7 +152,7 @@ def main() -> None:
         "goal": "graded <= 1.2x single-lo",
         "trials": args.trials,
     }
-    bench.emit(report, args.out)
+    record.emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from k3dist.bench import kit  # noqa: E402
+from k3dist.bench import record  # noqa: E402
 
 from _served import Served, cpu_seconds, percentiles  # noqa: E402
 
@@ -64,7 +64,7 @@ def main() -> None:
     finally:
         rc = srv.stop()
     report = {
-        **kit.environment(),
+        **record.environment(),
         "label": a.label,
         "server_command": srv.cmd,
         "idle_window_s": round(dt, 2),
@@ -75,7 +75,7 @@ def main() -> None:
         "idle_gap_before_each_request_s": a.gap_s,
         "server_exit_code_after_sigterm": rc,
     }
-    kit.emit(report, a.out, indent=1)
+    record.emit(report, a.out, indent=1)
 
 
 if __name__ == "__main__":

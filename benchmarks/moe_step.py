@@ -20,7 +20,7 @@ import statistics
 import time
 
 import k3dist
-from k3dist.bench import kit as bench
+from k3dist.bench import record
 from k3dist.factory import synth
 from k3dist.format import layout, placement
 from k3dist.model.experts import ExpertParallelMoE
@@ -91,7 +91,7 @@ def main() -> None:
             times[c].append((time.perf_counter() - t) * 1e3)
     med = {c: statistics.median(v) for c, v in times.items()}
     report = {
-        "command": bench.command_line(),
+        "command": record.command_line(),
         "versions": {"k3dist": k3dist.__version__, "mlx": mx.__version__,
                      "mlx_lm": mlx_lm.__version__},
         "machine": platform.platform(), "blas": k3dist.blas_status(),

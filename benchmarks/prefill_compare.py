@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import k3dist
-from k3dist.bench import kit
+from k3dist.bench import baselines, builds, collectives, record, stepping
 from k3dist.format import layout, placement
 from k3dist.serve import loader
 
@@ -54,16 +54,16 @@ def main() -> None:
     if group.size() < 2:
         raise SystemExit("run under mlx.launch -n 2")
     rank = group.rank()
-    build = kit.ensure_preset_build(a.preset, a.cache_dir)
+    build = builds.ensure_preset_build(a.preset, a.cache_dir)
     tc = layout.text_config(load_config(build))
-    prompt = kit.random_prompt(tc["vocab_size"], a.prompt_len, 0)
+    prompt = stepping.random_prompt(tc["vocab_size"], a.prompt_len, 0)
     models = {}
     with tempfile.TemporaryDirectory(prefix="k3dist-prefill-") as td:
         plc = placement.contiguous(tc["num_experts"], group.size(), layout.moe_layers(tc))
-        folder = kit.slice_for_rank(build, td, group, plc, "split")
+        folder = builds.slice_for_rank(build, td, group, plc, "split")
         models["ep_split"], _, _ = loader.load_rank(folder, group, "float32", "auto")
-    models["tp"], _ = kit.load_tensor_parallel(build, group, "float32")
-    env = kit.environment()
+    models["tp"], _ = baselines.load_tensor_parallel(build, group, "float32")
+    env = record.environment()
     for m in models.values():  # every chunk shape once, before timing
         for c in a.chunks:
             chunked_prefill(m, prompt[:c], c)
@@ -71,7 +71,7 @@ def main() -> None:
     for r in range(a.rounds):
         for n in (list(models) if r % 2 == 0 else list(models)[::-1]):
             for c in a.chunks:
-                kit.barrier(group)
+                collectives.barrier(group)
                 times[n][c].append(chunked_prefill(models[n], prompt, c))
     if rank != 0:
         return

@@ -31,7 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from k3dist.bench import kit
+from k3dist.bench import record
 
 import numpy as np
 import openai
@@ -185,7 +185,7 @@ def main() -> None:
     store = tmp / "store"
     tl = tools(a.tools)
     sys_a = system("Ada", a.rules)
-    report: dict = {**kit.environment(), "prefill_chunk": a.prefill_chunk,
+    report: dict = {**record.environment(), "prefill_chunk": a.prefill_chunk,
                     "load_before": os.getloadavg()}
     if a.gaps_only:
         s = Srv(a, store, tmp, "gaps")

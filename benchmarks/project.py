@@ -9,7 +9,7 @@ Prints JSON: per build profile and backend, each mode's bytes / FLOPs / collecti
 step and rank, time split, tok/s and per-box footprint; the published two-box anchors
 next to the model with what each implies; the constants with where each comes from.
 ``--calibrate`` also measures this machine (memory bandwidth, MLX matvecs, loopback
-all_sum under ``mlx.launch -n 2``). Model and equations: ``k3dist/costmodel.py``.
+all_sum under ``mlx.launch -n 2``). Model and equations: ``k3dist/bench/costmodel.py``.
 ``--prefill`` adds time to first token (cold 2K / 20K / 100K prompts, EP-split and TP,
 at two prefill efficiencies), the inter-token latency of running requests per prefill
 chunk size, and a cached prefix restored from disk against recomputing it
@@ -31,8 +31,8 @@ from importlib import metadata
 from pathlib import Path
 
 import k3dist
+from k3dist.bench import bandwidth, collectives, record
 from k3dist.bench import costmodel as cm
-from k3dist.bench import kit as bench
 from k3dist.factory import synth
 from k3dist.format import layout, placement
 
@@ -157,7 +157,7 @@ def calibrate(runs: int = 3) -> dict:
             size: min(run[size][key] for run in allsum["runs"])
             for size in (allsum["runs"][0] if allsum["runs"] else {}) if size != "size"}
     out = {"machine": platform.platform(), "blas": k3dist.blas_status(),
-           "allsum_loopback_ring": allsum, "bandwidth": cm.measure_bandwidth()}
+           "allsum_loopback_ring": allsum, "bandwidth": bandwidth.measure_bandwidth()}
     moe = sorted(glob.glob(str(Path(__file__).parent / "results" / "moe-step-*.json")))
     if moe:
         m = json.loads(Path(moe[-1]).read_text())
@@ -173,7 +173,7 @@ def check_collectives(path: str) -> dict:
     """The all_sums per decode token compare.py counted on its running models (rank 0)
     against this model's count for that build's config and rank count."""
     rep = json.loads(Path(path).read_text())
-    build = bench.REPO / rep["build"]
+    build = k3dist.REPO / rep["build"]
     config = json.loads((build / "config.json").read_text())
     f = cm.facts(config, cm.PROFILES["mxfp4"])
     counted = rep["ranks"][0]["counted"]
@@ -287,8 +287,11 @@ def main() -> None:
     args = parse_args()
     if args.allsum_worker:
         k3dist.set_blas_threads(1)  # two ranks share this box's cores
-        r = cm.allsum_timings()
-        if r is not None:
+        import mlx.core as mx
+
+        group = mx.distributed.init()
+        r = collectives.allsum_timings(group)
+        if group.rank() == 0:
             print(json.dumps(r), flush=True)
         return
     config = (json.loads(Path(args.config).read_text()) if args.config
@@ -313,7 +316,7 @@ def main() -> None:
             skews[B] = {k: table[key][k] for k in ("skew", "skew_pairs", "skew_union")}
 
     res: dict = {
-        "command": bench.command_line(),
+        "command": record.command_line(),
         "versions": {"k3dist": k3dist.__version__, "python": platform.python_version(),
                      **{p: metadata.version(p) for p in ("mlx", "mlx-lm", "numpy")}},
         "config": args.config

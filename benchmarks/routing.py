@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import k3dist
-from k3dist.bench import kit as bench
+from k3dist.bench import baselines, record, routing
 from k3dist.build.default import ensure_default_build
 from k3dist.factory import windows as win
 from k3dist.format import placement
@@ -34,7 +34,7 @@ def selections(model, tokens: np.ndarray) -> dict[int, np.ndarray]:
     """Per MoE layer: ``[windows, seq, k]`` expert ids the router picks."""
     per: dict[int, list[np.ndarray]] = {}
     for row in tokens:
-        for i, s in bench.router_selections(model, row.tolist()).items():
+        for i, s in routing.router_selections(model, row.tolist()).items():
             per.setdefault(i, []).append(s)
     return {i: np.stack(v) for i, v in per.items()}
 
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
     build = Path(a.build) if a.build else ensure_default_build()
-    model, _ = bench.load_single(build)
+    model, _ = baselines.load_single(build)
     tc = model.args.text_config
     E, k = tc.num_experts, tc.num_experts_per_token
     held, _, _ = win.token_set("eval", a.seq, a.windows)
@@ -92,8 +92,8 @@ def main() -> None:
               for i, s in selections(model, calib).items()}
     moe = sorted(sel)
     rng = np.random.default_rng(a.seed)
-    res: dict = {"command": bench.command_line(), "k3dist": k3dist.__version__,
-                 "build": bench.repo_path(build), "experts": E, "top_k": k,
+    res: dict = {"command": record.command_line(), "k3dist": k3dist.__version__,
+                 "build": record.repo_path(build), "experts": E, "top_k": k,
                  "moe_layers": len(moe), "held_out_tokens": int(held.size),
                  "calibration_tokens": int(calib.size), "results": {}}
     for size in a.ranks:

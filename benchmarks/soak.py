@@ -37,7 +37,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from k3dist.bench import kit  # noqa: E402
+from k3dist.bench import record  # noqa: E402
 
 from _served import Served, percentiles, rss_bytes  # noqa: E402
 
@@ -394,7 +394,7 @@ def main() -> None:
 
     done = [r for r in results if r.outcome in ("ok", "mismatch")]
     report = {
-        **kit.environment(),
+        **record.environment(),
         "server_command": srv.cmd,
         "minutes": round((soak_end - soak_start) / 60, 2),
         "workers": a.workers, "max_batch": a.max_batch, "max_tokens": a.max_tokens,
@@ -423,7 +423,7 @@ def main() -> None:
         "mismatch_examples": mism, "lost_examples": lost,
         "tracebacks_in_server_log": srv.output().count("Traceback"),
     }
-    kit.emit(report, a.out, indent=1)
+    record.emit(report, a.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from k3dist.bench import kit as bench
-from k3dist.bench import membound
+from k3dist.bench import membound, record
 from k3dist.build import convert, grade, stream
 from k3dist.factory import synth
 from k3dist.format import layout
@@ -129,7 +128,7 @@ def main() -> None:
     real = synth.real_config()
     rtc = layout.text_config(real)
     report = {
-        "command": bench.command_line(),
+        "command": record.command_line(),
         "preset": a.preset,
         "tokens": int(tokens.size),
         "model_bytes": model_bytes,
@@ -153,7 +152,7 @@ def main() -> None:
             "kda_backward_bytes_per_token": kda_backward(rtc, 1),
         },
     }
-    bench.emit(report, a.out)
+    record.emit(report, a.out)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from importlib import resources
 from pathlib import Path
 
 import k3dist
-from k3dist.bench import kit as bench
+from k3dist.bench import record
 from k3dist.format import layout
 from k3dist.serve import vision
 
@@ -171,7 +171,7 @@ def main() -> None:
         report["tower_activations"] = activations(
             real, [int(x) for x in args.sides.split(",")],
             args.headroom_gb if args.headroom_gb is not None else Deployment().memory_headroom_gb)
-    bench.emit(report, args.out)
+    record.emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ import k3dist
 from k3dist.format import deployment, manifest
 from k3dist.format.deployment import Deployment
 from k3dist.format.verify import Report
-from k3dist.serve import auth, keepawake, loader, preflight, server, warmup
-from k3dist.serve import watchdog as harness
+from k3dist.serve import auth, keepawake, loader, preflight, server, warmup, watchdog
 
 import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
@@ -80,18 +79,18 @@ def main(argv: list[str] | None = None) -> None:
     group = mx.distributed.init()
     rank, size = group.rank(), group.size()
 
-    watchdog = None
+    wd = None
     if size > 1:
-        host, port = harness.coordinator_address(group, port=dep.watchdog_port)
-        watchdog = harness.Watchdog(
+        host, port = watchdog.coordinator_address(group, port=dep.watchdog_port)
+        wd = watchdog.Watchdog(
             rank, size, host, port, timeout_s=dep.watchdog_timeout_s,
             parent_pid=os.getppid() if dep.stop_with_launcher else None,
             on_lost=lambda r, why: server.abort_streams(f"rank {r} was lost ({why})"),
             on_stop=lambda why, origin: server.abort_streams(
                 f"server stopping: {why} (from rank {origin})"))
-        watchdog.start()
-        harness.install_signal_handlers(watchdog)
-        harness.install_failure_hook(watchdog)  # a failing rank tells the others why
+        wd.start()
+        watchdog.install_signal_handlers(wd)
+        watchdog.install_failure_hook(wd)  # a failing rank tells the others why
         log(rank, f"watchdog: coordinator {host}:{port}, timeout {dep.watchdog_timeout_s}s")
 
     folder = rank_folder(dep, rank, size)
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     model, config, manifest = loader.load_rank(
         folder, group, dep.dtype, dep.moe_form, dep.verify,
-        peer_failure=watchdog.peer_failures.get if watchdog else None, attention=dep.attention)
+        peer_failure=wd.peer_failures.get if wd else None, attention=dep.attention)
     log(rank, f"{folder}: {Report(**manifest['verify']).summary()}")
     tokenizer = load_tokenizer(folder, {"trust_remote_code": False})
     log(rank, f"loaded {folder} (build {manifest['build_hash']}, placement "
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
                  max_connections=dep.max_connections, token_log=token_log,
                  vision_limits=limits, api_key=api_key,
                  prompt_cache_tokens=dep.prompt_cache_tokens, prefix_store=store,
-                 idle_gate=watchdog)
+                 idle_gate=wd)
 
 
 if __name__ == "__main__":

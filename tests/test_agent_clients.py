@@ -50,15 +50,15 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(ranks, work, tmp_path_factory):
-    calls = {"Read": k3_call("Read", {"file_path": str(work / "hello.txt")}),
-             "exec_command": k3_call("exec_command", {"cmd": "cat hello.txt"})}
     tmp = tmp_path_factory.mktemp("agent-clients")
-    s = Server(ranks, tmp,
-               ("--max-context", "16384", "--prefill-chunk", "512", "--max-batch", "1",
-                "--no-warmup"),
-               entry=REPO / "tests/scripts/serve_scripted.py",
-               env={"K3_TEST_TOOL_CALLS": json.dumps(calls),
-                    "K3_TEST_PROMPT_LOG": str(tmp / "prompts.txt")})
+    calls = tmp / "tool-calls.json"
+    calls.write_text(json.dumps({
+        "Read": k3_call("Read", {"file_path": str(work / "hello.txt")}),
+        "exec_command": k3_call("exec_command", {"cmd": "cat hello.txt"})}))
+    s = Server(ranks, tmp, ("--tool-calls", str(calls), "--prompt-log", str(tmp / "prompts.txt"),
+                            "--max-context", "16384", "--prefill-chunk", "512", "--max-batch",
+                            "1", "--no-warmup"),
+               entry=REPO / "tests/scripts/serve_scripted.py")
     yield s
     s.stop()
 
@@ -177,6 +177,27 @@ def test_aider_chat_turn(srv, work, tmp_path):
                         env, work)
     assert rc == 0 and "Hi." in out, (rc, out[-3000:], err[-3000:])
     assert "Error" not in out and "raw.githubusercontent" not in out + err, out[-3000:]
+
+
+def test_scripted_server_calls_the_tool_of_its_flag(srv, work):
+    """--tool-calls is in force without any agent client installed: the Anthropic SDK
+    gets the scripted Read call as a tool_use block, then the answer after its result."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
+    tools = [{"name": "Read", "description": "read a file",
+              "input_schema": {"type": "object",
+                               "properties": {"file_path": {"type": "string"}}}}]
+    ask = [{"role": "user", "content": "CALL_TOOL: read hello.txt"}]
+    m = client.messages.create(model="kimi-k3", max_tokens=1024, tools=tools, messages=ask)
+    use = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(use) == 1, m
+    assert use[0].name == "Read" and use[0].input == {"file_path": str(work / "hello.txt")}
+    done = client.messages.create(model="kimi-k3", max_tokens=1024, tools=tools, messages=[
+        *ask, {"role": "assistant", "content": m.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                      "content": FILE_TEXT}]}])
+    assert done.stop_reason == "end_turn" and done.content[-1].text == "Hi.", done
 
 
 def test_routes_ignore_the_query_and_answer_head_and_unknown_paths(srv):

@@ -9,7 +9,7 @@ import platform
 import shlex
 
 import k3dist
-from k3dist.bench import kit as bench
+from k3dist.bench import compare, record, routing
 from k3dist.build import convert
 from k3dist.factory import synth
 from k3dist.format import layout
@@ -79,7 +79,7 @@ def test_compare_all_modes(mini_tp_build, tmp_path):
             assert rep["ratios"][f"{tag}_over_{other}_prefill"] == pytest.approx(
                 np.median(p), abs=1e-4)
     for r in rep["ranks"]:
-        assert set(r["trials"]) == modes | batched | set(bench.COMPUTE_ONLY.values())
+        assert set(r["trials"]) == modes | batched | set(compare.COMPUTE_ONLY.values())
         for n, t in r["trials"].items():
             assert len(t["prefill_s"]) == (0 if n in batched else 1)
             assert [len(x) for x in t["decode_ms"]] == [2, 2]
@@ -100,8 +100,8 @@ def test_compare_all_modes(mini_tp_build, tmp_path):
     assert s["ep_split"]["split"]["all_sums_per_step"] == rep["ranks"][0]["counted"][
         "ep_split"]["collectives_per_token"]
     for B in (1, 2):
-        assert s[bench.batch_name("ep_split", B)]["decode_tok_s_aggregate"] == pytest.approx(
-            B * s[bench.batch_name("ep_split", B)]["decode_tok_s"], rel=1e-3)
+        assert s[compare.batch_name("ep_split", B)]["decode_tok_s_aggregate"] == pytest.approx(
+            B * s[compare.batch_name("ep_split", B)]["decode_tok_s"], rel=1e-3)
     assert rep["ratios"]["ep_split_batch2_over_batch1"] > 0
     assert rep["ratios"]["ep_split_over_tp_decode"] > 0
     tp = {c["what"]: c["count"] for c in rep["ranks"][0]["collectives"]["tp"]["decode"][
@@ -123,15 +123,15 @@ def test_routing_counts(mini_build):
     model, config = load_f32(mini_build)
     tc = config["text_config"]
     prompt = prompt_ids(tc["vocab_size"], 24)
-    counts = bench.routing_counts(model, prompt)
+    counts = routing.routing_counts(model, prompt)
     assert sorted(counts) == layout.moe_layers(tc)
     for c in counts.values():
         assert c.shape == (tc["num_experts"],) and c.sum() == 24 * tc["num_experts_per_token"]
-    assert not any(isinstance(layer.mlp, bench._RouteRecorder) for layer in model.layers)
+    assert not any(isinstance(layer.mlp, routing._RouteRecorder) for layer in model.layers)
 
 
 def test_stats_and_gather():
-    s = bench.stats([1.0, 2.0, 3.0, 4.0, 100.0])
+    s = record.stats([1.0, 2.0, 3.0, 4.0, 100.0])
     assert s["median"] == 3.0 and s["p10"] < s["median"] < s["p90"] and s["n"] == 5
-    assert bench.gather_json({"a": [1, 2]}, None) == [{"a": [1, 2]}]
-    assert np.isclose(bench._ratio_rounds([2.0, 3.0], [1.0, 3.0]), [2.0, 1.0]).all()
+    assert record.gather_json({"a": [1, 2]}, None) == [{"a": [1, 2]}]
+    assert np.isclose(compare._ratio_rounds([2.0, 3.0], [1.0, 3.0]), [2.0, 1.0]).all()

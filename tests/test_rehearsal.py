@@ -9,7 +9,7 @@ import gzip
 import json
 from importlib import resources
 
-from k3dist.factory import bpe, synth
+from k3dist.factory import bpe, moonshot, synth
 from k3dist.format import layout
 
 import numpy as np
@@ -30,7 +30,7 @@ def preset_cfg():
 
 def test_index_equals_the_real_one(preset_cfg):
     real = real_index()
-    files = synth.files_of(preset_cfg)
+    files = moonshot.files_of(preset_cfg)
     mine = {s.name: f for f, specs in files.items() for s in specs}
     assert len(mine) == len(real) == 497_220 and len(files) == 96
     assert set(mine) == set(real)

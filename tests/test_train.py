@@ -245,10 +245,10 @@ def test_lr_schedule():
 
 
 def test_data_parallel_two_ranks_take_the_one_process_steps(tmp_path):
-    """mlx.launch -n 2 train/run.py: each rank half of the same global batch; the logged
+    """mlx.launch -n 2 train/train.py: each rank half of the same global batch; the logged
     losses and the saved weights match one process on the whole batch."""
     args = ["--size", "tiny", "--seq", "32", "--batch", "4", "--steps", "3"]
-    res = mlx_launch(2, "train/run.py", "--out", str(tmp_path / "dp"), *args, timeout=120)
+    res = mlx_launch(2, "train/train.py", "--out", str(tmp_path / "dp"), *args, timeout=120)
     assert not failed_ranks(res) and res.returncode == 0, res.stdout + res.stderr
     assert "2 rank(s)" in res.stdout
     single = train.Trainer(tmp_path / "sp", dict(size="tiny", seq=32, batch=4, steps=3))
@@ -267,7 +267,7 @@ def test_data_parallel_two_ranks_take_the_one_process_steps(tmp_path):
 
 def test_sigterm_finishes_the_step_and_saves(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "train/run.py", "--out", str(out), "--size", "tiny", "--seq", "32",
+    cmd = [sys.executable, "train/train.py", "--out", str(out), "--size", "tiny", "--seq", "32",
            "--batch", "4", "--steps", "10000"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from k3dist.serve import watchdog as harness
+from k3dist.serve import watchdog
 from k3dist.serve.watchdog import Watchdog, WatchdogError
 
 import pytest
@@ -35,14 +35,14 @@ def test_coordinator_address(tmp_path):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([["10.0.0.1:5000", "10.0.1.1:5001"], ["10.0.0.2:5002"]]))
     env = {"MLX_HOSTFILE": str(hostfile)}
-    assert harness.coordinator_address(environ=env) == ("10.0.0.1", 6000)
-    assert harness.coordinator_address(environ=env, port=7000) == ("10.0.0.1", 7000)
-    assert harness.coordinator_address(environ={"MLX_JACCL_COORDINATOR": "10.0.0.9:3000"}) \
+    assert watchdog.coordinator_address(environ=env) == ("10.0.0.1", 6000)
+    assert watchdog.coordinator_address(environ=env, port=7000) == ("10.0.0.1", 7000)
+    assert watchdog.coordinator_address(environ={"MLX_JACCL_COORDINATOR": "10.0.0.9:3000"}) \
         == ("10.0.0.9", 4000)
-    assert harness.coordinator_address(environ={}) == ("127.0.0.1", 32323 + 1000)
+    assert watchdog.coordinator_address(environ={}) == ("127.0.0.1", 32323 + 1000)
     hostfile.write_text("not json")
     with pytest.raises(WatchdogError, match="MLX_HOSTFILE"):
-        harness.coordinator_address(environ=env)
+        watchdog.coordinator_address(environ=env)
 
 
 # ---------------------------------------------------------------- watchdog in threads
@@ -105,7 +105,7 @@ def test_watchdog_silent_peer_is_lost_within_timeout():
     _wait(lambda: w0.exit_code is not None, 3.0)
     dt = time.monotonic() - t0
     sock.close()
-    assert w0.exit_code == harness.LOST_EXIT_CODE
+    assert w0.exit_code == watchdog.LOST_EXIT_CODE
     assert any(e.startswith("lost rank 1 (silent for") for e in w0.events), w0.events
     assert 0.9 <= dt < 1.5, dt
     print(f"\nsilent peer (timeout 1.0 s) lost after {dt:.2f} s")
@@ -122,7 +122,7 @@ def test_watchdog_close(clean):
         assert w0.exit_code is None and codes == [], w0.events
         w0.close()
     else:
-        assert w0.exit_code == harness.LOST_EXIT_CODE and codes == [3], w0.events
+        assert w0.exit_code == watchdog.LOST_EXIT_CODE and codes == [3], w0.events
         assert "lost rank 1 (connection closed)" in w0.events[-1]
 
 
@@ -239,7 +239,7 @@ def test_watchdog_processes(tmp_path, victim, sig):
                 p.kill()
     logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
     if sig == signal.SIGKILL:
-        assert survivor.returncode == harness.LOST_EXIT_CODE, logs
+        assert survivor.returncode == watchdog.LOST_EXIT_CODE, logs
         assert f"lost rank {victim} (connection closed)" in logs[1 - victim], logs
         assert dt < CLOSED_BOUND_S, dt
         print(f"\nSIGKILL rank {victim}: rank {1 - victim} exited 3 after {dt * 1000:.0f} ms")

@@ -1,1 +1,3 @@
-"""Benchmark kit: timing and reports, the convert memory bound, the cost model of K3."""
+"""Benchmark kit, a module a job: reports (``record``), builds, routing, baselines,
+collectives, stepping, compare, decode, bandwidth; the convert memory bound, the cost
+model of K3, the quality evaluation."""

@@ -10,7 +10,7 @@ from k3dist import DATA_DIR
 from k3dist.build import convert
 from k3dist.format.journal import locked, remake_stale
 
-DEFAULT_SRC = DATA_DIR / "mini-k3"  # committed; made by train/run.py (data/README.md)
+DEFAULT_SRC = DATA_DIR / "mini-k3"  # committed; made by train/train.py (data/README.md)
 DEFAULT_BUILD = Path("runs/mini-build")
 
 

@@ -1,4 +1,4 @@
-"""MXFP4 build (``python -m k3dist.convert``) + promotion list -> graded build.
+"""MXFP4 build (``python -m k3dist.build.convert``) + promotion list -> graded build.
 
 For every MoE layer the routed-expert stack ``mlp.switch_mlp`` (MXFP4) becomes two:
 
@@ -94,7 +94,7 @@ class GradedBuilder:
         if not mp.exists():
             raise CheckpointError(
                 f"{self.build}: no {MANIFEST}; grade a finished MXFP4 "
-                "build (python -m k3dist.convert)"
+                "build (python -m k3dist.build.convert)"
             )
         self.manifest = json.loads(mp.read_text())
         self.config = json.loads((self.build / "config.json").read_text())
@@ -381,7 +381,7 @@ def main() -> None:
         description="Graded build from an MXFP4 build: promoted "
         "experts keep their MXFP4 bytes, the rest affine low-bit."
     )
-    ap.add_argument("--build", required=True, help="MXFP4 build (python -m k3dist.convert)")
+    ap.add_argument("--build", required=True, help="MXFP4 build (python -m k3dist.build.convert)")
     ap.add_argument("--out", required=True, help="output folder (resumes if partial)")
     ap.add_argument(
         "--scores",

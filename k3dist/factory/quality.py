@@ -60,7 +60,7 @@ def load_float(run: str | Path, bf16: bool = False) -> nn.Module:
     weights = run / train.PRETRAINED_FILE
     if not weights.exists():
         raise FileNotFoundError(f"{weights}: no float snapshot; it is written when the run "
-                                "is frozen (`python train/run.py --out RUN --freeze`)")
+                                "is frozen (`python train/train.py --out RUN --freeze`)")
     config = json.loads((run / "config.json").read_text())
     model = train.build_model(config)
     model.load_weights(str(weights), strict=True)

@@ -21,13 +21,12 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from k3dist.factory import bpe
+from k3dist.factory import bpe, moonshot
 from k3dist.format import layout
 from k3dist.format import tokens as tokenizer
-from k3dist.format.sfile import StreamWriter, f32_to_bf16_bits
+from k3dist.format.sfile import f32_to_bf16_bits
 
 import numpy as np
-from tqdm import tqdm
 
 # E2M1 codes drawn uniformly have this RMS; scales put experts at ~1/sqrt(fan_in).
 _E2M1_RMS = math.sqrt((0 + 0.25 + 1 + 2.25 + 4 + 9 + 16 + 36) / 8)
@@ -151,30 +150,6 @@ def make_config(p: Preset, vocab_size: int) -> dict:
     return cfg
 
 
-def shard_names(tc: dict) -> dict[str, str]:
-    """Group -> shard file, as the real checkpoint: layer L in shard L+1, then the
-    head (embeddings, norm, output AttnRes, lm_head), the projector, the vision tower."""
-    n = tc["num_hidden_layers"] + 3
-
-    def name(i: int) -> str:
-        return f"model-{i:05d}-of-{n:06d}.safetensors"
-
-    out = {f"layer.{i}": name(i + 1) for i in range(tc["num_hidden_layers"])}
-    out.update(head=name(n - 2), projector=name(n - 1), vision=name(n))
-    return out
-
-
-def files_of(cfg: dict) -> dict[str, list[layout.TensorSpec]]:
-    """Shard file -> the tensors it holds, in writing order: the checkpoint's layout
-    (for the ``k3counts`` preset, the real index's key -> shard map exactly)."""
-    files = shard_names(layout.text_config(cfg))
-    by_file: dict[str, list[layout.TensorSpec]] = {}
-    for s in layout.source_specs(cfg):
-        key = "projector" if s.name.startswith("mm_projector.") else s.group
-        by_file.setdefault(files[key], []).append(s)
-    return by_file
-
-
 def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
@@ -231,25 +206,8 @@ def synthesize(out: str | Path, preset: str = "mini", seed: int = 0,
     vocab_size = tokenizer.write_tokenizer_files(out, ranks)
     cfg = make_config(p, vocab_size)
     tc = cfg["text_config"]
-    by_file = files_of(cfg)
-
-    weight_map, total = {}, 0
-    bar = tqdm(total=sum(s.nbytes for v in by_file.values() for s in v), unit="B",
-               unit_scale=True, desc=f"synth {preset}", disable=not progress)
-    for fname, specs in by_file.items():
-        entries = [(s.name, s.dtype, s.shape) for s in specs]
-        with StreamWriter(out / fname, entries, {"format": "pt"}) as w:
-            for s in specs:
-                w.write(s.name, tensor_bytes(s, tc, seed))
-                weight_map[s.name] = fname
-                total += s.nbytes
-                bar.update(s.nbytes)
-    bar.close()
-
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out
+    return moonshot.write_source(out, cfg, lambda s: tensor_bytes(s, tc, seed),
+                                 desc=f"synth {preset}" if progress else None)
 
 
 def main() -> None:

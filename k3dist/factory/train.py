@@ -16,9 +16,10 @@ Phases (one run folder, resumable at every checkpoint):
 2. ``freeze``: routed experts quantized with ``k3dist.format.mxfp4.encode`` (OCP rounding) into
    mlx-lm's ``QuantizedSwitchLinear`` (mxfp4, frozen), then a brief fine-tune of all
    the rest with a fresh optimizer — the way K3 ships QAT MXFP4 experts.
-3. ``export``: the Moonshot source layout (``k3dist.factory.synth``'s), the inverse of mlx-lm's
-   ``sanitize``: per-expert ``weight_packed``/``weight_scale``, q/k/v and their convs
-   split, ``A_log`` zero-padded, MLA ``kv_b_proj`` re-joined, BF16 except K3's F32 set.
+3. ``export``: the Moonshot source layout (``k3dist.factory.moonshot``, as ``synth``),
+   the inverse of mlx-lm's ``sanitize``: per-expert ``weight_packed``/``weight_scale``,
+   q/k/v and their convs split, ``A_log`` zero-padded, MLA ``kv_b_proj`` re-joined,
+   BF16 except K3's F32 set.
 
 Data parallel (optional): under ``mlx.launch -n N`` every rank takes an equal share of
 the same global batch; gradients and loss are averaged and router loads summed across
@@ -33,7 +34,7 @@ reference). Batches are a pure function of (seed, step), so a resumed run sees t
 batches it would have seen.
 
     python -m k3dist.factory.train --out runs/train --max-minutes 50
-    mlx.launch -n 2 --python .venv/bin/python train/run.py --out runs/train --max-minutes 50
+    mlx.launch -n 2 --python .venv/bin/python train/train.py --out runs/train --max-minutes 50
     python -m k3dist.factory.train --out runs/train --freeze --minutes 10
     python -m k3dist.factory.train --out runs/train --export data/mini-k3
     python -m k3dist.factory.train speed --size m --seq 256 --batch 8 --steps 6
@@ -53,10 +54,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from k3dist import blas_status, set_blas_threads
-from k3dist.factory import corpus, synth
+from k3dist.factory import corpus, moonshot, synth
 from k3dist.format import layout, mxfp4
 from k3dist.format import tokens as tokenizer
-from k3dist.format.sfile import StreamWriter, f32_to_bf16_bits
+from k3dist.format.sfile import f32_to_bf16_bits
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -701,37 +702,22 @@ def export_source(model: nn.Module, config: dict, out_dir: str | Path,
     if max_bytes is not None and total > max_bytes:
         raise ValueError(f"this config exports {total:,} bytes, over the {max_bytes:,} "
                          "budget; choose a smaller size (fewer experts or dimensions)")
-    out.mkdir(parents=True, exist_ok=True)
     tc = layout.text_config(config)
     ex = _Exporter(model, config)
-    files = synth.shard_names(tc)
-    by_file: dict[str, list[layout.TensorSpec]] = {}
-    for s in specs:
-        key = "projector" if s.name.startswith("mm_projector.") else s.group
-        by_file.setdefault(files[key], []).append(s)
-    weight_map = {}
-    for fname, group in by_file.items():
-        entries = [(s.name, s.dtype, s.shape) for s in group]
-        with StreamWriter(out / fname, entries, {"format": "pt"}) as w:
-            for s in group:
-                if s.family == "vision":
-                    data = synth.tensor_bytes(s, tc, seed)
-                else:
-                    a = ex.array(s)
-                    if tuple(a.shape) != s.shape:
-                        raise ValueError(f"{s.name}: model gives {a.shape}, K3's layout "
-                                         f"wants {s.shape}")
-                    if s.dtype == "BF16":
-                        data = f32_to_bf16_bits(a).tobytes()
-                    elif s.dtype == "F32":
-                        data = np.ascontiguousarray(a, np.float32).tobytes()
-                    else:
-                        data = np.ascontiguousarray(a, np.uint8).tobytes()
-                w.write(s.name, data)
-                weight_map[s.name] = fname
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    def data(s: layout.TensorSpec) -> bytes:
+        if s.family == "vision":
+            return synth.tensor_bytes(s, tc, seed)
+        a = ex.array(s)
+        if tuple(a.shape) != s.shape:
+            raise ValueError(f"{s.name}: model gives {a.shape}, K3's layout wants {s.shape}")
+        if s.dtype == "BF16":
+            return f32_to_bf16_bits(a).tobytes()
+        if s.dtype == "F32":
+            return np.ascontiguousarray(a, np.float32).tobytes()
+        return np.ascontiguousarray(a, np.uint8).tobytes()
+
+    moonshot.write_source(out, config, data)
     for name in ("tiktoken.model", "tokenizer_config.json"):
         shutil.copyfile(Path(tokenizer_dir) / name, out / name)
     if provenance is not None:

@@ -2,15 +2,20 @@
 real model on every rank, in lockstep, but a logits processor forces each token, so
 the mini (random weights) answers as an agent's model would: a short answer that ends
 its message, or, when the user's turn says CALL_TOOL, a K3 tool call from
-``K3_TEST_TOOL_CALLS`` (JSON: tool name -> K3's call text; the first tool the request
+``--tool-calls FILE`` (JSON: tool name -> K3's call text; the first tool the request
 declares), then a short answer once the tool's result is in the prompt. Every rank
 forces the same tokens (chosen from the request's prompt only), so the ranks stay in
-lockstep as with sampled tokens. With ``K3_TEST_PROMPT_LOG`` set, rank 0 appends each
-request's prompt text there (the tests read what reached the model).
+lockstep as with sampled tokens. With ``--prompt-log FILE``, rank 0 appends each request's
+prompt text there (the tests read what reached the model). Every other argument is
+launch/serve.py's.
+
+    mlx.launch -n 2 tests/scripts/serve_scripted.py --tool-calls calls.json \
+        --rank-dir 'runs/mini-ranks/rank{rank}' --no-warmup
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -51,15 +56,14 @@ class _Context(mlx_server.GenerationContext):
 class Script:
     """Forces one request's tokens, chosen from its prompt's text."""
 
-    def __init__(self, tok, calls: dict[str, str]):
-        self.tok, self.calls, self.step = tok, calls, 0
+    def __init__(self, tok, calls: dict[str, str], log: Path | None):
+        self.tok, self.calls, self.log, self.step = tok, calls, log, 0
         self.ids = self._choose(LAST[0].prompt)
 
     def _choose(self, tokens) -> list[int]:
         text = self.tok.decode(list(tokens))
-        log = os.environ.get("K3_TEST_PROMPT_LOG")
-        if log and os.environ.get("MLX_RANK", "0") == "0":
-            with open(log, "a") as f:
+        if self.log and os.environ.get("MLX_RANK", "0") == "0":
+            with open(self.log, "a") as f:
                 f.write(text + "\n<|end of prompt|>\n")
         head = f"{THOUGHT}<|close|>think<|sep|><|open|>response<|sep|>" \
             if text.endswith(THINK_OPEN) else ""
@@ -80,11 +84,17 @@ class Script:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    ap.add_argument("--tool-calls", type=Path, help="JSON file: tool name -> K3's call text")
+    ap.add_argument("--prompt-log", type=Path, help="rank 0 appends each prompt's text here")
+    mine, rest = ap.parse_known_args()
+    calls = json.loads(mine.tool_calls.read_text()) if mine.tool_calls else {}
+    sys.argv[1:] = rest  # launch/serve.py parses the rest
     tok = load_tokenizer(Path(_rank_dir()))
-    calls = json.loads(os.environ.get("K3_TEST_TOOL_CALLS") or "{}")
     made = mlx_server._make_logits_processors
     mlx_server.GenerationContext = _Context
-    mlx_server._make_logits_processors = lambda args: [*made(args), Script(tok, calls)]
+    script = (tok, calls, mine.prompt_log)
+    mlx_server._make_logits_processors = lambda args: [*made(args), Script(*script)]
     sys.argv[0] = str(REPO / "launch/serve.py")
     runpy.run_path(sys.argv[0], run_name="__main__")
 

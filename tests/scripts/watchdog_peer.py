@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from k3dist.serve import watchdog as harness
+from k3dist.serve import watchdog
 
 import mlx.core as mx
 
@@ -43,16 +43,16 @@ def main() -> None:
     if args.launch:
         group = mx.distributed.init()
         rank, size = group.rank(), group.size()
-        host, port = harness.coordinator_address(group, port=args.port)
+        host, port = watchdog.coordinator_address(group, port=args.port)
     else:
         rank, size, host, port = args.rank, args.size, args.host, args.port
-    wd = harness.Watchdog(rank, size, host, port, interval_s=args.interval,
+    wd = watchdog.Watchdog(rank, size, host, port, interval_s=args.interval,
                           timeout_s=args.timeout, connect_timeout_s=20.0,
                           parent_pid=os.getppid() if args.stop_with_launcher else None,
                           kill_silent_peers=not args.no_kill_silent,
                           on_stop=lambda reason, origin: print(f"on_stop rank {rank}",
                                                                flush=True))
-    harness.install_signal_handlers(wd)
+    watchdog.install_signal_handlers(wd)
     _publish(Path(args.pid_dir) / f"rank{rank}.port", wd.port)  # rank 0: the bound port
     wd.start()
     _publish(Path(args.pid_dir) / f"rank{rank}.pid", os.getpid())
