@@ -26,6 +26,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from k3dist.build.rss import peak_rss
+
 from _served import free_base_port, free_port  # benchmarks/, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -241,12 +243,7 @@ def main() -> None:
             "new_kernels_per_rank": {r: sorted(kernels_mapped(p) - mapped[r])
                                      for r, p in pids.items()},
             "decode_batch_sizes_served": sorted({b for b, n in after["shapes_seen"] if n == 1})}
-        rss = {}
-        for r, p in pids.items():
-            for x in Path(f"/proc/{p}/status").read_text().splitlines():
-                if x.startswith("VmHWM:"):
-                    rss[r] = int(x.split()[1]) // 1024
-        report["rank_peak_rss_mb"] = rss
+        report["rank_peak_rss_mb"] = {r: peak_rss(p) >> 20 for r, p in pids.items()}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

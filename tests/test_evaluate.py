@@ -8,8 +8,8 @@ import math
 
 from k3dist.bench import evaluate
 from k3dist.build import grade
-from k3dist.build.plan import MXFP4, QFormat
 from k3dist.format import layout
+from k3dist.format.qformat import MXFP4, QFormat
 
 import pytest
 

@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import k3dist
-from k3dist.build import convert, slicing, stream
-from k3dist.build.checkpoint import load_config
+from k3dist.build import convert, slicing
+from k3dist.build.rss import peak_rss
 from k3dist.factory import synth
 from k3dist.format import layout, placement
+from k3dist.format.folder import INDEX_NAME, load_config
 from k3dist.format.journal import locked, remake_stale
 from k3dist.model import compat
 from k3dist.model.attention import QuantizedSumLinear, SumLinear
@@ -175,14 +176,9 @@ def nice_launcher(niceness: int = 19) -> dict | None:
     return info
 
 
-def vm_hwm() -> int:
-    """This process's peak resident set in bytes (k3dist.build.stream.peak_rss)."""
-    return stream.peak_rss()
-
-
 def memory() -> dict:
     return {"mx_peak_bytes": int(mx.get_peak_memory()),
-            "mx_active_bytes": int(mx.get_active_memory()), "vm_hwm_bytes": vm_hwm()}
+            "mx_active_bytes": int(mx.get_active_memory()), "vm_hwm_bytes": peak_rss()}
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -220,7 +216,7 @@ def ensure_preset_build(preset: str, cache: str | Path = "runs", progress: bool 
     cache = Path(cache)
     src, build = cache / f"{preset}-src", cache / f"{preset}-build"
     with locked(cache / f".{preset}.lock"):
-        if not (src / "model.safetensors.index.json").exists():
+        if not (src / INDEX_NAME).exists():
             synth.synthesize(src, preset, seed=0, progress=progress)
         return remake_stale(build, lambda: convert.convert(src, build, progress=progress))
 
