@@ -7,7 +7,7 @@
     python train/run.py --out runs/train --export data/mini-k3  # Moonshot source format
     python train/run.py --out runs/train --plot runs/train/curve.png
 
-Sizes, schedule and the run folder's files: ``k3dist/train.py``; measured speeds and the
+Sizes, schedule and the run folder's files: ``k3dist/factory/train.py``; measured speeds and the
 recommended run: ``train/README.md``. Measure a size first:
 ``python -m k3dist.factory.train speed --size m --seq 256 --batch 8``.
 """

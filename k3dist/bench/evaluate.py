@@ -76,7 +76,7 @@ def expert_bytes(build: str | Path) -> ExpertBytes:
     index = build / INDEX_NAME
     if not index.exists():
         raise CheckpointError(
-            f"{index}: missing; evaluate a k3dist build (python -m k3dist.convert)"
+            f"{index}: missing; evaluate a k3dist build (python -m k3dist.build.convert)"
         )
     config = load_config(build)
     tc = layout.text_config(config)
@@ -409,7 +409,8 @@ def main(argv: list[str] | None = None) -> None:
         description="KL, top-1 flip and perplexity of student "
         "builds against the MXFP4 teacher on held-out windows."
     )
-    ap.add_argument("--teacher", required=True, type=Path, help="MXFP4 build (k3dist.convert)")
+    ap.add_argument("--teacher", required=True, type=Path,
+                    help="MXFP4 build (k3dist.build.convert)")
     ap.add_argument(
         "--student",
         action="append",

@@ -1,4 +1,4 @@
-"""MXFP4 build (``python -m k3dist.convert``) + promotion list -> graded build.
+"""MXFP4 build (``python -m k3dist.build.convert``) + promotion list -> graded build.
 
 For every MoE layer the routed-expert stack ``mlp.switch_mlp`` (MXFP4) becomes two:
 
@@ -92,7 +92,7 @@ class GradedBuilder:
         if not mp.exists():
             raise CheckpointError(
                 f"{self.build}: no {MANIFEST}; grade a finished MXFP4 "
-                "build (python -m k3dist.convert)"
+                "build (python -m k3dist.build.convert)"
             )
         self.manifest = json.loads(mp.read_text())
         self.config = load_config(self.build)
@@ -303,7 +303,7 @@ def grade(
 ) -> Path:
     """Write a graded build of an MXFP4 ``build``: ``promoted`` global expert ids per MoE
     layer keep their MXFP4 bytes (hi bank), the rest become ``lo``; resumable. ``plan``
-    (k3dist.build.plan) is stored in the build manifest."""
+    (k3dist.build.planner) is stored in the build manifest."""
     cfg = load_config(build)
     E = layout.text_config(cfg)["num_experts"]
     if isinstance(k_hi, int):
@@ -379,7 +379,7 @@ def main() -> None:
         description="Graded build from an MXFP4 build: promoted "
         "experts keep their MXFP4 bytes, the rest affine low-bit."
     )
-    ap.add_argument("--build", required=True, help="MXFP4 build (python -m k3dist.convert)")
+    ap.add_argument("--build", required=True, help="MXFP4 build (python -m k3dist.build.convert)")
     ap.add_argument("--out", required=True, help="output folder (resumes if partial)")
     ap.add_argument(
         "--scores",

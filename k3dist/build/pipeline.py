@@ -5,7 +5,7 @@
 
 Stages, in order (each one resumable, skipped when its output is current):
 
-1. ``plan``: the byte-budget plan (``k3dist.build.plan``) from the source's config and
+1. ``plan``: the byte-budget plan (``k3dist.build.planner``) from the source's config and
    index: lo format, promotions, non-expert formats. Written first: the disk plan and
    every later stage read it.
 2. ``tokens``: the calibration token set: ``--calib`` as given, or ``--calib-text``

@@ -60,7 +60,7 @@ from tqdm import tqdm
 
 FORMAT_VERSION = manifest.RANK_FORMAT_VERSION
 # a stacked routed-expert tensor of an mlx-lm build: leading dim = num_experts (a graded
-# build's two banks: the rows k3dist.graded.stack_rows names)
+# build's two banks: the rows k3dist.format.graded.stack_rows names)
 _STACK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.switch_(?:mlp|hi)\.")
 
 
@@ -300,7 +300,8 @@ class BuildSlicer:
                     raise PlacementError(
                         f"placement gives rank(s) {sorted(set(range(size)) - held)} none of "
                         f"layer {layer}'s {len(ids)} promoted experts (an empty hi bank); "
-                        "use k3dist.graded.balance_hi(placement, GradedMap.from_config(cfg))")
+                        "use k3dist.format.graded.balance_hi(placement, "
+                        "GradedMap.from_config(cfg))")
         self.placement = placement
         self.tc = tc
         self.attention = resolve_attention(attention, size)

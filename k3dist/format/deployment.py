@@ -4,7 +4,7 @@ down. The command-line flags of ``launch/serve.py``, ``launch/generate.py`` and
 ``slicing/rank_split.py`` are made from it (:func:`add_arguments`, :func:`from_args`).
 
 It lives in the format layer because the build planner reads ``deploy/tb5.yaml``
-through it too (``k3dist.build.plan.Box``), and the build imports no serving code."""
+through it too (``k3dist.build.planner.Box``), and the build imports no serving code."""
 
 from __future__ import annotations
 
