@@ -31,6 +31,7 @@ from k3dist.build import convert
 from k3dist.build.planner import DEFAULT_KL_TOLERANCE, DEFAULT_NONEXPERT, measured_nonexpert
 from k3dist.format.classes import CLASSES, module_class
 from k3dist.format.folder import weight_map
+from k3dist.format.layout import ATTENTION_MODES
 from k3dist.format.sfile import read_header
 
 PY = sys.executable
@@ -173,7 +174,7 @@ def plan_k3(sens: Path, out: Path, tolerance: float | None) -> dict:
     per rank (every non-expert byte but one embedding row) and promoted experts."""
     res: dict = {"command": "python benchmarks/nonexpert.py " + " ".join(sys.argv[1:]),
                  "commands": [], "plans": {}, "compare": {}, "change": {}}
-    for attention in ("replicated", "split"):
+    for attention in ATTENTION_MODES:
         for name, extra in (("default", ()), ("measured", ("--nonexpert-sensitivity",
                                                            str(sens)))):
             if tolerance is not None and name == "measured":
@@ -196,7 +197,7 @@ def plan_k3(sens: Path, out: Path, tolerance: float | None) -> dict:
                 "lo": p["lo"]["format"],
                 "headroom_per_rank": p["headroom_per_rank"],
             }
-    for attention in ("replicated", "split"):
+    for attention in ATTENTION_MODES:
         d, m = res["compare"][f"{attention}-default"], res["compare"][f"{attention}-measured"]
         res["change"][attention] = {
             k: {"default": d[k], "measured": m[k], "ratio": round(m[k] / d[k], 4)}

@@ -67,6 +67,7 @@ def rank_pids(port: int) -> dict[int, int]:
 
 def reference_tokens(build: Path, max_tokens: int) -> list[int]:
     """Single-process mlx-lm (load_model) on the unsliced build, greedy."""
+    from k3dist.format.folder import load_config
     from k3dist.format.graded import GradedMap
     from k3dist.model import two_bank
 
@@ -75,7 +76,7 @@ def reference_tokens(build: Path, max_tokens: int) -> list[int]:
     from mlx_lm.sample_utils import make_sampler
     from mlx_lm.utils import load_model, load_tokenizer
 
-    graded = GradedMap.from_config(json.loads((build / "config.json").read_text()))
+    graded = GradedMap.from_config(load_config(build))
     model = two_bank.load_build(build)[0] if graded is not None else load_model(build)[0]
     model.set_dtype(mx.float32)
     tok = load_tokenizer(build, {"trust_remote_code": False})

@@ -46,7 +46,7 @@ from k3dist.build.teacher import log_softmax
 from k3dist.factory import corpus
 from k3dist.factory.windows import token_set
 from k3dist.format import layout
-from k3dist.format.folder import INDEX_NAME, load_config
+from k3dist.format.folder import INDEX_NAME, load_config, weight_map
 from k3dist.format.graded import GRADED_KEY, GradedMap, bank_of
 from k3dist.format.kvmemory import GiB
 from k3dist.format.sfile import CheckpointError, read_header
@@ -82,7 +82,7 @@ def expert_bytes(build: str | Path) -> ExpertBytes:
     tc = layout.text_config(config)
     E = tc["num_experts"]
     quant = config.get("quantization", {})
-    files = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
+    files = dict.fromkeys(weight_map(build).values())
     nbytes, params = 0, {}
     for f in files:
         for name, t in read_header(build / f).tensors.items():

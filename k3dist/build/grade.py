@@ -31,7 +31,7 @@ from pathlib import Path
 
 from k3dist import __version__
 from k3dist.format import layout
-from k3dist.format.folder import INDEX_NAME, load_config
+from k3dist.format.folder import INDEX_NAME, load_config, weight_map
 from k3dist.format.graded import GRADED_KEY, HI, LO, GradedMap, bank_of
 from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.manifest import JOURNAL, MANIFEST
@@ -110,7 +110,7 @@ class GradedBuilder:
         bad = sorted(set(gmap.hi) - moe)
         if bad:
             raise ValueError(f"promoted experts for layers {bad}, which are not MoE layers")
-        index = json.loads((self.build / INDEX_NAME).read_text())["weight_map"]
+        index = weight_map(self.build)
         self.files = list(dict.fromkeys(index.values()))
         self.headers: dict[str, Header] = {f: read_header(self.build / f) for f in self.files}
         for h in self.headers.values():
