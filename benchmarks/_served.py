@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
 sys.path.insert(0, str(REPO / "tests"))  # the port helpers the tests use
 
+from k3dist.build.rss import rss as rss_bytes  # noqa: E402,F401  (soak reads it here)
+
 from serving import free_port  # noqa: E402
 from util import free_base_port  # noqa: E402
 
@@ -29,16 +31,6 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def rss_bytes(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _children(pid: int) -> list[int]:

@@ -12,31 +12,30 @@ a block with ``--chunk`` 0 (plain) and 16. Prints JSON with its command.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 from k3dist.bench import membound, record
 from k3dist.build import convert, grade, stream, teacher
-from k3dist.build.plan import QFormat
 from k3dist.factory import synth
 from k3dist.format import layout
+from k3dist.format.folder import load_config
+from k3dist.format.qformat import QFormat
 
 import numpy as np
 
 _CHILD = """
-import json, resource, sys
+import json, sys
 import numpy as np
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
-from k3dist.build import dwq, stream
+from k3dist.build.rss import peak_rss, rss
+from k3dist.build import dwq
 build, student, t, tokens, out, chunk, steps = sys.argv[1:8]
 tokens = np.load(tokens)
 base = rss()
 cfg = dwq.DWQConfig(steps=int(steps), batch=1, valid_windows=1, eval_every=int(steps),
                     chunk=int(chunk))
 dwq.dwq(build, t, student, tokens, out, cfg, progress=False)
-print(json.dumps({"baseline_rss": base, "peak_rss": stream.peak_rss()}))
+print(json.dumps({"baseline_rss": base, "peak_rss": peak_rss()}))
 """
 
 
@@ -96,7 +95,7 @@ def main() -> None:
         tmp = Path(tmp)
         src = synth.synthesize(tmp / "src", "bench", progress=False)
         build = convert.convert(src, tmp / "build", progress=False)
-        tc = layout.text_config(json.loads((build / "config.json").read_text()))
+        tc = layout.text_config(load_config(build))
         student = grade.grade(build, tmp / "2bit", {i: [] for i in layout.moe_layers(tc)}, 1,
                               "2bit-g64", progress=False)
         tokens = np.random.default_rng(0).integers(0, tc["vocab_size"], size=(a.windows, a.seq))

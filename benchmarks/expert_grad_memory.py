@@ -23,21 +23,16 @@ import sys
 from k3dist.bench import record
 
 _CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-def hwm():
-    with open("/proc/self/status") as f:
-        return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
+from k3dist.build.rss import peak_rss, rss
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.kimi_k3 import SiTU
 from mlx_lm.models.switch_layers import SwitchGLU
 from k3dist.build import expert_grad
+from k3dist.format.layout import MLP_PROJS
 base = rss()
 
 D, H, E, K, T, BITS, GS, method, chunk = json.loads(sys.argv[1])
@@ -64,12 +59,12 @@ fn = expert_grad.plain_grads if method == "plain" else expert_grad.bank_grads
 # backward's
 small = SwitchGLU(D, H, 1, activation=SiTU())
 nn.quantize(small, group_size=GS, bits=BITS)
-for name in ("gate_proj", "up_proj", "down_proj"):
+for name in MLP_PROJS:
     big, mod = getattr(bank, name), getattr(small, name)
     mod.weight, mod.scales, mod.biases = (big[t][:2] for t in ("weight", "scales", "biases"))
 mx.eval(fn(small, x, ids % 2, weff, g, chunk=1))
 del small
-setup_hwm = hwm()
+setup_hwm = peak_rss()
 mx.clear_cache()
 before = rss()
 try:
@@ -82,7 +77,7 @@ t = time.perf_counter()
 grads = fn(bank, x, ids, weff, g, chunk=chunk)
 mx.eval(grads)
 secs = time.perf_counter() - t
-peak = hwm()
+peak = peak_rss()
 print(json.dumps({"baseline_rss": base, "rss_before_backward": before, "setup_hwm": setup_hwm,
                   "hwm_reset": reset, "peak_rss": peak, "seconds": round(secs, 2),
                   "grad_bytes": sum(v.nbytes for v in grads.values())}))

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import k3dist
 from k3dist.bench import record
-from k3dist.build.plan import QFormat
 from k3dist.factory import synth
 from k3dist.format import layout, placement
+from k3dist.format.qformat import QFormat
 from k3dist.model import two_bank
 from k3dist.model.experts import ExpertParallelMoE
 

@@ -6,7 +6,7 @@ have 96 or 32 columns), every other tensor in its source dtype and the routed ex
 their MXFP4 source bytes, and compared with the MXFP4 teacher (``k3dist.bench.evaluate``:
 KL(teacher || student), top-1 flip, per-domain perplexity on the held-out windows).
 
-Classes are ``k3dist.build.plan.CLASSES``: the router is among them because mlx-lm's
+Classes are ``k3dist.format.classes.CLASSES``: the router is among them because mlx-lm's
 ``kimi_k3`` ``quant_predicate`` quantizes it (8-bit g64); AttnRes projections it never
 quantizes (they stay in the ``small`` class, source dtype). Combined rows follow: every
 class at 6 and at 4 bits, the planner's ``DEFAULT_NONEXPERT``, and ``measured-T<tol>``:
@@ -28,14 +28,10 @@ import sys
 from pathlib import Path
 
 from k3dist.build import convert
-from k3dist.build.checkpoint import INDEX_NAME
-from k3dist.build.plan import (
-    CLASSES,
-    DEFAULT_KL_TOLERANCE,
-    DEFAULT_NONEXPERT,
-    measured_nonexpert,
-    module_class,
-)
+from k3dist.build.planner import DEFAULT_KL_TOLERANCE, DEFAULT_NONEXPERT, measured_nonexpert
+from k3dist.format.classes import CLASSES, module_class
+from k3dist.format.folder import weight_map
+from k3dist.format.layout import ATTENTION_MODES
 from k3dist.format.sfile import read_header
 
 PY = sys.executable
@@ -47,7 +43,7 @@ GROUP = 64
 
 def class_bytes(build: Path) -> dict[str, int]:
     """Bytes per class of every non-expert tensor of a build (weights, scales, biases)."""
-    index = json.loads((build / INDEX_NAME).read_text())["weight_map"]
+    index = weight_map(build)
     out: dict[str, int] = {}
     for f in dict.fromkeys(index.values()):
         for name, t in read_header(build / f).tensors.items():
@@ -178,7 +174,7 @@ def plan_k3(sens: Path, out: Path, tolerance: float | None) -> dict:
     per rank (every non-expert byte but one embedding row) and promoted experts."""
     res: dict = {"command": "python benchmarks/nonexpert.py " + " ".join(sys.argv[1:]),
                  "commands": [], "plans": {}, "compare": {}, "change": {}}
-    for attention in ("replicated", "split"):
+    for attention in ATTENTION_MODES:
         for name, extra in (("default", ()), ("measured", ("--nonexpert-sensitivity",
                                                            str(sens)))):
             if tolerance is not None and name == "measured":
@@ -201,7 +197,7 @@ def plan_k3(sens: Path, out: Path, tolerance: float | None) -> dict:
                 "lo": p["lo"]["format"],
                 "headroom_per_rank": p["headroom_per_rank"],
             }
-    for attention in ("replicated", "split"):
+    for attention in ATTENTION_MODES:
         d, m = res["compare"][f"{attention}-default"], res["compare"][f"{attention}-measured"]
         res["change"][attention] = {
             k: {"default": d[k], "measured": m[k], "ratio": round(m[k] / d[k], 4)}

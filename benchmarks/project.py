@@ -35,6 +35,7 @@ from k3dist.bench import bandwidth, collectives, record
 from k3dist.bench import costmodel as cm
 from k3dist.factory import synth
 from k3dist.format import layout, placement
+from k3dist.format.folder import load_config
 
 PUBLISHED_TB = 1.561  # the mxfp4 build's published size
 
@@ -174,7 +175,7 @@ def check_collectives(path: str) -> dict:
     against this model's count for that build's config and rank count."""
     rep = json.loads(Path(path).read_text())
     build = k3dist.REPO / rep["build"]
-    config = json.loads((build / "config.json").read_text())
+    config = load_config(build)
     f = cm.facts(config, cm.PROFILES["mxfp4"])
     counted = rep["ranks"][0]["counted"]
     out = {"from": path, "build": rep["build"], "size": rep["size"], "modes": {}}

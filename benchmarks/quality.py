@@ -12,7 +12,7 @@ Steps (each reused when its output exists) under ``runs/quality/``:
 3. graded builds promoting 5 / 10 / 20 % of each MoE layer's experts by every score,
    ``k_hi`` per layer from the calibration routes (observed maximum), and the
    ``--global`` variants (the same number of promotions chosen over all layers at once,
-   in pairs: two ranks) for the sensitivity scores; ``mixed2`` (``convert --profile
+   in pairs: two ranks) for the sensitivity scores; ``mixed2`` (``profiles --profile
    mixed2``); and the overflow policy at ``k_hi`` 2 for ``--fallback-for``'s global
    20 % build: routes past ``k_hi`` dropped, or served by a 2-bit fallback copy;
 4. block-aligned DWQ (``k3dist.build.dwq``, issue 13) of the ``--dwq-for`` builds against
@@ -94,7 +94,7 @@ def main() -> None:
         students.append((out, fmt, "-"))
     mixed2 = RUNS / "mixed2"
     if not (mixed2 / "k3dist.json").exists():
-        run("k3dist.build.convert", "--src", "data/mini-k3", "--out", str(mixed2), "--profile",
+        run("k3dist.build.profiles", "--src", "data/mini-k3", "--out", str(mixed2), "--profile",
             "mixed2", "--mxfp4", str(mxfp4))
     students.append((mixed2, "mixed2", "-"))
     calib_tokens = RUNS / f"calib-{a.calib_windows}x{a.seq}.npz"

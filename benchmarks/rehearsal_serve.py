@@ -26,6 +26,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from k3dist.build.rss import peak_rss
+
 from _served import free_base_port, free_port  # benchmarks/, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +67,7 @@ def rank_pids(port: int) -> dict[int, int]:
 
 def reference_tokens(build: Path, max_tokens: int) -> list[int]:
     """Single-process mlx-lm (load_model) on the unsliced build, greedy."""
+    from k3dist.format.folder import load_config
     from k3dist.format.graded import GradedMap
     from k3dist.model import two_bank
 
@@ -73,7 +76,7 @@ def reference_tokens(build: Path, max_tokens: int) -> list[int]:
     from mlx_lm.sample_utils import make_sampler
     from mlx_lm.utils import load_model, load_tokenizer
 
-    graded = GradedMap.from_config(json.loads((build / "config.json").read_text()))
+    graded = GradedMap.from_config(load_config(build))
     model = two_bank.load_build(build)[0] if graded is not None else load_model(build)[0]
     model.set_dtype(mx.float32)
     tok = load_tokenizer(build, {"trust_remote_code": False})
@@ -252,12 +255,7 @@ def main() -> None:
             "new_kernels_per_rank": {r: sorted(kernels_mapped(p) - mapped[r])
                                      for r, p in pids.items()},
             "decode_batch_sizes_served": sorted({b for b, n in after["shapes_seen"] if n == 1})}
-        rss = {}
-        for r, p in pids.items():
-            for x in Path(f"/proc/{p}/status").read_text().splitlines():
-                if x.startswith("VmHWM:"):
-                    rss[r] = int(x.split()[1]) // 1024
-        report["rank_peak_rss_mb"] = rss
+        report["rank_peak_rss_mb"] = {r: peak_rss(p) >> 20 for r, p in pids.items()}
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

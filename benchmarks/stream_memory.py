@@ -18,7 +18,6 @@ with its command; also states the bound for real K3 (hidden 7168, 8 AttnRes bloc
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
@@ -26,14 +25,15 @@ from k3dist.bench import membound, record
 from k3dist.build import convert, grade, stream
 from k3dist.factory import synth
 from k3dist.format import layout
+from k3dist.format.folder import load_config
+from k3dist.format.sfile import DTYPE_BYTES
 
 import numpy as np
 
 _CHILD = """
-import json, resource, sys
+import json, sys
 import numpy as np
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+from k3dist.build.rss import peak_rss, rss
 from k3dist.build import calibrate, stream, teacher
 import mlx.core as mx
 from mlx_lm.utils import load_model
@@ -52,7 +52,7 @@ else:
     mx.eval(model.parameters())
     for r in stream.batches(len(tokens), batch):
         mx.eval(model(mx.array(tokens[r])))
-print(json.dumps({"baseline_rss": base, "peak_rss": stream.peak_rss()}))
+print(json.dumps({"baseline_rss": base, "peak_rss": peak_rss()}))
 """
 
 
@@ -74,7 +74,7 @@ def largest_layer_f32(config: dict) -> int:
     for i in range(tc["num_hidden_layers"]):
         n = 0
         for s in layout.layer_specs(tc, i):
-            f32 = s.nbytes // layout.DTYPE_BYTES[s.dtype] * 4
+            f32 = s.nbytes // DTYPE_BYTES[s.dtype] * 4
             n += s.nbytes if s.family == "experts" else f32 + s.nbytes
         best = max(best, n)
     return best
@@ -106,7 +106,7 @@ def main() -> None:
         tmp = Path(tmp)
         src = synth.synthesize(tmp / "src", a.preset, progress=False)
         build = convert.convert(src, tmp / "build", progress=False)
-        config = json.loads((build / "config.json").read_text())
+        config = load_config(build)
         tc = layout.text_config(config)
         moe = layout.moe_layers(tc)
         student = grade.grade(build, tmp / "2bit", {i: [] for i in moe}, 1, "2bit-g64",

@@ -33,6 +33,7 @@ from pathlib import Path
 import k3dist
 from k3dist.bench import record
 from k3dist.format import layout
+from k3dist.format.folder import load_config
 from k3dist.serve import vision
 
 import mlx.core as mx
@@ -149,12 +150,12 @@ def main() -> None:
     ap.add_argument("--headroom-gb", type=float, default=None,
                     help="budget for the tower's peak (default: memory_headroom_gb)")
     args = ap.parse_args()
-    mini = json.loads((k3dist.DATA_DIR / "mini-k3" / "config.json").read_text())
+    mini = load_config(k3dist.DATA_DIR / "mini-k3")
     real = json.loads(resources.files("k3dist").joinpath("data/kimi-k3-config.json").read_text())
     idx = json.loads(gzip.decompress(resources.files("k3dist").joinpath(
         "data/kimi-k3-model.safetensors.index.json.gz").read_bytes()))
     names = {s.name for s in layout.vision_specs(real)}
-    in_index = {n for n in idx["weight_map"] if n.startswith(vision.VISION_PREFIXES)}
+    in_index = {n for n in idx["weight_map"] if n.startswith(layout.VISION_PREFIXES)}
     assert names == in_index, "the layout's vision tensors are not the reference index's"
     report = {"command": " ".join(sys.argv), "mini_k3": per_rank(mini),
               "kimi_k3": {**per_rank(real), "vision_tensors": len(names)}}

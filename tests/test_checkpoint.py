@@ -13,11 +13,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from k3dist.build import checkpoint
-from k3dist.build.checkpoint import NO_SHARDS, audit, format_table, main, to_json
+from k3dist.build import audit as audit_mod
+from k3dist.build.audit import NO_SHARDS, audit, to_json
+from k3dist.build.checkpoint import format_table, main
 from k3dist.factory import synth
 from k3dist.format import layout
+from k3dist.format.folder import INDEX_NAME
 from k3dist.format.sfile import CheckpointError, read_header
+from k3dist.format.source import check_a_log_tail
 
 import numpy as np
 import pytest
@@ -43,11 +46,11 @@ def broken(src, tmp_path) -> Path:
 
 
 def _index(folder: Path) -> dict:
-    return json.loads((folder / checkpoint.INDEX_NAME).read_text())
+    return json.loads((folder / INDEX_NAME).read_text())
 
 
 def _write_index(folder: Path, index: dict) -> None:
-    (folder / checkpoint.INDEX_NAME).write_text(json.dumps(index, indent=2))
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2))
 
 
 def _shard_of(folder: Path, name: str) -> Path:
@@ -140,7 +143,7 @@ def test_real_size_headers_in_seconds(tmp_path, gc_paused):
         pytest.skip("this filesystem has no sparse files; 1.56 TB would be written")
     config = json.loads(REF_CONFIG.read_text())
     raw_index = gzip.decompress(REF_INDEX.read_bytes())
-    specs = checkpoint._implied(config).specs  # == layout's: test_implied_keys_are_layouts
+    specs = audit_mod._implied(config).specs  # == layout's: test_implied_keys_are_layouts
     by_shard: dict[str, list[str]] = {}
     for name, fname in json.loads(raw_index)["weight_map"].items():
         by_shard.setdefault(fname, []).append(name)
@@ -156,7 +159,7 @@ def test_real_size_headers_in_seconds(tmp_path, gc_paused):
             f.write(struct.pack("<Q", len(raw)) + raw)
             f.truncate(8 + len(raw) + offset)  # zeros: every A_log tail is clean
     shutil.copy(REF_CONFIG, tmp_path / "config.json")
-    (tmp_path / checkpoint.INDEX_NAME).write_bytes(raw_index)
+    (tmp_path / INDEX_NAME).write_bytes(raw_index)
     gc.enable()  # the audit runs as a user would run it
 
     r = audit(tmp_path)
@@ -178,7 +181,7 @@ def test_implied_keys_are_layouts(src, which):
     config = json.loads((src / "config.json").read_text()) if which == "mini" else (
         synth.real_config())
     specs = layout.source_specs(config)
-    implied = checkpoint._implied(config)
+    implied = audit_mod._implied(config)
     assert list(implied.specs) == [s.name for s in specs]
     for s in specs:
         got = implied.specs[s.name]
@@ -216,7 +219,7 @@ def test_index_only_bytes_match_headers(src, tmp_path):
     only = tmp_path / "names"
     only.mkdir()
     shutil.copy(src / "config.json", only / "cfg.json")
-    raw = (src / checkpoint.INDEX_NAME).read_bytes()
+    raw = (src / INDEX_NAME).read_bytes()
     (only / "index.json.gz").write_bytes(gzip.compress(raw))
     r = audit(config=only / "cfg.json", index=only / "index.json.gz")
     assert r.ok and r.bytes_from == "specs"
@@ -318,7 +321,7 @@ def test_nonzero_a_log_tail(broken):
     assert f"index {heads + 2}" in msg and "0.5" in msg
     assert r.a_log[0] == r.a_log[2] == r.a_log[4] == "ok"
     with pytest.raises(CheckpointError, match="layer 1"):
-        checkpoint.check_a_log_tail(t, heads)
+        check_a_log_tail(t, heads)
 
 
 def test_unexpected_extra_key(broken):

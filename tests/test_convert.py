@@ -11,10 +11,11 @@ from pathlib import Path
 
 from k3dist.bench.greedy import greedy
 from k3dist.build import convert as convert_mod
-from k3dist.build.checkpoint import Source
 from k3dist.format import layout, mxfp4
+from k3dist.format.layout import EXPERT_PROJ
 from k3dist.format.manifest import JOURNAL
 from k3dist.format.sfile import CheckpointError, read_bytes, read_header, read_numpy
+from k3dist.format.source import Source
 
 import mlx.core as mx
 import numpy as np
@@ -88,7 +89,7 @@ def test_every_expert_byte_identical_to_source(mini_src, mini_build):
     for layer in range(tc["num_hidden_layers"]):
         if not layout.is_moe_layer(tc, layer):
             continue
-        for w, dst in convert_mod.EXPERT_PROJ.items():
+        for w, dst in EXPERT_PROJ.items():
             for kind, suffix in (("weight_packed", "weight"), ("weight_scale", "scales")):
                 t = tensors[f"language_model.model.layers.{layer}.mlp.switch_mlp.{dst}.{suffix}"]
                 stacked = read_bytes(t)

@@ -8,8 +8,8 @@ import math
 
 from k3dist.bench import evaluate
 from k3dist.build import grade
-from k3dist.build.plan import MXFP4, QFormat
 from k3dist.format import layout
+from k3dist.format.qformat import MXFP4, QFormat
 
 import pytest
 
@@ -73,7 +73,7 @@ def test_schema_and_bytes(report, mini_build, students):
     assert report["tokens_per_domain"] == {"code": WINDOWS * SEQ, "prose": WINDOWS * SEQ}
     teacher, uniform, graded = report["rows"]
     assert teacher["expert_bpw"] == pytest.approx(4.25)  # mxfp4: 4 bits + 8-bit scale / 32
-    # the planner's byte arithmetic (k3dist.build.plan) agrees with the files
+    # the planner's byte arithmetic (k3dist.format.qformat) agrees with the files
     params = report["teacher"]["expert_params"]
     assert report["teacher"]["bytes"] == params * MXFP4.bpw / 8
     assert uniform["bytes"] == params * QFormat.parse("2bit-g32").bpw / 8

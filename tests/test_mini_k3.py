@@ -7,11 +7,15 @@ from __future__ import annotations
 import json
 
 from k3dist.bench import greedy
-from k3dist.build import checkpoint, convert, default, slicing
+from k3dist.build import convert, default, slicing
+from k3dist.build.audit import audit
+from k3dist.build.checkpoint import format_table
 from k3dist.factory import quality, train
 from k3dist.factory.corpus import DATA_DIR, TOKENIZER_DIR
 from k3dist.format import layout, placement
 from k3dist.format import tokens as tokenizer
+from k3dist.format.folder import load_config
+from k3dist.format.source import Source
 
 import mlx.core as mx
 import numpy as np
@@ -36,11 +40,11 @@ def shipped_build(tmp_path_factory):
 
 
 def test_shipped_checkpoint_audits():
-    report = checkpoint.audit(SHIPPED)
-    assert report.ok, checkpoint.format_table(report)
+    report = audit(SHIPPED)
+    assert report.ok, format_table(report)
     assert report.expert_packed > 0 and report.a_log and set(report.a_log.values()) == {"ok"}
     assert sum(f.stat().st_size for f in SHIPPED.iterdir()) <= train.MAX_EXPORT_BYTES
-    tc = layout.text_config(checkpoint.load_config(SHIPPED))
+    tc = layout.text_config(load_config(SHIPPED))
     assert tc["num_experts"] >= 64 and tc["num_experts_per_token"] <= tc["num_experts"] // 8
     assert tc["num_shared_experts"] == 2
     # Trained, frozen, fine-tuned: the provenance the exporter wrote.
@@ -89,4 +93,4 @@ def test_embedded_default_is_the_shipped_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(default, "DEFAULT_BUILD", tmp_path / "build")
     build = default.ensure_default_build()
     ident = json.loads((build / "k3dist.json").read_text())["identity"]
-    assert ident == convert.identity(checkpoint.Source(SHIPPED), 16, 64)
+    assert ident == convert.identity(Source(SHIPPED), 16, 64)

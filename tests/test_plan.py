@@ -8,27 +8,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3dist.build import plan
+from k3dist.build import accounting, plan, planner
 from k3dist.factory.synth import real_config
-from k3dist.format import kvmemory, layout
+from k3dist.format import kvmemory, layout, qformat
+from k3dist.format.folder import read_index
+from k3dist.format.kvmemory import GiB
 
 import mlx.core as mx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-GiB = 1 << 30
 # the real K3's tensor index, as the package ships it (a copy of ../shared/reference's)
 REAL_INDEX = REPO / "k3dist" / "data" / "kimi-k3-model.safetensors.index.json.gz"
 
 
 @pytest.fixture(scope="module")
-def acc() -> plan.Accounting:
+def acc() -> accounting.Accounting:
     """The real K3 accounted once against its shipped index (497,220 tensor specs built
     and compared: seconds each time; nothing in a plan changes it)."""
-    return plan.account(real_config(), plan.read_index(REAL_INDEX), str(REAL_INDEX))
+    return accounting.account(real_config(), read_index(REAL_INDEX), str(REAL_INDEX))
 
 
-@pytest.mark.parametrize("fmt", plan.all_formats(), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", qformat.all_formats(), ids=lambda f: f.name)
 def test_format_bytes_match_mx_quantize(fmt):
     rows, cols = 48, 384  # every group size and bit width divides it
     w = mx.random.normal((rows, cols)).astype(mx.bfloat16)
@@ -39,15 +40,15 @@ def test_format_bytes_match_mx_quantize(fmt):
 
 
 def test_k3_expert_bytes(acc):
-    assert acc.expert_bytes(plan.MXFP4) == 17_547_264  # the source's bytes per expert
-    assert acc.expert_bytes(plan.QFormat.parse("2bit-g64")) * 8 == 2.5 * acc.expert_params
-    assert acc.expert_bytes(plan.QFormat.parse("2bit-g128")) * 8 == 2.25 * acc.expert_params
+    assert acc.expert_bytes(qformat.MXFP4) == 17_547_264  # the source's bytes per expert
+    assert acc.expert_bytes(qformat.QFormat.parse("2bit-g64")) * 8 == 2.5 * acc.expert_params
+    assert acc.expert_bytes(qformat.QFormat.parse("2bit-g128")) * 8 == 2.25 * acc.expert_params
 
 
 def test_parse_rejects_nonsense():
     for bad in ("7bit-g64", "2bit-g48", "fp4", "mxfp4-g16"):
         with pytest.raises(ValueError):
-            plan.QFormat.parse(bad)
+            qformat.QFormat.parse(bad)
 
 
 def test_real_index_accounting(acc):
@@ -60,15 +61,15 @@ def test_real_index_accounting(acc):
 
 def test_index_mismatch_is_refused(mini_src):
     cfg = json.loads((mini_src / "config.json").read_text())
-    index = plan.read_index(mini_src / "model.safetensors.index.json")
+    index = read_index(mini_src / "model.safetensors.index.json")
     del index["weight_map"][next(iter(index["weight_map"]))]
     with pytest.raises(ValueError, match="not in the index"):
-        plan.account(cfg, index, "idx")
+        accounting.account(cfg, index, "idx")
 
 
 def test_kv_state_k3():
     tc = layout.text_config(real_config())
-    kv = plan.kv_state(tc, plan.Box(context=4096))
+    kv = planner.kv_state(tc, planner.Box(context=4096))
     assert kv["mla_layers"] == 24 and kv["kda_layers"] == 69
     assert kv["mla_latent_cache"] == 24 * 4096 * 576 * 2
     assert kv["kda_state"] == 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
@@ -78,19 +79,19 @@ def test_kv_state_scales_with_batch(acc):
     """The KV/state line budgets every request the server decodes together, plus the
     prompt cache (the same arithmetic the server's preflight checks)."""
     tc = acc.tc
-    one, eight = (plan.kv_state(tc, plan.Box(batch=b)) for b in (1, 8))
+    one, eight = (planner.kv_state(tc, planner.Box(batch=b)) for b in (1, 8))
     per = 24 * 131072 * 576 * 2 + 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
     assert one["per_request"] == eight["per_request"] == per  # 4.07 GB at 128K
     assert eight["requests"] == 8 * per and one["requests"] == per
     assert eight["total"] - one["total"] == 7 * per
     assert one["prompt_cache"] == eight["prompt_cache"] and one["prompt_cache"]["total"] > 0
     # attention split: each rank holds half the KDA state of each request, all the latent
-    split = plan.kv_state(tc, plan.Box(batch=8), attention_split=2)
+    split = planner.kv_state(tc, planner.Box(batch=8), attention_split=2)
     per_split = per - 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128) // 2
     assert split["per_request"] == per_split
     for attention, each in (("replicated", per), ("split", per_split)):
-        req = plan.PlanRequest(ranks=2, lo="2bit-g128", attention=attention)
-        plans = {b: plan.make_plan(acc, plan.Box(batch=b), req) for b in (1, 8)}
+        req = planner.PlanRequest(ranks=2, lo="2bit-g128", attention=attention)
+        plans = {b: planner.make_plan(acc, planner.Box(batch=b), req) for b in (1, 8)}
         kv = {b: p["bytes_per_rank"]["kv_state"] for b, p in plans.items()}
         assert kv[8] - kv[1] == 7 * each
         assert plans[8]["promoted_total"] < plans[1]["promoted_total"]  # KV comes off experts
@@ -121,15 +122,15 @@ def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
     from k3dist.serve import preflight
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
-    assert plan.SHIPPED == tb5
-    req = plan.PlanRequest()
+    assert planner.SHIPPED == tb5
+    req = planner.PlanRequest()
     assert (req.attention, req.ranks) == (tb5.attention, tb5.size)
     tc = layout.text_config(real_config())
     folder = _split_rank_folder(tmp_path / "rank0", tb5.size)
     others = [load_deployment(None, max_context=8192, max_batch=3, prefill_chunk=64),
               load_deployment(None, max_context=20000, max_batch=1, prefill_chunk=512,
                               prompt_cache_tokens=50000, dtype="float16")]
-    boxes = [plan.Box()] + [plan.Box(context=d.max_context, batch=d.max_batch,
+    boxes = [planner.Box()] + [planner.Box(context=d.max_context, batch=d.max_batch,
                                      prompt_cache_tokens=d.prompt_cache_tokens,
                                      prefill_chunk=d.prefill_chunk,
                                      act_bytes=kvmemory.act_bytes(d.dtype)) for d in others]
@@ -138,8 +139,8 @@ def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
                                prompt_cache_tokens=dep.prompt_cache_tokens, dtype=dep.dtype)
         act = preflight.activation_need(folder, max_context=dep.max_context,
                                         prefill_chunk=dep.prefill_chunk, dtype=dep.dtype)
-        assert plan.kv_state(tc, box, tb5.size)["total"] == kv["total"], dep
-        assert plan.activations(tc, box, tb5.size)["total"] == act["total"], dep
+        assert planner.kv_state(tc, box, tb5.size)["total"] == kv["total"], dep
+        assert planner.activations(tc, box, tb5.size)["total"] == act["total"], dep
 
 
 def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
@@ -153,8 +154,8 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
     from k3dist.serve import preflight
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
-    box = plan.Box()
-    p = plan.make_plan(acc, box, plan.PlanRequest(ranks=tb5.size))
+    box = planner.Box()
+    p = planner.make_plan(acc, box, planner.PlanRequest(ranks=tb5.size))
     per = p["bytes_per_rank"]
     # a rank folder sliced for tb5 (attention split over its ranks): config + manifest
     tc = layout.text_config(real_config())
@@ -192,7 +193,7 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
 
 
 def test_k3_plan_fits_two_boxes(acc):
-    p = plan.make_plan(acc, plan.Box(), plan.PlanRequest(ranks=2))
+    p = planner.make_plan(acc, planner.Box(), planner.PlanRequest(ranks=2))
     per = p["bytes_per_rank"]
     assert per["total"] + p["headroom_requested"] <= p["budget_per_rank"]
     assert p["promoted_total"] > 0 and p["lo"]["format"] in ("2bit-g64", "2bit-g128")
@@ -201,45 +202,47 @@ def test_k3_plan_fits_two_boxes(acc):
     assert sum(counts) == p["promoted_total"]
     # the routed-expert bytes on a rank are exactly lo + promoted deltas
     hi_b = 17_547_264
-    lo = acc.expert_bytes(plan.QFormat.parse(p["lo"]["format"]))
+    lo = acc.expert_bytes(qformat.QFormat.parse(p["lo"]["format"]))
     assert per["routed_experts"] == (92 * 896 * lo + p["promoted_total"] * (hi_b - lo)) // 2
     assert p["fallback_copy_bytes"] == p["promoted_total"] * lo
 
 
 def test_more_budget_promotes_more_and_fallback_costs(acc):
-    base = plan.PlanRequest(ranks=2, lo="2bit-g128")
-    a = plan.make_plan(acc, plan.Box(), base)
-    b = plan.make_plan(
+    base = planner.PlanRequest(ranks=2, lo="2bit-g128")
+    a = planner.make_plan(acc, planner.Box(), base)
+    b = planner.make_plan(
         acc,
-        plan.Box(),
-        plan.PlanRequest(
+        planner.Box(),
+        planner.PlanRequest(
             ranks=2, lo="2bit-g128", budget_per_rank=a["budget_per_rank"] + 20 * 10**9
         ),
     )
-    c = plan.make_plan(acc, plan.Box(), plan.PlanRequest(ranks=2, lo="2bit-g128", lo_fallback=True))
+    c = planner.make_plan(acc, planner.Box(),
+                          planner.PlanRequest(ranks=2, lo="2bit-g128", lo_fallback=True))
     assert b["promoted_total"] > a["promoted_total"] > c["promoted_total"]
 
 
 def test_target_bpw(acc):
-    p = plan.make_plan(
+    p = planner.make_plan(
         acc,
-        plan.Box(),
-        plan.PlanRequest(ranks=2, lo="2bit-g128", target_expert_bpw=2.5, budget_per_rank=10**13),
+        planner.Box(),
+        planner.PlanRequest(ranks=2, lo="2bit-g128", target_expert_bpw=2.5, budget_per_rank=10**13),
     )
     assert 2.45 < p["expert_bpw"] <= 2.5
 
 
 def test_nothing_fits_says_why(acc):
     with pytest.raises(ValueError, match="nothing fits"):
-        plan.make_plan(acc, plan.Box(), plan.PlanRequest(ranks=2, budget_per_rank=300 * 10**9))
+        planner.make_plan(acc, planner.Box(),
+                          planner.PlanRequest(ranks=2, budget_per_rank=300 * 10**9))
 
 
 def test_k_hi_uniform_matches_issue_figures():
     # issue 12: uniform routing, 5% promoted, top-16: k_hi=4 overflows 7.4e-4, 6: 4e-6
-    p4 = plan.overflow_probability(896, 16, 45, 4)
-    p6 = plan.overflow_probability(896, 16, 45, 6)
+    p4 = planner.overflow_probability(896, 16, 45, 4)
+    p6 = planner.overflow_probability(896, 16, 45, 6)
     assert 5e-4 < p4 < 1e-3 and 1e-6 < p6 < 1e-5
-    assert plan.k_hi_uniform(896, 16, 45, 1e-5) == 6
+    assert planner.k_hi_uniform(896, 16, 45, 1e-5) == 6
 
 
 def test_cli_json(mini_src, tmp_path):
@@ -288,17 +291,17 @@ def _sensitivity(tmp_path, kl: dict[str, dict[int, float]]) -> Path:
 
 
 def test_measured_nonexpert_fewest_bits_within_tolerance(tmp_path):
-    sens = plan.read_sensitivity(_sensitivity(tmp_path, {
+    sens = planner.read_sensitivity(_sensitivity(tmp_path, {
         "attention": {8: 1e-4, 6: 5e-4, 5: 1.5e-3, 4: 4e-3},
         "embed": {8: 1e-5, 6: 2e-5, 5: 5e-5, 4: 1e-4},
         "lm_head": {8: 3e-3, 6: 9e-3, 5: 2e-2, 4: 5e-2},
     }))
-    fmts, origin = plan.measured_nonexpert(sens, 2e-3)
+    fmts, origin = planner.measured_nonexpert(sens, 2e-3)
     assert fmts["attention"] == "5bit-g64" and "KL 0.00150 <= 0.002" in origin["attention"]
     assert fmts["embed"] == "4bit-g64"
     assert fmts["lm_head"] == "bf16" and "no format within" in origin["lm_head"]
-    assert fmts["shared"] == plan.DEFAULT_NONEXPERT["shared"] and origin["shared"] == "default"
-    fmts, _ = plan.measured_nonexpert(sens, 1e-3)  # tighter: more bits
+    assert fmts["shared"] == planner.DEFAULT_NONEXPERT["shared"] and origin["shared"] == "default"
+    fmts, _ = planner.measured_nonexpert(sens, 1e-3)  # tighter: more bits
     assert fmts["attention"] == "6bit-g64"
 
 
@@ -319,7 +322,7 @@ def test_real_k3_plan_with_measured_formats(tmp_path):
         outs[name] = json.loads(out.read_text())
     d, m = outs["default"], outs["measured"]
     assert d["nonexpert_sensitivity"] is None
-    assert m["nonexpert_sensitivity"]["kl_tolerance"] == plan.DEFAULT_KL_TOLERANCE
+    assert m["nonexpert_sensitivity"]["kl_tolerance"] == planner.DEFAULT_KL_TOLERANCE
     for c in ("attention", "shared", "embed"):
         assert m["nonexpert"][c]["format"] == "4bit-g64", c
     assert m["nonexpert"]["attention"]["from"].startswith("measured")

@@ -11,10 +11,12 @@ from pathlib import Path
 
 from k3dist.bench.evaluate import expert_bytes
 from k3dist.build import convert, grade
-from k3dist.build.checkpoint import Source
+from k3dist.build.profiles import convert_profile
 from k3dist.format import kvmemory, layout
 from k3dist.format.graded import HI, LO
+from k3dist.format.layout import EXPERT_PROJ
 from k3dist.format.sfile import read_bytes, read_header
+from k3dist.format.source import Source
 from k3dist.model import two_bank
 
 import mlx.core as mx
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 from util import load_f32, prompt_ids
 
-PROJ_SRC = {v: k for k, v in convert.EXPERT_PROJ.items()}  # gate_proj -> w1
+PROJ_SRC = {v: k for k, v in EXPERT_PROJ.items()}  # gate_proj -> w1
 
 
 def _graded_plan_kw(src: Source) -> dict:
@@ -52,7 +54,7 @@ def _logits(model, vocab: int) -> np.ndarray:
 def profiles(mini_src, mini_build, tmp_path_factory):
     """Every uniform profile of the session's mini source, over its MXFP4 build."""
     root = tmp_path_factory.mktemp("profiles")
-    return {p: convert.convert_profile(mini_src, root / p, p, mxfp4_dir=mini_build,
+    return {p: convert_profile(mini_src, root / p, p, mxfp4_dir=mini_build,
                                        progress=False)
             for p in ("2bit", "3bit", "mixed2")}
 
@@ -112,7 +114,7 @@ def test_mixed2_is_2bit_and_3bit_projections(mini_src, profiles):
 def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, allocation):
     src = Source(mini_src)
     tc = src.text_config
-    out = convert.convert_profile(
+    out = convert_profile(
         mini_src, tmp_path / "graded", "graded", scores=scores, progress=False,
         plan_kw=_graded_plan_kw(src), allocation=allocation)
     m = json.loads((out / "k3dist.json").read_text())
@@ -158,7 +160,7 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, alloca
     model, _ = two_bank.load_build(out)
     assert np.isfinite(_logits(model, tc["vocab_size"])).all()
     # resumable / idempotent: a second run finds both stages complete
-    again = convert.convert_profile(
+    again = convert_profile(
         mini_src, tmp_path / "graded", "graded", scores=scores, progress=False,
         plan_kw=_graded_plan_kw(src), allocation=allocation)
     assert json.loads((again / "k3dist.json").read_text())["build_hash"] == m["build_hash"]
@@ -167,7 +169,7 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, alloca
 def test_graded_budget_too_small_says_the_numbers(mini_src, scores, tmp_path):
     with pytest.raises(ValueError, match=r"nothing fits 1000000 bytes per rank: non-experts "
                        r"\d+, KV/state \d+, activations \d+"):
-        convert.convert_profile(mini_src, tmp_path / "g", "graded", scores=scores,
+        convert_profile(mini_src, tmp_path / "g", "graded", scores=scores,
                                 progress=False, plan_kw={"budget": int(1e6), "context": 256,
                                                          "headroom": 0})
     assert not (tmp_path / "g").exists() and not (tmp_path / "g.mxfp4").exists()
@@ -175,13 +177,13 @@ def test_graded_budget_too_small_says_the_numbers(mini_src, scores, tmp_path):
 
 def test_graded_cli_without_scores_names_calibrate(mini_src, tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "k3dist.build.convert", "--src", str(mini_src), "--out",
+        [sys.executable, "-m", "k3dist.build.profiles", "--src", str(mini_src), "--out",
          str(tmp_path / "g"), "--profile", "graded", "--budget", "3e6"],
         capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "--scores" in r.stderr and "python -m k3dist.build.calibrate" in r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "k3dist.build.convert", "--src", str(mini_src), "--out",
+        [sys.executable, "-m", "k3dist.build.profiles", "--src", str(mini_src), "--out",
          str(tmp_path / "u"), "--profile", "2bit", "--budget", "3e6"],
         capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "only with --profile graded" in r.stderr
@@ -207,19 +209,19 @@ def test_profile_resumes_both_stages(mini_src, profiles, tmp_path, monkeypatch):
 
     monkeypatch.setattr(convert, "iter_chunks", failing(convert.iter_chunks, 40))
     with pytest.raises(KeyboardInterrupt):
-        convert.convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)
+        convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)
     assert (stage / JOURNAL).exists() and not (stage / "k3dist.json").exists()
     assert not out.exists()
     monkeypatch.undo()
     # a full grade of the mini reads in 30 calls (runs of experts): stop half-way
     monkeypatch.setattr(grade, "read_bytes", failing(grade.read_bytes, 15))
     with pytest.raises(KeyboardInterrupt):
-        convert.convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)
+        convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)
     assert (stage / "k3dist.json").exists()
     done = json.loads((out / JOURNAL).read_text())["done"]
     assert 0 < len(done) and not (out / "k3dist.json").exists()
     monkeypatch.undo()
-    convert.convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)
+    convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)
     a = json.loads((out / "k3dist.json").read_text())
     b = json.loads((profiles["2bit"] / "k3dist.json").read_text())
     assert a["files"] == b["files"] and a["build_hash"] == b["build_hash"]

@@ -267,7 +267,7 @@ def test_build_without_manifest(mini_build, tmp_path):
 
 
 def test_converter_refuses_a_subset_build(mini_src, tmp_path):
-    from k3dist.build.checkpoint import Source
+    from k3dist.format.source import Source
 
     conv = convert_mod.Converter(Source(mini_src), tmp_path / "x", experts=lambda L: [0, 1])
     with pytest.raises(ValueError, match="rank folder, not a build"):

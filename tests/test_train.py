@@ -10,11 +10,14 @@ import subprocess
 import sys
 import time
 
-from k3dist.build import checkpoint, convert
+from k3dist.build import convert
+from k3dist.build.audit import audit
+from k3dist.build.checkpoint import format_table
 from k3dist.factory import corpus, train
 from k3dist.format import layout, mxfp4
 from k3dist.format import tokens as tk
 from k3dist.format.sfile import read_numpy
+from k3dist.format.source import Source
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -167,8 +170,8 @@ def test_export_audits_and_loads_to_the_same_logits(config, batch, tmp_path):
     train.round_to_source(model, config)
     out = train.export_source(model, config, tmp_path / "src")
 
-    report = checkpoint.audit(out)
-    assert report.ok, checkpoint.format_table(report)
+    report = audit(out)
+    assert report.ok, format_table(report)
     total = sum(f.stat().st_size for f in out.iterdir())
     assert total <= train.MAX_EXPORT_BYTES
 
@@ -180,7 +183,7 @@ def test_export_audits_and_loads_to_the_same_logits(config, batch, tmp_path):
 
     # Experts in the file are the frozen bytes (and decode like MLX's kernel reads them).
     lp = layout.LAYER_PREFIX
-    src = checkpoint.Source(out)
+    src = Source(out)
     packed = read_numpy(src.info(f"{lp}1.block_sparse_moe.experts.5.w2.weight_packed"))
     scales = read_numpy(src.info(f"{lp}1.block_sparse_moe.experts.5.w2.weight_scale"))
     mine = model.layers[1].mlp.switch_mlp.down_proj

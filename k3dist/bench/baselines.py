@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from k3dist.bench.collectives import barrier
-from k3dist.build.checkpoint import load_config
 from k3dist.format import layout
+from k3dist.format.folder import load_config
 from k3dist.serve import loader
 
 import mlx.core as mx

@@ -9,6 +9,7 @@ from pathlib import Path
 from k3dist.build import convert, slicing
 from k3dist.factory import synth
 from k3dist.format import placement
+from k3dist.format.folder import INDEX_NAME
 from k3dist.format.journal import locked, remake_stale
 
 import mlx.core as mx
@@ -24,7 +25,7 @@ def ensure_preset_build(preset: str, cache: str | Path = "runs", progress: bool 
     cache = Path(cache)
     src, build = cache / f"{preset}-src", cache / f"{preset}-build"
     with locked(cache / f".{preset}.lock"):
-        if not (src / "model.safetensors.index.json").exists():
+        if not (src / INDEX_NAME).exists():
             synth.synthesize(src, preset, seed=0, progress=progress)
         return remake_stale(build, lambda: convert.convert(src, build, progress=progress))
 

@@ -32,8 +32,8 @@ from k3dist.bench.collectives import barrier, collective_plan, price_plan
 from k3dist.bench.record import launcher, memory, repo_path, stats, weight_bytes
 from k3dist.bench.routing import balance, router_selections, selection_counts
 from k3dist.bench.stepping import Mode, decode_steps, prefill, random_prompt
-from k3dist.build.checkpoint import load_config
 from k3dist.format import layout, placement
+from k3dist.format.folder import load_config
 from k3dist.model.forms import resolve_form
 from k3dist.serve import introspect, loader
 

@@ -42,12 +42,13 @@ from pathlib import Path
 
 from k3dist.build import stream
 from k3dist.build import teacher as teacher_mod
-from k3dist.build.checkpoint import INDEX_NAME
 from k3dist.build.teacher import log_softmax
 from k3dist.factory import corpus
 from k3dist.factory.windows import token_set
 from k3dist.format import layout
+from k3dist.format.folder import INDEX_NAME, load_config, weight_map
 from k3dist.format.graded import GRADED_KEY, GradedMap, bank_of
+from k3dist.format.kvmemory import GiB
 from k3dist.format.sfile import CheckpointError, read_header
 
 import mlx.core as mx
@@ -77,11 +78,11 @@ def expert_bytes(build: str | Path) -> ExpertBytes:
         raise CheckpointError(
             f"{index}: missing; evaluate a k3dist build (python -m k3dist.build.convert)"
         )
-    config = json.loads((build / "config.json").read_text())
+    config = load_config(build)
     tc = layout.text_config(config)
     E = tc["num_experts"]
     quant = config.get("quantization", {})
-    files = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())
+    files = dict.fromkeys(weight_map(build).values())
     nbytes, params = 0, {}
     for f in files:
         for name, t in read_header(build / f).tensors.items():
@@ -107,7 +108,7 @@ def expert_bytes(build: str | Path) -> ExpertBytes:
 def build_name(path: str | Path) -> str:
     """``mxfp4``, ``2bit-g32`` (uniform: a graded build with nothing promoted) or
     ``graded-<percent>`` (promoted share of the routed experts, rounded)."""
-    config = json.loads((Path(path) / "config.json").read_text())
+    config = load_config(path)
     gmap = GradedMap.from_config(config)
     if gmap is None:
         return "mxfp4"
@@ -189,7 +190,7 @@ def evaluate(
     tokenizer_dir: Path | None = None,
     progress: bool = True,
     batch: int = 4,
-    cap: int = 2 * stream.GiB,
+    cap: int = 2 * GiB,
     top_k: int = 0,
     work: str | Path | None = None,
 ) -> dict:
@@ -212,7 +213,7 @@ def evaluate(
         raise ValueError(
             f"{len(scores)} scores, {len(names)} names for {len(students)} students; one each"
         )
-    if GRADED_KEY in json.loads((Path(teacher) / "config.json").read_text()):
+    if GRADED_KEY in load_config(teacher):
         raise ValueError(f"{teacher}: the teacher must be the MXFP4 build, not a graded one")
     tokens, targets, doms = token_set(SPLIT, seq, windows, corpus_dir, tokenizer_dir)
     rows_of = stream.batches(len(tokens), batch)

@@ -11,34 +11,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3dist.build.checkpoint import load_config
 from k3dist.format import layout
+from k3dist.format.folder import load_config
 
 # The converter's own working set whatever the model size (mlx-lm's lazy model
 # skeleton, MLX/numpy allocator pools): 4.6 MB measured converting `mini` (1 MB).
 FIXED_OVERHEAD = 16 * 1024 * 1024
 
 _CHILD = """
-import json, resource, sys, time
+import json, sys, time
 import k3dist.build.convert as c
-def rss():  # current RSS; ru_maxrss would include transient import peaks
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-base = rss()
+from k3dist.build.rss import peak_rss, rss
+base = rss()  # current RSS: the peak would include transient import peaks
 t = time.perf_counter()
 c.convert(sys.argv[1], sys.argv[2], int(sys.argv[3]), progress=False)
-def hwm():
-    # Linux: VmHWM belongs to this exec's address space; ru_maxrss survives exec and
-    # would report the (possibly large) parent's RSS at fork time.
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
-peak = hwm()
+peak = peak_rss()
 print(json.dumps({"baseline_rss": base, "peak_rss": peak,
                   "seconds": round(time.perf_counter() - t, 2)}))
 """

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import k3dist
-from k3dist.build import stream
+from k3dist.build.rss import peak_rss
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -142,7 +142,7 @@ def nice_launcher(niceness: int = 19) -> dict | None:
 
 def memory() -> dict:
     return {"mx_peak_bytes": int(mx.get_peak_memory()),
-            "mx_active_bytes": int(mx.get_active_memory()), "vm_hwm_bytes": stream.peak_rss()}
+            "mx_active_bytes": int(mx.get_active_memory()), "vm_hwm_bytes": peak_rss()}
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -47,9 +47,10 @@ import time
 from pathlib import Path
 
 from k3dist.build import stream
-from k3dist.build.stream import peak_rss
+from k3dist.build.rss import peak_rss
 from k3dist.build.teacher import TeacherOutput, log_softmax, read_tokens
 from k3dist.format.graded import GradedMap
+from k3dist.format.kvmemory import GiB
 from k3dist.format.sfile import CheckpointError
 
 import mlx.core as mx
@@ -111,7 +112,7 @@ class Calibration:
         work: str | Path,
         *,
         batch: int = 4,
-        cap: int = 2 * stream.GiB,
+        cap: int = 2 * GiB,
         seed: int = 0,
         scores: tuple[str, ...] = SCORES,
         progress: bool = True,

@@ -10,7 +10,7 @@ tower), each into its own safetensors file:
   fusion, the MLA ``kv_b_proj`` split) after our ``A_log`` padding check, and is
   kept in its source dtype (``--nonexpert-bits 16``) or quantized affine 8/4-bit
   with mlx-lm's modules and ``quant_predicate``, or per class with ``--nonexpert
-  attention=6bit-g64,shared=8bit-g64,...`` (classes of ``k3dist.build.plan``; a
+  attention=6bit-g64,shared=8bit-g64,...`` (classes of ``k3dist.format.classes``; a
   class's group size drops to the largest that divides a matrix's columns, e.g. g32
   for 96 columns; config.json records every module's format);
 - the vision tower is carried through as-is.
@@ -23,21 +23,10 @@ With an expert subset (``experts``: layer -> global ids to keep, in local order)
 same units hold only those experts: ``k3dist.build.slicing`` uses it to write a rank
 folder straight from the source; ``run`` itself refuses it (that is not a build).
 
-Profiles (``--profile``): ``mxfp4`` is the above. ``2bit`` / ``3bit`` / ``mixed2`` /
-``graded`` first make that MXFP4 build (``--mxfp4 DIR``, default ``OUT.mxfp4`` beside OUT;
-reused when complete, resumed when not), then ``k3dist.build.grade`` it into OUT (its own
-journal: resumable too): ``2bit`` / ``3bit`` every routed expert affine at g64 where the
-experts' columns allow, else g32; ``mixed2`` every ``down_proj`` and the first and last
-MoE layer at 3-bit, the rest 2-bit (per projection, one graded build); ``graded`` plans
-the budget from the source's own config and index (``k3dist.build.plan``), builds the
-MXFP4 stage with the plan's non-expert formats, promotes each layer's top ``--scores``
-experts (hi bank, MXFP4 source bytes) and stores the plan in the manifest.
+Profiles made from this build (low-bit, graded): ``k3dist.build.profiles``.
 
     python -m k3dist.build.convert --src SRC --out BUILD [--nonexpert-bits 16|8|4]
         [--nonexpert attention=6bit-g64,shared=6bit-g64,latent=8bit-g64,...]
-    python -m k3dist.build.convert --src SRC --out OUT --profile 2bit|3bit|mixed2
-    python -m k3dist.build.convert --src SRC --out OUT --profile graded --budget 480e9 \
-        --scores SCORES.npz [--nonexpert-sensitivity benchmarks/results/nonexpert-DATE.json]
 """
 
 from __future__ import annotations
@@ -51,12 +40,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from k3dist import __version__
-from k3dist.build.checkpoint import Source, check_a_log_tail, quantization_format
-from k3dist.build.plan import CLASSES, SOURCE, QFormat, module_class
 from k3dist.format import layout
 from k3dist.format import tokens as tokenizer
+from k3dist.format.classes import CLASSES, module_class
+from k3dist.format.folder import CONFIG_NAME, INDEX_NAME
 from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.manifest import BUILD_FORMAT_VERSION
+from k3dist.format.qformat import MXFP4, SOURCE, QFormat
 from k3dist.format.sfile import (
     CheckpointError,
     StreamWriter,
@@ -66,6 +56,7 @@ from k3dist.format.sfile import (
     read_header,
     sha256_file,
 )
+from k3dist.format.source import Source, check_a_log_tail, quantization_format
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,9 +65,6 @@ from mlx_lm.models import kimi_k3
 from tqdm import tqdm
 
 FORMAT_VERSION = BUILD_FORMAT_VERSION
-MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
-# source expert projection -> mlx-lm SwitchGLU name
-EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json",
                    "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
@@ -90,7 +78,7 @@ def output_file(group: str) -> str:
 def identity(src: Source, nonexpert_bits: int, group_size: int,
              nonexpert: dict[str, QFormat] | None = None) -> dict:
     """What makes two builds the same build: the source and the profile."""
-    cfg_bytes = (src.path / "config.json").read_bytes()
+    cfg_bytes = (src.path / CONFIG_NAME).read_bytes()
     ident = {
         "format_version": FORMAT_VERSION,
         "source_index_sha256": src.index_sha256,
@@ -99,7 +87,7 @@ def identity(src: Source, nonexpert_bits: int, group_size: int,
         "nonexpert_group_size": group_size if nonexpert_bits < 16 else None,
         "experts": "mxfp4",
     }
-    if nonexpert is not None:  # per class (plan.CLASSES); a uniform build has no key
+    if nonexpert is not None:  # per class (classes.CLASSES); a uniform build has no key
         ident["nonexpert_bits"] = ident["nonexpert_group_size"] = None
         ident["nonexpert"] = {c: nonexpert.get(c, SOURCE).name for c in CLASSES}
     return ident
@@ -107,7 +95,7 @@ def identity(src: Source, nonexpert_bits: int, group_size: int,
 
 def parse_nonexpert(spec: str | dict | None) -> dict[str, QFormat] | None:
     """``attention=6bit-g64,shared=8bit-g64,...`` (or a dict) -> {class: QFormat}.
-    Classes are ``k3dist.build.plan.CLASSES``; ``*=FORMAT`` sets every class not named;
+    Classes are ``k3dist.format.classes.CLASSES``; ``*=FORMAT`` sets every class not named;
     a class not named keeps its source dtype (``bf16``)."""
     if spec is None:
         return None
@@ -141,7 +129,7 @@ def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
     """mlx-lm's module-level quantization, restricted to modules we loaded weights
     into; returns the per-path parameters for the config's quantization block.
     ``nonexpert`` (class -> format) replaces the uniform ``bits``/``group_size``: each
-    module gets its class's format (``plan.module_class``), at a smaller group size
+    module gets its class's format (``classes.module_class``), at a smaller group size
     where its columns need one (``QFormat.for_cols``); mlx-lm's predicate still
     decides what is never quantized (AttnRes projections)."""
     recorded: dict = {}
@@ -246,7 +234,7 @@ class Converter:
                 infos[s.name] = self.src.info(s.name, s)  # check all before writing
         out = []
         base = f"language_model.model.layers.{layer}"
-        for w, dst in EXPERT_PROJ.items():
+        for w, dst in layout.EXPERT_PROJ.items():
             p0 = infos[f"{base}.block_sparse_moe.experts.0.{w}.weight_packed"]
             s0 = infos[f"{base}.block_sparse_moe.experts.0.{w}.weight_scale"]
             rows, pcols = p0.shape
@@ -282,7 +270,7 @@ class Converter:
             experts = self._expert_entries(int(group.split(".")[1]))
             for name, *_ in experts:
                 if name.endswith(".weight"):
-                    qconfig[name[: -len(".weight")]] = dict(MXFP4)
+                    qconfig[name[: -len(".weight")]] = MXFP4.qconfig()
         entries = [(n, mx_dtype_name(a), tuple(a.shape)) for n, a in dense]
         entries += [(n, dt, shape) for n, dt, shape, _ in experts]
         with StreamWriter(path, entries, {"format": "mlx"}) as w:
@@ -349,7 +337,7 @@ class Converter:
             for name in read_header(self.out / done[g]["file"]).tensors:
                 weight_map[name] = done[g]["file"]
         total = sum((self.out / done[g]["file"]).stat().st_size for g in groups)
-        write_json_atomic(self.out / "model.safetensors.index.json",
+        write_json_atomic(self.out / INDEX_NAME,
                            {"metadata": {"total_size": total}, "weight_map": weight_map})
 
         cfg = json.loads(json.dumps(self.src.config))
@@ -359,12 +347,12 @@ class Converter:
             d.pop("quantization_config", None)
             d.pop("auto_map", None)
         # the default block applies to no module here: every quantized one has its own
-        quant = dict(MXFP4) if self.bits == 16 else {
+        quant = MXFP4.qconfig() if self.bits == 16 else {
             "group_size": self.group_size, "bits": self.bits, "mode": "affine"}
         for g in groups:
             quant.update(done[g].get("quantization", {}))
         cfg["quantization"] = quant
-        write_json_atomic(self.out / "config.json", cfg)
+        write_json_atomic(self.out / CONFIG_NAME, cfg)
 
         copied = {}
         for name in TOKENIZER_FILES:
@@ -426,200 +414,14 @@ def convert(src: str | Path, out: str | Path, nonexpert_bits: int = 16, group_si
                      nonexpert=nonexpert).run(progress)
 
 
-# ----------------------------------------------------------------------------- profiles
-
-PROFILES = ("mxfp4", "2bit", "3bit", "mixed2", "graded")
-CALIBRATE_HINT = ("python -m k3dist.build.calibrate (per-expert sensitivity scores: npz of "
-                  "layer_L arrays); routing counts (a frequency baseline) also work")
-
-
-def lo_format(tc: dict, bits: int, group: int = 64) -> QFormat:
-    """``bits``-bit affine at group ``group`` where every routed-expert matrix's
-    columns allow it, else the largest smaller group that does (mini-K3: 96 columns,
-    g32)."""
-    acc_cols = {tc["hidden_size"] if tc.get("routed_expert_hidden_size") is None
-                else tc["routed_expert_hidden_size"], tc["moe_intermediate_size"]}
-    for g in sorted((g for g in (32, 64, 128) if g <= group), reverse=True):
-        f = QFormat("affine", bits, g)
-        if all(f.fits(c) for c in acc_cols):
-            return f
-    raise ValueError(f"no {bits}-bit group size fits the routed experts' columns {acc_cols}")
-
-
-def mixed2_formats(tc: dict) -> dict[tuple[int, str], QFormat]:
-    """The ``mixed2`` recipe (mlx-lm's ``mixed_2_6`` idea, at 2/3 bits for the routed
-    experts): every expert's ``down_proj`` (its output feeds the residual stream
-    directly; mlx-lm keeps ``down_proj`` richer for the same reason) and all three
-    projections of the first and last MoE layer (mlx-lm: the first and last eighth of
-    layers) at 3-bit, every other projection 2-bit. (layer, projection) -> format."""
-    lo2, lo3 = lo_format(tc, 2), lo_format(tc, 3)
-    moe = layout.moe_layers(tc)
-    out = {}
-    for layer in moe:
-        for proj in EXPERT_PROJ.values():
-            rich = proj == "down_proj" or layer in (moe[0], moe[-1])
-            out[(layer, proj)] = lo3 if rich else lo2
-    return out
-
-
-def _per_projection_builder():
-    """``grade.GradedBuilder`` whose lo bank format is chosen per (layer, projection):
-    one graded build, two lo formats (the quantization block is per path, and the
-    loader builds each projection from its own entry)."""
-    from k3dist.build.grade import PROJS, GradedBuilder
-    from k3dist.format.graded import LO
-
-    class PerProjection(GradedBuilder):
-        def __init__(self, build, out, gmap, lo_of: dict[tuple[int, str], QFormat], plan=None):
-            base = min(lo_of.values(), key=lambda f: f.bits)
-            super().__init__(build, out, gmap, base, plan)
-            self.lo_of = lo_of
-            self.ident = {**self.ident, "lo_by_projection": {
-                f"{layer}.{proj}": f.name for (layer, proj), f in sorted(lo_of.items())}}
-
-        def _bank_entries(self, layer, proj, w, s):
-            base, self.lo = self.lo, self.lo_of[(layer, proj)]
-            try:
-                return super()._bank_entries(layer, proj, w, s)
-            finally:
-                self.lo = base
-
-        def config_out(self) -> dict:
-            cfg = super().config_out()
-            for (layer, proj), f in self.lo_of.items():
-                assert proj in PROJS
-                cfg["quantization"][f"language_model.model.layers.{layer}.mlp.{LO}.{proj}"] = (
-                    f.qconfig())
-            return cfg
-
-    return PerProjection
-
-
-def plan_graded(src: Source, ranks: int = 2, budget: int | None = None,
-                budget_total: int | None = None, target_bpw: float | None = None,
-                lo: str = "auto", nonexpert: dict[str, str] | None = None,
-                nonexpert_from: dict[str, str] | None = None, context: int | None = None,
-                headroom: int | None = None, batch: int | None = None,
-                prompt_cache_tokens: int | None = None) -> dict:
-    """The byte-budget plan (``k3dist.build.plan``) from the source's own config and
-    index; ``context``, ``batch``, ``prompt_cache_tokens``: the serving limits it leaves
-    KV/state for (None: the plan's defaults). ValueError with the numbers when nothing
-    fits."""
-    from dataclasses import replace
-
-    from k3dist.build import plan as planner
-
-    if sum(x is not None for x in (budget, budget_total, target_bpw)) != 1:
-        raise ValueError("--profile graded needs one of --budget BYTES (per rank), "
-                         "--budget-total BYTES or --target-bpw BITS")
-    index = json.loads(src.index_path.read_text()) if src.index_path.exists() else None
-    acc = planner.account(src.config, index, str(src.index_path))
-    limits = {"context": context, "batch": batch, "prompt_cache_tokens": prompt_cache_tokens}
-    box = replace(planner.Box(), **{k: v for k, v in limits.items() if v is not None})
-    req = planner.PlanRequest(
-        ranks=ranks,
-        budget_per_rank=budget if budget is not None else (
-            budget_total // ranks if budget_total is not None else None),
-        target_expert_bpw=target_bpw,
-        lo=lo,
-        nonexpert=dict(nonexpert or planner.DEFAULT_NONEXPERT),
-        nonexpert_from=dict(nonexpert_from or {}),
-    )
-    if headroom is not None:
-        req = replace(req, headroom=headroom)
-    return planner.make_plan(acc, box, req)
-
-
-def convert_profile(src: str | Path, out: str | Path, profile: str = "mxfp4", *,
-                    mxfp4_dir: str | Path | None = None, nonexpert_bits: int = 16,
-                    group_size: int = 64, nonexpert: str | dict | None = None,
-                    scores: str | Path | None = None, plan_kw: dict | None = None,
-                    k_hi: int | None = None, routes: str | Path | None = None,
-                    allocation: str = "global", progress: bool = True) -> Path:
-    """One ``--profile``; every stage streamed and resumable (module doc). ``graded``:
-    the plan fixes how many experts are promoted; ``allocation`` ``global`` spends them
-    on the highest ``scores`` over all layers (a multiple of the ranks per layer),
-    ``per-layer`` takes the plan's count in every layer; ``k_hi`` per layer comes from
-    calibration ``routes`` when given (observed maximum), else ``k_hi``, else uniform
-    routing at the plan's drop target."""
-    from k3dist.build import grade as grader
-    from k3dist.format.graded import GradedMap
-    from k3dist.format.manifest import MANIFEST
-    from k3dist.format.placement import read_counts
-
-    if profile not in PROFILES:
-        raise ValueError(f"--profile {profile!r}: one of {', '.join(PROFILES)}")
-    if profile == "mxfp4":
-        return convert(src, out, nonexpert_bits, group_size, progress, nonexpert)
-    source, out = Source(src), Path(out)
-    stage = Path(mxfp4_dir) if mxfp4_dir else out.with_name(out.name + ".mxfp4")
-    tc = source.text_config
-    plan = None
-    if profile == "graded":
-        if scores is None:
-            raise ValueError(f"--profile graded needs --scores FILE: {CALIBRATE_HINT}")
-        if not Path(scores).exists():
-            raise ValueError(f"--scores {scores}: no such file; make it with {CALIBRATE_HINT}")
-        kw = dict(plan_kw or {})
-        if nonexpert is not None:  # explicit formats beat the plan's
-            fmts = parse_nonexpert(nonexpert)
-            kw["nonexpert"] = {c: f.name if f.quantized else "bf16" for c, f in fmts.items()}
-            kw["nonexpert_from"] = dict.fromkeys(fmts, "--nonexpert")
-        plan = plan_graded(source, **kw)
-        nonexpert = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
-        nonexpert_bits = 16
-    build = Converter(source, stage, nonexpert_bits, group_size,
-                      nonexpert=nonexpert).run(progress)
-    E = tc["num_experts"]
-    if profile == "graded":
-        counts = {int(k): int(v) for k, v in plan["promoted_per_layer"].items()}
-        if allocation == "global":
-            promoted = grader.promote_global(read_counts(scores), sum(counts.values()),
-                                             plan["ranks"])
-        elif allocation == "per-layer":
-            promoted = grader.promote_top(read_counts(scores), counts)
-        else:
-            raise ValueError(f"--allocation {allocation!r}: global or per-layer")
-        plan["allocation"] = allocation
-        if routes is not None:
-            khi = grader.k_hi_calibrated(routes, promoted, build)
-        elif k_hi is not None:
-            khi = dict.fromkeys(promoted, k_hi)
-        else:
-            from k3dist.build.plan import PlanRequest, k_hi_uniform
-
-            target = PlanRequest().k_hi_drop_target
-            khi = {i: max(1, k_hi_uniform(E, tc["num_experts_per_token"], len(v), target))
-                   for i, v in promoted.items()}
-        grader.grade(build, out, promoted, khi, plan["lo"]["format"], progress=progress,
-                     plan=plan)
-    elif profile in ("2bit", "3bit"):
-        grader.grade(build, out, {}, 0, lo_format(tc, int(profile[0])), progress=progress)
-    else:  # mixed2
-        lo_of = mixed2_formats(tc)
-        gmap = GradedMap(E, {}, {}, False, "mixed2")
-        _per_projection_builder()(build, out, gmap, lo_of).run(progress)
-    m = json.loads((out / MANIFEST).read_text())
-    m["convert_profile"] = {"profile": profile, "mxfp4_build": str(build.resolve()),
-                            "scores": str(scores) if scores else None}
-    write_json_atomic(out / MANIFEST, m)
-    return out
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Convert Moonshot's K3 checkpoint to an MLX "
-                                 "build (experts mxfp4 bit-exact, or a low-bit / graded "
-                                 "profile), one layer at a time.")
+    ap = argparse.ArgumentParser(
+        prog="python -m k3dist.build.convert",
+        description="Convert Moonshot's K3 checkpoint to an MLX build (experts mxfp4 "
+        "bit-exact), one layer at a time. Low-bit and graded builds: python -m "
+        "k3dist.build.profiles.")
     ap.add_argument("--src", required=True, help="Moonshot-format checkpoint folder")
     ap.add_argument("--out", required=True, help="output build folder (resumes if partial)")
-    ap.add_argument("--profile", choices=PROFILES, default="mxfp4",
-                    help="mxfp4: experts in their source bytes (default); 2bit / 3bit: "
-                    "every routed expert affine (g64 where the columns allow, else g32); "
-                    "mixed2: down_proj and the first/last MoE layer 3-bit, the rest 2-bit; "
-                    "graded: plan a byte budget, promoted experts keep MXFP4, the rest the "
-                    "plan's lo format (needs a budget and --scores)")
-    ap.add_argument("--mxfp4", help="where the MXFP4 stage of a non-mxfp4 profile is built "
-                    "(resumable; reused; default OUT.mxfp4 beside OUT)")
     ap.add_argument("--nonexpert-bits", type=int, default=16, choices=(16, 8, 4),
                     help="16 keeps source dtypes; 8/4 quantize affine like mlx_lm.convert")
     ap.add_argument("--group-size", type=int, default=64, help="affine group size (8/4-bit)")
@@ -627,61 +429,16 @@ def main() -> None:
                     help="a format per non-expert class instead of --nonexpert-bits, e.g. "
                     "attention=6bit-g64,shared=8bit-g64,*=bf16 (classes: "
                     f"{', '.join(CLASSES)}; unnamed ones keep bf16)")
-    g = ap.add_argument_group("graded profile")
-    b = g.add_mutually_exclusive_group()
-    b.add_argument("--budget", type=float, help="bytes per rank (weights + KV + activations)")
-    b.add_argument("--budget-total", type=float, help="bytes over all ranks")
-    b.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
-    g.add_argument("--scores", help="per-expert scores, npz of layer_L arrays (as grade "
-                   "--scores): the highest of each layer are promoted")
-    g.add_argument("--ranks", type=int, default=2)
-    g.add_argument("--lo", default="auto", help="lo-bank format or auto (the plan's)")
-    g.add_argument("--k-hi", type=int, help="hi routes per token (default: from --routes, "
-                   "else uniform routing at the plan's drop target)")
-    g.add_argument("--routes", help="calibration routes.npz (python -m "
-                   "k3dist.build.calibrate): k_hi per layer = the observed maximum")
-    g.add_argument("--allocation", choices=("global", "per-layer"), default="global",
-                   help="global (default, measured better: benchmarks/results/quality-*): "
-                   "the plan's promotions go to the highest scores over all layers; "
-                   "per-layer: the plan's count in every layer")
-    g.add_argument("--context", type=int, help="tokens of context the plan leaves KV for")
-    g.add_argument("--batch", type=int, help="requests served together the plan leaves KV "
-                   "for (plan default)")
-    g.add_argument("--prompt-cache-tokens", type=int, help="the prompt cache bound the plan "
-                   "leaves KV for (plan default)")
-    g.add_argument("--headroom-gib", type=float, help="kept free per rank (plan default)")
-    g.add_argument("--nonexpert-sensitivity", metavar="JSON",
-                   help="measured non-expert formats (plan --nonexpert-sensitivity)")
-    g.add_argument("--kl-tolerance", type=float, help="with --nonexpert-sensitivity")
+    # the profiles moved to their own command; an old command line is told where
+    ap.add_argument("--profile", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    graded_only = ("budget", "budget_total", "target_bpw", "scores", "k_hi", "routes", "context",
-                   "batch", "prompt_cache_tokens", "headroom_gib", "nonexpert_sensitivity",
-                   "kl_tolerance")
-    given = [f"--{k.replace('_', '-')}" for k in graded_only if getattr(args, k) is not None]
-    if args.profile != "graded" and given:
-        ap.error(f"{', '.join(given)}: only with --profile graded")
-    if args.profile == "mxfp4" and args.mxfp4:
-        ap.error("--mxfp4: only with a profile other than mxfp4")
-    plan_kw = None
-    if args.profile == "graded":
-        from k3dist.build import plan as planner
-
-        plan_kw = {"ranks": args.ranks, "lo": args.lo, "context": args.context,
-                   "batch": args.batch, "prompt_cache_tokens": args.prompt_cache_tokens,
-                   "budget": int(args.budget) if args.budget is not None else None,
-                   "budget_total": int(args.budget_total) if args.budget_total else None,
-                   "target_bpw": args.target_bpw,
-                   "headroom": None if args.headroom_gib is None
-                   else int(args.headroom_gib * planner.GiB)}
-        if args.nonexpert_sensitivity:
-            tol = args.kl_tolerance or planner.DEFAULT_KL_TOLERANCE
-            plan_kw["nonexpert"], plan_kw["nonexpert_from"] = planner.measured_nonexpert(
-                planner.read_sensitivity(args.nonexpert_sensitivity), tol)
+    if args.profile is not None:
+        ap.error(f"--profile {args.profile}: build profiles with python -m "
+                 "k3dist.build.profiles --profile ... (same flags); this command makes the "
+                 "mxfp4 build")
     try:
-        path = convert_profile(args.src, args.out, args.profile, mxfp4_dir=args.mxfp4,
-                               nonexpert_bits=args.nonexpert_bits, group_size=args.group_size,
-                               nonexpert=args.nonexpert, scores=args.scores, plan_kw=plan_kw,
-                               k_hi=args.k_hi, routes=args.routes, allocation=args.allocation)
+        path = convert(args.src, args.out, args.nonexpert_bits, args.group_size,
+                       nonexpert=args.nonexpert)
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {path}")

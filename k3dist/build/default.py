@@ -8,6 +8,7 @@ from pathlib import Path
 
 from k3dist import DATA_DIR
 from k3dist.build import convert
+from k3dist.format.folder import INDEX_NAME
 from k3dist.format.journal import locked, remake_stale
 
 DEFAULT_SRC = DATA_DIR / "mini-k3"  # committed; made by train/train.py (data/README.md)
@@ -18,7 +19,7 @@ def ensure_default_build(progress: bool = False) -> Path:
     """runs/mini-build, converted from the shipped data/mini-k3. Idempotent: a
     complete build is reused, a partial one resumed; a cached build of another source
     or an older k3dist (another identity) is a cache miss."""
-    if not (DEFAULT_SRC / "model.safetensors.index.json").exists():
+    if not (DEFAULT_SRC / INDEX_NAME).exists():
         raise FileNotFoundError(
             f"{DEFAULT_SRC}: the shipped mini-K3 is missing (it is committed: restore it "
             "with `git checkout -- data/mini-k3`, or retrain it as data/README.md shows)")

@@ -51,16 +51,18 @@ from pathlib import Path
 from k3dist import __version__
 from k3dist.build import stream
 from k3dist.build.calibrate import RoutedProbe, kl_sum
-from k3dist.build.checkpoint import INDEX_NAME
-from k3dist.build.stream import peak_rss
+from k3dist.build.rss import peak_rss
 from k3dist.build.teacher import TeacherOutput, read_tokens
+from k3dist.format.folder import INDEX_NAME
 from k3dist.format.graded import GradedMap
 from k3dist.format.journal import JournaledFolder, write_json_atomic
+from k3dist.format.kvmemory import GiB
 from k3dist.format.manifest import JOURNAL, MANIFEST
 from k3dist.format.sfile import (
     CheckpointError,
     StreamWriter,
     iter_chunks,
+    mx_dtype,
     mx_to_bytes,
     read_header,
     sha256_file,
@@ -125,7 +127,7 @@ class DWQ:
         out: str | Path,
         cfg: DWQConfig | None = None,
         *,
-        cap: int = 2 * stream.GiB,
+        cap: int = 2 * GiB,
         progress: bool = True,
     ):
         self.cfg = cfg or DWQConfig()
@@ -417,8 +419,7 @@ class DWQ:
         ) as wr:
             for t in entries:
                 if t.name in new:
-                    dt = {"BF16": mx.bfloat16, "F16": mx.float16, "F32": mx.float32}[t.dtype]
-                    wr.write(t.name, mx_to_bytes(new[t.name].astype(dt)))
+                    wr.write(t.name, mx_to_bytes(new[t.name].astype(mx_dtype(t.dtype))))
                 else:
                     wr.write(t.name, iter_chunks(t))
         return {"file": fname, "bytes": wr.size, "sha256": wr.sha256}

@@ -23,22 +23,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from k3dist.format.layout import MLP_PROJS
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 TRAINED = ("scales", "biases")
 
 
 def trained_keys() -> list[str]:
     """The gradient's keys, named like ``bank.parameters()`` flattened."""
-    return [f"{p}.{t}" for p in PROJECTIONS for t in TRAINED]
+    return [f"{p}.{t}" for p in MLP_PROJS for t in TRAINED]
 
 
 def _check_bank(bank: SwitchGLU) -> None:
     """Refuse what has no (or no trainable) gradient here, naming the tensor and why."""
-    for p in PROJECTIONS:
+    for p in MLP_PROJS:
         proj = getattr(bank, p, None)
         if not isinstance(proj, QuantizedSwitchLinear):
             raise TypeError(
@@ -88,7 +89,7 @@ def _glu(bank: SwitchGLU, params: dict[str, mx.array], x: mx.array,
 def _chunk_params(bank: SwitchGLU, e0: int, e1: int) -> tuple[dict, dict]:
     """(trained, frozen) slices of experts [e0, e1), keyed like the bank's parameters."""
     trained, frozen = {}, {}
-    for p in PROJECTIONS:
+    for p in MLP_PROJS:
         mod = getattr(bank, p)
         for t in TRAINED:
             trained[f"{p}.{t}"] = mod[t][e0:e1]

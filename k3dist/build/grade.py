@@ -30,13 +30,13 @@ import time
 from pathlib import Path
 
 from k3dist import __version__
-from k3dist.build.checkpoint import INDEX_NAME
-from k3dist.build.plan import MXFP4, QFormat
 from k3dist.format import layout
+from k3dist.format.folder import INDEX_NAME, load_config, weight_map
 from k3dist.format.graded import GRADED_KEY, HI, LO, GradedMap, bank_of
 from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.manifest import JOURNAL, MANIFEST
 from k3dist.format.placement import read_counts
+from k3dist.format.qformat import MXFP4, QFormat
 from k3dist.format.sfile import (
     CHUNK_BYTES,
     CheckpointError,
@@ -53,8 +53,6 @@ from k3dist.format.sfile import (
 import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
-
-PROJS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _identity(build_manifest: dict, gmap: GradedMap, lo: QFormat) -> dict:
@@ -97,7 +95,7 @@ class GradedBuilder:
                 "build (python -m k3dist.build.convert)"
             )
         self.manifest = json.loads(mp.read_text())
-        self.config = json.loads((self.build / "config.json").read_text())
+        self.config = load_config(self.build)
         if GRADED_KEY in self.config:
             raise CheckpointError(
                 f"{self.build}: already a graded build; grade the MXFP4 build it came from"
@@ -112,7 +110,7 @@ class GradedBuilder:
         bad = sorted(set(gmap.hi) - moe)
         if bad:
             raise ValueError(f"promoted experts for layers {bad}, which are not MoE layers")
-        index = json.loads((self.build / INDEX_NAME).read_text())["weight_map"]
+        index = weight_map(self.build)
         self.files = list(dict.fromkeys(index.values()))
         self.headers: dict[str, Header] = {f: read_header(self.build / f) for f in self.files}
         for h in self.headers.values():
@@ -233,7 +231,7 @@ class GradedBuilder:
         quant = cfg["quantization"]
         moe = [i for i in range(self.tc["num_hidden_layers"]) if layout.is_moe_layer(self.tc, i)]
         for layer in moe:
-            for proj in PROJS:
+            for proj in layout.MLP_PROJS:
                 quant[f"language_model.model.layers.{layer}.mlp.{LO}.{proj}"] = self.lo.qconfig()
                 if self.gmap.hi_ids(layer):
                     quant[f"language_model.model.layers.{layer}.mlp.{HI}.{proj}"] = MXFP4.qconfig()
@@ -305,8 +303,8 @@ def grade(
 ) -> Path:
     """Write a graded build of an MXFP4 ``build``: ``promoted`` global expert ids per MoE
     layer keep their MXFP4 bytes (hi bank), the rest become ``lo``; resumable. ``plan``
-    (k3dist.build.plan) is stored in the build manifest."""
-    cfg = json.loads((Path(build) / "config.json").read_text())
+    (k3dist.build.planner) is stored in the build manifest."""
+    cfg = load_config(build)
     E = layout.text_config(cfg)["num_experts"]
     if isinstance(k_hi, int):
         k_hi = {layer: k_hi for layer in promoted}
@@ -364,7 +362,7 @@ def k_hi_calibrated(
     """k_hi per layer from calibration routes (``k3dist.build.calibrate``)."""
     from k3dist.build.calibrate import k_hi_from_routes
 
-    cfg = json.loads((Path(build) / "config.json").read_text())
+    cfg = load_config(build)
     top_k = layout.text_config(cfg)["num_experts_per_token"]
     r = read_counts(routes)
     missing = sorted(set(promoted) - set(r))

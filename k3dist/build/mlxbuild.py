@@ -32,10 +32,10 @@ import time
 from pathlib import Path
 
 from k3dist.format import layout
+from k3dist.format.folder import CONFIG_NAME, load_config, weight_map
 from k3dist.format.manifest import MANIFEST
 from k3dist.format.sfile import CheckpointError, read_header
 
-INDEX_NAME = "model.safetensors.index.json"
 _STACK = re.compile(r"layers\.(\d+)\.mlp\.switch_mlp\.(\w+)\.weight$")
 
 CANNOT_VERIFY = [
@@ -48,13 +48,10 @@ CANNOT_VERIFY = [
 
 def is_mlx_build(path: str | Path) -> bool:
     """An mlx-lm-format folder (stacked ``switch_mlp`` experts), not Moonshot's."""
-    path = Path(path)
-    index = path / INDEX_NAME
-    if index.exists():
-        names = json.loads(index.read_text()).get("weight_map", {})
-        return any(".switch_mlp." in n for n in names)
-    single = path / "model.safetensors"
-    return single.exists() and any(".switch_mlp." in n for n in read_header(single).tensors)
+    try:
+        return any(".switch_mlp." in n for n in weight_map(path))
+    except CheckpointError:
+        return False
 
 
 def audit_build(path: str | Path, ranks: int = 2) -> dict:
@@ -62,24 +59,15 @@ def audit_build(path: str | Path, ranks: int = 2) -> dict:
     path = Path(path)
     findings: list[str] = []
     checks: list[str] = []
-    cfg_path = path / "config.json"
-    if not cfg_path.exists():
-        raise CheckpointError(f"{cfg_path}: missing; an MLX build folder holds config.json")
-    config = json.loads(cfg_path.read_text())
+    cfg_path = path / CONFIG_NAME
+    config = load_config(path)
     checks.append("config")
     if config.get("model_type") != "kimi_k3":
         findings.append(f"{cfg_path}: model_type {config.get('model_type')!r}, not 'kimi_k3'")
     tc = layout.text_config(config)
-    index = path / INDEX_NAME
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (path / "model.safetensors").exists():
-        weight_map = dict.fromkeys(read_header(path / "model.safetensors").tensors,
-                                   "model.safetensors")
-    else:
-        raise CheckpointError(f"{path}: neither {INDEX_NAME} nor model.safetensors")
+    files = weight_map(path)
     shapes: dict[str, list[int]] = {}
-    for f in sorted(set(weight_map.values())):
+    for f in sorted(set(files.values())):
         p = path / f
         if not p.exists():
             findings.append(f"{p}: named by the index, missing")
@@ -87,7 +75,7 @@ def audit_build(path: str | Path, ranks: int = 2) -> dict:
         h = read_header(p)
         for n, t in h.tensors.items():
             shapes[n] = list(t.shape)
-        for n in (n for n, g in weight_map.items() if g == f):
+        for n in (n for n, g in files.items() if g == f):
             if n not in h.tensors:
                 findings.append(f"{p}: tensor {n!r} named by the index is not in the file")
     checks.append("index_vs_headers")

@@ -5,7 +5,7 @@
 
 Stages, in order (each one resumable, skipped when its output is current):
 
-1. ``plan``: the byte-budget plan (``k3dist.build.plan``) from the source's config and
+1. ``plan``: the byte-budget plan (``k3dist.build.planner``) from the source's config and
    index: lo format, promotions, non-expert formats. Written first: the disk plan and
    every later stage read it.
 2. ``tokens``: the calibration token set: ``--calib`` as given, or ``--calib-text``
@@ -22,7 +22,7 @@ Stages, in order (each one resumable, skipped when its output is current):
 6. ``calibrate``: per-expert scores and routes (``k3dist.build.calibrate``); then the
    student is deleted.
 7. ``graded``: the graded build from ``base`` with the plan, the taylor scores (global
-   allocation) and ``k_hi`` from the routes (``convert.convert_profile``); then ``base``
+   allocation) and ``k_hi`` from the routes (``profiles.convert_profile``); then ``base``
    is deleted.
 8. ``dwq`` (``--dwq``): block-aligned DWQ of the graded build (``k3dist.build.dwq``).
 9. ``slice``: one folder per rank, ``OUT/rank{rank}`` (``k3dist.build.slicing``); then
@@ -44,7 +44,6 @@ the real K3 from ``k3dist/data``.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import json
 import os
@@ -167,12 +166,12 @@ def keys(a: Args) -> dict[str, str]:
 def read_config_index(a: Args) -> tuple[dict, dict | None, int]:
     """(config, index, source bytes on disk) from --src or --config/--index."""
     if a.src:
-        from k3dist.build.checkpoint import INDEX_NAME, load_config
+        from k3dist.format.folder import INDEX_NAME, load_config, read_index
 
         src = Path(a.src)
         config = load_config(src)
         ip = src / INDEX_NAME
-        index = json.loads(ip.read_text()) if ip.exists() else None
+        index = read_index(ip) if ip.exists() else None
         files = [p for p in src.iterdir() if p.is_file()]
         on_disk = sum(p.stat().st_size for p in files)
         if not any(p.suffix == ".safetensors" for p in files) and index:
@@ -180,22 +179,22 @@ def read_config_index(a: Args) -> tuple[dict, dict | None, int]:
         return config, index, on_disk
     if not (a.config and a.index):
         raise CheckpointError("give --src SRC, or --config C --index I (a plan without weights)")
-    config = json.loads(Path(a.config).read_text())
-    opener = gzip.open if str(a.index).endswith(".gz") else open
-    with opener(a.index, "rt") as f:
-        index = json.load(f)
+    from k3dist.format.folder import read_index, read_json
+
+    config, _ = read_json(a.config, "config")
+    index = read_index(a.index)
     return config, index, index.get("metadata", {}).get("total_size", 0)
 
 
 def account(a: Args, config: dict, index: dict | None):
     """Every tensor of the checkpoint in its planner class (once: the real K3 takes s)."""
-    from k3dist.build import plan as planner
+    from k3dist.build import accounting
 
-    return planner.account(config, index, str(a.index or a.src))
+    return accounting.account(config, index, str(a.index or a.src))
 
 
 def make_plan(a: Args, acc) -> dict:
-    from k3dist.build import plan as planner
+    from k3dist.build import planner
 
     if sum(x is not None for x in (a.budget, a.budget_total, a.target_bpw)) != 1:
         raise CheckpointError("give one of --budget BYTES (per rank), --budget-total BYTES or "
@@ -210,7 +209,7 @@ def make_plan(a: Args, acc) -> dict:
 
 
 def plan_kw(a: Args) -> dict:
-    """convert.plan_graded's arguments for the same plan as :func:`make_plan`."""
+    """profiles.plan_graded's arguments for the same plan as :func:`make_plan`."""
     return {"ranks": a.ranks,
             "budget": int(a.budget) if a.budget is not None else None,
             "budget_total": int(a.budget_total) if a.budget_total is not None else None,
@@ -228,15 +227,15 @@ def calib_tokens(a: Args) -> int:
 
 def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
     """Bytes each stage writes, what is freed after it, the peak beside the source."""
-    from k3dist.build import plan as planner
     from k3dist.build import stream, teacher
+    from k3dist.format.qformat import MXFP4, QFormat
 
     tc = acc.tc
     L, E = len(acc.moe_layers), acc.num_experts
     ne = sum(v["bytes"] for v in plan["nonexpert"].values())
     vision = acc.classes.get("vision", {}).get("source_bytes", 0)
-    hi_b = acc.expert_bytes(planner.MXFP4)
-    lo_b = acc.expert_bytes(planner.QFormat.parse(plan["lo"]["format"]))
+    hi_b = acc.expert_bytes(MXFP4)
+    lo_b = acc.expert_bytes(QFormat.parse(plan["lo"]["format"]))
     ntok = calib_tokens(a)
     H, V = tc["hidden_size"], tc["vocab_size"]
     states = 0
@@ -352,15 +351,15 @@ def print_disk_plan(d: dict, free: int | None, already: int = 0) -> None:
 
 def _run_stage(a: Args, stage: str, plan: dict) -> dict:
     """The stage's work, in this (child) process. Returns facts for pipeline.json."""
-    from k3dist.build import calibrate, convert, grade, slicing, teacher
+    from k3dist.build import calibrate, convert, grade, profiles, slicing, teacher
 
     base, tok = a.path("base"), a.path("tokens")
     if stage == "tokens":
         from k3dist.build import calibtext
 
         if a.calib:
-            from k3dist.build.checkpoint import load_config
             from k3dist.format import layout
+            from k3dist.format.folder import load_config
 
             tokens = teacher.read_tokens(a.calib)
             vocab = layout.text_config(load_config(a.src))["vocab_size"]
@@ -383,7 +382,7 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
             print(f"warning: {w}", file=sys.stderr)
         return {"tokens": rec}
     if stage == "base":
-        from k3dist.build.plan import CLASSES
+        from k3dist.format.classes import CLASSES
 
         ne = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
         convert.convert(a.src, base, nonexpert=ne)
@@ -402,9 +401,9 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
                             cap=stream.parse_bytes(a.cap))
     elif stage == "graded":
         cal = a.path("calibrate")
-        convert.convert_profile(a.src, a.path("graded"), "graded", mxfp4_dir=base,
-                                scores=cal / "scores-taylor.npz", routes=cal / "routes.npz",
-                                plan_kw=plan_kw(a))
+        profiles.convert_profile(a.src, a.path("graded"), "graded", mxfp4_dir=base,
+                                 scores=cal / "scores-taylor.npz", routes=cal / "routes.npz",
+                                 plan_kw=plan_kw(a))
     elif stage == "dwq":
         from k3dist.build import dwq, stream
 
@@ -430,7 +429,8 @@ def _io() -> dict:
 
 
 def child(a: Args, stage: str, stats: Path) -> None:
-    from k3dist.build.stream import StreamError, peak_rss
+    from k3dist.build.rss import peak_rss
+    from k3dist.build.stream import StreamError
 
     plan = json.loads(a.path("plan").read_text())
     t0 = time.perf_counter()

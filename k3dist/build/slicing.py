@@ -37,8 +37,8 @@ from pathlib import Path
 
 from k3dist import __version__
 from k3dist.build import convert
-from k3dist.build.checkpoint import INDEX_NAME, Source, load_config
 from k3dist.format import graded, layout, manifest, verify
+from k3dist.format.folder import INDEX_NAME, load_config
 from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.manifest import JOURNAL, MANIFEST
 from k3dist.format.placement import Placement, PlacementError, for_config
@@ -52,6 +52,7 @@ from k3dist.format.sfile import (
     read_header,
     sha256_file,
 )
+from k3dist.format.source import Source
 
 import mlx.core as mx
 import numpy as np
@@ -110,7 +111,7 @@ def vision_ranks(size: int) -> set[int]:
 
 
 def _is_vision(name: str) -> bool:
-    return name.startswith(("vision_tower.", "mm_projector."))
+    return name.startswith(layout.VISION_PREFIXES)
 
 
 def _identity(build_hash: str, rank: int, size: int, placement: Placement,
@@ -298,8 +299,9 @@ class BuildSlicer:
                 if ids and len(held) < size:
                     raise PlacementError(
                         f"placement gives rank(s) {sorted(set(range(size)) - held)} none of "
-                        f"layer {layer}'s {len(ids)} promoted experts (an empty hi bank); use "
-                        "k3dist.format.graded.balance_hi(placement, GradedMap.from_config(cfg))")
+                        f"layer {layer}'s {len(ids)} promoted experts (an empty hi bank); "
+                        "use k3dist.format.graded.balance_hi(placement, "
+                        "GradedMap.from_config(cfg))")
         self.placement = placement
         self.tc = tc
         self.attention = resolve_attention(attention, size)

@@ -25,17 +25,17 @@ the largest layer ~19.5 GB, KDA prefill 6.3 MB per token (1.6 GB for a 256-token
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import resource
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3dist.format import layout
+from k3dist.format.folder import INDEX_NAME, load_config, weight_map
 from k3dist.format.graded import GRADED_KEY
+from k3dist.format.kvmemory import GiB
+from k3dist.format.sfile import mx_dtype
 from k3dist.model import compat
 
 import mlx.core as mx
@@ -44,19 +44,6 @@ import numpy as np
 from mlx_lm.models import kimi_k3
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.utils import load_model
-
-INDEX_NAME = "model.safetensors.index.json"
-GiB = 1024**3
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory in bytes (Linux VmHWM; ru_maxrss elsewhere)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return r if sys.platform == "darwin" else r * 1024
 
 
 class StreamError(ValueError):
@@ -146,14 +133,14 @@ def check_cap(tc: dict, tokens: int, cap: int, copies: int = 1, what: str = "sta
 def load_lazy(path: str | Path, dtype: str = "float32") -> nn.Module:
     """Any k3dist build (MXFP4 or graded) with nothing read yet; eval mode."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
+    config = load_config(path)
     if GRADED_KEY in config:
         from k3dist.model import two_bank
 
         model, _ = two_bank.load_build(path, dtype, lazy=True)
     else:
         model, _ = load_model(path, lazy=True)
-        model.set_dtype({"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype])
+        model.set_dtype(mx_dtype(dtype))
     model.eval()
     return model
 
@@ -163,12 +150,12 @@ class LayerStream:
 
     def __init__(self, path: str | Path, dtype: str = "float32"):
         self.path = Path(path)
-        self.config = json.loads((self.path / "config.json").read_text())
+        self.config = load_config(self.path)
         self.tc = layout.text_config(self.config)
         index = self.path / INDEX_NAME
         if not index.exists():
             raise StreamError(f"{index}: missing; stream a k3dist build (k3dist.build.convert)")
-        self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        self.weight_map: dict[str, str] = weight_map(self.path)
         self.model = load_lazy(self.path, dtype)
         self.text = self.model.language_model.model
         self.args: kimi_k3.TextArgs = self.text.args

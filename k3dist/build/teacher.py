@@ -34,8 +34,9 @@ from pathlib import Path
 
 from k3dist import __version__
 from k3dist.build import stream
-from k3dist.build.stream import peak_rss
+from k3dist.build.rss import peak_rss
 from k3dist.format.journal import JournaledFolder
+from k3dist.format.kvmemory import GiB
 from k3dist.format.manifest import MANIFEST
 from k3dist.format.sfile import CheckpointError
 
@@ -92,7 +93,7 @@ def run(
     tokens: np.ndarray,
     out: str | Path,
     *,
-    cap: int = 2 * stream.GiB,
+    cap: int = 2 * GiB,
     batch: int = 4,
     top_k: int = 0,
     targets: np.ndarray | None = None,

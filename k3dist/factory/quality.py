@@ -32,6 +32,7 @@ from pathlib import Path
 from k3dist.factory import corpus, train
 from k3dist.format import layout, placement
 from k3dist.format import tokens as tokenizer
+from k3dist.format.folder import load_config
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -61,7 +62,7 @@ def load_float(run: str | Path, bf16: bool = False) -> nn.Module:
     if not weights.exists():
         raise FileNotFoundError(f"{weights}: no float snapshot; it is written when the run "
                                 "is frozen (`python train/train.py --out RUN --freeze`)")
-    config = json.loads((run / "config.json").read_text())
+    config = load_config(run)
     model = train.build_model(config)
     model.load_weights(str(weights), strict=True)
     if bf16:
@@ -265,7 +266,7 @@ def report(teacher: str | Path, run: str | Path | None, seq: int = 256,
             print(f"[{time.perf_counter() - t0:7.1f} s] {what}", file=sys.stderr, flush=True)
 
     model = load_teacher(teacher)
-    config = json.loads((Path(teacher) / "config.json").read_text())
+    config = load_config(teacher)
     e = layout.text_config(config)["num_experts"]
     say("teacher: held-out split")
     ppl, held = score(model, "eval", seq, max_windows)

@@ -4,7 +4,7 @@ down. The command-line flags of ``launch/serve.py``, ``launch/generate.py`` and
 ``slicing/rank_split.py`` are made from it (:func:`add_arguments`, :func:`from_args`).
 
 It lives in the format layer because the build planner reads ``deploy/tb5.yaml``
-through it too (``k3dist.build.plan.Box``), and the build imports no serving code."""
+through it too (``k3dist.build.planner.Box``), and the build imports no serving code."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import difflib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from k3dist.format.kvmemory import DTYPE_BYTES
 from k3dist.format.layout import ATTENTION_MODES
+from k3dist.format.sfile import COMPUTE_DTYPES
 from k3dist.format.verify import MODES as VERIFY_MODES
 
 import yaml
@@ -25,7 +25,7 @@ DEFAULT_DEPLOYMENT = Path("deploy/local.yaml")
 # how non-owned (token, expert) pairs are handled (the EP model); "auto" picks one
 MOE_FORMS = ("placeholder", "local")
 # compute dtypes a deployment may ask for (MLX names)
-DTYPES = tuple(DTYPE_BYTES)
+DTYPES = COMPUTE_DTYPES
 # largest max_batch: each batch size up to it is one warm-up decode shape
 MAX_BATCH = 256
 

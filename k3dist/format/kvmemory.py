@@ -1,7 +1,7 @@
 """The memory a K3 config implies beside its weights, on one rank: the KV cache and
 recurrent state (per request and per serving load) and the activations of a prefill chunk.
 
-One arithmetic for the planner (``k3dist.build.plan``: what a build must leave room for)
+One arithmetic for the planner (``k3dist.build.planner``: what a build must leave room for)
 and the server's preflight (``k3dist.serve.preflight``: whether a deployment's
 ``memory_headroom_gb`` covers it). What mlx-lm's ``kimi_k3`` keeps for a request
 (``Model.make_cache``):
@@ -50,19 +50,19 @@ hold those too.
 from __future__ import annotations
 
 from k3dist.format.layout import kda_layers
+from k3dist.format.sfile import COMPUTE_DTYPES, itemsize
 
+GiB = 1 << 30
 CACHE_STEP = 256  # mlx-lm KVCache growth step (tokens)
 PROMPT_CACHE_ENTRIES = 8  # mlx-lm server's prompt_cache_size (k3dist.serve.server.cli_args)
 STATE_BYTES = 4  # the KDA recurrent state is F32 whatever the compute dtype
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def act_bytes(dtype: str) -> int:
     """Bytes per value of the caches in a compute dtype (MLX name)."""
-    try:
-        return DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, not {dtype!r}") from None
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(COMPUTE_DTYPES)}, not {dtype!r}")
+    return itemsize(dtype)
 
 
 def mla_layers(tc: dict) -> list[int]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from k3dist.format.sfile import nbytes_of
+
 LM = "language_model."
 LAYER_PREFIX = "language_model.model.layers."
 _LAYER_RE = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
@@ -21,6 +23,12 @@ _EXPERT_RE = re.compile(
     r"^language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\."
     r"(w[123])\.(weight_packed|weight_scale)$"
 )
+# the vision tower's and projector's names (carried in a build, never in the text model)
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+# mlx-lm's projections of a gated MLP (SwitchGLU, the dense MLP, shared experts), its order
+MLP_PROJS = ("gate_proj", "up_proj", "down_proj")
+# Moonshot's routed-expert projections -> mlx-lm's SwitchGLU names
+EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 FAMILIES = (
     "experts",
@@ -48,15 +56,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        if self.shape is None:
-            return 0
-        n = DTYPE_BYTES[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
-
-
-DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "U32": 4, "I32": 4, "I64": 8}
+        return 0 if self.shape is None else nbytes_of(self.dtype, self.shape)
 
 
 def text_config(config: dict) -> dict:

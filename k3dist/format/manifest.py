@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from k3dist.format.folder import CONFIG_NAME, INDEX_NAME
 from k3dist.format.sfile import CheckpointError, sha256_file
 
 MANIFEST = "k3dist.json"
@@ -90,8 +91,8 @@ def slices_current_build(folder: str | Path, source: str | Path) -> bool:
             and ident.get("format_version") == BUILD_FORMAT_VERSION
             and m["build_hash"] == b.get("build_hash")
             and ident.get("source_index_sha256")
-            == sha256_file(src / "model.safetensors.index.json")
-            and ident.get("source_config_sha256") == sha256_file(src / "config.json")
+            == sha256_file(src / INDEX_NAME)
+            and ident.get("source_config_sha256") == sha256_file(src / CONFIG_NAME)
         )
     except (CheckpointError, OSError, KeyError, ValueError):
         return False

@@ -29,6 +29,14 @@ NP_DTYPES = {
     "BF16": np.uint16, "U32": np.uint32, "I32": np.int32, "F32": np.float32,
     "U64": np.uint64, "I64": np.int64, "F64": np.float64, "BOOL": np.bool_,
 }
+# safetensors dtype -> the MLX dtype holding the same bytes (``mx.<name>``)
+MLX_NAMES = {
+    "BOOL": "bool_", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
+    "F16": "float16", "BF16": "bfloat16", "U32": "uint32", "I32": "int32", "F32": "float32",
+    "U64": "uint64", "I64": "int64",
+}
+# what a model may compute in (a deployment's ``dtype``), by MLX name
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors spec's own limit
 CHUNK_BYTES = 64 * 1024 * 1024  # the most a streamed copy holds in memory at once
 
@@ -134,14 +142,23 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return (rounded >> np.uint32(16)).astype(np.uint16)
 
 
+def itemsize(dtype: str) -> int:
+    """Bytes per value of a safetensors dtype (``BF16``) or an MLX one (``bfloat16``)."""
+    return DTYPE_BYTES[{m: st for st, m in MLX_NAMES.items()}.get(dtype, dtype)]
+
+
+def mx_dtype(dtype: str):
+    """The ``mx.Dtype`` of a safetensors dtype (``BF16``) or an MLX name (``bfloat16``)."""
+    import mlx.core as mx
+
+    return getattr(mx, MLX_NAMES.get(dtype, dtype))
+
+
 def mx_dtype_name(a) -> str:
     """safetensors dtype string of an mx.array."""
     import mlx.core as mx
 
-    names = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint8: "U8",
-             mx.uint32: "U32", mx.int32: "I32", mx.int8: "I8", mx.uint16: "U16",
-             mx.int64: "I64", mx.uint64: "U64", mx.bool_: "BOOL"}
-    return names[a.dtype]
+    return {getattr(mx, m): st for st, m in MLX_NAMES.items()}[a.dtype]
 
 
 def mx_to_bytes(a) -> bytes:

@@ -43,6 +43,8 @@ import json
 import shutil
 from pathlib import Path
 
+from k3dist.format.folder import CONFIG_NAME, load_config
+
 import regex
 import tiktoken
 
@@ -279,8 +281,8 @@ def _eos_token(model_dir: Path, config: dict, entries: list[dict], base: int) ->
     K3's tokenizer_config says "[EOS]" but its config.json says ``<|end_of_msg|>`` (163586),
     which ends every chat message; mlx-lm stops at the tokenizer's eos, so use the latter.
     """
-    path = model_dir / "config.json"
-    eos = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+    path = model_dir / CONFIG_NAME
+    eos = load_config(model_dir).get("eos_token_id") if path.exists() else None
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     if eos is None:

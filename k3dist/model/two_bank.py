@@ -31,12 +31,13 @@ per MoE layer), ``k_hi`` per layer, ``lo_fallback``, ``lo`` (format name); the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from k3dist.format import layout
+from k3dist.format.folder import load_config
 from k3dist.format.graded import GRADED_KEY, GradedError, GradedMap
 from k3dist.format.placement import Placement, contiguous
+from k3dist.format.sfile import mx_dtype
 from k3dist.model import ep
 from k3dist.model.experts import ExpertParallelMoE
 
@@ -291,7 +292,7 @@ def load_build(
     """A graded build in one process (every expert local): (model, config); ``lazy``:
     nothing is read until used (k3dist.build.stream runs it a layer at a time)."""
     path = Path(path)
-    config = json.loads((path / "config.json").read_text())
+    config = load_config(path)
     gmap = GradedMap.from_config(config)
     if gmap is None:
         raise GradedError(
@@ -304,7 +305,7 @@ def load_build(
     model, config = load_model(
         path, lazy=True, strict=True, get_model_classes=lambda config: (cls, kimi_k3.ModelArgs)
     )
-    model.set_dtype({"float32": mx.float32, "bfloat16": mx.bfloat16}[dtype])
+    model.set_dtype(mx_dtype(dtype))
     if not lazy:
         mx.eval(model.parameters())
     return model, config

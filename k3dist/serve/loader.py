@@ -10,7 +10,6 @@ split, evaluation layer by layer, and a barrier.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable
@@ -18,9 +17,9 @@ from pathlib import Path
 
 from k3dist.format import graded, layout, manifest
 from k3dist.format import manifest as mf
-from k3dist.format.deployment import DTYPES as DTYPE_NAMES
+from k3dist.format.folder import load_config, weight_map
 from k3dist.format.placement import Placement
-from k3dist.format.sfile import CheckpointError, read_header
+from k3dist.format.sfile import COMPUTE_DTYPES, CheckpointError, mx_dtype, read_header
 from k3dist.format.verify import verify_folder
 from k3dist.model import two_bank
 from k3dist.model.ep import make_model_class
@@ -31,8 +30,7 @@ import numpy as np
 from mlx_lm.models import kimi_k3
 from mlx_lm.utils import load_model
 
-DTYPES = {name: getattr(mx, name) for name in DTYPE_NAMES}
-PROJS = ("gate_proj", "up_proj", "down_proj")
+DTYPES = {name: mx_dtype(name) for name in COMPUTE_DTYPES}
 
 
 class RankMismatch(CheckpointError):
@@ -102,9 +100,9 @@ def check_rank_folder(folder: str | Path, rank: int, size: int, verify: str = "s
     placement = Placement.from_json(m["placement"])
     if placement.size != size:
         raise RankMismatch(f"{folder}: placement is for {placement.size} ranks, group has {size}")
-    config = json.loads((folder / "config.json").read_text())
+    config = load_config(folder)
     tc = layout.text_config(config)
-    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    index = weight_map(folder)
     headers: dict = {}
     gmap = graded.GradedMap.from_config(config)  # a graded build: two stacks per layer
     for layer in range(tc["num_hidden_layers"]):
@@ -112,7 +110,8 @@ def check_rank_folder(folder: str | Path, rank: int, size: int, verify: str = "s
             continue
         if layer not in placement.owners:
             raise CheckpointError(f"{folder}: placement has no owners for MoE layer {layer}")
-        for bank, proj in [(b, p) for b in graded.bank_names(gmap, layer) for p in PROJS]:
+        banks = graded.bank_names(gmap, layer)
+        for bank, proj in [(b, p) for b in banks for p in layout.MLP_PROJS]:
             name = f"language_model.model.layers.{layer}.mlp.{bank}.{proj}.weight"
             n_local = len(graded.local_rows(gmap, name, placement.num_experts, placement, rank))
             fname = index.get(name)
@@ -172,7 +171,7 @@ def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
     manifest, placement = check_rank_folder(folder, rank, size, verify, attention)
     if size > 1:  # before minutes of loading: refuse mismatched folders now
         _handshake(manifest, group, peer_failure)
-    gmap = graded.GradedMap.from_config(json.loads((Path(folder) / "config.json").read_text()))
+    gmap = graded.GradedMap.from_config(load_config(folder))
     split = mf.attention_of(manifest)["split_layers"]
     cls = (make_model_class(placement, rank, group, resolve_form(form), split) if gmap is None
            else two_bank.make_model_class(placement, rank, group, resolve_form(form), gmap, split))

@@ -20,11 +20,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from k3dist.format import kvmemory, layout, manifest
+from k3dist.format.folder import load_config
+from k3dist.format.kvmemory import GiB
 from k3dist.format.sfile import read_header
 
 import mlx.core as mx
 
-GiB = 1 << 30
 MiB = 1 << 20
 
 
@@ -112,7 +113,7 @@ def _attention_layout(folder: Path) -> tuple[dict, int, list[int]]:
     layers whose heads are divided (a rank folder sliced with attention split: its
     manifest says which; anything else: 1, none)."""
     try:
-        tc = layout.text_config(json.loads((folder / "config.json").read_text()))
+        tc = layout.text_config(load_config(folder))
     except (OSError, ValueError) as e:
         raise PreflightError(f"{folder}: cannot read config.json ({e}); pass a rank folder made "
                              "by slicing/rank_split.py (or a build folder)") from None

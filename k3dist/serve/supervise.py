@@ -70,11 +70,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from k3dist.serve.exit_codes import LOST_EXIT_CODE
+
 # Exit code when nothing could be started (an unreachable host, bad arguments).
 START_FAILED_EXIT_CODE = 2
-# k3dist.serve.watchdog.LOST_EXIT_CODE: a rank that exits because a peer was lost (not imported:
-# the wrapper loads no MLX).
-LOST_EXIT_CODE = 3
 # mlx.launch runs a rank without ssh only on exactly this host name (RemoteProcess).
 LOCAL_HOST = "127.0.0.1"
 

@@ -30,14 +30,13 @@ import io
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3dist.format.tokens import IMAGE_PLACEHOLDER, MEDIA_PAD
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-MEDIA_PAD = "<|media_pad|>"
-IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 VISION_FILE = "model-vision.safetensors"
-VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 
 

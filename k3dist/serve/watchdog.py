@@ -28,9 +28,10 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from k3dist.serve.exit_codes import LOST_EXIT_CODE
+
 import mlx.core as mx
 
-LOST_EXIT_CODE = 3
 # mlx.launch's default --starting-port; the watchdog sits PORT_OFFSET above rank
 # 0's first ring port, clear of the ring's own ports (one per rank and connection).
 DEFAULT_RING_PORT = 32323

@@ -1,0 +1,470 @@
+"""Byte-budget planner for graded builds: what fits, per rank, before anything is built.
+
+Over the accounting of a checkpoint (``k3dist.build.accounting``: every tensor in its
+class, bytes in any format of ``k3dist.format.qformat``), the **memory model**
+(:class:`Box`) and the **plan** (:func:`make_plan`): per box, the usable
+memory (below), the KV/state the server holds at its limits (``batch`` requests at
+``context`` tokens and the prompt cache) and the activations of a prefill chunk at that
+context; what is left holds the weights. The plan picks the lo-bank format of the routed
+experts, how many experts per layer keep their MXFP4 bytes (the hi bank) and the format
+of each non-expert class, and reports bytes per rank. Which experts are promoted is for
+calibration (``k3dist`` sensitivity scoring) to decide; the plan fixes how many.
+
+Memory assumptions (:class:`Box` fields; every one a flag of ``python -m k3dist.build.plan``):
+
+- a "512 GB" M3 Ultra has 512 GiB (549.76 GB) of unified memory; GPU-wired memory is
+  capped by macOS at ``iogpu.wired_limit_mb`` (default ~75% of RAM on large machines).
+  We assume it is raised to 499712 MB (488 GiB), leaving 24 GiB to macOS and the
+  process's unwired memory (Python, tokenizer, HTTP server, file cache pressure);
+- of the wired memory, ``runtime_reserve`` (4 GiB) stays free for MLX's allocator cache
+  and fragmentation, Metal command buffers and the collective buffers;
+- KV/state (``k3dist.format.kvmemory``, the arithmetic the server's preflight checks a
+  deployment with): per request the MLA latent cache ``(kv_lora_rank + qk_rope_head_dim) x
+  2 B`` per token for each MLA layer (mlx-lm's ``KVCache`` holds the latent, growing in
+  steps of 256; whole on every rank), and the KDA recurrent state (``heads x head_dim^2``
+  F32) + conv state (``3 x (kernel - 1) x heads x head_dim``, bf16) for each KDA layer
+  (split by heads across the ranks with ``--attention split``, the default; whole on every
+  rank with ``--attention replicated``); ``--batch`` requests (the server's ``max_batch``:
+  they decode together, each with its own cache) at ``--context`` tokens, plus the prompt
+  cache: at most ``max(--prompt-cache-tokens, context) + context`` tokens in at most 9
+  entries, each with a whole KDA state;
+- activations (``k3dist.format.kvmemory.prefill_activation_bytes``, also what preflight
+  checks): the peak of one prefill chunk of ``--prefill-chunk`` tokens at full context —
+  an MLA layer decompresses k and v for the whole context (``heads x context x (nope + v)
+  x 2 B``) and builds the rope scores and the attention scores (``2 x heads x chunk x
+  context x 2 B``: mlx-lm's fallback path materialises both), over the heads a rank holds
+  — plus the chunk's logits (F32), hidden states of the AttnRes block stack and the MoE
+  intermediates;
+- the defaults describe the deployment the project ships, ``deploy/tb5.yaml`` (:data:`SHIPPED`,
+  read through ``k3dist.format.deployment``): attention split over the ranks, 4 requests at
+  128K, a 128K-token prompt cache, prefill chunks of 256 tokens.
+
+Promoted experts keep **no** 2-bit fallback copy in the lo bank by default: a route the
+hi bank cannot take (more than ``k_hi`` promoted routes in one token) is dropped and
+counted. A fallback copy costs one lo-format expert per promoted expert (the plan
+reports it: ``fallback_copy_bytes``); at the K3 plan's promotion counts that is tens of
+GB, i.e. roughly half the promotions, for routes that ``k_hi`` from calibration makes
+rare (~4e-6 of token-layers at ``k_hi`` = 6 under uniform routing).
+
+Non-expert formats come from measurement with ``--nonexpert-sensitivity FILE`` (the
+JSON of ``benchmarks/nonexpert.py``: KL(teacher || student) with one class quantized at a
+time): each class takes the fewest bits whose KL is at most ``--kl-tolerance``
+(default :data:`DEFAULT_KL_TOLERANCE` = 0.002 nats/token; why: ``DEFAULT_KL_TOLERANCE_WHY``);
+without the file, :data:`DEFAULT_NONEXPERT`. Each class's ``from`` in the plan says which.
+
+The command is ``python -m k3dist.build.plan`` (``k3dist.build.plan``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from k3dist import REPO
+from k3dist.build.accounting import Accounting
+from k3dist.format import kvmemory
+from k3dist.format.classes import CLASSES
+from k3dist.format.deployment import load_deployment
+from k3dist.format.kvmemory import GiB
+from k3dist.format.qformat import MXFP4, SOURCE, QFormat
+
+# A starting point, not a measurement (sensitivity scoring replaces it): every class
+# that every token reads at <= ~6 bits (the cost model's 12 tok/s condition), the
+# latent projections and lm_head at 8 (few, wide, on every token's path).
+DEFAULT_NONEXPERT = {
+    "attention": "6bit-g64",
+    "shared": "6bit-g64",
+    "latent": "8bit-g64",
+    "router": "8bit-g64",
+    "dense_mlp": "6bit-g64",
+    "embed": "6bit-g64",
+    "lm_head": "8bit-g64",
+}
+
+
+# Measured non-expert formats (``--nonexpert-sensitivity``): per class, the fewest bits
+# whose KL(teacher || student) with that class alone quantized (everything else bf16,
+# experts MXFP4) is at most this many nats per token. DEFAULT_KL_TOLERANCE_WHY says why.
+DEFAULT_KL_TOLERANCE = 0.002
+DEFAULT_KL_TOLERANCE_WHY = (
+    "0.002 nats/token per class: were KL additive over the seven classes, at most 0.014 "
+    "together, under half the 0.036 of 2-bit routed experts and near the 0.0096 of 3-bit "
+    "ones (quality-2026-12-01): the non-experts never dominate the expert error the budget "
+    "is spent on. Measured on the mini-K3 (nonexpert-2026-12-01) it is sub-additive: the "
+    "pick at 0.002 sums to 0.0065 class by class and measures 0.0042 whole, the same as "
+    "DEFAULT_NONEXPERT (0.0043) with 7-11% fewer non-expert bytes read per token on the "
+    "real K3. 0.001 would keep the router in bf16 as well as the embedding; 0.005 takes "
+    "shared, latent, dense MLP and lm_head to 4-bit and attention to 5-bit, where each "
+    "bit removed about doubles a class's KL"
+)
+
+
+def read_sensitivity(path: str | Path) -> dict[str, dict[str, float]]:
+    """``{class: {format: KL}}`` from a ``benchmarks/nonexpert.py`` result (its rows
+    that quantize one class; combined rows are ignored)."""
+    rep = json.loads(Path(path).read_text())
+    out: dict[str, dict[str, float]] = {}
+    for r in rep.get("rows", []):
+        if r.get("class") in CLASSES and isinstance(r.get("format"), str):
+            out.setdefault(r["class"], {})[QFormat.parse(r["format"]).name] = float(r["kl"])
+    if not out:
+        raise ValueError(f"{path}: no per-class rows (class, format, kl); write it with "
+                         "python benchmarks/nonexpert.py")
+    return out
+
+
+def measured_nonexpert(
+    sens: dict[str, dict[str, float]],
+    tolerance: float = DEFAULT_KL_TOLERANCE,
+    where: str = "measured",
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Per class the format with the fewest bits per weight whose measured KL is at most
+    ``tolerance`` (none: the source dtype); classes not measured keep
+    ``DEFAULT_NONEXPERT``. Returns (formats, where each came from)."""
+    formats, origin = dict(DEFAULT_NONEXPERT), dict.fromkeys(DEFAULT_NONEXPERT, "default")
+    for c in CLASSES:
+        if c not in sens:
+            continue
+        ok = [(QFormat.parse(f).bpw, f, kl) for f, kl in sens[c].items() if kl <= tolerance]
+        if ok:
+            _, f, kl = min(ok)
+            formats[c] = f
+            origin[c] = f"{where}: KL {kl:.5f} <= {tolerance}"
+        else:
+            best = min(sens[c].items(), key=lambda x: x[1])
+            formats[c] = "bf16"
+            origin[c] = (f"{where}: no format within {tolerance} (best {best[0]}, KL "
+                         f"{best[1]:.5f}); source dtype")
+    return formats, origin
+
+
+# the deployment the project ships: Box's serving limits are its keys
+SHIPPED = load_deployment(REPO / "deploy" / "tb5.yaml")
+
+
+@dataclass(frozen=True)
+class Box:
+    """One machine and what its resident set must leave room for (see module doc)."""
+
+    name: str = "M3 Ultra 512 GB"
+    physical: int = 512 * GiB
+    wired_limit_mb: int = 499712  # sysctl iogpu.wired_limit_mb (raised from the default)
+    runtime_reserve: int = 4 * GiB  # MLX allocator cache, command buffers, collectives
+    # What the server holds: the shipped deployment's keys (deploy/tb5.yaml)
+    context: int = SHIPPED.max_context  # tokens of one request (prompt + completion)
+    batch: int = SHIPPED.max_batch  # requests decoded together
+    prompt_cache_tokens: int | None = SHIPPED.prompt_cache_tokens  # None: 4 x context
+    prefill_chunk: int = SHIPPED.prefill_chunk  # tokens of one prefill chunk
+    cache_step: int = kvmemory.CACHE_STEP  # mlx-lm KVCache growth step
+    act_bytes: int = kvmemory.act_bytes(SHIPPED.dtype)  # of activations and caches
+
+    @property
+    def wired(self) -> int:
+        return self.wired_limit_mb * (1 << 20)
+
+
+def kv_state(tc: dict, box: Box, attention_split: int = 1) -> dict:
+    """Bytes of the KV cache and KDA state a server holds on one rank:
+    ``box.batch`` requests at ``box.context`` tokens and the prompt cache
+    (``k3dist.format.kvmemory.serving_bytes``; ``mla_latent_cache`` and ``kda_state`` are
+    one request's, ``total`` all of it)."""
+    return kvmemory.serving_bytes(
+        tc, context=box.context, batch=box.batch, prompt_cache_tokens=box.prompt_cache_tokens,
+        act=box.act_bytes, size=attention_split, step=box.cache_step)
+
+
+def activations(tc: dict, box: Box, attention_split: int = 1) -> dict:
+    """Peak transient bytes of one prefill chunk of ``box.prefill_chunk`` tokens at
+    ``box.context`` on one rank (``k3dist.format.kvmemory.prefill_activation_bytes``, what
+    the server's preflight checks a deployment with)."""
+    return kvmemory.prefill_activation_bytes(
+        tc, context=box.context, chunk=box.prefill_chunk, act=box.act_bytes,
+        size=attention_split)
+
+
+ASSUMPTIONS = [
+    "512 GB M3 Ultra = 512 GiB unified memory; sysctl iogpu.wired_limit_mb raised to "
+    "499712 (488 GiB wired for the GPU), 24 GiB left to macOS and unwired process memory",
+    "runtime_reserve of the wired memory kept free: MLX allocator cache and fragmentation, "
+    "Metal command buffers, collective buffers",
+    "KV/state (k3dist.format.kvmemory, as the server's preflight checks it): `batch` "
+    "requests decoded together (max_batch) at `context` tokens each: MLA latent cache "
+    "(kv_lora_rank + qk_rope_head_dim) x 2 B per token per MLA layer in 256-token steps; KDA "
+    "recurrent state heads x head_dim^2 F32 + conv state per KDA layer; plus the prompt "
+    "cache: at most max(prompt_cache_tokens, context) + context tokens in at most 9 entries, "
+    "each with a whole KDA state",
+    "activations (k3dist.format.kvmemory, as the server's preflight checks them): peak of "
+    "one prefill chunk (`prefill_chunk` tokens, the server's prefill_chunk) at full "
+    "context: MLA k/v decompressed for the whole context, rope and attention scores (bf16, "
+    "materialised), F32 logits of the chunk, hidden states of the AttnRes block stack, MoE "
+    "intermediates",
+    "attention split across ranks by heads (the default, as deploy/tb5.yaml and every "
+    "deployment serve it, k3dist.model.attention: attention weights, KDA state and prefill "
+    "activations divided over the ranks, the MLA latent cache whole on each); "
+    "--attention replicated keeps all of it on every rank; shared experts split by their "
+    "intermediate dimension; routed experts split evenly, promoted experts balanced",
+    "non-expert formats: DEFAULT_NONEXPERT is a starting point (<= 6 bits for what every "
+    "token reads, 8 bits for latent projections, router and lm_head); with "
+    "--nonexpert-sensitivity each measured class takes the fewest bits within the KL "
+    "tolerance (measured on the mini-K3: the real model's sensitivities may differ); "
+    "each class's 'from' says which",
+    "MLA kv_b_proj counted as its source matrix; mlx-lm splits it into embed_q / "
+    "unembed_out at load (same element count; group boundaries may differ slightly)",
+    "lo-format choice 'auto': the richest lo format that still promotes "
+    "min_promoted_fraction (0.15: at 2.594 expert bpw, 2-bit g128 with 17% promoted gave "
+    "a third of the KL of 2-bit g64 with 5% promoted on the 128-expert mini-K3, "
+    "benchmarks/results/quality-bits-2026-12-02.md)",
+]
+
+
+@dataclass
+class PlanRequest:
+    ranks: int = SHIPPED.size
+    budget_per_rank: int | None = None  # weights + KV + activations; None: the box's
+    target_expert_bpw: float | None = None  # instead of a budget
+    lo: str = "auto"  # a QFormat name, or "auto"
+    lo_candidates: tuple[str, ...] = ("3bit-g64", "2bit-g32", "2bit-g64", "2bit-g128", "1bit-g64")
+    # "auto": the richest lo format leaving this promoted. 0.15, measured (issue 27,
+    # benchmarks/results/quality-bits-2026-12-02.md, data/mini-k3-sparse, equal bytes at
+    # 2.594 expert bpw): 2-bit g128 + 17.2% promoted, mean KL 0.0059 / p95 0.020, against
+    # 2-bit g64 + 5.3% promoted, 0.0163 / 0.051 (uniform 2-bit g64: 0.0203 / 0.061).
+    min_promoted_fraction: float = 0.15
+    nonexpert: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NONEXPERT))
+    nonexpert_from: dict[str, str] = field(default_factory=dict)  # class -> why its format
+    # "split" (deploy/tb5.yaml's and every deployment's default: each rank holds its share
+    # of the attention heads, k3dist.model.attention) | "replicated"
+    attention: str = SHIPPED.attention
+    lo_fallback: bool = False
+    headroom: int = 8 * GiB  # kept free per rank beyond every modelled need
+    k_hi_drop_target: float = 1e-5  # k_hi from uniform routing: P(overflow) below this
+
+
+def overflow_probability(E: int, k: int, promoted: int, k_hi: int) -> float:
+    """P(more than ``k_hi`` of a token's ``k`` routes hit ``promoted`` of ``E``
+    experts) under uniform routing (hypergeometric)."""
+    total = math.comb(E, k)
+    return (
+        sum(
+            math.comb(promoted, j) * math.comb(E - promoted, k - j)
+            for j in range(k_hi + 1, min(k, promoted) + 1)
+        )
+        / total
+    )
+
+
+def k_hi_uniform(E: int, k: int, promoted: int, target: float) -> int:
+    """Smallest ``k_hi`` whose uniform-routing overflow probability is below
+    ``target``; calibration on real routing replaces it (skew raises it)."""
+    for kh in range(0, min(k, promoted) + 1):
+        if overflow_probability(E, k, promoted, kh) <= target:
+            return kh
+    return min(k, promoted)
+
+
+def _nonexpert_bytes(acc: Accounting, req: PlanRequest) -> dict[str, dict]:
+    """Per class: format, build bytes and resident bytes on one rank."""
+    out = {}
+    for c in CLASSES:
+        if c not in acc.tensors:
+            continue
+        fmt = QFormat.parse(req.nonexpert.get(c, "bf16"))
+        nb = acc.class_bytes(c, fmt)
+        split = 1
+        if c == "shared":
+            split = req.ranks  # split by intermediate dim, in the MoE all_sum
+        elif c == "attention" and req.attention == "split":
+            split = req.ranks
+        out[c] = {
+            "format": fmt.name,
+            "from": req.nonexpert_from.get(c, "default"),
+            "bpw": round(fmt.bpw, 4),
+            "bytes": nb,
+            "per_rank": -(-nb // split),
+            "params": acc.classes[c]["params"],
+            "source_bytes": acc.classes[c]["source_bytes"],
+        }
+    small = acc.classes.get("small", {}).get("source_bytes", 0)
+    out["small"] = {
+        "format": "source",
+        "from": "never quantized (norms, biases, convs, A_log, dt_bias, AttnRes)",
+        "bytes": small,
+        "per_rank": small,
+        "params": acc.classes.get("small", {}).get("params", 0),
+        "source_bytes": small,
+    }
+    return out
+
+
+def _per_layer(total: int, layers: int, ranks: int, cap: int) -> list[int]:
+    """``total`` promotions spread over layers, each a multiple of ``ranks`` (hi bytes
+    balanced across ranks) and at most ``cap``."""
+    per = min(cap, (total // layers) // ranks * ranks)
+    counts = [per] * layers
+    left = total - per * layers
+    i = 0
+    while left >= ranks and i < layers:
+        if counts[i] + ranks <= cap:
+            counts[i] += ranks
+            left -= ranks
+        i += 1
+    return counts
+
+
+def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None = None) -> dict:
+    """The plan: lo format, promoted experts per layer, non-expert formats, bytes per
+    rank against the box. Raises ValueError (with the numbers) when nothing fits."""
+    box, req = box or Box(), req or PlanRequest()
+    tc, N = acc.tc, req.ranks
+    E, L = acc.num_experts, len(acc.moe_layers)
+    if not L:
+        raise ValueError("the config has no MoE layers; nothing to grade")
+    if E % N:
+        raise ValueError(f"{E} experts do not split over {N} ranks")
+    asplit = N if req.attention == "split" else 1
+    kv = kv_state(tc, box, asplit)
+    act = activations(tc, box, asplit)
+    usable = box.wired - box.runtime_reserve
+    budget = req.budget_per_rank if req.budget_per_rank is not None else usable
+    ne = _nonexpert_bytes(acc, req)
+    ne_rank = sum(v["per_rank"] for v in ne.values())
+    # a decoded token reads every non-expert byte on its rank but one embedding row
+    H = tc["hidden_size"]
+    efmt = QFormat.parse(ne["embed"]["format"]) if "embed" in ne else SOURCE
+    erow = efmt.nbytes(1, H) if efmt.quantized and efmt.fits(H) else 2 * H
+    ne_read = ne_rank - ne.get("embed", {}).get("per_rank", 0) + (erow if "embed" in ne else 0)
+    need = kvmemory.need_bytes(kv, act)  # KV held + the larger of prefill / batch join
+    fixed = ne_rank + need["total"]
+    hi_b = acc.expert_bytes(MXFP4)
+    params = acc.expert_params
+
+    def option(fmt: QFormat) -> dict:
+        lo_b = acc.expert_bytes(fmt)
+        step = hi_b if req.lo_fallback else hi_b - lo_b  # bytes one promotion adds
+        base = L * E * lo_b // N
+        room = budget - req.headroom - fixed - base
+        if req.target_expert_bpw is not None:
+            want = (req.target_expert_bpw * params / 8 - lo_b) / (hi_b - lo_b)
+            promoted = max(0, min(L * E, int(want * L * E)))
+            promoted = promoted // (L * N) * (L * N) if promoted >= L * N else 0
+        else:
+            promoted = max(0, min(L * E, room * N // step)) if room > 0 else 0
+        counts = _per_layer(promoted, L, N, E if req.lo_fallback else E - N)  # lo never empty
+        promoted = sum(counts)
+        experts_rank = base + promoted * step // N
+        fits = fixed + experts_rank <= budget - req.headroom and room >= 0
+        expert_bpw = (
+            (promoted * hi_b + (L * E - promoted + (promoted if req.lo_fallback else 0)) * lo_b)
+            * 8
+            / (L * E * params)
+        )
+        return {
+            "lo": fmt.name,
+            "lo_bpw": round(fmt.bpw, 4),
+            "lo_expert_bytes": lo_b,
+            "fits": bool(fits),
+            "promoted_total": promoted,
+            "promoted_fraction": round(promoted / (L * E), 4),
+            "promoted_per_layer": counts,
+            "expert_bpw": round(expert_bpw, 4),
+            "experts_per_rank": experts_rank,
+            "headroom_per_rank": budget - fixed - experts_rank,
+        }
+
+    cands = [QFormat.parse(s) for s in req.lo_candidates]
+    cands = [f for f in cands if all(f.fits(c) for _, c in acc.expert_mats)]
+    options = [option(f) for f in cands]
+    if req.lo != "auto":
+        chosen = option(QFormat.parse(req.lo))
+    else:
+        ok = [
+            o for o in options if o["fits"] and o["promoted_fraction"] >= req.min_promoted_fraction
+        ]
+        ok = ok or [o for o in options if o["fits"]]
+        if not ok:
+            raise ValueError(
+                f"nothing fits {budget} bytes per rank: non-experts {ne_rank}, KV/state "
+                f"{kv['total']}, activations {act['total']} (batch join {need['joining']}) leave "
+                f"{budget - fixed} for "
+                f"routed experts, but the smallest lo format needs "
+                f"{min(o['experts_per_rank'] for o in options)}; lower the context, the "
+                "batch or the prompt cache, quantize non-experts further or add ranks"
+            )
+        chosen = max(ok, key=lambda o: (o["lo_bpw"], o["promoted_total"]))
+    if not chosen["fits"]:
+        raise ValueError(
+            f"lo format {chosen['lo']} does not fit {budget} bytes per rank "
+            f"(routed experts {chosen['experts_per_rank']} + fixed {fixed}); "
+            "choose a smaller --lo or raise --budget"
+        )
+    k = tc["num_experts_per_token"]
+    counts = chosen["promoted_per_layer"]
+    k_his = [k_hi_uniform(E, k, c, req.k_hi_drop_target) if c else 0 for c in counts]
+    lo_b = chosen["lo_expert_bytes"]
+    experts_rank = chosen["experts_per_rank"]
+    per_rank = {
+        "nonexpert": ne_rank,
+        "routed_experts": experts_rank,
+        "kv_state": kv["total"],
+        "activations": act["total"],
+        # the batch-join copy of the caches where it outgrows a prefill chunk (kvmemory)
+        "batch_join_extra": need["transient"] - act["total"],
+    }
+    per_rank["total"] = sum(per_rank.values())
+    build_bytes = (
+        sum(v["bytes"] for v in ne.values())
+        + acc.classes.get("vision", {}).get("source_bytes", 0)
+        + sum(counts) * hi_b
+        + (L * E - (0 if req.lo_fallback else sum(counts))) * lo_b
+    )
+    return {
+        "ranks": N,
+        "box": {**asdict(box), "usable_wired": usable, "os_reserve": box.physical - box.wired},
+        "budget_per_rank": budget,
+        "attention": req.attention,
+        "lo": {"format": chosen["lo"], **QFormat.parse(chosen["lo"]).qconfig()},
+        "hi": {
+            "format": "mxfp4",
+            **MXFP4.qconfig(),
+            "expert_bytes": hi_b,
+            "source": "original MXFP4 bytes, bit-exact",
+        },
+        "lo_fallback": req.lo_fallback,
+        "fallback_copy_bytes": sum(counts) * lo_b,
+        "promoted_total": sum(counts),
+        "promoted_fraction": chosen["promoted_fraction"],
+        "promoted_per_layer": dict(zip(map(str, acc.moe_layers), counts, strict=True)),
+        "k_hi_uniform": {str(layer): kh for layer, kh in zip(acc.moe_layers, k_his, strict=True)},
+        "k_hi_drop_target": req.k_hi_drop_target,
+        "expert_bpw": chosen["expert_bpw"],
+        "nonexpert": ne,
+        "nonexpert_read_per_token_per_rank": ne_read,
+        "kv_state": kv,
+        "activations": act,
+        "bytes_per_rank": per_rank,
+        "headroom_per_rank": budget - per_rank["total"],
+        "headroom_requested": req.headroom,
+        "build_bytes": build_bytes,
+        "source_bytes": acc.source_total,
+        "routed_expert_params": L * E * acc.expert_params,
+        "assumptions": ASSUMPTIONS,
+        "alternatives": [
+            {k2: v for k2, v in o.items() if k2 != "promoted_per_layer"} for o in options
+        ],
+    }
+
+
+def graded_map(plan: dict, promoted: dict[int, list[int]]) -> dict:
+    """The config.json ``graded`` block of a build made from ``plan`` with the given
+    promoted expert ids per layer (chosen by calibration)."""
+    for layer, ids in promoted.items():
+        want = plan["promoted_per_layer"].get(str(layer))
+        if want is not None and len(ids) != want:
+            raise ValueError(f"layer {layer}: {len(ids)} promoted experts, the plan says {want}")
+    return {
+        "k_hi": {str(k): int(v) for k, v in plan["k_hi_uniform"].items()},
+        "hi": {str(k): sorted(int(e) for e in v) for k, v in promoted.items()},
+        "lo_fallback": plan["lo_fallback"],
+        "lo": plan["lo"]["format"],
+    }
