@@ -63,8 +63,9 @@ class Served:
     """``launch/run.py --hosts 127.0.0.1 -n 2 -- launch/serve.py ARGS`` in its own
     session; ``processes()`` names the supervisor, mlx.launch and each rank."""
 
-    def __init__(self, tmp: Path, args: list[str], *, supervised: bool = True,
-                 ready_timeout_s: float = 600):
+    def __init__(
+        self, tmp: Path, args: list[str], *, supervised: bool = True, ready_timeout_s: float = 600
+    ):
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
@@ -73,17 +74,26 @@ class Served:
         serve = [str(REPO / "launch/serve.py"), "--port", str(self.port), *args]
         ring = ["-p", str(free_base_port(2))]
         if supervised:
-            cmd = [py, str(REPO / "launch/run.py"), "--hosts", "127.0.0.1", "-n", "2",
-                   *ring, "--", *serve]
+            cmd = [
+                py,
+                str(REPO / "launch/run.py"),
+                "--hosts",
+                "127.0.0.1",
+                "-n",
+                "2",
+                *ring,
+                "--",
+                *serve,
+            ]
         else:
-            cmd = [str(Path(py).with_name("mlx.launch")), "-n", "2", *ring, "--python", py,
-                   *serve]
+            cmd = [str(Path(py).with_name("mlx.launch")), "-n", "2", *ring, "--python", py, *serve]
         self.cmd = cmd
         self.log_path = tmp / "server.log"
         self.log = open(self.log_path, "w")
         self.t_start = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.ready_s = self.wait_ready(ready_timeout_s)
 
     def wait_ready(self, timeout_s: float) -> float:
@@ -128,8 +138,11 @@ class Served:
         return out
 
     def post(self, path: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())
@@ -171,5 +184,6 @@ def percentiles(xs: list[float], ps=(50, 90, 99)) -> dict:
     if not xs:
         return {}
     s = sorted(xs)
-    return {f"p{p}": round(s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))], 4)
-            for p in ps} | {"n": len(s), "max": round(s[-1], 4)}
+    return {
+        f"p{p}": round(s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))], 4) for p in ps
+    } | {"n": len(s), "max": round(s[-1], 4)}

@@ -45,6 +45,7 @@ FOLLOW_UP = "And which of them is the largest?"
 
 # ------------------------------------------------------------------------- capture
 
+
 class _Capture(http.server.ThreadingHTTPServer):
     bodies: list[tuple[str, dict]]
 
@@ -59,11 +60,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except ValueError:
             pass
         if path.startswith("/v1/messages"):
-            err = {"type": "error", "error": {"type": "invalid_request_error",
-                                              "message": "captured"}}
+            err = {
+                "type": "error",
+                "error": {"type": "invalid_request_error", "message": "captured"},
+            }
         else:
-            err = {"error": {"message": "captured", "type": "invalid_request_error",
-                             "code": None}}
+            err = {"error": {"message": "captured", "type": "invalid_request_error", "code": None}}
         data = json.dumps(err).encode()
         self.send_response(400)
         self.send_header("Content-Type", "application/json")
@@ -92,28 +94,89 @@ def _env(home: Path, **extra: str) -> dict:
 def _client_cmd(name: str, url: str, tmp: Path) -> tuple[list[str], dict]:
     """The client with its defaults (no --bare, its own system prompt and tools)."""
     if name == "claude":
-        return ([str(CLAUDE), "-p", USER, "--model", "kimi-k3", "--output-format",
-                 "stream-json", "--verbose"],
-                _env(tmp / "home", ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY="dummy-key",
-                     CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1",
-                     DISABLE_AUTOUPDATER="1", DISABLE_ERROR_REPORTING="1"))
+        return (
+            [
+                str(CLAUDE),
+                "-p",
+                USER,
+                "--model",
+                "kimi-k3",
+                "--output-format",
+                "stream-json",
+                "--verbose",
+            ],
+            _env(
+                tmp / "home",
+                ANTHROPIC_BASE_URL=url,
+                ANTHROPIC_API_KEY="dummy-key",
+                CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+                DISABLE_TELEMETRY="1",
+                DISABLE_AUTOUPDATER="1",
+                DISABLE_ERROR_REPORTING="1",
+            ),
+        )
     if name == "codex":
         (tmp / "codex").mkdir(parents=True, exist_ok=True)
-        provider = (f'{{name="k3", base_url="{url}/v1", env_key="K3_API_KEY", '
-                    'wire_api="responses", request_max_retries=0, stream_max_retries=0}')
-        return ([str(CODEX), "exec", "--skip-git-repo-check", "--json", "-m", "kimi-k3",
-                 "-c", 'model_provider="k3"', "-c", f"model_providers.k3={provider}",
-                 "-c", "analytics.enabled=false", USER],
-                _env(tmp / "home", CODEX_HOME=str(tmp / "codex"), K3_API_KEY="dummy-key"))
+        provider = (
+            f'{{name="k3", base_url="{url}/v1", env_key="K3_API_KEY", '
+            'wire_api="responses", request_max_retries=0, stream_max_retries=0}'
+        )
+        return (
+            [
+                str(CODEX),
+                "exec",
+                "--skip-git-repo-check",
+                "--json",
+                "-m",
+                "kimi-k3",
+                "-c",
+                'model_provider="k3"',
+                "-c",
+                f"model_providers.k3={provider}",
+                "-c",
+                "analytics.enabled=false",
+                USER,
+            ],
+            _env(tmp / "home", CODEX_HOME=str(tmp / "codex"), K3_API_KEY="dummy-key"),
+        )
     meta = tmp / "models.json"
-    meta.write_text(json.dumps({"openai/kimi-k3": {
-        "max_input_tokens": 65536, "max_output_tokens": 4096, "input_cost_per_token": 0,
-        "output_cost_per_token": 0, "litellm_provider": "openai", "mode": "chat"}}))
-    return ([str(AIDER), "--model", "openai/kimi-k3", "--model-metadata-file", str(meta),
-             "--no-git", "--yes-always", "--no-check-update", "--analytics-disable",
-             "--no-show-model-warnings", "--no-pretty", "--message", USER],
-            _env(tmp / "home", OPENAI_API_BASE=url + "/v1", OPENAI_API_KEY="dummy-key",
-                 LITELLM_LOCAL_MODEL_COST_MAP="True"))
+    meta.write_text(
+        json.dumps(
+            {
+                "openai/kimi-k3": {
+                    "max_input_tokens": 65536,
+                    "max_output_tokens": 4096,
+                    "input_cost_per_token": 0,
+                    "output_cost_per_token": 0,
+                    "litellm_provider": "openai",
+                    "mode": "chat",
+                }
+            }
+        )
+    )
+    return (
+        [
+            str(AIDER),
+            "--model",
+            "openai/kimi-k3",
+            "--model-metadata-file",
+            str(meta),
+            "--no-git",
+            "--yes-always",
+            "--no-check-update",
+            "--analytics-disable",
+            "--no-show-model-warnings",
+            "--no-pretty",
+            "--message",
+            USER,
+        ],
+        _env(
+            tmp / "home",
+            OPENAI_API_BASE=url + "/v1",
+            OPENAI_API_KEY="dummy-key",
+            LITELLM_LOCAL_MODEL_COST_MAP="True",
+        ),
+    )
 
 
 def version(name: str) -> str:
@@ -133,8 +196,9 @@ def capture(name: str, tmp: Path) -> tuple[str, dict]:
         work = tmp / "work"
         work.mkdir(exist_ok=True)
         (work / "notes.txt").write_text("a file for the agent to list\n")
-        subprocess.run(cmd, env=env, cwd=work, capture_output=True, timeout=300,
-                       stdin=subprocess.DEVNULL)
+        subprocess.run(
+            cmd, env=env, cwd=work, capture_output=True, timeout=300, stdin=subprocess.DEVNULL
+        )
     finally:
         srv.shutdown()
     turns = [(p, b) for p, b in srv.bodies if "count_tokens" not in p]
@@ -145,12 +209,16 @@ def capture(name: str, tmp: Path) -> tuple[str, dict]:
 
 # -------------------------------------------------------------------------- replay
 
+
 def follow_up(path: str, body: dict) -> dict:
     """Session 2: the same request with one more user line at the end."""
     b = copy.deepcopy(body)
     if path.endswith("/responses"):
-        items = b["input"] if isinstance(b["input"], list) else [
-            {"role": "user", "content": b["input"]}]
+        items = (
+            b["input"]
+            if isinstance(b["input"], list)
+            else [{"role": "user", "content": b["input"]}]
+        )
         b["input"] = [*items, {"role": "user", "content": FOLLOW_UP}]
     else:
         b["messages"].append({"role": "user", "content": FOLLOW_UP})
@@ -166,8 +234,12 @@ def _first_token(event: dict) -> bool:
         return True
     for c in event.get("choices") or []:
         d = c.get("delta") or {}
-        if d.get("content") or d.get("reasoning") or d.get("reasoning_content") \
-                or d.get("tool_calls"):
+        if (
+            d.get("content")
+            or d.get("reasoning")
+            or d.get("reasoning_content")
+            or d.get("tool_calls")
+        ):
             return True
     return False
 
@@ -188,8 +260,9 @@ def replay(url: str, path: str, body: dict, max_tokens: int) -> dict:
     b["max_output_tokens" if path.endswith("/responses") else "max_tokens"] = max_tokens
     if path.endswith("/chat/completions"):
         b["stream_options"] = {"include_usage": True}
-    req = urllib.request.Request(url + path, data=json.dumps(b).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(b).encode(), headers={"Content-Type": "application/json"}
+    )
     t0 = time.monotonic()
     ttft, usage = None, {}
     with urllib.request.urlopen(req, timeout=7200) as r:
@@ -208,40 +281,63 @@ def count_tokens(url: str, path: str, body: dict) -> int | None:
     the others: the usage of the cold run)."""
     if not path.startswith("/v1/messages"):
         return None
-    b = {k: v for k, v in body.items() if k in ("model", "messages", "system", "tools",
-                                                "tool_choice", "thinking")}
-    req = urllib.request.Request(url + "/v1/messages/count_tokens",
-                                 data=json.dumps(b).encode(),
-                                 headers={"Content-Type": "application/json"})
+    b = {
+        k: v
+        for k, v in body.items()
+        if k in ("model", "messages", "system", "tools", "tool_choice", "thinking")
+    }
+    req = urllib.request.Request(
+        url + "/v1/messages/count_tokens",
+        data=json.dumps(b).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())["input_tokens"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--clients", nargs="+", default=["claude", "codex", "aider"],
-                    choices=["claude", "codex", "aider"])
+    ap.add_argument(
+        "--clients",
+        nargs="+",
+        default=["claude", "codex", "aider"],
+        choices=["claude", "codex", "aider"],
+    )
     ap.add_argument("--max-context", type=int, default=65536)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--capture-only", action="store_true",
-                    help="capture the bodies and report their sizes; no server")
-    ap.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
-                    help="more launch/serve.py flags (last on the line)")
+    ap.add_argument(
+        "--capture-only",
+        action="store_true",
+        help="capture the bodies and report their sizes; no server",
+    )
+    ap.add_argument(
+        "--serve-args",
+        nargs=argparse.REMAINDER,
+        default=[],
+        help="more launch/serve.py flags (last on the line)",
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="agent-clients-"))
-    report: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
-                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                    "loadavg_start": os.getloadavg(), "cpus": os.cpu_count(), "clients": {}}
+    report: dict = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "loadavg_start": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "clients": {},
+    }
     bodies = {}
     for name in a.clients:
         path, body = capture(name, tmp / name)
         bodies[name] = (path, body)
         report["clients"][name] = {
-            "version": version(name), "path": path, "body_bytes": len(json.dumps(body)),
-            "tools": len(body.get("tools") or []), "max_tokens_sent": body.get(
-                "max_tokens", body.get("max_output_tokens"))}
+            "version": version(name),
+            "path": path,
+            "body_bytes": len(json.dumps(body)),
+            "tools": len(body.get("tools") or []),
+            "max_tokens_sent": body.get("max_tokens", body.get("max_output_tokens")),
+        }
         (tmp / f"{name}-body.json").write_text(json.dumps(body))
     report["bodies_dir"] = str(tmp)
     if not a.capture_only:

@@ -31,10 +31,21 @@ from k3dist.bench import record
 import openai
 
 REPO = Path(__file__).resolve().parents[1]
-TOOLS = [{"type": "function", "function": {
-    "name": name, "description": f"{name.replace('_', ' ')} in the workspace.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
-                   "required": ["path"]}}} for name in ("read_file", "write_file", "run_tests")]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name.replace('_', ' ')} in the workspace.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string"}},
+                "required": ["path"],
+            },
+        },
+    }
+    for name in ("read_file", "write_file", "run_tests")
+]
 
 
 def _port() -> int:
@@ -47,9 +58,15 @@ def _ttft(client, messages: list[dict], max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first, text, usage = None, "", None
     for ch in client.chat.completions.create(
-            model="kimi-k3", messages=messages, tools=TOOLS, max_tokens=max_tokens,
-            temperature=0, stream=True, stream_options={"include_usage": True},
-            extra_body={"chat_template_kwargs": {"thinking": False}}):
+        model="kimi-k3",
+        messages=messages,
+        tools=TOOLS,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"chat_template_kwargs": {"thinking": False}},
+    ):
         if ch.choices:
             delta = ch.choices[0].delta
             piece = (delta.content or "") + ((delta.model_extra or {}).get("reasoning") or "")
@@ -59,10 +76,13 @@ def _ttft(client, messages: list[dict], max_tokens: int) -> dict:
         if ch.usage:
             usage = ch.usage
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": cached,
-            "prefilled_tokens": usage.prompt_tokens - cached,
-            "ttft_s": round(first if first is not None else time.perf_counter() - t0, 3),
-            "text": text}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": cached,
+        "prefilled_tokens": usage.prompt_tokens - cached,
+        "ttft_s": round(first if first is not None else time.perf_counter() - t0, 3),
+        "text": text,
+    }
 
 
 def main() -> None:
@@ -76,16 +96,30 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="agent-turns-"))
     port = _port()
-    cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", "2", "-p",
-           str(_port()), "--python",
-           sys.executable, str(REPO / "launch/serve.py"), "--port", str(port),
-           "--max-context", str(max(4096, 2 * a.tokens)), "--prefill-chunk",
-           str(a.prefill_chunk), "--token-log", str(tmp / "tokens-{rank}.jsonl")]
+    cmd = [
+        str(Path(sys.executable).with_name("mlx.launch")),
+        "-n",
+        "2",
+        "-p",
+        str(_port()),
+        "--python",
+        sys.executable,
+        str(REPO / "launch/serve.py"),
+        "--port",
+        str(port),
+        "--max-context",
+        str(max(4096, 2 * a.tokens)),
+        "--prefill-chunk",
+        str(a.prefill_chunk),
+        "--token-log",
+        str(tmp / "tokens-{rank}.jsonl"),
+    ]
     if a.rank_dir:
         cmd += ["--rank-dir", a.rank_dir]
     log = open(tmp / "server.log", "w")
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -96,20 +130,27 @@ def main() -> None:
                     break
             except OSError:
                 time.sleep(0.5)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
-                               timeout=600)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
         # measured: ~270 tokens of template and tools, ~10.3 per "line N: value M."
         lines = max(1, (a.tokens - 270) * 10 // 103)
         facts = " ".join(f"line {i}: value {i * 7 % 1000}." for i in range(lines))
-        msgs = [{"role": "system", "content": "You are a coding agent. Use the tools."},
-                {"role": "user", "content": "Here is the file:\n" + facts + "\nFix line 3."}]
+        msgs = [
+            {"role": "system", "content": "You are a coding agent. Use the tools."},
+            {"role": "user", "content": "Here is the file:\n" + facts + "\nFix line 3."},
+        ]
         turn1 = _ttft(client, msgs, a.max_tokens)
-        msgs2 = [*msgs, {"role": "assistant", "content": turn1.pop("text")},
-                 {"role": "user", "content": "Now run the tests."}]
+        msgs2 = [
+            *msgs,
+            {"role": "assistant", "content": turn1.pop("text")},
+            {"role": "user", "content": "Now run the tests."},
+        ]
         turn2 = _ttft(client, msgs2, a.max_tokens)
         turn2.pop("text")
-        edited = [*msgs, {"role": "assistant", "content": "I fixed line 3."},
-                  {"role": "user", "content": "Now run the tests."}]
+        edited = [
+            *msgs,
+            {"role": "assistant", "content": "I fixed line 3."},
+            {"role": "user", "content": "Now run the tests."},
+        ]
         turn2e = _ttft(client, edited, a.max_tokens)
         turn2e.pop("text")
         logs = []
@@ -128,12 +169,14 @@ def main() -> None:
     cached = [[e["cached"] for e in lg] for lg in logs]
     report = {
         **record.environment(),
-        "turn_1": turn1, "turn_2": turn2, "turn_2_edited_reply": turn2e,
+        "turn_1": turn1,
+        "turn_2": turn2,
+        "turn_2_edited_reply": turn2e,
         "prefill_tokens_saved_turn_2": turn2["cached_tokens"],
         "ttft_turn2_over_turn1": round(turn2["ttft_s"] / turn1["ttft_s"], 3),
         "ranks_cached_tokens": cached,
-        "ranks_agree": cached[0] == cached[1] and [e["tokens"] for e in logs[0]]
-        == [e["tokens"] for e in logs[1]],
+        "ranks_agree": cached[0] == cached[1]
+        and [e["tokens"] for e in logs[0]] == [e["tokens"] for e in logs[1]],
     }
     text = json.dumps(report, indent=1)
     print(text)

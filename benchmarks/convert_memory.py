@@ -30,13 +30,20 @@ def main() -> None:
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(args.src) if args.src else synth.synthesize(
-            Path(tmp) / "src", args.preset, progress=False)
+        src = (
+            Path(args.src)
+            if args.src
+            else synth.synthesize(Path(tmp) / "src", args.preset, progress=False)
+        )
         result = membound.measure(src, Path(tmp) / "build", args.nonexpert_bits)
     report = {
         "command": record.command_line(),
-        "versions": {"k3dist": k3dist.__version__, "mlx": mx.__version__,
-                     "mlx_lm": mlx_lm.__version__, "python": platform.python_version()},
+        "versions": {
+            "k3dist": k3dist.__version__,
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+            "python": platform.python_version(),
+        },
         "machine": platform.platform(),
         "source": args.src or f"synth preset {args.preset}",
         "result": result,

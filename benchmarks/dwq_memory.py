@@ -43,8 +43,9 @@ def child(*args: str) -> dict:
     return membound.child_peak(_CHILD, *args)
 
 
-def real_k3_bound(tokens_per_step: int = 256, chunk: int = 16, lo_format: str = "2bit-g64",
-                  state_bytes: int = 4) -> dict:
+def real_k3_bound(
+    tokens_per_step: int = 256, chunk: int = 16, lo_format: str = "2bit-g64", state_bytes: int = 4
+) -> dict:
     """The parts of a DWQ step's peak on real K3 (one 12-layer block, 2-bit g64 lo bank,
     non-expert weights in float32, float32 scales/biases with Adam m and v and a best copy,
     one chunk of expert gradients (benchmarks/expert_grad_memory.py's fit: 8.42 x chunk x
@@ -71,9 +72,14 @@ def real_k3_bound(tokens_per_step: int = 256, chunk: int = 16, lo_format: str = 
         "block_backward_activations": tokens_per_step * kda * kda_layers,
         "states_3_sets_4096_tokens": 3 * stream.state_bytes(tc, 4096),
     }
-    return {"tokens_per_step": tokens_per_step, "chunk": chunk, "lo": lo.name,
-            "state_bytes": state_bytes, "parts": parts,
-            "total": sum(parts.values())}
+    return {
+        "tokens_per_step": tokens_per_step,
+        "chunk": chunk,
+        "lo": lo.name,
+        "state_bytes": state_bytes,
+        "parts": parts,
+        "total": sum(parts.values()),
+    }
 
 
 def main() -> None:
@@ -82,12 +88,18 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--out")
-    ap.add_argument("--bound-only", action="store_true",
-                    help="only the real-K3 bounds (2-bit g64 / g128 lo, float32 / bf16 Adam "
-                    "state): arithmetic, no run")
+    ap.add_argument(
+        "--bound-only",
+        action="store_true",
+        help="only the real-K3 bounds (2-bit g64 / g128 lo, float32 / bf16 Adam "
+        "state): arithmetic, no run",
+    )
     a = ap.parse_args()
-    bounds = {f"{lo}-{'bf16' if sb == 2 else 'f32'}-state": real_k3_bound(
-        lo_format=lo, state_bytes=sb) for lo in ("2bit-g64", "2bit-g128") for sb in (4, 2)}
+    bounds = {
+        f"{lo}-{'bf16' if sb == 2 else 'f32'}-state": real_k3_bound(lo_format=lo, state_bytes=sb)
+        for lo in ("2bit-g64", "2bit-g128")
+        for sb in (4, 2)
+    }
     if a.bound_only:
         record.emit({"command": record.command_line(), "real_k3_bounds": bounds}, a.out)
         return
@@ -96,20 +108,40 @@ def main() -> None:
         src = synth.synthesize(tmp / "src", "bench", progress=False)
         build = convert.convert(src, tmp / "build", progress=False)
         tc = layout.text_config(load_config(build))
-        student = grade.grade(build, tmp / "2bit", {i: [] for i in layout.moe_layers(tc)}, 1,
-                              "2bit-g64", progress=False)
+        student = grade.grade(
+            build,
+            tmp / "2bit",
+            {i: [] for i in layout.moe_layers(tc)},
+            1,
+            "2bit-g64",
+            progress=False,
+        )
         tokens = np.random.default_rng(0).integers(0, tc["vocab_size"], size=(a.windows, a.seq))
         np.save(tmp / "tokens.npy", tokens.astype(np.int32))
         t = teacher.run(build, tokens.astype(np.int32), tmp / "teacher", batch=1, progress=False)
         runs = {}
         for chunk in (0, 16):
             runs["plain" if chunk == 0 else f"chunk-{chunk}"] = child(
-                str(build), str(student), str(t), str(tmp / "tokens.npy"),
-                str(tmp / f"dwq-{chunk}"), str(chunk), str(a.steps))
+                str(build),
+                str(student),
+                str(t),
+                str(tmp / "tokens.npy"),
+                str(tmp / f"dwq-{chunk}"),
+                str(chunk),
+                str(a.steps),
+            )
         model_bytes = sum(f.stat().st_size for f in build.glob("*.safetensors"))
-    report = {"command": record.command_line(), "preset": "bench", "windows": a.windows,
-              "seq": a.seq, "steps_per_block": a.steps, "model_bytes": model_bytes,
-              "runs": runs, "real_k3_bound": real_k3_bound(), "real_k3_bounds": bounds}
+    report = {
+        "command": record.command_line(),
+        "preset": "bench",
+        "windows": a.windows,
+        "seq": a.seq,
+        "steps_per_block": a.steps,
+        "model_bytes": model_bytes,
+        "runs": runs,
+        "real_k3_bound": real_k3_bound(),
+        "real_k3_bounds": bounds,
+    }
     record.emit(report, a.out)
 
 

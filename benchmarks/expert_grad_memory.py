@@ -103,24 +103,45 @@ def grad_bytes(experts: int, d: int, h: int, group: int) -> int:
 
 def measure(case: dict) -> dict:
     args = [case[k] for k in ("D", "H", "E", "K", "T", "bits", "group", "method", "chunk")]
-    r = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args)],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(args)], capture_output=True, text=True, check=True
+    )
     m = json.loads(r.stdout.strip().splitlines()[-1])
-    return {**case, **m,
-            "peak_over_baseline": m["peak_rss"] - m["baseline_rss"],
-            "backward_extra": m["peak_rss"] - m["rss_before_backward"]}
+    return {
+        **case,
+        **m,
+        "peak_over_baseline": m["peak_rss"] - m["baseline_rss"],
+        "backward_extra": m["peak_rss"] - m["rss_before_backward"],
+    }
 
 
 def run(case: dict) -> dict:
     """One measured case, with its dense size and MB figures, logged to stderr."""
     row = measure(case)
-    row["dense_fp32_grad_MB"] = round(dense_bytes(case["chunk"] or case["E"], case["D"],
-                                                  case["H"]) / MB, 1)
+    row["dense_fp32_grad_MB"] = round(
+        dense_bytes(case["chunk"] or case["E"], case["D"], case["H"]) / MB, 1
+    )
     row["backward_extra_MB"] = round(row["backward_extra"] / MB, 1)
     row["peak_over_baseline_MB"] = round(row["peak_over_baseline"] / MB, 1)
-    print(json.dumps({k: row[k] for k in ("E", "D", "H", "T", "method", "chunk",
-                                          "backward_extra_MB", "peak_over_baseline_MB",
-                                          "seconds")}), file=sys.stderr)
+    print(
+        json.dumps(
+            {
+                k: row[k]
+                for k in (
+                    "E",
+                    "D",
+                    "H",
+                    "T",
+                    "method",
+                    "chunk",
+                    "backward_extra_MB",
+                    "peak_over_baseline_MB",
+                    "seconds",
+                )
+            }
+        ),
+        file=sys.stderr,
+    )
     return row
 
 
@@ -130,13 +151,20 @@ def k3_bound(f_plain: float, f_chunk: float, chunks: list[int]) -> dict:
     e, d, h, gs = 896, 3584, 3072, 64
     dense = dense_bytes(e, d, h)
     out = grad_bytes(e, d, h, gs)
-    res = {"experts": e, "latent": d, "moe_intermediate": h, "bits": 2, "group": gs,
-           "dense_fp32_grad_one_projection_GB": round(dense / 1e9, 1),
-           "plain_backward_extra_GB": round(f_plain * dense / 1e9, 1),
-           "grad_output_GB": round(out / 1e9, 2)}
+    res = {
+        "experts": e,
+        "latent": d,
+        "moe_intermediate": h,
+        "bits": 2,
+        "group": gs,
+        "dense_fp32_grad_one_projection_GB": round(dense / 1e9, 1),
+        "plain_backward_extra_GB": round(f_plain * dense / 1e9, 1),
+        "grad_output_GB": round(out / 1e9, 2),
+    }
     for c in chunks:
         res[f"chunk{c}_backward_extra_GB"] = round(
-            (f_chunk * dense_bytes(c, d, h) + 2 * out) / 1e9, 2)
+            (f_chunk * dense_bytes(c, d, h) + 2 * out) / 1e9, 2
+        )
     return res
 
 
@@ -150,54 +178,73 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--bits", type=int, default=2)
     ap.add_argument("--group", type=int, default=64)
-    ap.add_argument("--quick", action="store_true",
-                    help="skip the checks (one real-K3-shape chunk, a routes sweep)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="skip the checks (one real-K3-shape chunk, a routes sweep)",
+    )
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
 
-    base = {"D": args.dim, "H": args.hidden, "K": args.k, "T": args.tokens,
-            "bits": args.bits, "group": args.group}
-    rows = [run(base | {"E": e, "method": m, "chunk": c}) for e in args.experts
-            for m, c in [("plain", 0), *(("chunked", c) for c in args.chunks)]]
+    base = {
+        "D": args.dim,
+        "H": args.hidden,
+        "K": args.k,
+        "T": args.tokens,
+        "bits": args.bits,
+        "group": args.group,
+    }
+    rows = [
+        run(base | {"E": e, "method": m, "chunk": c})
+        for e in args.experts
+        for m, c in [("plain", 0), *(("chunked", c) for c in args.chunks)]
+    ]
     checks: list[dict] = []
     if not args.quick:
         # one real K3 projection shape (latent 3584 -> 3072), 8 experts: is f the same?
         k3 = base | {"D": 3584, "H": 3072, "T": 64, "E": 8}
-        checks += [run(k3 | {"method": "plain", "chunk": 0}) | {"check": "k3_shape"},
-                   run(k3 | {"method": "chunked", "chunk": 4}) | {"check": "k3_shape"}]
+        checks += [
+            run(k3 | {"method": "plain", "chunk": 0}) | {"check": "k3_shape"},
+            run(k3 | {"method": "chunked", "chunk": 4}) | {"check": "k3_shape"},
+        ]
         # routes per chunk: the activations' share (E=128, chunk 16: T*k/8 routes a chunk)
-        checks += [run(base | {"E": 128, "method": "chunked", "chunk": 16, "T": t})
-                   | {"check": "routes"} for t in (64, 1024, 4096)]
+        checks += [
+            run(base | {"E": 128, "method": "chunked", "chunk": 16, "T": t}) | {"check": "routes"}
+            for t in (64, 1024, 4096)
+        ]
     fitted = rows + [r for r in checks if r["check"] == "k3_shape"]
     # transient per dense (out, in) float32 gradient of one projection, per expert held
     plain = [r for r in fitted if r["method"] == "plain"]
     f_plain = max(r["backward_extra"] / dense_bytes(r["E"], r["D"], r["H"]) for r in plain)
-    f_chunk = max((r["backward_extra"] - 2 * grad_bytes(r["E"], r["D"], r["H"], r["group"]))
-                  / dense_bytes(r["chunk"], r["D"], r["H"])
-                  for r in fitted if r["method"] == "chunked")
+    f_chunk = max(
+        (r["backward_extra"] - 2 * grad_bytes(r["E"], r["D"], r["H"], r["group"]))
+        / dense_bytes(r["chunk"], r["D"], r["H"])
+        for r in fitted
+        if r["method"] == "chunked"
+    )
     report = {
         **record.environment(),
         "what": "peak RSS of one backward of a quantized SwitchGLU expert bank w.r.t. its "
-                "affine scales/biases: plain mx.grad vs bank_grads (chunks of experts)",
+        "affine scales/biases: plain mx.grad vs bank_grads (chunks of experts)",
         "rows": rows,
         "checks": checks,
         "formula": {
             "dense": "E * out * in * 4 B: one projection's dense float32 weight gradient "
-                     "(gate/up/down all have out * in = D * H)",
+            "(gate/up/down all have out * in = D * H)",
             "plain_backward_extra": "f_plain * E * out * in * 4 B",
             "chunked_backward_extra": "f_chunk * chunk * out * in * 4 B + 2 * G, G = the "
-                                      "gradient returned (float32 scales + biases of the 3 "
-                                      "projections, 6 * E * out * (in / group) * 4 B); 2 G "
-                                      "bounds the chunks held plus one key concatenated",
+            "gradient returned (float32 scales + biases of the 3 "
+            "projections, 6 * E * out * (in / group) * 4 B); 2 G "
+            "bounds the chunks held plus one key concatenated",
             "f_plain": round(f_plain, 2),
             "f_chunk": round(f_chunk, 2),
             "f_note": "max over rows and the k3_shape checks (T <= 256); ~2 per "
-                      "projection (dense gradient + dequantized weights) x 3 projections "
-                      "in one backward, plus the "
-                      "activations and allocator slack, which weigh more at small chunks",
+            "projection (dense gradient + dequantized weights) x 3 projections "
+            "in one backward, plus the "
+            "activations and allocator slack, which weigh more at small chunks",
             "routes_term": "plus the chunk's activations, ~n * (D + H) * 4 B * a small "
-                           "factor, n = routes into the chunk (checks: T sweep); "
-                           "negligible next to the dense term at K3 shapes",
+            "factor, n = routes into the chunk (checks: T sweep); "
+            "negligible next to the dense term at K3 shapes",
         },
         "real_k3_layer": k3_bound(f_plain, f_chunk, args.chunks),
     }

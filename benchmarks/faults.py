@@ -33,8 +33,16 @@ from k3dist.bench import record  # noqa: E402
 
 from _served import Served, percentiles  # noqa: E402
 
-PROMPTS = ["def f(x):", "class Queue:", "import os\n", "for i in range(10):",
-           "The river ran", "def main():", "x = [1, 2, 3]\n", "Once upon a time"]
+PROMPTS = [
+    "def f(x):",
+    "class Queue:",
+    "import os\n",
+    "for i in range(10):",
+    "The river ran",
+    "def main():",
+    "x = [1, 2, 3]\n",
+    "Once upon a time",
+]
 
 
 class Open:
@@ -50,9 +58,11 @@ class Open:
         self.stream = bool(body.get("stream"))
         self.s = socket.create_connection(("127.0.0.1", port), timeout=600)
         data = json.dumps(body).encode()
-        self.s.sendall(f"POST {path} HTTP/1.1\r\nHost: k3\r\nContent-Type: "
-                       f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
-                       + data)
+        self.s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: k3\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         self.t = threading.Thread(target=self._read, daemon=True)
         self.t.start()
 
@@ -85,8 +95,9 @@ class Open:
         return m[1].decode(errors="replace") if m else ""
 
 
-def scenario(name: str, sig: int, victim: int, phase: str, args: list[str],
-             timeout_s: float) -> dict:
+def scenario(
+    name: str, sig: int, victim: int, phase: str, args: list[str], timeout_s: float
+) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix=f"faults-{name}-"))
     srv = Served(tmp, args)
     try:
@@ -94,14 +105,31 @@ def scenario(name: str, sig: int, victim: int, phase: str, args: list[str],
         opens: list[Open] = []
         if phase == "decode":
             for p in PROMPTS:
-                opens.append(Open(srv.port, {"messages": [{"role": "user", "content": p}],
-                                             "max_tokens": 2000, "temperature": 0,
-                                             "stream": True}))
+                opens.append(
+                    Open(
+                        srv.port,
+                        {
+                            "messages": [{"role": "user", "content": p}],
+                            "max_tokens": 2000,
+                            "temperature": 0,
+                            "stream": True,
+                        },
+                    )
+                )
             ready = lambda: all(o.tokens >= 2 for o in opens)  # noqa: E731
         else:  # a long prefill (streamed: its keepalives show it), 7 more queued
             long = "def f(x):\n    return x * 2\n" * 300
-            opens.append(Open(srv.port, {"messages": [{"role": "user", "content": long}],
-                                         "max_tokens": 8, "temperature": 0, "stream": True}))
+            opens.append(
+                Open(
+                    srv.port,
+                    {
+                        "messages": [{"role": "user", "content": long}],
+                        "max_tokens": 8,
+                        "temperature": 0,
+                        "stream": True,
+                    },
+                )
+            )
             ready = lambda: opens[0].keepalive >= 2  # noqa: E731
         deadline = time.monotonic() + 300
         while not ready():
@@ -110,9 +138,17 @@ def scenario(name: str, sig: int, victim: int, phase: str, args: list[str],
             time.sleep(0.05)
         if phase == "prefill":
             for p in PROMPTS[1:]:  # waiting behind the prefill (one is not streamed)
-                opens.append(Open(srv.port, {"messages": [{"role": "user", "content": p}],
-                                             "max_tokens": 8, "temperature": 0,
-                                             "stream": p != PROMPTS[1]}))
+                opens.append(
+                    Open(
+                        srv.port,
+                        {
+                            "messages": [{"role": "user", "content": p}],
+                            "max_tokens": 8,
+                            "temperature": 0,
+                            "stream": p != PROMPTS[1],
+                        },
+                    )
+                )
             time.sleep(0.5)
         t_sig = time.monotonic()
         os.kill(pids[f"rank{victim}"], sig)
@@ -127,19 +163,20 @@ def scenario(name: str, sig: int, victim: int, phase: str, args: list[str],
         srv.stop()
     return {
         "fault": f"{signal.Signals(sig).name} rank {victim} during "
-                 + ("decode of 8 requests (batch 8)" if phase == "decode"
-                    else "a long prefill (7 requests waiting)"),
+        + (
+            "decode of 8 requests (batch 8)"
+            if phase == "decode"
+            else "a long prefill (7 requests waiting)"
+        ),
         "open_requests": len(opens),
         "tokens_before_fault": [o.tokens for o in opens],
         "how_each_ended": [o.how for o in opens],
         "messages": sorted({o.message() for o in opens}),
-        "time_to_error_s": [round(o.ended_at - t_sig, 3) if o.ended_at else None
-                            for o in opens],
-        "time_to_error_max_s": max((o.ended_at - t_sig for o in opens if o.ended_at),
-                                   default=None),
-        "every_request_got_an_error": all(o.how in ("error event",) or
-                                          (o.how or "").startswith("status 5")
-                                          for o in opens),
+        "time_to_error_s": [round(o.ended_at - t_sig, 3) if o.ended_at else None for o in opens],
+        "time_to_error_max_s": max((o.ended_at - t_sig for o in opens if o.ended_at), default=None),
+        "every_request_got_an_error": all(
+            o.how in ("error event",) or (o.how or "").startswith("status 5") for o in opens
+        ),
         "supervisor_exit_code": rc,
         "supervisor_exited_after_s": round(t_exit, 3),
         "processes_left_at_exit": len(left),
@@ -156,19 +193,25 @@ def restart(args: list[str], n: int) -> dict:
         t0 = time.monotonic()
         srv = Served(tmp, args)
         try:
-            status, _ = srv.post("/v1/chat/completions",
-                                 {"messages": [{"role": "user", "content": "hi"}],
-                                  "max_tokens": 1})
+            status, _ = srv.post(
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+            )
             assert status == 200
             times.append(round(time.monotonic() - t0, 2))
             out = srv.output()
-            ph = {"load_s": [float(x) for x in re.findall(r"\) in ([\d.]+)s", out)],
-                  "warmup_s": [float(x) for x in re.findall(r'"seconds": ([\d.]+)', out)]}
+            ph = {
+                "load_s": [float(x) for x in re.findall(r"\) in ([\d.]+)s", out)],
+                "warmup_s": [float(x) for x in re.findall(r'"seconds": ([\d.]+)', out)],
+            }
             phases.append(ph)
         finally:
             srv.stop()
-    return {"seconds_to_first_answer": times, "percentiles": percentiles(times),
-            "phases_per_start": phases}
+    return {
+        "seconds_to_first_answer": times,
+        "percentiles": percentiles(times),
+        "phases_per_start": phases,
+    }
 
 
 SCENARIOS = {
@@ -188,19 +231,33 @@ def main() -> None:
     ap.add_argument("--restarts", type=int, default=2)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    args = ["--max-batch", "8", "--max-context", "4096", "--prefill-chunk", "32",
-            "--watchdog-timeout-s", str(a.watchdog_timeout_s)]
+    args = [
+        "--max-batch",
+        "8",
+        "--max-context",
+        "4096",
+        "--prefill-chunk",
+        "32",
+        "--watchdog-timeout-s",
+        str(a.watchdog_timeout_s),
+    ]
     rows = {}
     for name in a.only or SCENARIOS:
         sig, victim, phase = SCENARIOS[name]
         rows[name] = scenario(name, sig, victim, phase, args, a.watchdog_timeout_s)
-        print(json.dumps({name: {k: v for k, v in rows[name].items()
-                                 if k != "server_log_tail"}}), flush=True)
-    report = {**record.environment(), "server_args": args,
-              "watchdog_bound_s": a.watchdog_timeout_s + 1.0,
-              "scenarios": rows,
-              "restart": restart(["--max-batch", "8", "--max-context", "4096"], a.restarts)
-              if a.restarts else None}
+        print(
+            json.dumps({name: {k: v for k, v in rows[name].items() if k != "server_log_tail"}}),
+            flush=True,
+        )
+    report = {
+        **record.environment(),
+        "server_args": args,
+        "watchdog_bound_s": a.watchdog_timeout_s + 1.0,
+        "scenarios": rows,
+        "restart": restart(["--max-batch", "8", "--max-context", "4096"], a.restarts)
+        if a.restarts
+        else None,
+    }
     record.emit(report, a.out, indent=1)
 
 

@@ -61,14 +61,30 @@ def main() -> None:
         t = Path(tmp)
         src = synth.synthesize(t / "src", "mini", seed=0, progress=False)
         ranks = rank_folders(convert.convert(src, t / "build", progress=False), t / "ranks")
-        srv = Server(ranks, t / "serve", (
-            "--max-tokens", str(fuzz.SMALL_TOKENS), "--prefill-chunk", "256", "--vision",
-            "--max-images", "2", "--max-image-pixels", str(64 * 64), "--max-batch", "2"))
+        srv = Server(
+            ranks,
+            t / "serve",
+            (
+                "--max-tokens",
+                str(fuzz.SMALL_TOKENS),
+                "--prefill-chunk",
+                "256",
+                "--vision",
+                "--max-images",
+                "2",
+                "--max-image-pixels",
+                str(64 * 64),
+                "--max-batch",
+                "2",
+            ),
+        )
         try:
             report = fuzz.Report()
             t0 = time.monotonic()
-            blocks = [(srv.port, min(50, args.requests - i), args.seed + i)
-                      for i in range(0, args.requests, 50)]
+            blocks = [
+                (srv.port, min(50, args.requests - i), args.seed + i)
+                for i in range(0, args.requests, 50)
+            ]
             # client processes side by side (each its own hypothesis run and seed); the
             # figures so far are written after each block of 50
             with ProcessPoolExecutor(args.workers) as ex:
@@ -76,26 +92,38 @@ def main() -> None:
                     report.merge(part)
                     report.seconds = time.monotonic() - t0
                     s = report.summary()
-                    print(f"{s['requests']} requests, {s['failures']} failures, "
-                          f"{s['seconds']:.0f} s", flush=True)
+                    print(
+                        f"{s['requests']} requests, {s['failures']} failures, {s['seconds']:.0f} s",
+                        flush=True,
+                    )
                     _write(Path(args.out), {"command": _command(), "complete": False, **s})
             alive = srv.proc.poll() is None and set(srv.rank_pids()) == {0, 1}
             after = post_conn(srv.port, {"model": "kimi-k3", "prompt": "hi", "max_tokens": 2})
             logs = wait_logs(srv, 0, 1)
             lockstep = len(logs[0]) == len(logs[1]) and logs[0] == logs[1]
-            differ = [{"entry": i, "rank0": a, "rank1": b}
-                      for i, (a, b) in enumerate(zip(*logs, strict=False)) if a != b][:5]
+            differ = [
+                {"entry": i, "rank0": a, "rank1": b}
+                for i, (a, b) in enumerate(zip(*logs, strict=False))
+                if a != b
+            ][:5]
             load = os.getloadavg()
         finally:
             srv.stop()
-    out = {"command": _command(), "complete": True,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-           "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                                 capture_output=True, text=True).stdout.strip(),
-           "load_average_at_end": [round(x, 2) for x in load],
-           **report.summary(), "ranks_alive_after": alive,
-           "request_after_status": after[0], "token_log_entries": [len(x) for x in logs],
-           "ranks_in_lockstep": lockstep, "first_differing_entries": differ}
+    out = {
+        "command": _command(),
+        "complete": True,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "git": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip(),
+        "load_average_at_end": [round(x, 2) for x in load],
+        **report.summary(),
+        "ranks_alive_after": alive,
+        "request_after_status": after[0],
+        "token_log_entries": [len(x) for x in logs],
+        "ranks_in_lockstep": lockstep,
+        "first_differing_entries": differ,
+    }
     _write(Path(args.out), out)
     print(json.dumps({k: v for k, v in out.items() if k != "first_failures"}, indent=1))
 

@@ -56,15 +56,22 @@ def main() -> None:
     rows = []
     for p, _, gmap in models:
         ms = statistics.median(times[p])
-        rows.append({
-            "build": p,
-            "ms_per_token": round(ms, 3),
-            "ratio": round(ms / base, 3),
-            "promoted_per_layer": {str(k): len(v) for k, v in gmap.hi.items()},
-            "k_hi": {str(k): v for k, v in gmap.k_hi.items() if gmap.hi.get(k)},
-        })
-    report = {"command": record.command_line(), "prompt": a.prompt, "steps": a.steps,
-              "rounds": a.rounds, "rows": rows}
+        rows.append(
+            {
+                "build": p,
+                "ms_per_token": round(ms, 3),
+                "ratio": round(ms / base, 3),
+                "promoted_per_layer": {str(k): len(v) for k, v in gmap.hi.items()},
+                "k_hi": {str(k): v for k, v in gmap.k_hi.items() if gmap.hi.get(k)},
+            }
+        )
+    report = {
+        "command": record.command_line(),
+        "prompt": a.prompt,
+        "steps": a.steps,
+        "rounds": a.rounds,
+        "rows": rows,
+    }
     record.emit(report, a.out, indent=1)
 
 

@@ -31,8 +31,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--gap-s", type=float, default=2.0, help="idle time before each request")
     ap.add_argument("--rank-dir", help="rank folders ({rank}); default: the embedded mini")
-    ap.add_argument("--unsupervised", action="store_true",
-                    help="mlx.launch directly (no launch/run.py)")
+    ap.add_argument(
+        "--unsupervised", action="store_true", help="mlx.launch directly (no launch/run.py)"
+    )
     ap.add_argument("--label", default="", help="a name for this run in the report")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
@@ -51,14 +52,18 @@ def main() -> None:
         time.sleep(a.seconds)
         dt = time.monotonic() - t0
         c1 = {role: cpu_seconds(pid) for role, pid in procs.items()}
-        per_min = {role: round((c1[role] - c0[role]) * 60.0 / dt, 3)
-                   for role in procs if c0[role] is not None and c1[role] is not None}
+        per_min = {
+            role: round((c1[role] - c0[role]) * 60.0 / dt, 3)
+            for role in procs
+            if c0[role] is not None and c1[role] is not None
+        }
         lat = []
         for _ in range(a.requests):
             time.sleep(a.gap_s)
             t = time.perf_counter()
-            status, body = srv.post("/v1/completions", {"prompt": "def f(x):",
-                                                        "max_tokens": 1, "temperature": 0})
+            status, body = srv.post(
+                "/v1/completions", {"prompt": "def f(x):", "max_tokens": 1, "temperature": 0}
+            )
             lat.append(time.perf_counter() - t)
             assert status == 200, (status, body)
     finally:

@@ -60,13 +60,17 @@ def main() -> None:
     layer = 1
     full = placement.contiguous(E, 1, [layer]).local_table(layer, 0)
     mine = placement.contiguous(E, args.size, [layer]).local_table(layer, 0)
-    layers = {"all": build_layer(tc, full, "placeholder", 0),
-              "placeholder": build_layer(tc, mine, "placeholder", 0),
-              "local": build_layer(tc, mine, "local", 0)}
+    layers = {
+        "all": build_layer(tc, full, "placeholder", 0),
+        "placeholder": build_layer(tc, mine, "placeholder", 0),
+        "local": build_layer(tc, mine, "local", 0),
+    }
 
     rng = np.random.default_rng(0)
-    xs = [mx.array(rng.normal(size=(1, 1, tc["hidden_size"])).astype(np.float32))
-          for _ in range(args.trials)]
+    xs = [
+        mx.array(rng.normal(size=(1, 1, tc["hidden_size"])).astype(np.float32))
+        for _ in range(args.trials)
+    ]
     for x in xs:
         mx.eval(x)
 
@@ -79,8 +83,12 @@ def main() -> None:
         return (m.switch_mlp(y, inds) * w[..., None]).sum(axis=-2)
 
     owned_inds = mx.array(np.arange(k // args.size, dtype=np.int32)[None, None] % (E // args.size))
-    cases = {"all": ("all", "placeholder"), "placeholder": ("placeholder", "placeholder"),
-             "local": ("local", "local"), "owned": ("placeholder", "owned")}
+    cases = {
+        "all": ("all", "placeholder"),
+        "placeholder": ("placeholder", "placeholder"),
+        "local": ("local", "local"),
+        "owned": ("placeholder", "owned"),
+    }
     times: dict[str, list[float]] = {c: [] for c in cases}
     for lname, form in cases.values():  # warm-up
         mx.eval(routed(layers[lname], xs[0], form))
@@ -92,16 +100,28 @@ def main() -> None:
     med = {c: statistics.median(v) for c, v in times.items()}
     report = {
         "command": record.command_line(),
-        "versions": {"k3dist": k3dist.__version__, "mlx": mx.__version__,
-                     "mlx_lm": mlx_lm.__version__},
-        "machine": platform.platform(), "blas": k3dist.blas_status(),
-        "shape": {"experts": E, "top_k": k, "latent": tc["routed_expert_hidden_size"],
-                  "moe_intermediate": tc["moe_intermediate_size"], "size": args.size,
-                  "activations": "float32", "experts_format": "mxfp4"},
+        "versions": {
+            "k3dist": k3dist.__version__,
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+        },
+        "machine": platform.platform(),
+        "blas": k3dist.blas_status(),
+        "shape": {
+            "experts": E,
+            "top_k": k,
+            "latent": tc["routed_expert_hidden_size"],
+            "moe_intermediate": tc["moe_intermediate_size"],
+            "size": args.size,
+            "activations": "float32",
+            "experts_format": "mxfp4",
+        },
         "median_ms": {c: round(v, 4) for c, v in med.items()},
         "p90_ms": {c: round(float(np.percentile(v, 90)), 4) for c, v in times.items()},
-        "non_owned_cost_ms": {"placeholder": round(med["placeholder"] - med["owned"], 4),
-                              "local": round(med["local"] - med["owned"], 4)},
+        "non_owned_cost_ms": {
+            "placeholder": round(med["placeholder"] - med["owned"], 4),
+            "local": round(med["local"] - med["owned"], 4),
+        },
         "trials": args.trials,
     }
     text = json.dumps(report, indent=2)

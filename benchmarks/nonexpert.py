@@ -57,12 +57,22 @@ def class_bytes(build: Path) -> dict[str, int]:
     return out
 
 
-def evaluate(a: argparse.Namespace, students: list[tuple[str, Path]], raw: Path
-             ) -> tuple[dict, list[str]]:
+def evaluate(
+    a: argparse.Namespace, students: list[tuple[str, Path]], raw: Path
+) -> tuple[dict, list[str]]:
     """``k3dist.bench.evaluate`` of ``students`` (name, build) against the teacher;
     its JSON is reused while it holds exactly these students."""
-    cmd = ["k3dist.bench.evaluate", "--teacher", str(a.teacher), "--windows",
-           str(a.windows), "--seq", str(a.seq), "--out", str(raw)]
+    cmd = [
+        "k3dist.bench.evaluate",
+        "--teacher",
+        str(a.teacher),
+        "--windows",
+        str(a.windows),
+        "--seq",
+        str(a.seq),
+        "--out",
+        str(raw),
+    ]
     for name, build in students:
         cmd += ["--student", str(build), "--name", name]
     names = {n for n, _ in students}
@@ -74,9 +84,7 @@ def evaluate(a: argparse.Namespace, students: list[tuple[str, Path]], raw: Path
 
 def students() -> list[tuple[str, str, dict[str, str]]]:
     """(name, class or 'all', per-class formats) of every student build."""
-    rows = [
-        (f"{c}-{b}bit", c, {c: f"{b}bit-g{GROUP}"}) for c in CLASSES for b in BITS
-    ]
+    rows = [(f"{c}-{b}bit", c, {c: f"{b}bit-g{GROUP}"}) for c in CLASSES for b in BITS]
     rows.append(("all-6bit", "all", {c: f"6bit-g{GROUP}" for c in CLASSES}))
     rows.append(("all-4bit", "all", {c: f"4bit-g{GROUP}" for c in CLASSES}))
     rows.append(("default", "all", dict(DEFAULT_NONEXPERT)))
@@ -90,11 +98,19 @@ def main() -> None:
     ap.add_argument("--teacher", type=Path, default=Path("runs/mxfp4"))
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--markdown", type=Path, help="default: --out with .md")
-    ap.add_argument("--plan-k3", type=Path, help="also write the real-K3 plan (2 ranks) with "
-                    "the measured formats, attention replicated and split, vs the defaults")
-    ap.add_argument("--kl-tolerance", type=float, default=None,
-                    help="the planner's tolerance for the 'measured' row and --plan-k3 "
-                    f"(default {DEFAULT_KL_TOLERANCE})")
+    ap.add_argument(
+        "--plan-k3",
+        type=Path,
+        help="also write the real-K3 plan (2 ranks) with "
+        "the measured formats, attention replicated and split, vs the defaults",
+    )
+    ap.add_argument(
+        "--kl-tolerance",
+        type=float,
+        default=None,
+        help="the planner's tolerance for the 'measured' row and --plan-k3 "
+        f"(default {DEFAULT_KL_TOLERANCE})",
+    )
     a = ap.parse_args()
     convert.convert(SRC, a.teacher, progress=False)  # reused when complete
     rows = students()
@@ -118,7 +134,8 @@ def main() -> None:
             "ppl": r["ppl"],
             "kl_by_domain": r["kl_by_domain"],
             "class_bytes": cb.get(cls) if cls in CLASSES else sum(cb.values()),
-            "class_bytes_source": teacher_bytes.get(cls) if cls in CLASSES
+            "class_bytes_source": teacher_bytes.get(cls)
+            if cls in CLASSES
             else sum(teacher_bytes.values()),
             "nonexpert_bytes": sum(cb.values()),
         }
@@ -134,12 +151,19 @@ def main() -> None:
     picked, origin = measured_nonexpert(sens, tol)
     mname = f"measured-T{tol}"
     builds[mname] = convert.convert(SRC, RUNS / mname, progress=False, nonexpert=picked)
-    mrep, mcmd = evaluate(a, [(mname, builds[mname])],
-                          RUNS / f"evaluate-{mname}-w{a.windows}-s{a.seq}.json")
-    table.append({**row(mname, "measured", picked, mrep["rows"][0]),
-                  "kl_tolerance": tol, "from": origin,
-                  "sum_of_class_kls": round(sum(
-                      sens[c].get(f, 0.0) for c, f in picked.items() if c in sens), 6)})
+    mrep, mcmd = evaluate(
+        a, [(mname, builds[mname])], RUNS / f"evaluate-{mname}-w{a.windows}-s{a.seq}.json"
+    )
+    table.append(
+        {
+            **row(mname, "measured", picked, mrep["rows"][0]),
+            "kl_tolerance": tol,
+            "from": origin,
+            "sum_of_class_kls": round(
+                sum(sens[c].get(f, 0.0) for c, f in picked.items() if c in sens), 6
+            ),
+        }
+    )
     result = {
         "command": "python benchmarks/nonexpert.py " + " ".join(sys.argv[1:]),
         "evaluate_commands": ["python -m " + " ".join(cmd), "python -m " + " ".join(mcmd)],
@@ -163,25 +187,35 @@ def main() -> None:
     print(json.dumps(result, indent=1))
 
 
-K3 = ("--config", "k3dist/data/kimi-k3-config.json", "--index",
-      "k3dist/data/kimi-k3-model.safetensors.index.json.gz", "--ranks", "2", "--dry-run",
-      "--json")
+K3 = (
+    "--config",
+    "k3dist/data/kimi-k3-config.json",
+    "--index",
+    "k3dist/data/kimi-k3-model.safetensors.index.json.gz",
+    "--ranks",
+    "2",
+    "--dry-run",
+    "--json",
+)
 
 
 def plan_k3(sens: Path, out: Path, tolerance: float | None) -> dict:
     """The real-K3 plan with measured non-expert formats, attention replicated and
     split, beside the default formats' plan: non-expert bytes each decoded token reads
     per rank (every non-expert byte but one embedding row) and promoted experts."""
-    res: dict = {"command": "python benchmarks/nonexpert.py " + " ".join(sys.argv[1:]),
-                 "commands": [], "plans": {}, "compare": {}, "change": {}}
+    res: dict = {
+        "command": "python benchmarks/nonexpert.py " + " ".join(sys.argv[1:]),
+        "commands": [],
+        "plans": {},
+        "compare": {},
+        "change": {},
+    }
     for attention in ATTENTION_MODES:
-        for name, extra in (("default", ()), ("measured", ("--nonexpert-sensitivity",
-                                                           str(sens)))):
+        for name, extra in (("default", ()), ("measured", ("--nonexpert-sensitivity", str(sens)))):
             if tolerance is not None and name == "measured":
                 extra = (*extra, "--kl-tolerance", str(tolerance))
             tmp = RUNS / f"plan-k3-{attention}-{name}.json"
-            cmd = ["k3dist.build.plan", *K3, "--attention", attention, *extra, "--out",
-                   str(tmp)]
+            cmd = ["k3dist.build.plan", *K3, "--attention", attention, *extra, "--out", str(tmp)]
             subprocess.run([PY, "-m", *cmd], check=True, capture_output=True)
             p = json.loads(tmp.read_text())
             key = f"{attention}-{name}"
@@ -201,8 +235,8 @@ def plan_k3(sens: Path, out: Path, tolerance: float | None) -> dict:
         d, m = res["compare"][f"{attention}-default"], res["compare"][f"{attention}-measured"]
         res["change"][attention] = {
             k: {"default": d[k], "measured": m[k], "ratio": round(m[k] / d[k], 4)}
-            for k in ("nonexpert_per_rank", "nonexpert_read_per_token_per_rank",
-                      "promoted_total")}
+            for k in ("nonexpert_per_rank", "nonexpert_read_per_token_per_rank", "promoted_total")
+        }
     out.write_text(json.dumps(res, indent=1) + "\n")
     return res
 
@@ -219,8 +253,7 @@ def markdown(res: dict) -> str:
         + " | ".join(f"{d} ppl" for d in doms)
         + " | class bytes (bf16 bytes) |",
         "|---|---|---:|---:|" + "---:|" * len(doms) + "---:|",
-        "| teacher | - | 0 | 0 | " + " | ".join(f"{t['ppl'][d]:.3f}" for d in doms)
-        + " | - |",
+        "| teacher | - | 0 | 0 | " + " | ".join(f"{t['ppl'][d]:.3f}" for d in doms) + " | - |",
     ]
     for r in res["rows"]:
         lines.append(
@@ -230,10 +263,13 @@ def markdown(res: dict) -> str:
         )
     for r in res["rows"]:
         if "kl_tolerance" in r:
-            lines += ["", f"`{r['build']}` (fewest bits with KL <= {r['kl_tolerance']}): "
-                      + ", ".join(f"{c} {f}" for c, f in r["format"].items())
-                      + f"; sum of the per-class KLs {r['sum_of_class_kls']:.5f}, measured "
-                      f"whole {r['kl']:.5f}."]
+            lines += [
+                "",
+                f"`{r['build']}` (fewest bits with KL <= {r['kl_tolerance']}): "
+                + ", ".join(f"{c} {f}" for c, f in r["format"].items())
+                + f"; sum of the per-class KLs {r['sum_of_class_kls']:.5f}, measured "
+                f"whole {r['kl']:.5f}.",
+            ]
     return "\n".join(lines) + "\n"
 
 

@@ -35,7 +35,7 @@ def chunked_prefill(model, prompt: list[int], chunk: int) -> float:
     cache = model.make_cache()
     t = time.perf_counter()
     for i in range(0, len(prompt), chunk):
-        model(mx.array([prompt[i:i + chunk]]), cache=cache)
+        model(mx.array([prompt[i : i + chunk]]), cache=cache)
         mx.eval([c.state for c in cache])
     return time.perf_counter() - t
 
@@ -69,22 +69,36 @@ def main() -> None:
             chunked_prefill(m, prompt[:c], c)
     times: dict[str, dict[int, list[float]]] = {n: {c: [] for c in a.chunks} for n in models}
     for r in range(a.rounds):
-        for n in (list(models) if r % 2 == 0 else list(models)[::-1]):
+        for n in list(models) if r % 2 == 0 else list(models)[::-1]:
             for c in a.chunks:
                 collectives.barrier(group)
                 times[n][c].append(chunked_prefill(models[n], prompt, c))
     if rank != 0:
         return
-    res = {n: {str(c): {"median_s": round(statistics.median(v), 3),
-                        "tok_s": round(a.prompt_len / statistics.median(v), 2),
-                        "rounds_s": [round(x, 3) for x in v]} for c, v in per.items()}
-           for n, per in times.items()}
-    report = {**env, "build": str(build), "prompt_len": a.prompt_len, "chunks": a.chunks,
-              "moe_form": loader.resolve_form("auto"), "results": res,
-              "ep_split_over_tp_time": {str(c): round(
-                  res["ep_split"][str(c)]["median_s"] / res["tp"][str(c)]["median_s"], 3)
-                  for c in a.chunks},
-              "load_after": os.getloadavg()}
+    res = {
+        n: {
+            str(c): {
+                "median_s": round(statistics.median(v), 3),
+                "tok_s": round(a.prompt_len / statistics.median(v), 2),
+                "rounds_s": [round(x, 3) for x in v],
+            }
+            for c, v in per.items()
+        }
+        for n, per in times.items()
+    }
+    report = {
+        **env,
+        "build": str(build),
+        "prompt_len": a.prompt_len,
+        "chunks": a.chunks,
+        "moe_form": loader.resolve_form("auto"),
+        "results": res,
+        "ep_split_over_tp_time": {
+            str(c): round(res["ep_split"][str(c)]["median_s"] / res["tp"][str(c)]["median_s"], 3)
+            for c in a.chunks
+        },
+        "load_after": os.getloadavg(),
+    }
     text = json.dumps(report, indent=1)
     print(text, flush=True)
     if a.out:

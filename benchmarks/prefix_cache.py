@@ -37,9 +37,32 @@ import numpy as np
 import openai
 
 REPO = Path(__file__).resolve().parents[1]
-VERBS = ("read", "write", "edit", "search", "list", "run", "test", "lint", "format", "diff",
-         "commit", "fetch", "grep", "glob", "move", "delete", "open", "build", "install",
-         "profile", "trace", "review", "explain", "plan")
+VERBS = (
+    "read",
+    "write",
+    "edit",
+    "search",
+    "list",
+    "run",
+    "test",
+    "lint",
+    "format",
+    "diff",
+    "commit",
+    "fetch",
+    "grep",
+    "glob",
+    "move",
+    "delete",
+    "open",
+    "build",
+    "install",
+    "profile",
+    "trace",
+    "review",
+    "explain",
+    "plan",
+)
 
 
 def tools(n: int) -> list[dict]:
@@ -47,27 +70,44 @@ def tools(n: int) -> list[dict]:
     out = []
     for i in range(n):
         v = VERBS[i % len(VERBS)]
-        out.append({"type": "function", "function": {
-            "name": f"{v}_{i}",
-            "description": (f"{v.capitalize()} files or state in the workspace. Use this "
-                            f"tool when the user asks you to {v} something; prefer it over "
-                            "shell commands. Paths are relative to the repository root; "
-                            "large outputs are truncated to 2000 lines, so narrow the "
-                            "request with the offset and limit parameters first."),
-            "parameters": {"type": "object", "properties": {
-                "path": {"type": "string", "description": "file or folder to act on"},
-                "pattern": {"type": "string", "description": "glob or regular expression"},
-                "offset": {"type": "integer", "description": "first line (1-based)"},
-                "limit": {"type": "integer", "description": "most lines to return"},
-                "dry_run": {"type": "boolean", "description": "say what would change"}},
-                "required": ["path"]}}})
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": f"{v}_{i}",
+                    "description": (
+                        f"{v.capitalize()} files or state in the workspace. Use this "
+                        f"tool when the user asks you to {v} something; prefer it over "
+                        "shell commands. Paths are relative to the repository root; "
+                        "large outputs are truncated to 2000 lines, so narrow the "
+                        "request with the offset and limit parameters first."
+                    ),
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "path": {"type": "string", "description": "file or folder to act on"},
+                            "pattern": {
+                                "type": "string",
+                                "description": "glob or regular expression",
+                            },
+                            "offset": {"type": "integer", "description": "first line (1-based)"},
+                            "limit": {"type": "integer", "description": "most lines to return"},
+                            "dry_run": {"type": "boolean", "description": "say what would change"},
+                        },
+                        "required": ["path"],
+                    },
+                },
+            }
+        )
     return out
 
 
 def system(name: str, rules: int) -> str:
-    return (f"You are {name}, an interactive coding agent in a terminal. " + " ".join(
+    return f"You are {name}, an interactive coding agent in a terminal. " + " ".join(
         f"Rule {i}: before changing file {i}, read it and keep its style; never exceed "
-        f"{60 + i} columns." for i in range(rules)))
+        f"{60 + i} columns."
+        for i in range(rules)
+    )
 
 
 def _port() -> int:
@@ -80,16 +120,33 @@ class Srv:
     def __init__(self, a, store: Path, tmp: Path, tag: str):
         self.port = _port()
         self.log_path = tmp / f"server-{tag}.log"
-        cmd = [str(Path(sys.executable).with_name("mlx.launch")), "-n", "2", "-p", str(_port()),
-               "--python", sys.executable, str(REPO / "launch/serve.py"), "--port",
-               str(self.port), "--max-context", "16384", "--prefill-chunk",
-               str(a.prefill_chunk), "--max-tokens", "256", "--prefix-cache-dir", str(store)]
+        cmd = [
+            str(Path(sys.executable).with_name("mlx.launch")),
+            "-n",
+            "2",
+            "-p",
+            str(_port()),
+            "--python",
+            sys.executable,
+            str(REPO / "launch/serve.py"),
+            "--port",
+            str(self.port),
+            "--max-context",
+            "16384",
+            "--prefill-chunk",
+            str(a.prefill_chunk),
+            "--max-tokens",
+            "256",
+            "--prefix-cache-dir",
+            str(store),
+        ]
         if a.rank_dir:
             cmd += ["--rank-dir", a.rank_dir]
         self.log = open(self.log_path, "w")
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         for _ in range(1200):
             if self.proc.poll() is not None:
@@ -100,8 +157,9 @@ class Srv:
             except OSError:
                 time.sleep(0.5)
         self.start_s = round(time.perf_counter() - t0, 1)
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
-                                    timeout=1200)
+        self.client = openai.OpenAI(
+            base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=1200
+        )
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)
@@ -113,23 +171,30 @@ def turn(srv: Srv, sys_text: str, tl: list, user: str, max_tokens: int = 4) -> d
     t0 = time.perf_counter()
     first, usage, stamps = None, None, []
     for ch in srv.client.chat.completions.create(
-            model="kimi-k3", messages=[{"role": "system", "content": sys_text},
-                                       {"role": "user", "content": user}],
-            tools=tl, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"chat_template_kwargs": {"thinking": False}}):
+        model="kimi-k3",
+        messages=[{"role": "system", "content": sys_text}, {"role": "user", "content": user}],
+        tools=tl,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"chat_template_kwargs": {"thinking": False}},
+    ):
         if ch.choices:
             d = ch.choices[0].delta
-            if (d.content or (d.model_extra or {}).get("reasoning") or d.tool_calls):
+            if d.content or (d.model_extra or {}).get("reasoning") or d.tool_calls:
                 now = time.perf_counter()
                 stamps.append(now)
                 first = first if first is not None else now - t0
         if ch.usage:
             usage = ch.usage
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    return {"prompt_tokens": usage.prompt_tokens, "cached_tokens": cached,
-            "ttft_s": round(first if first is not None else time.perf_counter() - t0, 3),
-            "stamps": stamps}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": cached,
+        "ttft_s": round(first if first is not None else time.perf_counter() - t0, 3),
+        "stamps": stamps,
+    }
 
 
 def running_gaps(srv: Srv, cold_sys: str, tl: list, vocab_eos: list[int]) -> dict:
@@ -140,8 +205,13 @@ def running_gaps(srv: Srv, cold_sys: str, tl: list, vocab_eos: list[int]) -> dic
 
     def run_d():
         for ch in srv.client.completions.create(
-                model="kimi-k3", prompt="def main():\n    ", max_tokens=200, temperature=0,
-                stream=True, logit_bias={str(t): -100 for t in vocab_eos}):
+            model="kimi-k3",
+            prompt="def main():\n    ",
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+            logit_bias={str(t): -100 for t in vocab_eos},
+        ):
             if ch.choices and ch.choices[0].text is not None:
                 stamps.append(time.perf_counter())
         done.set()
@@ -161,13 +231,28 @@ def running_gaps(srv: Srv, cold_sys: str, tl: list, vocab_eos: list[int]) -> dic
     after = gaps[mids > e_first + 1e-3]
 
     def pct(x):
-        return {"n": int(len(x)), **({"p50_s": round(float(np.percentile(x, 50)), 4),
-                                      "p99_s": round(float(np.percentile(x, 99)), 4),
-                                      "max_s": round(float(x.max()), 4)} if len(x) else {})}
-    return {"d_tokens": len(stamps), "e_prompt_tokens": e["prompt_tokens"],
-            "e_cached_tokens": e["cached_tokens"], "e_ttft_s": e["ttft_s"],
-            "gaps_before_e": pct(before), "gaps_while_e_prefills": pct(during),
-            "gaps_after_e": pct(after)}
+        return {
+            "n": int(len(x)),
+            **(
+                {
+                    "p50_s": round(float(np.percentile(x, 50)), 4),
+                    "p99_s": round(float(np.percentile(x, 99)), 4),
+                    "max_s": round(float(x.max()), 4),
+                }
+                if len(x)
+                else {}
+            ),
+        }
+
+    return {
+        "d_tokens": len(stamps),
+        "e_prompt_tokens": e["prompt_tokens"],
+        "e_cached_tokens": e["cached_tokens"],
+        "e_ttft_s": e["ttft_s"],
+        "gaps_before_e": pct(before),
+        "gaps_while_e_prefills": pct(during),
+        "gaps_after_e": pct(after),
+    }
 
 
 def main() -> None:
@@ -177,21 +262,26 @@ def main() -> None:
     ap.add_argument("--tools", type=int, default=12, help="tools in the agent's list")
     ap.add_argument("--rules", type=int, default=34, help="rules in its system prompt")
     ap.add_argument("--skip-gaps", action="store_true")
-    ap.add_argument("--gaps-only", action="store_true",
-                    help="one server: only the running request's gaps (to compare chunks)")
+    ap.add_argument(
+        "--gaps-only",
+        action="store_true",
+        help="one server: only the running request's gaps (to compare chunks)",
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="prefix-cache-"))
     store = tmp / "store"
     tl = tools(a.tools)
     sys_a = system("Ada", a.rules)
-    report: dict = {**record.environment(), "prefill_chunk": a.prefill_chunk,
-                    "load_before": os.getloadavg()}
+    report: dict = {
+        **record.environment(),
+        "prefill_chunk": a.prefill_chunk,
+        "load_before": os.getloadavg(),
+    }
     if a.gaps_only:
         s = Srv(a, store, tmp, "gaps")
         try:
-            report["running_request_gaps"] = running_gaps(s, system("Bob", a.rules), tl,
-                                                          _eos(a))
+            report["running_request_gaps"] = running_gaps(s, system("Bob", a.rules), tl, _eos(a))
         finally:
             s.stop()
         report["load_after"] = os.getloadavg()
@@ -204,34 +294,47 @@ def main() -> None:
     finally:
         s1.stop()
     files = {r: sorted(store.glob(f"*/rank{r}-of-2/*.safetensors")) for r in range(2)}
-    sides = {r: [json.loads(p.with_suffix(".json").read_text()) for p in files[r]]
-             for r in range(2)}
+    sides = {
+        r: [json.loads(p.with_suffix(".json").read_text()) for p in files[r]] for r in range(2)
+    }
     s2 = Srv(a, store, tmp, "2")
     try:
         report["server_2_start_s"] = s2.start_s
         disk = turn(s2, sys_a, tl, "Open the README and fix its first typo.")
         log = s2.log_path.read_text()
-        restores = [float(x) for x in re.findall(r"prefix cache hit: \d+ tokens restored in "
-                                                   r"([0-9.]+) s", log)]
+        restores = [
+            float(x)
+            for x in re.findall(
+                r"prefix cache hit: \d+ tokens restored in "
+                r"([0-9.]+) s",
+                log,
+            )
+        ]
         if not a.skip_gaps:
-            report["running_request_gaps"] = running_gaps(s2, system("Bob", a.rules), tl,
-                                                          _eos(a))
+            report["running_request_gaps"] = running_gaps(s2, system("Bob", a.rules), tl, _eos(a))
     finally:
         s2.stop()
     for t in (cold, mem, disk):
         t.pop("stamps")
-    per_tok = {r: [round(s["file_bytes"] / len(s["tokens"]), 1) for s in sides[r]]
-               for r in range(2)}
-    report.update({
-        "turn_cold": cold, "turn_warm_memory": mem, "turn_warm_after_restart": disk,
-        "warm_memory_over_cold": round(mem["ttft_s"] / cold["ttft_s"], 4),
-        "warm_restart_over_cold": round(disk["ttft_s"] / cold["ttft_s"], 4),
-        "entries_per_rank": {r: [{"tokens": len(s["tokens"]), "file_bytes": s["file_bytes"]}
-                                 for s in sides[r]] for r in range(2)},
-        "bytes_per_cached_token_per_rank": per_tok,
-        "restore_s_per_rank_log": restores,
-        "load_after": os.getloadavg(),
-    })
+    per_tok = {
+        r: [round(s["file_bytes"] / len(s["tokens"]), 1) for s in sides[r]] for r in range(2)
+    }
+    report.update(
+        {
+            "turn_cold": cold,
+            "turn_warm_memory": mem,
+            "turn_warm_after_restart": disk,
+            "warm_memory_over_cold": round(mem["ttft_s"] / cold["ttft_s"], 4),
+            "warm_restart_over_cold": round(disk["ttft_s"] / cold["ttft_s"], 4),
+            "entries_per_rank": {
+                r: [{"tokens": len(s["tokens"]), "file_bytes": s["file_bytes"]} for s in sides[r]]
+                for r in range(2)
+            },
+            "bytes_per_cached_token_per_rank": per_tok,
+            "restore_s_per_rank_log": restores,
+            "load_after": os.getloadavg(),
+        }
+    )
     _emit(report, a.out)
 
 

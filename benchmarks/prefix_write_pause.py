@@ -28,8 +28,9 @@ def cache_of(mb: int, tokens: int) -> list:
     """A K3-shaped cache (an MLA KVCache of ``tokens`` + a KDA state) of ~``mb`` MB."""
     width = max(1, mb * 10**6 * 3 // 4 // (tokens * 4 * 2))
     kv = KVCache()
-    kv.update_and_fetch(mx.random.normal((1, 1, tokens, width)),
-                        mx.random.normal((1, 1, tokens, width)))
+    kv.update_and_fetch(
+        mx.random.normal((1, 1, tokens, width)), mx.random.normal((1, 1, tokens, width))
+    )
     kda = ArraysCache(size=1)
     kda[0] = mx.random.normal((1, mb * 10**6 // 4 // 4 // 1024, 1024))
     mx.eval(kv.state, kda.state)
@@ -39,8 +40,7 @@ def cache_of(mb: int, tokens: int) -> list:
 def pauses(mb: int, tokens: int, reps: int, inline: bool) -> list[float]:
     out = []
     with tempfile.TemporaryDirectory() as d:
-        store = PrefixStore(d, Identity("b", "p", "split", "float32", 0, 1), 10**12,
-                            min_tokens=1)
+        store = PrefixStore(d, Identity("b", "p", "split", "float32", 0, 1), 10**12, min_tokens=1)
         for i in range(reps):
             cache = cache_of(mb, tokens)
             t = time.perf_counter()
@@ -57,7 +57,7 @@ def sha_rate(mb: int, threads: int) -> float:
     """GB/s of SHA-256 over ``mb`` MB cut into ``threads`` equal chunks, one per thread."""
     data = bytes(mb * 10**6)
     size = len(data) // threads
-    chunks = [memoryview(data)[i * size:(i + 1) * size] for i in range(threads)]
+    chunks = [memoryview(data)[i * size : (i + 1) * size] for i in range(threads)]
     best = float("inf")
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(3):
@@ -81,12 +81,18 @@ def main() -> None:
         row = {}
         for name, inline in (("in_loop", True), ("writer_thread", False)):
             p = pauses(mb, args.tokens, args.reps, inline)
-            row[name] = {"median_s": round(statistics.median(p), 4),
-                         "max_s": round(max(p), 4), "all_s": [round(x, 4) for x in p]}
+            row[name] = {
+                "median_s": round(statistics.median(p), 4),
+                "max_s": round(max(p), 4),
+                "all_s": [round(x, 4) for x in p],
+            }
         res["entries"][f"{mb}MB"] = row
-        print(f"{mb} MB entry: save() pauses the loop {row['in_loop']['median_s']:.3f} s "
-              f"written in the loop, {row['writer_thread']['median_s']:.3f} s with the "
-              "writer thread", flush=True)
+        print(
+            f"{mb} MB entry: save() pauses the loop {row['in_loop']['median_s']:.3f} s "
+            f"written in the loop, {row['writer_thread']['median_s']:.3f} s with the "
+            "writer thread",
+            flush=True,
+        )
     for n in args.threads:
         res["sha256_GBps"][str(n)] = round(sha_rate(args.sha_mb, n), 2)
         print(f"SHA-256 on {n} thread(s): {res['sha256_GBps'][str(n)]} GB/s", flush=True)

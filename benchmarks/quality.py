@@ -53,20 +53,36 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0, help="random promotion scores")
     ap.add_argument("--scores", default=",".join(SCORES))
-    ap.add_argument("--global-for", default="output-error,fisher,taylor",
-                    help="scores that also get global-budget rows")
-    ap.add_argument("--fallback-for", default="taylor",
-                    help="the score whose global 20%% build gets the k_hi 2 drop/fallback rows")
-    ap.add_argument("--dwq-for", default="",
-                    help="comma-separated row names (e.g. 2bit-g32,graded-10-global-taylor) "
-                    "that also get a DWQ row")
+    ap.add_argument(
+        "--global-for",
+        default="output-error,fisher,taylor",
+        help="scores that also get global-budget rows",
+    )
+    ap.add_argument(
+        "--fallback-for",
+        default="taylor",
+        help="the score whose global 20%% build gets the k_hi 2 drop/fallback rows",
+    )
+    ap.add_argument(
+        "--dwq-for",
+        default="",
+        help="comma-separated row names (e.g. 2bit-g32,graded-10-global-taylor) "
+        "that also get a DWQ row",
+    )
     ap.add_argument("--dwq-steps", type=int, default=60)
-    ap.add_argument("--dwq-calib-windows", type=int, default=32,
-                    help="calibration windows per domain for DWQ (8 overfits: the -calib8 rows)")
+    ap.add_argument(
+        "--dwq-calib-windows",
+        type=int,
+        default=32,
+        help="calibration windows per domain for DWQ (8 overfits: the -calib8 rows)",
+    )
     ap.add_argument("--dwq-lr", type=float, default=1e-3)
     ap.add_argument("--dwq-input", default="student", choices=("student", "teacher"))
-    ap.add_argument("--dwq-other-input-for", default="",
-                    help="rows that also get DWQ from the other input (``-dwq-<input>-input``)")
+    ap.add_argument(
+        "--dwq-other-input-for",
+        default="",
+        help="rows that also get DWQ from the other input (``-dwq-<input>-input``)",
+    )
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     RUNS.mkdir(parents=True, exist_ok=True)
@@ -94,8 +110,17 @@ def main() -> None:
         students.append((out, fmt, "-"))
     mixed2 = RUNS / "mixed2"
     if not (mixed2 / "k3dist.json").exists():
-        run("k3dist.build.profiles", "--src", "data/mini-k3", "--out", str(mixed2), "--profile",
-            "mixed2", "--mxfp4", str(mxfp4))
+        run(
+            "k3dist.build.profiles",
+            "--src",
+            "data/mini-k3",
+            "--out",
+            str(mixed2),
+            "--profile",
+            "mixed2",
+            "--mxfp4",
+            str(mxfp4),
+        )
     students.append((mixed2, "mixed2", "-"))
     calib_tokens = RUNS / f"calib-{a.calib_windows}x{a.seq}.npz"
     if not calib_tokens.exists():
@@ -169,33 +194,81 @@ def main() -> None:
             name = "graded-20-global-khi2" + ("-fallback" if fb else "")
             out = RUNS / f"{name}-{a.fallback_for}"
             if not (out / "k3dist.json").exists():
-                run(*grade, "--out", str(out), "--scores", sc, "--per-layer", str(n), "--lo",
-                    "2bit-g32", "--k-hi", "2", "--global", *(("--lo-fallback",) if fb else ()))
+                run(
+                    *grade,
+                    "--out",
+                    str(out),
+                    "--scores",
+                    sc,
+                    "--per-layer",
+                    str(n),
+                    "--lo",
+                    "2bit-g32",
+                    "--k-hi",
+                    "2",
+                    "--global",
+                    *(("--lo-fallback",) if fb else ()),
+                )
             students.append((out, name, a.fallback_for))
     other = {"student": "teacher", "teacher": "student"}[a.dwq_input]
     dwq_tokens = RUNS / f"calib-{a.dwq_calib_windows}x{a.seq}.npz"
     dwq_teacher = RUNS / f"teacher-{dwq_tokens.stem}"
     if a.dwq_for and not dwq_tokens.exists():
-        run("k3dist.factory.windows", "--split", "calib", "--seq", str(a.seq), "--windows",
-            str(a.dwq_calib_windows), "--out", str(dwq_tokens))
+        run(
+            "k3dist.factory.windows",
+            "--split",
+            "calib",
+            "--seq",
+            str(a.seq),
+            "--windows",
+            str(a.dwq_calib_windows),
+            "--out",
+            str(dwq_tokens),
+        )
     if a.dwq_for:
-        run("k3dist.build.teacher", "--build", str(mxfp4), "--tokens", str(dwq_tokens),
-            "--out", str(dwq_teacher))
+        run(
+            "k3dist.build.teacher",
+            "--build",
+            str(mxfp4),
+            "--tokens",
+            str(dwq_tokens),
+            "--out",
+            str(dwq_teacher),
+        )
     jobs = [(w, a.dwq_input, "-dwq") for w in filter(None, a.dwq_for.split(","))]
-    jobs += [(w, other, f"-dwq-{other}-input")
-             for w in filter(None, a.dwq_other_input_for.split(","))]
+    jobs += [
+        (w, other, f"-dwq-{other}-input") for w in filter(None, a.dwq_other_input_for.split(","))
+    ]
     for want, mode, suffix in jobs:
         found = [(p, n, sc) for p, n, sc in students if p.name == want]
         if not found:
-            raise SystemExit(f"--dwq-for {want}: no such row (builds: "
-                             f"{[p.name for p, _, _ in students]})")
+            raise SystemExit(
+                f"--dwq-for {want}: no such row (builds: {[p.name for p, _, _ in students]})"
+            )
         path, name, score = found[0]
         out = RUNS / f"{want}-dwq-{mode}-{a.dwq_steps}-{dwq_tokens.stem}"
         if not (out / "k3dist.json").exists():
-            run("k3dist.build.dwq", "--teacher-build", str(mxfp4), "--teacher",
-                str(dwq_teacher), "--student", str(path), "--tokens", str(dwq_tokens), "--out",
-                str(out), "--steps", str(a.dwq_steps), "--lr", str(a.dwq_lr), "--input", mode,
-                "--valid-windows", "4")
+            run(
+                "k3dist.build.dwq",
+                "--teacher-build",
+                str(mxfp4),
+                "--teacher",
+                str(dwq_teacher),
+                "--student",
+                str(path),
+                "--tokens",
+                str(dwq_tokens),
+                "--out",
+                str(out),
+                "--steps",
+                str(a.dwq_steps),
+                "--lr",
+                str(a.dwq_lr),
+                "--input",
+                mode,
+                "--valid-windows",
+                "4",
+            )
         students.append((out, f"{name}{suffix}", score))
     out = Path(a.out)
     ev = [

@@ -66,10 +66,20 @@ def promoted_per_layer(target: float, lo: str, experts: int) -> int:
     return round(share * experts)
 
 
-def evaluate_cmd(mxfp4: Path, a: argparse.Namespace, rows: list[tuple[Path, str, str]],
-                 out: Path) -> list[str]:
-    cmd = ["k3dist.bench.evaluate", "--teacher", str(mxfp4), "--windows", str(a.windows),
-           "--seq", str(a.seq), "--out", str(out)]
+def evaluate_cmd(
+    mxfp4: Path, a: argparse.Namespace, rows: list[tuple[Path, str, str]], out: Path
+) -> list[str]:
+    cmd = [
+        "k3dist.bench.evaluate",
+        "--teacher",
+        str(mxfp4),
+        "--windows",
+        str(a.windows),
+        "--seq",
+        str(a.seq),
+        "--out",
+        str(out),
+    ]
     for path, name, score in rows:
         cmd += ["--student", str(path), "--name", name, "--score", score]
     return cmd
@@ -81,11 +91,16 @@ def merge(parts: list[dict]) -> dict:
     for p in parts[1:]:
         same = ("teacher", "split", "seq", "windows_per_domain", "tokens_per_domain")
         if any(p[k] != first[k] for k in same):
-            raise SystemExit("evaluations disagree on the teacher or the windows: "
-                             f"{[{k: q[k] for k in same} for q in parts]}")
-    return {**first, "rows": [r for p in parts for r in p["rows"]],
-            "seconds": round(sum(p["seconds"] for p in parts), 1),
-            "command": [p.get("command") for p in parts]}
+            raise SystemExit(
+                "evaluations disagree on the teacher or the windows: "
+                f"{[{k: q[k] for k in same} for q in parts]}"
+            )
+    return {
+        **first,
+        "rows": [r for p in parts for r in p["rows"]],
+        "seconds": round(sum(p["seconds"] for p in parts), 1),
+        "command": [p.get("command") for p in parts],
+    }
 
 
 def main() -> None:
@@ -97,14 +112,20 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--uniform", default=",".join(UNIFORM))
-    ap.add_argument("--graded", default=",".join(GRADED),
-                    help="comma-separated TARGET_BPW:LO rows")
+    ap.add_argument("--graded", default=",".join(GRADED), help="comma-separated TARGET_BPW:LO rows")
     ap.add_argument("--score", default="taylor", help="promotion score (calibrate's)")
-    ap.add_argument("--calib-student", default="2bit-g64",
-                    help="the uniform row whose errors the scores measure")
-    ap.add_argument("--dwq-for", default="", help="comma-separated row names to DWQ; "
-                    "ROW:bf16 with bf16 Adam state (dwq --state bf16), ROW:s1 with batch "
-                    "seed 1 (DWQ's run-to-run noise): rows ROW-dwq, ROW-dwq-bf16, ROW-dwq-s1")
+    ap.add_argument(
+        "--calib-student",
+        default="2bit-g64",
+        help="the uniform row whose errors the scores measure",
+    )
+    ap.add_argument(
+        "--dwq-for",
+        default="",
+        help="comma-separated row names to DWQ; "
+        "ROW:bf16 with bf16 Adam state (dwq --state bf16), ROW:s1 with batch "
+        "seed 1 (DWQ's run-to-run noise): rows ROW-dwq, ROW-dwq-bf16, ROW-dwq-s1",
+    )
     ap.add_argument("--dwq-steps", type=int, default=60)
     ap.add_argument("--dwq-calib-windows", type=int, default=32)
     ap.add_argument("--dwq-lr", type=float, default=1e-3)
@@ -136,25 +157,67 @@ def main() -> None:
     for fmt in filter(None, a.uniform.split(",")):
         out = runs / fmt
         if not (out / "k3dist.json").exists():
-            run(*grade, "--k-hi", "1", "--out", str(out), "--scores", str(zeros),
-                "--per-layer", "0", "--lo", fmt)
+            run(
+                *grade,
+                "--k-hi",
+                "1",
+                "--out",
+                str(out),
+                "--scores",
+                str(zeros),
+                "--per-layer",
+                "0",
+                "--lo",
+                fmt,
+            )
         rows.append((out, fmt, "-"))
     stage("convert+uniform", t)
 
     t = time.perf_counter()
     calib_tokens = runs / f"calib-{a.calib_windows}x{a.seq}.npz"
     if not calib_tokens.exists():
-        run("k3dist.factory.windows", "--split", "calib", "--seq", str(a.seq), "--windows",
-            str(a.calib_windows), "--out", str(calib_tokens), "--tokenizer", str(mxfp4))
+        run(
+            "k3dist.factory.windows",
+            "--split",
+            "calib",
+            "--seq",
+            str(a.seq),
+            "--windows",
+            str(a.calib_windows),
+            "--out",
+            str(calib_tokens),
+            "--tokenizer",
+            str(mxfp4),
+        )
     teacher = runs / f"teacher-{calib_tokens.stem}"
-    run("k3dist.build.teacher", "--build", str(mxfp4), "--tokens", str(calib_tokens),
-        "--out", str(teacher))
+    run(
+        "k3dist.build.teacher",
+        "--build",
+        str(mxfp4),
+        "--tokens",
+        str(calib_tokens),
+        "--out",
+        str(teacher),
+    )
     calib = runs / f"calib-{a.calib_student}-{calib_tokens.stem}"
     if not (calib / "calibrate.json").exists():
-        run("k3dist.build.calibrate", "--student", str(runs / a.calib_student),
-            "--teacher-build", str(mxfp4), "--teacher", str(teacher), "--tokens",
-            str(calib_tokens), "--out", str(calib), "--seed", str(a.seed), "--scores",
-            ",".join(dict.fromkeys([a.score, "frequency"])))
+        run(
+            "k3dist.build.calibrate",
+            "--student",
+            str(runs / a.calib_student),
+            "--teacher-build",
+            str(mxfp4),
+            "--teacher",
+            str(teacher),
+            "--tokens",
+            str(calib_tokens),
+            "--out",
+            str(calib),
+            "--seed",
+            str(a.seed),
+            "--scores",
+            ",".join(dict.fromkeys([a.score, "frequency"])),
+        )
     stage("calibrate", t)
 
     t = time.perf_counter()
@@ -164,17 +227,34 @@ def main() -> None:
         name = f"graded-{target}-{lo}"
         out = runs / f"{name}-{a.score}"
         if not (out / "k3dist.json").exists():
-            run(*grade, "--out", str(out), "--scores", str(calib / f"scores-{a.score}.npz"),
-                "--per-layer", str(n), "--lo", lo, "--routes", str(calib / "routes.npz"),
-                "--global", "--ranks", "2")
+            run(
+                *grade,
+                "--out",
+                str(out),
+                "--scores",
+                str(calib / f"scores-{a.score}.npz"),
+                "--per-layer",
+                str(n),
+                "--lo",
+                lo,
+                "--routes",
+                str(calib / "routes.npz"),
+                "--global",
+                "--ranks",
+                "2",
+            )
         rows.append((out, name, a.score))
     stage("grade", t)
 
     report = Path(a.out)
     plain_out = runs / f"{report.stem}-plain.json"  # the parts stay under --runs
     cmd = evaluate_cmd(mxfp4, a, rows, plain_out)
-    print(f"+ [{time.strftime('%H:%M:%S')}] (in the background)", " ".join(cmd),
-          file=sys.stderr, flush=True)
+    print(
+        f"+ [{time.strftime('%H:%M:%S')}] (in the background)",
+        " ".join(cmd),
+        file=sys.stderr,
+        flush=True,
+    )
     t_plain = time.perf_counter()
     plain = subprocess.Popen([PY, "-m", *cmd])
     plain_rows = len(rows)
@@ -185,11 +265,28 @@ def main() -> None:
         dwq_tokens = runs / f"calib-{a.dwq_calib_windows}x{a.seq}.npz"
         dwq_teacher = runs / f"teacher-{dwq_tokens.stem}"
         if not dwq_tokens.exists():
-            run("k3dist.factory.windows", "--split", "calib", "--seq", str(a.seq),
-                "--windows", str(a.dwq_calib_windows), "--out", str(dwq_tokens),
-                "--tokenizer", str(mxfp4))
-        run("k3dist.build.teacher", "--build", str(mxfp4), "--tokens", str(dwq_tokens),
-            "--out", str(dwq_teacher))
+            run(
+                "k3dist.factory.windows",
+                "--split",
+                "calib",
+                "--seq",
+                str(a.seq),
+                "--windows",
+                str(a.dwq_calib_windows),
+                "--out",
+                str(dwq_tokens),
+                "--tokenizer",
+                str(mxfp4),
+            )
+        run(
+            "k3dist.build.teacher",
+            "--build",
+            str(mxfp4),
+            "--tokens",
+            str(dwq_tokens),
+            "--out",
+            str(dwq_teacher),
+        )
         for item in dwq_for:
             want, *opts = item.split(":")
             found = [r for r in rows if r[1] == want]
@@ -203,12 +300,30 @@ def main() -> None:
             tag = "".join(f"-{o}" for o in opts)
             out = runs / f"{path.name}-dwq-{a.dwq_steps}-{dwq_tokens.stem}{tag}"
             if not (out / "k3dist.json").exists():
-                run("k3dist.build.dwq", "--teacher-build", str(mxfp4), "--teacher",
-                    str(dwq_teacher), "--student", str(path), "--tokens", str(dwq_tokens),
-                    "--out", str(out), "--steps", str(a.dwq_steps), "--lr", str(a.dwq_lr),
-                    "--valid-windows", str(a.dwq_valid_windows), "--state", state,
-                    "--seed", str(seed),
-                    *(("--batch", str(a.dwq_batch)) if a.dwq_batch else ()))
+                run(
+                    "k3dist.build.dwq",
+                    "--teacher-build",
+                    str(mxfp4),
+                    "--teacher",
+                    str(dwq_teacher),
+                    "--student",
+                    str(path),
+                    "--tokens",
+                    str(dwq_tokens),
+                    "--out",
+                    str(out),
+                    "--steps",
+                    str(a.dwq_steps),
+                    "--lr",
+                    str(a.dwq_lr),
+                    "--valid-windows",
+                    str(a.dwq_valid_windows),
+                    "--state",
+                    state,
+                    "--seed",
+                    str(seed),
+                    *(("--batch", str(a.dwq_batch)) if a.dwq_batch else ()),
+                )
             rows.append((out, f"{name}-dwq{tag}", score))
     stage("dwq", t)
 
@@ -226,9 +341,12 @@ def main() -> None:
     rep = merge(parts)
     report.with_suffix(".md").write_text(evaluate.markdown(rep))
     evaluate.plot(rep, report.with_suffix(".png"))
-    rep["pipeline"] = {"command": "python benchmarks/quality_bits.py " + " ".join(sys.argv[1:]),
-                       "src": a.src, "stage_seconds": timings,
-                       "seconds": round(time.perf_counter() - t0, 1)}
+    rep["pipeline"] = {
+        "command": "python benchmarks/quality_bits.py " + " ".join(sys.argv[1:]),
+        "src": a.src,
+        "stage_seconds": timings,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     report.write_text(json.dumps(rep, indent=1) + "\n")
 
 

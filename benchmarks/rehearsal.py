@@ -67,41 +67,178 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
     tok, teacher, cal = f"{w}/calib.npz", f"{w}/teacher", f"{w}/calib"
     graded, dwq = f"{w}/graded", f"{w}/graded-dwq"
     return [
-        Stage("synth", ["-m", "k3dist.factory.synth", "--out", src, "--preset", "k3counts"],
-              [src], "tensors (497,220) + bytes"),
-        Stage("audit", ["-m", "k3dist.build.checkpoint", "audit", src, "--json"], [],
-              "tensors (headers of 96 shards)"),
-        Stage("convert-mxfp4", ["-m", "k3dist.build.convert", "--src", src, "--out", mx4],
-              [mx4], "bytes (copied expert by expert) + tensors"),
-        Stage("convert-2bit", ["-m", "k3dist.build.profiles", "--src", src, "--out", two,
-                               "--profile", "2bit", "--mxfp4", mx4], [two],
-              "expert parameters (re-quantized)"),
-        Stage("windows", ["-m", "k3dist.factory.windows", "--split", "calib", "--windows",
-                          "4", "--seq", "128", "--out", tok, "--tokenizer", src], [tok],
-              "tokens"),
-        Stage("teacher", ["-m", "k3dist.build.teacher", "--build", mx4, "--tokens", tok,
-                          "--out", teacher, "--top-k", "64"], [teacher],
-              "weight bytes read once + tokens x active params"),
-        Stage("calibrate", ["-m", "k3dist.build.calibrate", "--student", two,
-                            "--teacher-build", mx4, "--teacher", teacher, "--tokens", tok,
-                            "--out", cal], [cal],
-              "weight bytes read twice (fwd + bwd) + tokens x active params"),
-        Stage("plan", ["-m", "k3dist.build.plan", "--src", src, "--target-bpw",
-                       str(target_bpw), "--dry-run", "--json",
-                       "--out", f"{w}/plan.json"], [f"{w}/plan.json"],
-              "experts (82,432) + tensors"),
-        Stage("grade", ["-m", "k3dist.build.profiles", "--src", src, "--out", graded,
-                        "--profile", "graded", "--target-bpw", str(target_bpw), "--scores",
-                        f"{cal}/scores-taylor.npz", "--routes", f"{cal}/routes.npz",
-                        "--mxfp4", f"{w}/mxfp4-plan"], [graded, f"{w}/mxfp4-plan"],
-              "bytes (an MXFP4 base in the plan's non-expert formats, then re-quantized)"),
-        Stage("dwq", ["-m", "k3dist.build.dwq", "--teacher-build", mx4, "--teacher", teacher,
-                      "--student", graded, "--tokens", tok, "--out", dwq, "--steps",
-                      str(dwq_steps), "--batch", "2", "--valid-windows", "2"], [dwq],
-              "steps x blocks x (tokens x active params) + expert parameters"),
-        Stage("slice", ["slicing/rank_split.py", "--all", "--size", "2", "--build", dwq,
-                        "--out", f"{w}/ranks/rank{{rank}}", "--attention", "split"],
-              [f"{w}/ranks"], "bytes (byte-range copies) + tensors"),
+        Stage(
+            "synth",
+            ["-m", "k3dist.factory.synth", "--out", src, "--preset", "k3counts"],
+            [src],
+            "tensors (497,220) + bytes",
+        ),
+        Stage(
+            "audit",
+            ["-m", "k3dist.build.checkpoint", "audit", src, "--json"],
+            [],
+            "tensors (headers of 96 shards)",
+        ),
+        Stage(
+            "convert-mxfp4",
+            ["-m", "k3dist.build.convert", "--src", src, "--out", mx4],
+            [mx4],
+            "bytes (copied expert by expert) + tensors",
+        ),
+        Stage(
+            "convert-2bit",
+            [
+                "-m",
+                "k3dist.build.profiles",
+                "--src",
+                src,
+                "--out",
+                two,
+                "--profile",
+                "2bit",
+                "--mxfp4",
+                mx4,
+            ],
+            [two],
+            "expert parameters (re-quantized)",
+        ),
+        Stage(
+            "windows",
+            [
+                "-m",
+                "k3dist.factory.windows",
+                "--split",
+                "calib",
+                "--windows",
+                "4",
+                "--seq",
+                "128",
+                "--out",
+                tok,
+                "--tokenizer",
+                src,
+            ],
+            [tok],
+            "tokens",
+        ),
+        Stage(
+            "teacher",
+            [
+                "-m",
+                "k3dist.build.teacher",
+                "--build",
+                mx4,
+                "--tokens",
+                tok,
+                "--out",
+                teacher,
+                "--top-k",
+                "64",
+            ],
+            [teacher],
+            "weight bytes read once + tokens x active params",
+        ),
+        Stage(
+            "calibrate",
+            [
+                "-m",
+                "k3dist.build.calibrate",
+                "--student",
+                two,
+                "--teacher-build",
+                mx4,
+                "--teacher",
+                teacher,
+                "--tokens",
+                tok,
+                "--out",
+                cal,
+            ],
+            [cal],
+            "weight bytes read twice (fwd + bwd) + tokens x active params",
+        ),
+        Stage(
+            "plan",
+            [
+                "-m",
+                "k3dist.build.plan",
+                "--src",
+                src,
+                "--target-bpw",
+                str(target_bpw),
+                "--dry-run",
+                "--json",
+                "--out",
+                f"{w}/plan.json",
+            ],
+            [f"{w}/plan.json"],
+            "experts (82,432) + tensors",
+        ),
+        Stage(
+            "grade",
+            [
+                "-m",
+                "k3dist.build.profiles",
+                "--src",
+                src,
+                "--out",
+                graded,
+                "--profile",
+                "graded",
+                "--target-bpw",
+                str(target_bpw),
+                "--scores",
+                f"{cal}/scores-taylor.npz",
+                "--routes",
+                f"{cal}/routes.npz",
+                "--mxfp4",
+                f"{w}/mxfp4-plan",
+            ],
+            [graded, f"{w}/mxfp4-plan"],
+            "bytes (an MXFP4 base in the plan's non-expert formats, then re-quantized)",
+        ),
+        Stage(
+            "dwq",
+            [
+                "-m",
+                "k3dist.build.dwq",
+                "--teacher-build",
+                mx4,
+                "--teacher",
+                teacher,
+                "--student",
+                graded,
+                "--tokens",
+                tok,
+                "--out",
+                dwq,
+                "--steps",
+                str(dwq_steps),
+                "--batch",
+                "2",
+                "--valid-windows",
+                "2",
+            ],
+            [dwq],
+            "steps x blocks x (tokens x active params) + expert parameters",
+        ),
+        Stage(
+            "slice",
+            [
+                "slicing/rank_split.py",
+                "--all",
+                "--size",
+                "2",
+                "--build",
+                dwq,
+                "--out",
+                f"{w}/ranks/rank{{rank}}",
+                "--attention",
+                "split",
+            ],
+            [f"{w}/ranks"],
+            "bytes (byte-range copies) + tensors",
+        ),
     ]
 
 
@@ -131,13 +268,25 @@ def real_sizes() -> dict[str, float]:
     n_exp = len(layout.moe_layers(tc)) * tc["num_experts"]
     expert_params = n_exp * 3 * tc["moe_intermediate_size"] * tc["routed_expert_hidden_size"]
     embed = tc["vocab_size"] * tc["hidden_size"]
-    active = (len(layout.moe_layers(tc)) * tc["num_experts_per_token"] * expert_params / n_exp
-              + nonexpert / 2 - embed)
+    active = (
+        len(layout.moe_layers(tc)) * tc["num_experts_per_token"] * expert_params / n_exp
+        + nonexpert / 2
+        - embed
+    )
     graded = json.loads(PLAN.read_text())["build_bytes"] if PLAN.exists() else None
-    return {"source": src, "mxfp4": src, "2bit": nonexpert + expert_params * 2.5 / 8,
-            "graded": graded, "graded-dwq": graded, "ranks": graded, "expert_params":
-            expert_params, "active_params": active, "experts": n_exp,
-            "tensors": len(specs), "layers": tc["num_hidden_layers"]}
+    return {
+        "source": src,
+        "mxfp4": src,
+        "2bit": nonexpert + expert_params * 2.5 / 8,
+        "graded": graded,
+        "graded-dwq": graded,
+        "ranks": graded,
+        "expert_params": expert_params,
+        "active_params": active,
+        "experts": n_exp,
+        "tensors": len(specs),
+        "layers": tc["num_hidden_layers"],
+    }
 
 
 # stage -> (builds read, build written, FLOPs per token x tokens factor, what dominates)
@@ -152,8 +301,11 @@ def stage_model(name: str, r: dict) -> tuple[list[str], list[str], float]:
         "plan": ([], [], 0.0),
         # the graded profile first builds its own MXFP4 base (the plan's non-expert formats)
         "grade": (["source", "mxfp4"], ["mxfp4", "graded"], 0.0),
-        "dwq": (["mxfp4", "graded"], ["graded-dwq"],
-                3 * f * DWQ_STEPS * DWQ_BATCH * DWQ_SEQ + f * REAL_TOKENS),
+        "dwq": (
+            ["mxfp4", "graded"],
+            ["graded-dwq"],
+            3 * f * DWQ_STEPS * DWQ_BATCH * DWQ_SEQ + f * REAL_TOKENS,
+        ),
         "slice": (["graded-dwq"], ["ranks"], 0.0),
     }.get(name, ([], [], 0.0))
 
@@ -164,20 +316,38 @@ def project(stage: dict, r: dict) -> dict | None:
     overhead that scales with counts, which the preset has at the real counts: its own
     CPU seconds (an upper bound: they include the preset's small byte and compute work;
     for the token stages, the CPU of a run on a quarter of the tokens where measured)."""
-    if stage["stage"] not in ("audit", "convert-mxfp4", "convert-2bit", "teacher",
-                              "calibrate", "plan", "grade", "dwq", "slice"):
+    if stage["stage"] not in (
+        "audit",
+        "convert-mxfp4",
+        "convert-2bit",
+        "teacher",
+        "calibrate",
+        "plan",
+        "grade",
+        "dwq",
+        "slice",
+    ):
         return None
     reads, write, flops = stage_model(stage["stage"], r)
     read_b = sum(r[b] for b in reads)
     write_b = sum(r[b] for b in write)
-    terms = {"disk_read_s": read_b / SSD_BPS, "disk_write_s": write_b / SSD_BPS,
-             "sha256_s": 2 * write_b / SHA256_BPS, "compute_s": flops / GPU_FLOPS,
-             "count_overhead_s": min(stage.get("cpu_s", stage["wall_s"]),
-                                     stage.get("small_tokens", {}).get("cpu_s", 1e30))}
+    terms = {
+        "disk_read_s": read_b / SSD_BPS,
+        "disk_write_s": write_b / SSD_BPS,
+        "sha256_s": 2 * write_b / SHA256_BPS,
+        "compute_s": flops / GPU_FLOPS,
+        "count_overhead_s": min(
+            stage.get("cpu_s", stage["wall_s"]), stage.get("small_tokens", {}).get("cpu_s", 1e30)
+        ),
+    }
     dominant = max(terms, key=terms.get)
-    out = {"real_read_gb": round(read_b / 1e9, 1), "real_written_gb": round(write_b / 1e9, 1),
-           **{k: round(v, 1) for k, v in terms.items()},
-           "total_s": round(sum(terms.values()), 1), "dominant": dominant}
+    out = {
+        "real_read_gb": round(read_b / 1e9, 1),
+        "real_written_gb": round(write_b / 1e9, 1),
+        **{k: round(v, 1) for k, v in terms.items()},
+        "total_s": round(sum(terms.values()), 1),
+        "dominant": dominant,
+    }
     if read_b:
         out["overhead_vs_disk_read"] = round(terms["count_overhead_s"] / terms["disk_read_s"], 3)
     return out
@@ -190,21 +360,34 @@ def run_stage(st: Stage, log_dir: Path) -> dict:
     cmd = [sys.executable, "-c", CHILD, str(rep), *target]
     t0 = time.perf_counter()
     with open(log_dir / f"{st.name}.log", "w") as log:
-        p = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, TQDM_MININTERVAL="5"))
+        p = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, TQDM_MININTERVAL="5"),
+        )
         _, status, ru = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     code = os.waitstatus_to_exitcode(status)
-    out = {"stage": st.name, "command": "python " + " ".join(
-        a if not a.startswith(str(REPO)) else os.path.relpath(a, REPO) for a in st.argv),
-        "exit": code, "wall_s": round(wall, 2), "peak_rss_mb": round(ru.ru_maxrss / 1024, 1),
-        "scales_with": st.scales_with}
+    out = {
+        "stage": st.name,
+        "command": "python "
+        + " ".join(a if not a.startswith(str(REPO)) else os.path.relpath(a, REPO) for a in st.argv),
+        "exit": code,
+        "wall_s": round(wall, 2),
+        "peak_rss_mb": round(ru.ru_maxrss / 1024, 1),
+        "scales_with": st.scales_with,
+    }
     if rep.exists():
         io = json.loads(rep.read_text())
-        out.update(read_mb=round(io["rchar"] / 1e6, 1), written_mb=round(io["wchar"] / 1e6, 1),
-                   disk_read_mb=round(io["read_bytes"] / 1e6, 1),
-                   disk_written_mb=round(io["write_bytes"] / 1e6, 1),
-                   cpu_s=round(io["user_s"] + io["sys_s"], 2))
+        out.update(
+            read_mb=round(io["rchar"] / 1e6, 1),
+            written_mb=round(io["wchar"] / 1e6, 1),
+            disk_read_mb=round(io["read_bytes"] / 1e6, 1),
+            disk_written_mb=round(io["write_bytes"] / 1e6, 1),
+            cpu_s=round(io["user_s"] + io["sys_s"], 2),
+        )
     if code:
         out["log_tail"] = (log_dir / f"{st.name}.log").read_text()[-2000:]
     return out
@@ -223,22 +406,32 @@ def write_report(args, prior: dict[str, dict]) -> dict:
         if row["stage"] in small:
             row["small_tokens"] = small[row["stage"]]
         row["real_k3"] = project(row, r)
-    report = {"command": "python benchmarks/rehearsal.py " + " ".join(sys.argv[1:]),
-              "machine": platform.platform(), "cpus": os.cpu_count(),
-              "preset": "k3counts (python -m k3dist.factory.synth --preset k3counts)",
-              "preset_bytes": {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-                               for p in (args.work / n for n in ("src", "mxfp4", "2bit",
-                                                                  "graded", "graded-dwq",
-                                                                  "ranks")) if p.exists()},
-              "real_k3": {k: v for k, v in r.items()},
-              "constants": {"ssd_bytes_per_s": SSD_BPS, "sha256_bytes_per_s_per_core":
-                            SHA256_BPS, "gpu_flops_achieved": GPU_FLOPS,
-                            "real_tokens": REAL_TOKENS, "dwq": [DWQ_STEPS, DWQ_BATCH, DWQ_SEQ],
-                            "sources": "SSD and SHA-256: README 'Weights checked before "
-                            "serving' (assumed M3 Ultra); GPU: half the ~28 TFLOP/s peak "
-                            "of an 80-core M3 Ultra (assumed); graded build bytes: "
-                            "benchmarks/results/plan-k3-2026-12-02.json"},
-              "stages": rows}
+    report = {
+        "command": "python benchmarks/rehearsal.py " + " ".join(sys.argv[1:]),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "preset": "k3counts (python -m k3dist.factory.synth --preset k3counts)",
+        "preset_bytes": {
+            p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            for p in (
+                args.work / n for n in ("src", "mxfp4", "2bit", "graded", "graded-dwq", "ranks")
+            )
+            if p.exists()
+        },
+        "real_k3": {k: v for k, v in r.items()},
+        "constants": {
+            "ssd_bytes_per_s": SSD_BPS,
+            "sha256_bytes_per_s_per_core": SHA256_BPS,
+            "gpu_flops_achieved": GPU_FLOPS,
+            "real_tokens": REAL_TOKENS,
+            "dwq": [DWQ_STEPS, DWQ_BATCH, DWQ_SEQ],
+            "sources": "SSD and SHA-256: README 'Weights checked before "
+            "serving' (assumed M3 Ultra); GPU: half the ~28 TFLOP/s peak "
+            "of an 80-core M3 Ultra (assumed); graded build bytes: "
+            "benchmarks/results/plan-k3-2026-12-02.json",
+        },
+        "stages": rows,
+    }
     tmp = Path(args.out + ".partial")
     tmp.write_text(json.dumps(report, indent=2) + "\n")
     tmp.replace(args.out)
@@ -247,9 +440,12 @@ def write_report(args, prior: dict[str, dict]) -> dict:
 
 def table(report: dict) -> str:
     """The README's table: measured on the preset, projected to the real K3."""
-    lines = ["| stage | preset wall s (cpu s) | peak RSS MB | read / written MB | scales with "
-             "| real K3: read / written GB | disk s | sha256 s | compute s | count overhead s "
-             "(of disk read) | dominant |", "|" + "---|" * 11]
+    lines = [
+        "| stage | preset wall s (cpu s) | peak RSS MB | read / written MB | scales with "
+        "| real K3: read / written GB | disk s | sha256 s | compute s | count overhead s "
+        "(of disk read) | dominant |",
+        "|" + "---|" * 11,
+    ]
     for s in report["stages"]:
         p = s.get("real_k3")
         if not p:
@@ -262,7 +458,8 @@ def table(report: dict) -> str:
             f"{p['disk_read_s'] + p['disk_write_s']:.0f} | {p['sha256_s']:.0f} | "
             f"{p['compute_s']:.0f} | {p['count_overhead_s']:.0f}"
             f"{f' ({100 * frac:.0f} %)' if frac is not None else ''} | "
-            f"{p['dominant'].removesuffix('_s')} |")
+            f"{p['dominant'].removesuffix('_s')} |"
+        )
     return "\n".join(lines)
 
 
@@ -271,15 +468,25 @@ def main() -> None:
     ap.add_argument("--work", type=Path, required=True, help="folder for every stage's output")
     ap.add_argument("--stages", help="comma-separated subset (default: all, in order)")
     ap.add_argument("--fresh", action="store_true", help="delete each stage's output first")
-    ap.add_argument("--target-bpw", type=float, default=2.5944,
-                    help="routed-expert bits per weight: the real K3 plan's "
-                    "(benchmarks/results/plan-k3-2026-12-02.json), scale-free")
+    ap.add_argument(
+        "--target-bpw",
+        type=float,
+        default=2.5944,
+        help="routed-expert bits per weight: the real K3 plan's "
+        "(benchmarks/results/plan-k3-2026-12-02.json), scale-free",
+    )
     ap.add_argument("--dwq-steps", type=int, default=2)
     ap.add_argument("--out", help="also write the JSON here (merged by stage)")
-    ap.add_argument("--small-runs", help="JSON {stage: {tokens, cpu_s, command}}: teacher / "
-                    "calibrate on fewer tokens, separating count overhead from token compute")
-    ap.add_argument("--table", action="store_true",
-                    help="print the README table from --out and exit (no stage runs)")
+    ap.add_argument(
+        "--small-runs",
+        help="JSON {stage: {tokens, cpu_s, command}}: teacher / "
+        "calibrate on fewer tokens, separating count overhead from token compute",
+    )
+    ap.add_argument(
+        "--table",
+        action="store_true",
+        help="print the README table from --out and exit (no stage runs)",
+    )
     args = ap.parse_args()
     if args.table:
         print(table(json.loads(Path(args.out).read_text())))
@@ -293,8 +500,9 @@ def main() -> None:
         names = args.stages.split(",")
         unknown = set(names) - {s.name for s in todo}
         if unknown:
-            raise SystemExit(f"unknown stages {sorted(unknown)}; "
-                             f"choose from {[s.name for s in todo]}")
+            raise SystemExit(
+                f"unknown stages {sorted(unknown)}; choose from {[s.name for s in todo]}"
+            )
         todo = [s for s in todo if s.name in names]
     prior = {}
     if args.out and Path(args.out).exists():
@@ -312,8 +520,9 @@ def main() -> None:
         if args.out:
             write_report(args, prior)
         if r["exit"]:
-            raise SystemExit(f"stage {st.name} failed (exit {r['exit']}); log: "
-                             f"{log_dir / (st.name + '.log')}")
+            raise SystemExit(
+                f"stage {st.name} failed (exit {r['exit']}); log: {log_dir / (st.name + '.log')}"
+            )
 
 
 if __name__ == "__main__":

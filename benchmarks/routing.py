@@ -47,8 +47,7 @@ def step_load(owners: np.ndarray, sel: np.ndarray, size: int) -> tuple[float, fl
     np.put_along_axis(touched, sel.reshape(steps, -1), True, axis=-1)
     read = np.stack([touched[:, owners == r].sum(-1) for r in range(size)], -1)
     pairs = np.stack([(owners[sel] == r).sum((-1, -2)) for r in range(size)], -1)
-    return (float(read.max(-1).mean()), float(pairs.max(-1).mean()),
-            float(touched.sum(-1).mean()))
+    return (float(read.max(-1).mean()), float(pairs.max(-1).mean()), float(touched.sum(-1).mean()))
 
 
 def draw_steps(sel: np.ndarray, batch: int, steps: int, rng) -> np.ndarray:
@@ -74,8 +73,12 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--windows", type=int, default=8, help="held-out windows per domain")
-    ap.add_argument("--calib-windows", type=int, default=8,
-                    help="calibration windows per domain (load-aware placement's counts)")
+    ap.add_argument(
+        "--calib-windows",
+        type=int,
+        default=8,
+        help="calibration windows per domain (load-aware placement's counts)",
+    )
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=4096, help="sampled decode steps")
     ap.add_argument("--seed", type=int, default=0)
@@ -88,27 +91,43 @@ def main() -> None:
     held, _, _ = win.token_set("eval", a.seq, a.windows)
     calib, _, _ = win.token_set("calib", a.seq, a.calib_windows)
     sel = selections(model, held)
-    counts = {i: np.bincount(s.reshape(-1), minlength=E)
-              for i, s in selections(model, calib).items()}
+    counts = {
+        i: np.bincount(s.reshape(-1), minlength=E) for i, s in selections(model, calib).items()
+    }
     moe = sorted(sel)
     rng = np.random.default_rng(a.seed)
-    res: dict = {"command": record.command_line(), "k3dist": k3dist.__version__,
-                 "build": record.repo_path(build), "experts": E, "top_k": k,
-                 "moe_layers": len(moe), "held_out_tokens": int(held.size),
-                 "calibration_tokens": int(calib.size), "results": {}}
+    res: dict = {
+        "command": record.command_line(),
+        "k3dist": k3dist.__version__,
+        "build": record.repo_path(build),
+        "experts": E,
+        "top_k": k,
+        "moe_layers": len(moe),
+        "held_out_tokens": int(held.size),
+        "calibration_tokens": int(calib.size),
+        "results": {},
+    }
     for size in a.ranks:
-        plcs = {"contiguous": placement.contiguous(E, size, moe),
-                "load-aware": placement.load_aware(counts, size)}
+        plcs = {
+            "contiguous": placement.contiguous(E, size, moe),
+            "load-aware": placement.load_aware(counts, size),
+        }
         for kind, plc in plcs.items():
             for B in a.batch:
-                m = [step_load(np.asarray(plc.owners[i]),
-                               draw_steps(sel[i], B, a.steps, rng), size) for i in moe]
-                u = [step_load(np.asarray(plc.owners[i]),
-                               uniform_steps(E, k, B, a.steps, rng), size) for i in moe]
+                m = [
+                    step_load(np.asarray(plc.owners[i]), draw_steps(sel[i], B, a.steps, rng), size)
+                    for i in moe
+                ]
+                u = [
+                    step_load(np.asarray(plc.owners[i]), uniform_steps(E, k, B, a.steps, rng), size)
+                    for i in moe
+                ]
                 mean = np.mean(m, 0)
                 uni = np.mean(u, 0)
                 res["results"][f"{size}/{kind}/{B}"] = {
-                    "ranks": size, "placement": kind, "batch": B,
+                    "ranks": size,
+                    "placement": kind,
+                    "batch": B,
                     "busiest_rank_experts_read": round(float(mean[0]), 4),
                     "busiest_rank_pairs": round(float(mean[1]), 4),
                     "experts_read_all_ranks": round(float(mean[2]), 4),
@@ -123,9 +142,11 @@ def main() -> None:
     text = json.dumps(res, indent=1)
     print(text)
     for key, r in res["results"].items():
-        print(f"{key:22} busiest {r['busiest_rank_experts_read']:7.3f} uniform "
-              f"{r['uniform_busiest_rank_experts_read']:7.3f} skew {r['skew']:.3f}",
-              file=sys.stderr)
+        print(
+            f"{key:22} busiest {r['busiest_rank_experts_read']:7.3f} uniform "
+            f"{r['uniform_busiest_rank_experts_read']:7.3f} skew {r['skew']:.3f}",
+            file=sys.stderr,
+        )
     if a.out:
         Path(a.out).write_text(text + "\n")
 

@@ -109,8 +109,9 @@ def main() -> None:
         config = load_config(build)
         tc = layout.text_config(config)
         moe = layout.moe_layers(tc)
-        student = grade.grade(build, tmp / "2bit", {i: [] for i in moe}, 1, "2bit-g64",
-                              progress=False)
+        student = grade.grade(
+            build, tmp / "2bit", {i: [] for i in moe}, 1, "2bit-g64", progress=False
+        )
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, tc["vocab_size"], size=(a.windows, a.seq)).astype(np.int32)
         np.save(tmp / "tokens.npy", tokens)
@@ -136,14 +137,19 @@ def main() -> None:
         "state_bytes": states,
         "whole_model": whole,
         "fixed_overhead": FIXED_OVERHEAD,
-        "teacher": {**t, "bound": FIXED_OVERHEAD + states + layer + logits + fwd,
-                    "kda_forward_bytes": fwd,
-                    "within_bound": t["over_baseline"]
-                    <= FIXED_OVERHEAD + states + layer + logits + fwd},
-        "calibrate": {**c, "bound": FIXED_OVERHEAD + 2 * states + 2 * layer + logits + backward,
-                      "kda_backward_bytes": backward,
-                      "within_bound": c["over_baseline"]
-                      <= FIXED_OVERHEAD + 2 * states + 2 * layer + logits + backward},
+        "teacher": {
+            **t,
+            "bound": FIXED_OVERHEAD + states + layer + logits + fwd,
+            "kda_forward_bytes": fwd,
+            "within_bound": t["over_baseline"] <= FIXED_OVERHEAD + states + layer + logits + fwd,
+        },
+        "calibrate": {
+            **c,
+            "bound": FIXED_OVERHEAD + 2 * states + 2 * layer + logits + backward,
+            "kda_backward_bytes": backward,
+            "within_bound": c["over_baseline"]
+            <= FIXED_OVERHEAD + 2 * states + 2 * layer + logits + backward,
+        },
         "real_k3": {
             "state_bytes_per_token": stream.state_bytes(rtc, 1),
             "states_4096_tokens": stream.state_bytes(rtc, 4096),

@@ -47,8 +47,11 @@ def module_bytes(config: dict) -> int:
     """BF16 bytes of mlx-vlm's tower + projector built from ``config`` (shapes only:
     the arrays stay lazy)."""
     tower = vision.VisionTower(config)
-    return sum(v.size * 2 for _, v in tree_flatten(tower.parameters())
-               if v.dtype in (mx.float32, mx.bfloat16))
+    return sum(
+        v.size * 2
+        for _, v in tree_flatten(tower.parameters())
+        if v.dtype in (mx.float32, mx.bfloat16)
+    )
 
 
 def per_rank(config: dict, size: int = 2) -> dict:
@@ -57,10 +60,15 @@ def per_rank(config: dict, size: int = 2) -> dict:
     tower = sum(s.nbytes for s in specs if s.family == "vision")
     rest = sum(s.nbytes for s in specs) - experts - tower
     without = rest + experts // size
-    return {"tower_bf16": tower, "tower_mlx_vlm_module": module_bytes(config),
-            "tower_float32": 2 * tower, "rank0_with_tower": without + tower,
-            "other_ranks": without, "all_ranks_would_hold": size * tower,
-            "tower_share_of_rank0": round(tower / (without + tower), 6)}
+    return {
+        "tower_bf16": tower,
+        "tower_mlx_vlm_module": module_bytes(config),
+        "tower_float32": 2 * tower,
+        "rank0_with_tower": without + tower,
+        "other_ranks": without,
+        "all_ranks_would_hold": size * tower,
+        "tower_share_of_rank0": round(tower / (without + tower), 6),
+    }
 
 
 def _peak(config: dict, layers: int, side: int, dtype) -> int:
@@ -99,8 +107,14 @@ def activations(real: dict, sides: list[int], headroom_gb: float) -> dict:
     rows = []
     for side in sides:
         for layers in (1, 2):
-            rows.append({"patches": side * side, "grid": [side, side], "blocks": layers,
-                         "peak_bytes": _peak(real, layers, side, dtype)})
+            rows.append(
+                {
+                    "patches": side * side,
+                    "grid": [side, side],
+                    "blocks": layers,
+                    "peak_bytes": _peak(real, layers, side, dtype),
+                }
+            )
     n = np.array([r["patches"] for r in rows if r["blocks"] == 1], float)
     one = np.array([r["peak_bytes"] for r in rows if r["blocks"] == 1], float)
     two = np.array([r["peak_bytes"] for r in rows if r["blocks"] == 2], float)
@@ -122,10 +136,14 @@ def activations(real: dict, sides: list[int], headroom_gb: float) -> dict:
         lo, hi = (mid, hi) if peak_at(mid) <= budget else (lo, mid - 1)
     side = int(math.isqrt(lo)) * p
     return {
-        "device": str(mx.default_device()), "dtype": str(dtype),
+        "device": str(mx.default_device()),
+        "dtype": str(dtype),
         "measured": rows,
-        "fit_one_block": {"c_bytes_per_patch2": fit[0], "b_bytes_per_patch": fit[1],
-                          "a_bytes": fit[2]},
+        "fit_one_block": {
+            "c_bytes_per_patch2": fit[0],
+            "b_bytes_per_patch": fit[1],
+            "a_bytes": fit[2],
+        },
         "fit_max_relative_error": float(np.max(np.abs(np.polyval(fit, n) - one) / one)),
         "more_blocks_add_bytes_per_patch": per_block,
         "attention_scores_bytes_per_patch2": 12 * 4,  # 12 heads x float32, if materialised
@@ -143,35 +161,55 @@ def activations(real: dict, sides: list[int], headroom_gb: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
-    ap.add_argument("--activations", action="store_true",
-                    help="measure the tower's running peak (see the module help)")
-    ap.add_argument("--sides", default="8,16,24,32,48,64",
-                    help="patch-grid sides measured (N = side^2 patches)")
-    ap.add_argument("--headroom-gb", type=float, default=None,
-                    help="budget for the tower's peak (default: memory_headroom_gb)")
+    ap.add_argument(
+        "--activations",
+        action="store_true",
+        help="measure the tower's running peak (see the module help)",
+    )
+    ap.add_argument(
+        "--sides", default="8,16,24,32,48,64", help="patch-grid sides measured (N = side^2 patches)"
+    )
+    ap.add_argument(
+        "--headroom-gb",
+        type=float,
+        default=None,
+        help="budget for the tower's peak (default: memory_headroom_gb)",
+    )
     args = ap.parse_args()
     mini = load_config(k3dist.DATA_DIR / "mini-k3")
     real = json.loads(resources.files("k3dist").joinpath("data/kimi-k3-config.json").read_text())
-    idx = json.loads(gzip.decompress(resources.files("k3dist").joinpath(
-        "data/kimi-k3-model.safetensors.index.json.gz").read_bytes()))
+    idx = json.loads(
+        gzip.decompress(
+            resources.files("k3dist")
+            .joinpath("data/kimi-k3-model.safetensors.index.json.gz")
+            .read_bytes()
+        )
+    )
     names = {s.name for s in layout.vision_specs(real)}
     in_index = {n for n in idx["weight_map"] if n.startswith(layout.VISION_PREFIXES)}
     assert names == in_index, "the layout's vision tensors are not the reference index's"
-    report = {"command": " ".join(sys.argv), "mini_k3": per_rank(mini),
-              "kimi_k3": {**per_rank(real), "vision_tensors": len(names)}}
+    report = {
+        "command": " ".join(sys.argv),
+        "mini_k3": per_rank(mini),
+        "kimi_k3": {**per_rank(real), "vision_tensors": len(names)},
+    }
     if PLAN.exists():
         plan = json.loads(PLAN.read_text())
         total = plan["bytes_per_rank"]["total"]
         report["kimi_k3_graded_plan"] = {
-            "plan": PLAN.name, "usable_per_rank": plan["budget_per_rank"],
+            "plan": PLAN.name,
+            "usable_per_rank": plan["budget_per_rank"],
             "rank_total_without_tower": total,
-            "rank0_total_with_tower": total + report["kimi_k3"]["tower_bf16"]}
+            "rank0_total_with_tower": total + report["kimi_k3"]["tower_bf16"],
+        }
     if args.activations:
         from k3dist.format.deployment import Deployment
 
         report["tower_activations"] = activations(
-            real, [int(x) for x in args.sides.split(",")],
-            args.headroom_gb if args.headroom_gb is not None else Deployment().memory_headroom_gb)
+            real,
+            [int(x) for x in args.sides.split(",")],
+            args.headroom_gb if args.headroom_gb is not None else Deployment().memory_headroom_gb,
+        )
     record.emit(report, args.out)
 
 

@@ -30,9 +30,11 @@ KEYS = deployment.keys("rank")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     deployment.add_arguments(ap, KEYS)
-    ap.add_argument("--count", action="store_true",
-                    help="also report collectives per decode token and bytes held "
-                    "(k3dist.serve.introspect)")
+    ap.add_argument(
+        "--count",
+        action="store_true",
+        help="also report collectives per decode token and bytes held (k3dist.serve.introspect)",
+    )
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--prompt-ids", help="comma-separated token ids")
     g.add_argument("--prompt-random", type=int, help="N random base-vocab ids (seeded)")
@@ -46,9 +48,9 @@ def main() -> None:
     group = mx.distributed.init()
     rank = group.rank()
     t0 = time.perf_counter()
-    model, config, manifest = loader.load_rank(dep.rank_path(rank), group, dep.dtype,
-                                               dep.moe_form, dep.verify,
-                                               attention=dep.attention)
+    model, config, manifest = loader.load_rank(
+        dep.rank_path(rank), group, dep.dtype, dep.moe_form, dep.verify, attention=dep.attention
+    )
     t_load = time.perf_counter() - t0
     vocab = config["text_config"]["vocab_size"]
     if args.prompt_ids:
@@ -68,14 +70,27 @@ def main() -> None:
     if args.count:
         from k3dist.serve import introspect
 
-        counts = {"collectives_per_token": introspect.collectives_per_token(model),
-                  "bytes_held": introspect.bytes_held(model)}
-    print(json.dumps({"rank": rank, "size": group.size(), **counts,
-                      "attention": manifest.get("attention"),
-                      "moe_form": loader.resolve_form(dep.moe_form),
-                      "build_hash": manifest["build_hash"], "load_s": round(t_load, 2),
-                      "verify": manifest["verify"],
-                      "generate_s": round(t_gen, 2), "tokens": tokens}), flush=True)
+        counts = {
+            "collectives_per_token": introspect.collectives_per_token(model),
+            "bytes_held": introspect.bytes_held(model),
+        }
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "size": group.size(),
+                **counts,
+                "attention": manifest.get("attention"),
+                "moe_form": loader.resolve_form(dep.moe_form),
+                "build_hash": manifest["build_hash"],
+                "load_s": round(t_load, 2),
+                "verify": manifest["verify"],
+                "generate_s": round(t_gen, 2),
+                "tokens": tokens,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -83,11 +83,17 @@ def main(argv: list[str] | None = None) -> None:
     if size > 1:
         host, port = watchdog.coordinator_address(group, port=dep.watchdog_port)
         wd = watchdog.Watchdog(
-            rank, size, host, port, timeout_s=dep.watchdog_timeout_s,
+            rank,
+            size,
+            host,
+            port,
+            timeout_s=dep.watchdog_timeout_s,
             parent_pid=os.getppid() if dep.stop_with_launcher else None,
             on_lost=lambda r, why: server.abort_streams(f"rank {r} was lost ({why})"),
             on_stop=lambda why, origin: server.abort_streams(
-                f"server stopping: {why} (from rank {origin})"))
+                f"server stopping: {why} (from rank {origin})"
+            ),
+        )
         wd.start()
         watchdog.install_signal_handlers(wd)
         watchdog.install_failure_hook(wd)  # a failing rank tells the others why
@@ -95,58 +101,93 @@ def main(argv: list[str] | None = None) -> None:
 
     folder = rank_folder(dep, rank, size)
 
-    pre = preflight.preflight(folder, headroom_bytes=int(dep.memory_headroom_gb * 2**30),
-                              max_batch=dep.max_batch, max_context=dep.max_context,
-                              prefill_chunk=dep.prefill_chunk,
-                              prompt_cache_tokens=dep.prompt_cache_tokens, dtype=dep.dtype)
+    pre = preflight.preflight(
+        folder,
+        headroom_bytes=int(dep.memory_headroom_gb * 2**30),
+        max_batch=dep.max_batch,
+        max_context=dep.max_context,
+        prefill_chunk=dep.prefill_chunk,
+        prompt_cache_tokens=dep.prompt_cache_tokens,
+        dtype=dep.dtype,
+    )
     log(rank, f"preflight: {json.dumps(pre)}")
 
     t0 = time.perf_counter()
     model, config, manifest = loader.load_rank(
-        folder, group, dep.dtype, dep.moe_form, dep.verify,
-        peer_failure=wd.peer_failures.get if wd else None, attention=dep.attention)
+        folder,
+        group,
+        dep.dtype,
+        dep.moe_form,
+        dep.verify,
+        peer_failure=wd.peer_failures.get if wd else None,
+        attention=dep.attention,
+    )
     log(rank, f"{folder}: {Report(**manifest['verify']).summary()}")
     tokenizer = load_tokenizer(folder, {"trust_remote_code": False})
-    log(rank, f"loaded {folder} (build {manifest['build_hash']}, placement "
-              f"{manifest['placement_hash']}, moe form {loader.resolve_form(dep.moe_form)}) "
-              f"in {time.perf_counter() - t0:.1f}s")
+    log(
+        rank,
+        f"loaded {folder} (build {manifest['build_hash']}, placement "
+        f"{manifest['placement_hash']}, moe form {loader.resolve_form(dep.moe_form)}) "
+        f"in {time.perf_counter() - t0:.1f}s",
+    )
 
     model.chunk_sizes = warmup.chunk_sizes(dep.prefill_chunk)
     warm = None
     if dep.warmup:
         defaults = {"temp": dep.temperature, "top_p": dep.top_p}  # the deployment's own
-        warm = warmup.warm_up(model, dep.prefill_chunk, config["text_config"]["vocab_size"],
-                              (*warmup.SAMPLERS, defaults), dep.max_batch)
+        warm = warmup.warm_up(
+            model,
+            dep.prefill_chunk,
+            config["text_config"]["vocab_size"],
+            (*warmup.SAMPLERS, defaults),
+            dep.max_batch,
+        )
         log(rank, f"warm-up: {json.dumps(warm)}")
     beat = keepawake.DeviceHeartbeat(dep.heartbeat_s)
     beat.start()
 
-    info = {"ranks": size, "build_hash": manifest["build_hash"],
-            "placement": manifest["placement"]["kind"],
-            "placement_hash": manifest["placement_hash"],
-            "moe_form": loader.resolve_form(dep.moe_form), "dtype": dep.dtype,
-            "attention": manifest.get("attention"),
-            "max_context": dep.max_context, "prefill_chunks": model.chunk_sizes,
-            "max_batch": dep.max_batch,
-            "vocab_size": config["text_config"]["vocab_size"],
-            "warmup": warm, "warmup_kernels": warmup.jit_kernels_loaded(),
-            "blas": k3dist.blas_status(), "preflight": pre,
-            "verify": manifest["verify"]["mode"]}
-    args = server.cli_args(model_id=dep.model_id, max_tokens=dep.max_tokens,
-                           temp=dep.temperature, top_p=dep.top_p,
-                           prefill_step_size=dep.prefill_chunk, cors_origins=dep.cors_origins,
-                           max_batch=dep.max_batch)
+    info = {
+        "ranks": size,
+        "build_hash": manifest["build_hash"],
+        "placement": manifest["placement"]["kind"],
+        "placement_hash": manifest["placement_hash"],
+        "moe_form": loader.resolve_form(dep.moe_form),
+        "dtype": dep.dtype,
+        "attention": manifest.get("attention"),
+        "max_context": dep.max_context,
+        "prefill_chunks": model.chunk_sizes,
+        "max_batch": dep.max_batch,
+        "vocab_size": config["text_config"]["vocab_size"],
+        "warmup": warm,
+        "warmup_kernels": warmup.jit_kernels_loaded(),
+        "blas": k3dist.blas_status(),
+        "preflight": pre,
+        "verify": manifest["verify"]["mode"],
+    }
+    args = server.cli_args(
+        model_id=dep.model_id,
+        max_tokens=dep.max_tokens,
+        temp=dep.temperature,
+        top_p=dep.top_p,
+        prefill_step_size=dep.prefill_chunk,
+        cors_origins=dep.cors_origins,
+        max_batch=dep.max_batch,
+    )
     provider = server.K3ModelProvider(args, model, tokenizer, dep.model_id)
     limits = None
     if dep.vision:  # mlx-vlm is imported only here
         from k3dist.serve import vision
 
-        provider.processor = vision.attach(model, folder, config, tokenizer, group,
-                                           loader.DTYPES[dep.dtype])
+        provider.processor = vision.attach(
+            model, folder, config, tokenizer, group, loader.DTYPES[dep.dtype]
+        )
         limits = vision.VisionLimits(dep.max_images, dep.max_image_pixels, dep.image_dir)
-        log(rank, f"vision: on (tower on rank {vision.TOWER_RANK}; at most {dep.max_images} "
-                  f"images of {dep.max_image_pixels:,} pixels; local images "
-                  f"{dep.image_dir or 'off'})")
+        log(
+            rank,
+            f"vision: on (tower on rank {vision.TOWER_RANK}; at most {dep.max_images} "
+            f"images of {dep.max_image_pixels:,} pixels; local images "
+            f"{dep.image_dir or 'off'})",
+        )
     token_log = Path(dep.token_log.format(rank=rank)) if dep.token_log else None
     if token_log is not None:
         token_log.parent.mkdir(parents=True, exist_ok=True)
@@ -155,21 +196,39 @@ def main(argv: list[str] | None = None) -> None:
     if dep.prefix_cache_dir:  # imported only when configured
         from k3dist.serve import prefix_store
 
-        ident = prefix_store.Identity(manifest["build_hash"], manifest["placement_hash"],
-                                      dep.attention if size > 1 else "replicated",
-                                      dep.dtype, rank, size)
-        store = prefix_store.PrefixStore(dep.prefix_cache_dir, ident,
-                                         int(dep.prefix_cache_gb * 1e9),
-                                         dep.prefix_cache_min_tokens, group)
+        ident = prefix_store.Identity(
+            manifest["build_hash"],
+            manifest["placement_hash"],
+            dep.attention if size > 1 else "replicated",
+            dep.dtype,
+            rank,
+            size,
+        )
+        store = prefix_store.PrefixStore(
+            dep.prefix_cache_dir,
+            ident,
+            int(dep.prefix_cache_gb * 1e9),
+            dep.prefix_cache_min_tokens,
+            group,
+        )
         info["prefix_cache"] = store.report()
         log(rank, f"prefix cache: {json.dumps(store.report())}")
-    server.serve(dep.host, dep.port, provider, max_context=dep.max_context, info=info,
-                 vocab_size=config["text_config"]["vocab_size"],
-                 max_queued_requests=dep.max_queued_requests,
-                 max_connections=dep.max_connections, token_log=token_log,
-                 vision_limits=limits, api_key=api_key,
-                 prompt_cache_tokens=dep.prompt_cache_tokens, prefix_store=store,
-                 idle_gate=wd)
+    server.serve(
+        dep.host,
+        dep.port,
+        provider,
+        max_context=dep.max_context,
+        info=info,
+        vocab_size=config["text_config"]["vocab_size"],
+        max_queued_requests=dep.max_queued_requests,
+        max_connections=dep.max_connections,
+        token_log=token_log,
+        vision_limits=limits,
+        api_key=api_key,
+        prompt_cache_tokens=dep.prompt_cache_tokens,
+        prefix_store=store,
+        idle_gate=wd,
+    )
 
 
 if __name__ == "__main__":

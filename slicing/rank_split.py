@@ -40,19 +40,27 @@ def main() -> None:
             print(f"{build}: missing; making the default mini build")
             default.ensure_default_build(progress=True)
         placement = slicing.placement_for(build, d.size, d.placement_counts)
-        print(f"build {build}, {d.size} ranks, placement {placement.kind} "
-              f"({placement.hash})")
+        print(f"build {build}, {d.size} ranks, placement {placement.kind} ({placement.hash})")
         if args.all:
-            paths = slicing.slice_all(build, d.rank_dir, d.size, placement,
-                                      attention=d.attention)
+            paths = slicing.slice_all(build, d.rank_dir, d.size, placement, attention=d.attention)
         else:
-            paths = [slicing.slice_rank(build, d.rank_path(args.rank), args.rank, d.size,
-                                        placement, attention=d.attention)]
+            paths = [
+                slicing.slice_rank(
+                    build,
+                    d.rank_path(args.rank),
+                    args.rank,
+                    d.size,
+                    placement,
+                    attention=d.attention,
+                )
+            ]
         for p in paths:
             m = manifest.verify(p, "rank")
             a = manifest.attention_of(m)
-            print(f"rank {m['rank']}: {p} ({m['expert_bytes']:,} expert bytes, attention "
-                  f"{a['mode']} over layers {a['split_layers']})")
+            print(
+                f"rank {m['rank']}: {p} ({m['expert_bytes']:,} expert bytes, attention "
+                f"{a['mode']} over layers {a['split_layers']})"
+            )
     except (CheckpointError, PlacementError, ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -90,18 +90,23 @@ EFFORT_TEXT = (
 )
 TOOL_CHOICE_TEXT = {
     "required": "The system is invoked with `tool_choice=required`.\n"
-                "You MUST call tools in the next message.",
+    "You MUST call tools in the next message.",
     "none": "The system is invoked with `tool_choice=none`.\n"
-            "You MUST NOT call any tools in the next message.",
+    "You MUST NOT call any tools in the next message.",
 }
-_RAW_JSON = ("Your response must be raw JSON data without markdown code blocks (```json) "
-             "or any additional formatting.")
+_RAW_JSON = (
+    "Your response must be raw JSON data without markdown code blocks (```json) "
+    "or any additional formatting."
+)
 JSON_OBJECT_TEXT = f"The system is invoked with `response_format=json_object`.\n{_RAW_JSON}"
-JSON_SCHEMA_TEXT = (f"The system is invoked with `response_format=json_schema`.\n{_RAW_JSON}\n"
-                    "The JSON data must match the following schema:\n```json\n{}\n```")
+JSON_SCHEMA_TEXT = (
+    f"The system is invoked with `response_format=json_schema`.\n{_RAW_JSON}\n"
+    "The JSON data must match the following schema:\n```json\n{}\n```"
+)
 
 
 # ----------------------------------------------------------------------------- Python renderer
+
 
 def _attr(value: Any) -> str:
     return str(value).replace("&", "&amp;").replace('"', "&quot;")
@@ -180,8 +185,9 @@ def _arguments(arguments: Any) -> str:
     if arguments is None:
         return ""
     if not isinstance(arguments, Mapping):
-        raise ValueError(f"tool-call arguments must be an object or a JSON string, "
-                         f"got {arguments!r}")
+        raise ValueError(
+            f"tool-call arguments must be an object or a JSON string, got {arguments!r}"
+        )
     return "".join(
         open_tag("argument", key=key, type=_value_type(value))
         + (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
@@ -204,8 +210,11 @@ def _assistant(message: Mapping, thinking: bool) -> str:
             fn = _function(call)
             if fn.get("name") is None:
                 raise ValueError(f"tool call {call!r} has no function name")
-            body += (open_tag("call", tool=fn["name"], index=index)
-                     + _arguments(fn.get("arguments")) + close_tag("call"))
+            body += (
+                open_tag("call", tool=fn["name"], index=index)
+                + _arguments(fn.get("arguments"))
+                + close_tag("call")
+            )
         body += close_tag("tools")
     return _message(body, **_named("assistant", message))
 
@@ -251,14 +260,20 @@ def render(
     """
     out = []
     if tools:
-        out.append(_message(TOOLS_HEADER + _compact_json(tools) + "\n```",
-                            role="system", type="tool-declare"))
+        out.append(
+            _message(
+                TOOLS_HEADER + _compact_json(tools) + "\n```", role="system", type="tool-declare"
+            )
+        )
     if thinking and thinking_effort is not None:
         if thinking_effort not in THINKING_EFFORTS:
-            raise ValueError(f"thinking_effort={thinking_effort!r} is not supported; use one "
-                             f"of {', '.join(THINKING_EFFORTS)} or None")
-        out.append(_message(EFFORT_TEXT.format(thinking_effort),
-                            role="system", type="thinking-effort"))
+            raise ValueError(
+                f"thinking_effort={thinking_effort!r} is not supported; use one "
+                f"of {', '.join(THINKING_EFFORTS)} or None"
+            )
+        out.append(
+            _message(EFFORT_TEXT.format(thinking_effort), role="system", type="thinking-effort")
+        )
 
     calls: list[Mapping] | None = None
     tool_index = 0
@@ -275,25 +290,36 @@ def render(
                 if name is None and calls and tool_index <= len(calls):
                     name = _function(calls[tool_index - 1]).get("name")
                 if name is None:
-                    raise ValueError(f"tool message {result!r} needs a tool name: give `tool`"
-                                     "/`name` or a `tool_call_id` of the assistant's calls")
-                out.append(_message(_content(result.get("content")),
-                                    role="tool", tool=name, index=tool_index))
+                    raise ValueError(
+                        f"tool message {result!r} needs a tool name: give `tool`"
+                        "/`name` or a `tool_call_id` of the assistant's calls"
+                    )
+                out.append(
+                    _message(
+                        _content(result.get("content")), role="tool", tool=name, index=tool_index
+                    )
+                )
             i = j
             continue
         if role == "user":
             out.append(_message(_content(message.get("content")), **_named("user", message)))
         elif role == "system" and message.get("tools"):
-            out.append(_message(NEW_TOOLS_HEADER + _compact_json(message["tools"]) + "\n```",
-                                role="system", type="tool-declare"))
+            out.append(
+                _message(
+                    NEW_TOOLS_HEADER + _compact_json(message["tools"]) + "\n```",
+                    role="system",
+                    type="tool-declare",
+                )
+            )
         elif role == "system":
             out.append(_message(_content(message.get("content")), **_named("system", message)))
         elif role == "assistant":
             calls, tool_index = message.get("tool_calls"), 0
             out.append(_assistant(message, thinking))
         else:
-            raise ValueError(f"unknown message role {role!r}; K3 knows system, user, "
-                             "assistant and tool")
+            raise ValueError(
+                f"unknown message role {role!r}; K3 knows system, user, assistant and tool"
+            )
         i += 1
 
     if isinstance(tool_choice, str) and tool_choice in TOOL_CHOICE_TEXT:
@@ -304,11 +330,17 @@ def render(
     elif kind == "json_schema":
         wrapper = response_format.get("json_schema")
         schema = wrapper.get("schema", wrapper) if isinstance(wrapper, Mapping) else wrapper
-        out.append(_message(JSON_SCHEMA_TEXT.format(_compact_json(schema)),
-                            role="system", type="response-format"))
+        out.append(
+            _message(
+                JSON_SCHEMA_TEXT.format(_compact_json(schema)),
+                role="system",
+                type="response-format",
+            )
+        )
     if add_generation_prompt:
-        out.append(open_tag("message", role="assistant")
-                   + open_tag("think" if thinking else "response"))
+        out.append(
+            open_tag("message", role="assistant") + open_tag("think" if thinking else "response")
+        )
     return "".join(out)
 
 

@@ -10,8 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def mini_src(tmp_path_factory):
     """One mini-K3 source checkpoint for the session (read-only: copy to corrupt)."""
-    return synth.synthesize(tmp_path_factory.mktemp("src") / "mini", "mini", seed=0,
-                            progress=False)
+    return synth.synthesize(tmp_path_factory.mktemp("src") / "mini", "mini", seed=0, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -19,5 +19,8 @@ def build_fast_tokenizer(model_dir: Path):
     config = hf_tokenizer_config(model_dir)
     entries = list(config.pop("added_tokens_decoder").values())
     config.pop("tokenizer_class")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer_backend(model_dir, entries),
-                                   chat_template=CHAT_TEMPLATE, **config)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer_backend(model_dir, entries),
+        chat_template=CHAT_TEMPLATE,
+        **config,
+    )

@@ -49,8 +49,14 @@ def post_raw(url: str, data: bytes, timeout: float = 30.0):
 
 
 class Server:
-    def __init__(self, rank_pattern: str, tmp: Path, extra: tuple[str, ...] = (),
-                 entry: Path | None = None, env: dict | None = None):
+    def __init__(
+        self,
+        rank_pattern: str,
+        tmp: Path,
+        extra: tuple[str, ...] = (),
+        entry: Path | None = None,
+        env: dict | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tmp = tmp
@@ -59,17 +65,41 @@ class Server:
         (tmp / "home").mkdir(parents=True, exist_ok=True)
         launcher = Path(sys.executable).with_name("mlx.launch")
         self.log = open(tmp / "server.log", "w")
-        cmd = [str(launcher), "-n", "2", "-p", str(free_base_port(2)), "--python", sys.executable,
-               str(entry or REPO / "launch/serve.py"), "--rank-dir", rank_pattern,
-               "--port", str(self.port), "--max-context", str(MAX_CONTEXT),
-               "--prefill-chunk", "32", "--token-log", str(tmp / "tokens-{rank}.jsonl"),
-               "--watchdog-timeout-s", "15", *extra]
+        cmd = [
+            str(launcher),
+            "-n",
+            "2",
+            "-p",
+            str(free_base_port(2)),
+            "--python",
+            sys.executable,
+            str(entry or REPO / "launch/serve.py"),
+            "--rank-dir",
+            rank_pattern,
+            "--port",
+            str(self.port),
+            "--max-context",
+            str(MAX_CONTEXT),
+            "--prefill-chunk",
+            "32",
+            "--token-log",
+            str(tmp / "tokens-{rank}.jsonl"),
+            "--watchdog-timeout-s",
+            "15",
+            *extra,
+        ]
         # stdin a pipe, written once the ranks run: mlx.launch spins on a stdin at EOF,
         # and on each rank's stdin pipe until a write to it fails (the ranks close theirs;
         # k3dist.serve.supervise does the same)
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+        )
         deadline = time.time() + 240
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -112,8 +142,7 @@ class Server:
         return out
 
     def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0,
-                             timeout=60)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -132,8 +161,10 @@ def rank_folders(build: Path, out: Path) -> str:
     return str(out / "rank{rank}")
 
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Write a Python function that adds two numbers."}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Write a Python function that adds two numbers."},
+]
 
 
 def reference_tokens(build: Path, messages, max_tokens: int, temp: float, seed: int):
@@ -141,12 +172,14 @@ def reference_tokens(build: Path, messages, max_tokens: int, temp: float, seed: 
     model, _ = load_model(build)
     model.set_dtype(mx.float32)
     tok = load_tokenizer(build, {"trust_remote_code": False})
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tools=None,
-                                     tokenize=True)
+    prompt = tok.apply_chat_template(
+        messages, add_generation_prompt=True, tools=None, tokenize=True
+    )
     mx.random.seed(seed)
     out = []
-    for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
-                              sampler=make_sampler(temp, top_p=1.0)):
+    for t, _ in generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, sampler=make_sampler(temp, top_p=1.0)
+    ):
         t = int(t)
         out.append(t)
         if t in tok.eos_token_ids:
@@ -179,16 +212,27 @@ COMPL = "/v1/completions"
 HI = {"prompt": "hi", "max_tokens": 2}
 
 
-def post_conn(port: int, body: dict | bytes, path: str = COMPL, headers: dict | None = None,
-               method: str = "POST", host: str = "127.0.0.1", timeout: float = 300):
+def post_conn(
+    port: int,
+    body: dict | bytes,
+    path: str = COMPL,
+    headers: dict | None = None,
+    method: str = "POST",
+    host: str = "127.0.0.1",
+    timeout: float = 300,
+):
     """One request on its own connection: (status or exception name, headers, body)."""
     import http.client
 
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request(method, path, data if method == "POST" else None,
-                     {"Content-Type": "application/json", **(headers or {})})
+        conn.request(
+            method,
+            path,
+            data if method == "POST" else None,
+            {"Content-Type": "application/json", **(headers or {})},
+        )
         r = conn.getresponse()
         return r.status, dict(r.getheaders()), r.read()
     except Exception as e:  # a reset must show up as such, not fail the thread
@@ -233,8 +277,10 @@ def stream_socket(port: int, body: dict, chunks: int) -> socket.socket:
     """Open a streamed completion on a raw socket and read until `chunks` data events."""
     s = socket.create_connection(("127.0.0.1", port), timeout=120)
     data = json.dumps({**body, "stream": True}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json"
-              b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json"
+        b"\r\nContent-Length: %d\r\n\r\n" % len(data) + data
+    )
     got = b""
     while got.count(b"data: {") < chunks:
         more = s.recv(65536)

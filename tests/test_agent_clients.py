@@ -30,14 +30,17 @@ FILE_TEXT = "hello from the file"
 
 
 def _installed(p: Path):
-    return pytest.mark.skipif(not p.exists(), reason=f"{p.relative_to(REPO)} is not "
-                              "installed (.ci/run installs it)")
+    return pytest.mark.skipif(
+        not p.exists(), reason=f"{p.relative_to(REPO)} is not installed (.ci/run installs it)"
+    )
 
 
 def k3_call(name: str, args: dict[str, str]) -> str:
     """K3's text for one call of a tool with string arguments."""
-    a = "".join(f'<|open|>argument key="{k}" type="string"<|sep|>{v}<|close|>argument<|sep|>'
-                for k, v in args.items())
+    a = "".join(
+        f'<|open|>argument key="{k}" type="string"<|sep|>{v}<|close|>argument<|sep|>'
+        for k, v in args.items()
+    )
     return f'<|open|>call tool="{name}" index="1"<|sep|>{a}<|close|>call<|sep|>'
 
 
@@ -52,13 +55,32 @@ def work(tmp_path_factory) -> Path:
 def srv(ranks, work, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent-clients")
     calls = tmp / "tool-calls.json"
-    calls.write_text(json.dumps({
-        "Read": k3_call("Read", {"file_path": str(work / "hello.txt")}),
-        "exec_command": k3_call("exec_command", {"cmd": "cat hello.txt"})}))
-    s = Server(ranks, tmp, ("--tool-calls", str(calls), "--prompt-log", str(tmp / "prompts.txt"),
-                            "--max-context", "16384", "--prefill-chunk", "512", "--max-batch",
-                            "1", "--no-warmup"),
-               entry=REPO / "tests/scripts/serve_scripted.py")
+    calls.write_text(
+        json.dumps(
+            {
+                "Read": k3_call("Read", {"file_path": str(work / "hello.txt")}),
+                "exec_command": k3_call("exec_command", {"cmd": "cat hello.txt"}),
+            }
+        )
+    )
+    s = Server(
+        ranks,
+        tmp,
+        (
+            "--tool-calls",
+            str(calls),
+            "--prompt-log",
+            str(tmp / "prompts.txt"),
+            "--max-context",
+            "16384",
+            "--prefill-chunk",
+            "512",
+            "--max-batch",
+            "1",
+            "--no-warmup",
+        ),
+        entry=REPO / "tests/scripts/serve_scripted.py",
+    )
     yield s
     s.stop()
 
@@ -71,24 +93,52 @@ def _env(tmp: Path, **extra: str) -> dict:
 
 
 def _run(cmd: list[str], env: dict, cwd: Path, timeout: float = 900):
-    r = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True,
-                       timeout=timeout, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        cmd,
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
     return r.returncode, r.stdout, r.stderr
 
 
 def _claude(srv, work: Path, tmp: Path, *args: str) -> list[dict]:
-    env = _env(tmp, ANTHROPIC_BASE_URL=srv.url, ANTHROPIC_API_KEY="dummy-key",
-               CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", DISABLE_TELEMETRY="1",
-               DISABLE_AUTOUPDATER="1", DISABLE_ERROR_REPORTING="1",
-               # the mini server's context is small: Claude Code asks 32000 by default
-               CLAUDE_CODE_MAX_OUTPUT_TOKENS="200")
-    rc, out, err = _run([str(CLAUDE), "-p", *args, "--model", "kimi-k3",
-                         "--output-format", "stream-json", "--verbose"], env, work)
+    env = _env(
+        tmp,
+        ANTHROPIC_BASE_URL=srv.url,
+        ANTHROPIC_API_KEY="dummy-key",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        DISABLE_TELEMETRY="1",
+        DISABLE_AUTOUPDATER="1",
+        DISABLE_ERROR_REPORTING="1",
+        # the mini server's context is small: Claude Code asks 32000 by default
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS="200",
+    )
+    rc, out, err = _run(
+        [
+            str(CLAUDE),
+            "-p",
+            *args,
+            "--model",
+            "kimi-k3",
+            "--output-format",
+            "stream-json",
+            "--verbose",
+        ],
+        env,
+        work,
+    )
     events = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert events and events[-1]["type"] == "result", (rc, out[-3000:], err[-3000:])
     result = events[-1]
-    assert rc == 0 and result["subtype"] == "success" and not result["is_error"], \
-        (result, err[-2000:], srv.output()[-3000:])
+    assert rc == 0 and result["subtype"] == "success" and not result["is_error"], (
+        result,
+        err[-2000:],
+        srv.output()[-3000:],
+    )
     assert result["result"] == "Hi."
     return events
 
@@ -97,22 +147,42 @@ def _claude(srv, work: Path, tmp: Path, *args: str) -> list[dict]:
 def test_claude_code_bare_and_default_with_a_tool_round_trip(srv, work, tmp_path):
     # --bare: thinking (adaptive) on, three tools, stream-json
     events = _claude(srv, work, tmp_path, "--bare", "say hi")
-    blocks = [b["type"] for e in events if e["type"] == "assistant"
-              for b in e["message"]["content"]]
+    blocks = [
+        b["type"] for e in events if e["type"] == "assistant" for b in e["message"]["content"]
+    ]
     assert blocks == ["thinking", "text"], blocks
     # default mode (a system message inside messages; /v1/messages?beta=true), its own
     # short system prompt and one tool: the model calls Read, Claude Code runs it and
     # sends the file back as a tool_result, the model answers
-    events = _claude(srv, work, tmp_path, "CALL_TOOL: read hello.txt",
-                     "--system-prompt", "Be terse.", "--tools", "Read",
-                     "--allowedTools", "Read")
-    uses = [b for e in events if e["type"] == "assistant" for b in e["message"]["content"]
-            if b["type"] == "tool_use"]
+    events = _claude(
+        srv,
+        work,
+        tmp_path,
+        "CALL_TOOL: read hello.txt",
+        "--system-prompt",
+        "Be terse.",
+        "--tools",
+        "Read",
+        "--allowedTools",
+        "Read",
+    )
+    uses = [
+        b
+        for e in events
+        if e["type"] == "assistant"
+        for b in e["message"]["content"]
+        if b["type"] == "tool_use"
+    ]
     assert [(u["name"], u["input"]) for u in uses] == [
-        ("Read", {"file_path": str(work / "hello.txt")})]
-    results = [b for e in events if e["type"] == "user"
-               for b in (e["message"]["content"] if isinstance(e["message"]["content"], list)
-                         else []) if b.get("type") == "tool_result"]
+        ("Read", {"file_path": str(work / "hello.txt")})
+    ]
+    results = [
+        b
+        for e in events
+        if e["type"] == "user"
+        for b in (e["message"]["content"] if isinstance(e["message"]["content"], list) else [])
+        if b.get("type") == "tool_result"
+    ]
     assert len(results) == 1 and results[0]["tool_use_id"] == uses[0]["id"]
     assert FILE_TEXT in json.dumps(results[0]["content"])
     assert "?beta=true" in srv.output()
@@ -121,23 +191,44 @@ def test_claude_code_bare_and_default_with_a_tool_round_trip(srv, work, tmp_path
 def _codex(srv, work: Path, tmp: Path, prompt: str) -> list[dict]:
     (tmp / "codex").mkdir(parents=True)
     (tmp / "instructions.md").write_text("You are a coding agent. Be terse.\n")
-    provider = (f'{{name="k3", base_url="{srv.url}/v1", env_key="K3_API_KEY", '
-                'wire_api="responses", stream_idle_timeout_ms=60000, '
-                'request_max_retries=0, stream_max_retries=0}')
+    provider = (
+        f'{{name="k3", base_url="{srv.url}/v1", env_key="K3_API_KEY", '
+        'wire_api="responses", stream_idle_timeout_ms=60000, '
+        "request_max_retries=0, stream_max_retries=0}"
+    )
     env = _env(tmp, CODEX_HOME=str(tmp / "codex"), K3_API_KEY="dummy-key")
     # its default tools (functions, a namespace, web_search) as sent; only the long
     # base instructions are replaced, to keep the mini's prefill short. Idle timeout 60 s:
     # a prefill longer than that (minutes here under load) must send progress events
-    rc, out, err = _run([str(CODEX), "exec", "--skip-git-repo-check", "--json",
-                         "-m", "kimi-k3", "-c", 'model_provider="k3"',
-                         "-c", f"model_providers.k3={provider}",
-                         "-c", f'model_instructions_file="{tmp / "instructions.md"}"',
-                         "-c", "analytics.enabled=false", prompt], env, work)
+    rc, out, err = _run(
+        [
+            str(CODEX),
+            "exec",
+            "--skip-git-repo-check",
+            "--json",
+            "-m",
+            "kimi-k3",
+            "-c",
+            'model_provider="k3"',
+            "-c",
+            f"model_providers.k3={provider}",
+            "-c",
+            f'model_instructions_file="{tmp / "instructions.md"}"',
+            "-c",
+            "analytics.enabled=false",
+            prompt,
+        ],
+        env,
+        work,
+    )
     events = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     kinds = [e["type"] for e in events]
     assert rc == 0 and kinds[-1] == "turn.completed", (rc, out[-3000:], err[-3000:])
-    said = [e["item"].get("text") for e in events if e["type"] == "item.completed"
-            and e["item"]["type"] == "agent_message"]
+    said = [
+        e["item"].get("text")
+        for e in events
+        if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"
+    ]
     assert said == ["Hi."], events
     return events
 
@@ -151,12 +242,15 @@ def test_codex_exec_with_its_default_tools_and_a_tool_round_trip(srv, work, tmp_
     prompts = srv.tmp / "prompts.txt"
     seen = prompts.read_text() if prompts.exists() else ""
     events = _codex(srv, work, tmp_path / "tool", "CALL_TOOL: cat hello.txt")
-    runs = [e["item"] for e in events if e["type"] == "item.completed"
-            and e["item"]["type"] == "command_execution"]
+    runs = [
+        e["item"]
+        for e in events
+        if e["type"] == "item.completed" and e["item"]["type"] == "command_execution"
+    ]
     assert len(runs) == 1 and "cat hello.txt" in runs[0]["command"], events
     assert FILE_TEXT in runs[0]["aggregated_output"] and runs[0]["exit_code"] == 0, runs
     # what reached the model: the call's request, then the one with the command's output
-    new = (prompts.read_text())[len(seen):].split("<|end of prompt|>")[:-1]
+    new = (prompts.read_text())[len(seen) :].split("<|end of prompt|>")[:-1]
     assert len(new) == 2 and 'role="tool"' not in new[0], new
     assert 'role="tool"' in new[1] and FILE_TEXT in new[1].split('role="tool"', 1)[1]
 
@@ -165,16 +259,48 @@ def test_codex_exec_with_its_default_tools_and_a_tool_round_trip(srv, work, tmp_
 def test_aider_chat_turn(srv, work, tmp_path):
     # aider's model table would be fetched from the internet: its own metadata file
     meta = tmp_path / "models.json"
-    meta.write_text(json.dumps({"openai/kimi-k3": {
-        "max_input_tokens": 8192, "max_output_tokens": 64, "input_cost_per_token": 0,
-        "output_cost_per_token": 0, "litellm_provider": "openai", "mode": "chat"}}))
-    env = _env(tmp_path, OPENAI_API_BASE=srv.url + "/v1", OPENAI_API_KEY="dummy-key",
-               LITELLM_LOCAL_MODEL_COST_MAP="True")
-    rc, out, err = _run([str(AIDER), "--model", "openai/kimi-k3", "--model-metadata-file",
-                         str(meta), "--no-git", "--yes-always", "--no-check-update",
-                         "--analytics-disable", "--no-show-model-warnings", "--no-pretty",
-                         "--no-stream", "--map-tokens", "0", "--message", "say hi"],
-                        env, work)
+    meta.write_text(
+        json.dumps(
+            {
+                "openai/kimi-k3": {
+                    "max_input_tokens": 8192,
+                    "max_output_tokens": 64,
+                    "input_cost_per_token": 0,
+                    "output_cost_per_token": 0,
+                    "litellm_provider": "openai",
+                    "mode": "chat",
+                }
+            }
+        )
+    )
+    env = _env(
+        tmp_path,
+        OPENAI_API_BASE=srv.url + "/v1",
+        OPENAI_API_KEY="dummy-key",
+        LITELLM_LOCAL_MODEL_COST_MAP="True",
+    )
+    rc, out, err = _run(
+        [
+            str(AIDER),
+            "--model",
+            "openai/kimi-k3",
+            "--model-metadata-file",
+            str(meta),
+            "--no-git",
+            "--yes-always",
+            "--no-check-update",
+            "--analytics-disable",
+            "--no-show-model-warnings",
+            "--no-pretty",
+            "--no-stream",
+            "--map-tokens",
+            "0",
+            "--message",
+            "say hi",
+        ],
+        env,
+        work,
+    )
     assert rc == 0 and "Hi." in out, (rc, out[-3000:], err[-3000:])
     assert "Error" not in out and "raw.githubusercontent" not in out + err, out[-3000:]
 
@@ -185,27 +311,47 @@ def test_scripted_server_calls_the_tool_of_its_flag(srv, work):
     import anthropic
 
     client = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
-    tools = [{"name": "Read", "description": "read a file",
-              "input_schema": {"type": "object",
-                               "properties": {"file_path": {"type": "string"}}}}]
+    tools = [
+        {
+            "name": "Read",
+            "description": "read a file",
+            "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}},
+        }
+    ]
     ask = [{"role": "user", "content": "CALL_TOOL: read hello.txt"}]
     m = client.messages.create(model="kimi-k3", max_tokens=1024, tools=tools, messages=ask)
     use = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and len(use) == 1, m
     assert use[0].name == "Read" and use[0].input == {"file_path": str(work / "hello.txt")}
-    done = client.messages.create(model="kimi-k3", max_tokens=1024, tools=tools, messages=[
-        *ask, {"role": "assistant", "content": m.content},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
-                                      "content": FILE_TEXT}]}])
+    done = client.messages.create(
+        model="kimi-k3",
+        max_tokens=1024,
+        tools=tools,
+        messages=[
+            *ask,
+            {"role": "assistant", "content": m.content},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": use[0].id, "content": FILE_TEXT}
+                ],
+            },
+        ],
+    )
     assert done.stop_reason == "end_turn" and done.content[-1].text == "Hi.", done
 
 
 def test_routes_ignore_the_query_and_answer_head_and_unknown_paths(srv):
     from serving import post_conn
 
-    hi = {"model": "kimi-k3", "max_tokens": 64,
-          "messages": [{"role": "user", "content": "hi"},
-                       {"role": "system", "content": "Mid-conversation note."}]}
+    hi = {
+        "model": "kimi-k3",
+        "max_tokens": 64,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": "Mid-conversation note."},
+        ],
+    }
     status, _, body = post_conn(srv.port, hi, "/v1/messages/count_tokens?beta=true")
     assert status == 200 and json.loads(body)["input_tokens"] > 0, body
     status, _, body = post_conn(srv.port, hi, "/v1/messages?beta=true&x=1")
@@ -213,13 +359,18 @@ def test_routes_ignore_the_query_and_answer_head_and_unknown_paths(srv):
     # unknown paths: 404 in the API's shape (the body unread, no reset)
     status, _, body = post_conn(srv.port, hi, "/v1/messages/batches?beta=true")
     err = json.loads(body)
-    assert status == 404 and err["type"] == "error" and \
-        err["error"]["type"] == "not_found_error", body
+    assert status == 404 and err["type"] == "error" and err["error"]["type"] == "not_found_error", (
+        body
+    )
     status, _, body = post_conn(srv.port, {"x": 1}, "/v1/nothing")
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found", body
     # HEAD: GET's status and headers, no body
-    for path, want in (("/", 200), ("/health?probe=1", 200), ("/v1/models", 200),
-                       ("/v1/nothing", 404)):
+    for path, want in (
+        ("/", 200),
+        ("/health?probe=1", 200),
+        ("/v1/models", 200),
+        ("/v1/nothing", 404),
+    ):
         status, headers, body = post_conn(srv.port, b"", path, method="HEAD")
         assert status == want and body == b"", (path, status, body)
         assert int(headers["Content-Length"]) > 0
@@ -231,54 +382,102 @@ def test_agent_tool_kinds_and_system_messages_translate():
     from k3dist.serve import anthropic_api, relay, responses_api
 
     schema = {"type": "object", "properties": {"path": {"type": "string"}}}
-    chat = anthropic_api.to_chat({
-        "model": "kimi-k3", "max_tokens": 8,
-        "tools": [{"name": "Read", "input_schema": schema},
-                  {"name": "Grep", "input_schema": schema},
-                  {"type": "web_search_20250305", "name": "web_search", "max_uses": 2}],
-        "tool_choice": {"type": "tool", "name": "Grep"},
-        "messages": [{"role": "user", "content": "a"},
-                     {"role": "system", "content": [{"type": "text", "text": "env"}]}]})
-    assert [(m["role"], m["content"]) for m in chat["messages"]] == [("user", "a"),
-                                                                     ("system", "env")]
+    chat = anthropic_api.to_chat(
+        {
+            "model": "kimi-k3",
+            "max_tokens": 8,
+            "tools": [
+                {"name": "Read", "input_schema": schema},
+                {"name": "Grep", "input_schema": schema},
+                {"type": "web_search_20250305", "name": "web_search", "max_uses": 2},
+            ],
+            "tool_choice": {"type": "tool", "name": "Grep"},
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "system", "content": [{"type": "text", "text": "env"}]},
+            ],
+        }
+    )
+    assert [(m["role"], m["content"]) for m in chat["messages"]] == [
+        ("user", "a"),
+        ("system", "env"),
+    ]
     assert [t["function"]["name"] for t in chat["tools"]] == ["Grep"]  # the named one
     assert chat["chat_template_kwargs"]["tool_choice"] == "required"
-    for choice, needle in (({"type": "tool", "name": "web_search"}, "not among"),
-                           ({"type": "tool"}, "not among")):
+    for choice, needle in (
+        ({"type": "tool", "name": "web_search"}, "not among"),
+        ({"type": "tool"}, "not among"),
+    ):
         with pytest.raises(relay.BadRequest, match=needle):
-            anthropic_api.to_chat({"model": "m", "max_tokens": 5, "tool_choice": choice,
-                                   "tools": [{"type": "web_search_20250305",
-                                              "name": "web_search"}],
-                                   "messages": [{"role": "user", "content": "a"}]})
+            anthropic_api.to_chat(
+                {
+                    "model": "m",
+                    "max_tokens": 5,
+                    "tool_choice": choice,
+                    "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                    "messages": [{"role": "user", "content": "a"}],
+                }
+            )
 
-    body = {"model": "kimi-k3", "input": "hi", "tools": [
-        {"type": "function", "name": "exec_command", "parameters": schema},
-        {"type": "namespace", "name": "multi_agent_v1", "description": "d",
-         "tools": [{"type": "function", "name": "spawn_agent", "parameters": schema}]},
-        {"type": "custom", "name": "apply_patch", "description": "Patch.",
-         "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
-        {"type": "web_search", "external_web_access": False}]}
+    body = {
+        "model": "kimi-k3",
+        "input": "hi",
+        "tools": [
+            {"type": "function", "name": "exec_command", "parameters": schema},
+            {
+                "type": "namespace",
+                "name": "multi_agent_v1",
+                "description": "d",
+                "tools": [{"type": "function", "name": "spawn_agent", "parameters": schema}],
+            },
+            {
+                "type": "custom",
+                "name": "apply_patch",
+                "description": "Patch.",
+                "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"},
+            },
+            {"type": "web_search", "external_web_access": False},
+        ],
+    }
     chat, req = responses_api.to_chat(body)
-    assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command", "spawn_agent",
-                                                               "apply_patch"]
+    assert [t["function"]["name"] for t in chat["tools"]] == [
+        "exec_command",
+        "spawn_agent",
+        "apply_patch",
+    ]
     assert "lark" in chat["tools"][2]["function"]["description"]
     t = responses_api.ResponsesTranslator(model="kimi-k3", stream=False, prompt_tokens=1)
     t.request = req
     spawn = {"kind": "tool_call", "id": "c1", "name": "spawn_agent", "arguments": "{}"}
-    patch = {"kind": "tool_call", "id": "c2", "name": "apply_patch",
-             "arguments": json.dumps({"input": "*** Begin Patch"})}
+    patch = {
+        "kind": "tool_call",
+        "id": "c2",
+        "name": "apply_patch",
+        "arguments": json.dumps({"input": "*** Begin Patch"}),
+    }
     assert t._item(0, spawn, True)["namespace"] == "multi_agent_v1"
     item = t._item(1, patch, True)
     assert (item["type"], item["input"]) == ("custom_tool_call", "*** Begin Patch")
     # the custom call and its output come back in as a function call and a tool message
-    chat, _ = responses_api.to_chat(dict(body, input=[
-        {"role": "user", "content": "hi"},
-        {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch",
-         "input": "*** Begin Patch"},
-        {"type": "custom_tool_call_output", "call_id": "c2", "output": "Done"}],
-        tool_choice={"type": "function", "name": "exec_command"}))
+    chat, _ = responses_api.to_chat(
+        dict(
+            body,
+            input=[
+                {"role": "user", "content": "hi"},
+                {
+                    "type": "custom_tool_call",
+                    "call_id": "c2",
+                    "name": "apply_patch",
+                    "input": "*** Begin Patch",
+                },
+                {"type": "custom_tool_call_output", "call_id": "c2", "output": "Done"},
+            ],
+            tool_choice={"type": "function", "name": "exec_command"},
+        )
+    )
     assert chat["messages"][1]["tool_calls"][0]["function"]["arguments"] == {
-        "input": "*** Begin Patch"}
+        "input": "*** Begin Patch"
+    }
     assert chat["messages"][2] == {"role": "tool", "tool_call_id": "c2", "content": "Done"}
     assert [t["function"]["name"] for t in chat["tools"]] == ["exec_command"]
 
@@ -291,11 +490,13 @@ def test_prefill_progress_reaches_agent_streams():
 
     from k3dist.serve import anthropic_api, relay, responses_api
 
-    for t, kind in ((anthropic_api.MessagesTranslator(model="k", stream=True,
-                                                      prompt_tokens=1), "ping"),
-                    (responses_api.ResponsesTranslator(model="k", stream=True,
-                                                       prompt_tokens=1),
-                     "response.in_progress")):
+    for t, kind in (
+        (anthropic_api.MessagesTranslator(model="k", stream=True, prompt_tokens=1), "ping"),
+        (
+            responses_api.ResponsesTranslator(model="k", stream=True, prompt_tokens=1),
+            "response.in_progress",
+        ),
+    ):
         out = io.BytesIO()
         sink = relay.Relay(out, t)
         sink.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")

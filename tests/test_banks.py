@@ -65,8 +65,9 @@ def _pair(single, mode, hi_ids, k_hi, fallback, form="placeholder", hi_mode=None
     tc = moe.args
     E = tc.num_experts
     one = ExpertParallelMoE(tc, np.arange(E, dtype=np.int32), None, "placeholder")
-    two = two_bank.TwoBankMoE(tc, np.zeros(E, dtype=np.int32), 0, None, form, hi_ids, k_hi,
-                              fallback)
+    two = two_bank.TwoBankMoE(
+        tc, np.zeros(E, dtype=np.int32), 0, None, form, hi_ids, k_hi, fallback
+    )
 
     def proj(p):
         return p.startswith("switch_") and p.endswith(PROJS)
@@ -462,9 +463,16 @@ def test_two_rank_ep_of_an_uneven_global_promotion(mini_build, tmp_path):
     tokens, logits = greedy(model, prompt, 16)
     slicing.slice_all(build, str(tmp_path / "ranks" / "rank{rank}"), 2, progress=False)
     r = mlx_launch(
-        2, "launch/generate.py", "--rank-dir", str(tmp_path / "ranks" / "rank{rank}"),
-        "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "16",
-        "--dump", str(tmp_path / "out" / "rank{rank}.npz"),
+        2,
+        "launch/generate.py",
+        "--rank-dir",
+        str(tmp_path / "ranks" / "rank{rank}"),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-tokens",
+        "16",
+        "--dump",
+        str(tmp_path / "out" / "rank{rank}.npz"),
     )
     assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
     for i in range(2):

@@ -22,8 +22,9 @@ from util import failed_ranks, load_f32, mlx_launch, prompt_ids
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
-    return convert.convert(DATA_DIR / "mini-k3", tmp_path_factory.mktemp("shipped") / "build",
-                           progress=False)
+    return convert.convert(
+        DATA_DIR / "mini-k3", tmp_path_factory.mktemp("shipped") / "build", progress=False
+    )
 
 
 def test_two_ranks_batch_of_8_both_forms_equal_single_process(build, tmp_path):
@@ -37,9 +38,18 @@ def test_two_ranks_batch_of_8_both_forms_equal_single_process(build, tmp_path):
     alone = greedy.batch_decode(model, prompts, steps, prefill_step_size=32)
     assert [t[:steps] for t in alone.tokens] == ref  # one process: batch == alone
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    res = mlx_launch(2, "tests/scripts/batch_decode.py", "--rank-dir",
-                     str(tmp_path / "rank{rank}"), "--prompts", str(tmp_path / "prompts.json"),
-                     "--steps", str(steps), "--out", str(tmp_path / "out{rank}.json"))
+    res = mlx_launch(
+        2,
+        "tests/scripts/batch_decode.py",
+        "--rank-dir",
+        str(tmp_path / "rank{rank}"),
+        "--prompts",
+        str(tmp_path / "prompts.json"),
+        "--steps",
+        str(steps),
+        "--out",
+        str(tmp_path / "out{rank}.json"),
+    )
     assert res.returncode == 0 and not failed_ranks(res), res.stdout[-2000:] + res.stderr[-4000:]
     reports = [json.loads((tmp_path / f"out{r}.json").read_text()) for r in range(2)]
     assert reports[0] == reports[1]
@@ -48,8 +58,7 @@ def test_two_ranks_batch_of_8_both_forms_equal_single_process(build, tmp_path):
         assert rep[form]["tokens"] == ref, form
         assert rep[form]["steps_timed"] == steps
     n = rep["moe_layers"]
-    print(f"\nlocal form host syncs per decode step: {rep['local']['host_syncs']} "
-          f"({n} MoE layers)")
+    print(f"\nlocal form host syncs per decode step: {rep['local']['host_syncs']} ({n} MoE layers)")
     assert n > 0 and rep["local"]["host_syncs"] == {"1": n, "8": n}
 
 
@@ -72,8 +81,9 @@ def test_warm_up_runs_every_batch_size_the_server_can_take(build, tmp_path):
     assert warm["decode"] == [1, 2, 3, 4]
     assert {(1, t) for t in model.chunk_sizes} <= {tuple(x) for x in warm["shapes"]}
     assert not model.shapes_seen  # warm-up's own shapes are in its report only
-    greedy.batch_decode(model, [prompt_ids(vocab, n, seed=n) for n in (5, 23, 40, 2)], 6,
-                        prefill_step_size=16)
+    greedy.batch_decode(
+        model, [prompt_ids(vocab, n, seed=n) for n in (5, 23, 40, 2)], 6, prefill_step_size=16
+    )
     assert (4, 1) in model.shapes_seen
     assert model.shapes_seen <= {tuple(x) for x in warm["shapes"]}
 
@@ -88,17 +98,20 @@ def test_moe_layers_give_each_row_of_a_batch_what_it_gets_alone(build, form):
     from mlx_lm.models import kimi_k3
 
     model, _ = load_f32(build)
-    args = next(layer.mlp.args for layer in model.layers
-                if isinstance(layer.mlp, kimi_k3.KimiK3SparseMoE))
+    args = next(
+        layer.mlp.args for layer in model.layers if isinstance(layer.mlp, kimi_k3.KimiK3SparseMoE)
+    )
     E = args.num_experts
     owners = np.repeat([0, 1], [E // 2, E - E // 2])
     table = np.where(owners == 0, np.cumsum(owners == 0) - 1, -1).astype(np.int32)
     mx.random.seed(0)
-    layers = [ExpertParallelMoE(args, table, None, form),
-              TwoBankMoE(args, owners, 0, None, form, [1, 4, E - 2], 2, False)]
+    layers = [
+        ExpertParallelMoE(args, table, None, form),
+        TwoBankMoE(args, owners, 0, None, form, [1, 4, E - 2], 2, False),
+    ]
     x = mx.random.normal((8, 1, args.hidden_size))
     for m in layers:
         m.set_dtype(mx.float32)
         batch = np.array(m(x))
-        rows = np.concatenate([np.array(m(x[i:i + 1])) for i in range(8)])
+        rows = np.concatenate([np.array(m(x[i : i + 1])) for i in range(8)])
         assert np.abs(batch - rows).max() <= 1e-5 * np.abs(rows).max(), type(m).__name__

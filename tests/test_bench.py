@@ -20,9 +20,25 @@ import numpy as np
 import pytest
 from util import failed_ranks, load_f32, mlx_launch, prompt_ids
 
-FAST = ("--prompt-len", "12", "--prefill-rounds", "1", "--decode-rounds", "2",
-        "--steps-per-round", "2", "--warmup-steps", "1", "--calib-len", "16",
-        "--comm-trials", "3", "--batches", "1", "2")
+FAST = (
+    "--prompt-len",
+    "12",
+    "--prefill-rounds",
+    "1",
+    "--decode-rounds",
+    "2",
+    "--steps-per-round",
+    "2",
+    "--warmup-steps",
+    "1",
+    "--calib-len",
+    "16",
+    "--comm-trials",
+    "3",
+    "--batches",
+    "1",
+    "2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +46,29 @@ def mini_tp_build(tmp_path_factory):
     """mini with experts twice as wide: mlx-lm's TP splits each expert's intermediate
     dimension, and mini's 32 over 2 ranks is half an mxfp4 group (32)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(synth.PRESETS, "mini-tp",
-                   dataclasses.replace(synth.PRESETS["mini"], moe_intermediate_size=64))
-        src = synth.synthesize(tmp_path_factory.mktemp("src") / "mini-tp", "mini-tp",
-                               progress=False)
+        mp.setitem(
+            synth.PRESETS,
+            "mini-tp",
+            dataclasses.replace(synth.PRESETS["mini"], moe_intermediate_size=64),
+        )
+        src = synth.synthesize(
+            tmp_path_factory.mktemp("src") / "mini-tp", "mini-tp", progress=False
+        )
     return convert.convert(src, tmp_path_factory.mktemp("build") / "mini-tp", progress=False)
 
 
 def _compare(build, out, *extra):
-    r = mlx_launch(2, "benchmarks/compare.py", "--build", str(build), *FAST, *extra,
-                   "--out", str(out), timeout=400)
+    r = mlx_launch(
+        2,
+        "benchmarks/compare.py",
+        "--build",
+        str(build),
+        *FAST,
+        *extra,
+        "--out",
+        str(out),
+        timeout=400,
+    )
     assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -47,12 +76,23 @@ def _compare(build, out, *extra):
 def test_compare_all_modes(mini_tp_build, tmp_path):
     rep = _compare(mini_tp_build, tmp_path / "c.json")
     # the exact command (repository-relative, no machine path) and the versions that ran
-    assert rep["command"] == shlex.join(["python", "benchmarks/compare.py", "--build",
-                                         str(mini_tp_build), *FAST, "--out",
-                                         str(tmp_path / "c.json")])
-    assert rep["versions"] == {"k3dist": k3dist.__version__, "mlx": mx.__version__,
-                               "mlx_lm": mlx_lm.__version__,
-                               "python": platform.python_version()}
+    assert rep["command"] == shlex.join(
+        [
+            "python",
+            "benchmarks/compare.py",
+            "--build",
+            str(mini_tp_build),
+            *FAST,
+            "--out",
+            str(tmp_path / "c.json"),
+        ]
+    )
+    assert rep["versions"] == {
+        "k3dist": k3dist.__version__,
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "python": platform.python_version(),
+    }
     assert rep["settings"]["prompt_len"] == int(FAST[FAST.index("--prompt-len") + 1])
     assert rep["size"] == 2 and len(rep["ranks"]) == 2 and rep["skipped"] == {}
     assert rep["blas"].get("threads") in (None, 1)  # None: no OpenBLAS on this machine
@@ -66,18 +106,23 @@ def test_compare_all_modes(mini_tp_build, tmp_path):
     # a batch's first row is the batch-1 prompt: the same greedy tokens
     assert set(g["batch_row0_vs_batch1"]) == batched
     assert all(v["same_as_batch1"] for v in g["batch_row0_vs_batch1"].values()), g[
-        "batch_row0_vs_batch1"]
+        "batch_row0_vs_batch1"
+    ]
     # each ratio is the other mode's time / EP's, per interleaved round, then the median
     tr = rep["ranks"][0]["trials"]
     for ep, tag in (("ep_contiguous", "ep"), ("ep_load_aware", "ep_la")):
         for other in ("tp", "pp", "single"):
-            d = [np.mean(o) / np.mean(e)
-                 for o, e in zip(tr[other]["decode_ms"], tr[ep]["decode_ms"], strict=True)]
+            d = [
+                np.mean(o) / np.mean(e)
+                for o, e in zip(tr[other]["decode_ms"], tr[ep]["decode_ms"], strict=True)
+            ]
             p = [o / e for o, e in zip(tr[other]["prefill_s"], tr[ep]["prefill_s"], strict=True)]
             assert rep["ratios"][f"{tag}_over_{other}_decode"] == pytest.approx(
-                np.median(d), abs=1e-4)
+                np.median(d), abs=1e-4
+            )
             assert rep["ratios"][f"{tag}_over_{other}_prefill"] == pytest.approx(
-                np.median(p), abs=1e-4)
+                np.median(p), abs=1e-4
+            )
     for r in rep["ranks"]:
         assert set(r["trials"]) == modes | batched | set(compare.COMPUTE_ONLY.values())
         for n, t in r["trials"].items():
@@ -89,23 +134,29 @@ def test_compare_all_modes(mini_tp_build, tmp_path):
         assert c["ep_contiguous"]["collectives_per_token"] == 5  # mini: 5 MoE layers
         assert c["tp"]["collectives_per_token"] == 5 + 6 + 1
         assert c["ep_split"]["collectives_per_token"] > 5
-        assert (c["ep_split"]["weight_bytes"]["attention"]
-                < 0.6 * c["ep_contiguous"]["weight_bytes"]["attention"])
+        assert (
+            c["ep_split"]["weight_bytes"]["attention"]
+            < 0.6 * c["ep_contiguous"]["weight_bytes"]["attention"]
+        )
         # EP holds half the routed experts; TP a shard of everything
         w = r["weights_bytes"]
         assert w["ep_contiguous"] < w["single"] and w["tp"] < w["single"]
     s = rep["summary"]
     assert s["ep_contiguous"]["split"]["all_sums_per_step"] == 5  # mini: 5 MoE layers
     # the structural plan agrees with the count
-    assert s["ep_split"]["split"]["all_sums_per_step"] == rep["ranks"][0]["counted"][
-        "ep_split"]["collectives_per_token"]
+    assert (
+        s["ep_split"]["split"]["all_sums_per_step"]
+        == rep["ranks"][0]["counted"]["ep_split"]["collectives_per_token"]
+    )
     for B in (1, 2):
         assert s[compare.batch_name("ep_split", B)]["decode_tok_s_aggregate"] == pytest.approx(
-            B * s[compare.batch_name("ep_split", B)]["decode_tok_s"], rel=1e-3)
+            B * s[compare.batch_name("ep_split", B)]["decode_tok_s"], rel=1e-3
+        )
     assert rep["ratios"]["ep_split_batch2_over_batch1"] > 0
     assert rep["ratios"]["ep_split_over_tp_decode"] > 0
-    tp = {c["what"]: c["count"] for c in rep["ranks"][0]["collectives"]["tp"]["decode"][
-        "collectives"]}
+    tp = {
+        c["what"]: c["count"] for c in rep["ranks"][0]["collectives"]["tp"]["decode"]["collectives"]
+    }
     assert tp == {"moe routed+shared": 5, "sharded-to-all linear": 6 + 1}  # attn x6, dense mlp
     pp = [c["op"] for c in rep["ranks"][0]["collectives"]["pp"]["decode"]["collectives"]]
     assert sorted(pp) == ["all_gather", "send_recv"]

@@ -36,8 +36,9 @@ HEADER_CHECKS = {"shard_headers", "index_vs_headers", "dtypes_shapes", "a_log_pa
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
     """One clean mini-K3 checkpoint for the module; tests that break it copy it."""
-    return synth.synthesize(tmp_path_factory.mktemp("ckpt") / "mini", "mini", seed=0,
-                            progress=False)
+    return synth.synthesize(
+        tmp_path_factory.mktemp("ckpt") / "mini", "mini", seed=0, progress=False
+    )
 
 
 @pytest.fixture
@@ -62,11 +63,11 @@ def _rewrite_shard(path: Path, edit, extra: bytes = b"") -> None:
     ``extra`` appended after them."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     edit(header)
     new = json.dumps(header, separators=(",", ":")).encode()
     new += b" " * (-len(new) % 8)
-    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:] + extra)
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :] + extra)
 
 
 def _data_size(path: Path) -> int:
@@ -77,16 +78,22 @@ def _data_size(path: Path) -> int:
 
 def _only(report, **expected_nonempty) -> None:
     """The report's findings are exactly the named kinds (each non-empty)."""
-    kinds = {"missing": report.missing, "unexpected": report.unexpected,
-             "mismatches": report.mismatches, "index_errors": report.index_errors,
-             "shard_errors": report.shard_errors, "a_log": report.a_log_failures,
-             "errors": report.errors}
+    kinds = {
+        "missing": report.missing,
+        "unexpected": report.unexpected,
+        "mismatches": report.mismatches,
+        "index_errors": report.index_errors,
+        "shard_errors": report.shard_errors,
+        "a_log": report.a_log_failures,
+        "errors": report.errors,
+    }
     for kind, found in kinds.items():
         assert bool(found) == (kind in expected_nonempty), (kind, found)
     assert not report.ok
 
 
 # ------------------------------------------------------------------ the real index
+
 
 def test_real_index_names_counts_and_bytes():
     r = audit(config=REF_CONFIG, index=REF_INDEX)
@@ -106,14 +113,29 @@ def test_real_index_names_counts_and_bytes():
     assert r.a_log == {} and r.seconds < 30
 
     out = subprocess.run(
-        [sys.executable, "-m", "k3dist.build.checkpoint", "audit", "--json",
-         "--config", str(REF_CONFIG), "--index", str(REF_INDEX)],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "k3dist.build.checkpoint",
+            "audit",
+            "--json",
+            "--config",
+            str(REF_CONFIG),
+            "--index",
+            str(REF_INDEX),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     j = json.loads(out.stdout)
     assert j["ok"] is True and j["findings"] == 0
     assert (j["tensors"], j["expert_packed"], j["total_bytes"]) == (
-        497_220, 247_296, 1_560_860_324_864)
+        497_220,
+        247_296,
+        1_560_860_324_864,
+    )
     assert j["counts"] == r.counts and j["shard_bytes"] == r.shard_bytes
     assert set(j["checks_skipped"]) == HEADER_CHECKS
     assert j["index_sha256"] == r.index_sha256
@@ -151,8 +173,10 @@ def test_real_size_headers_in_seconds(tmp_path, gc_paused):
         parts, offset = ['"__metadata__":{"format":"pt"}'], 0
         for name in names:
             s = specs[name]
-            parts.append(f'"{name}":{{"dtype":"{s.dtype}","shape":{list(s.shape)},'
-                         f'"data_offsets":[{offset},{offset + s.nbytes}]}}')
+            parts.append(
+                f'"{name}":{{"dtype":"{s.dtype}","shape":{list(s.shape)},'
+                f'"data_offsets":[{offset},{offset + s.nbytes}]}}'
+            )
             offset += s.nbytes
         raw = ("{" + ",".join(parts) + "}").encode()
         with open(tmp_path / fname, "wb") as f:
@@ -175,18 +199,24 @@ def test_real_size_headers_in_seconds(tmp_path, gc_paused):
 
 # ------------------------------------------------------------------ clean mini-K3
 
+
 @pytest.mark.parametrize("which", ["mini", "real"])
 def test_implied_keys_are_layouts(src, which):
     """The fast expansion of expert keys is exactly layout.source_specs, in order."""
-    config = json.loads((src / "config.json").read_text()) if which == "mini" else (
-        synth.real_config())
+    config = (
+        json.loads((src / "config.json").read_text()) if which == "mini" else (synth.real_config())
+    )
     specs = layout.source_specs(config)
     implied = audit_mod._implied(config)
     assert list(implied.specs) == [s.name for s in specs]
     for s in specs:
         got = implied.specs[s.name]
         assert (got.dtype, got.shape, got.family, got.layer) == (
-            s.dtype, s.shape, s.family, s.layer)
+            s.dtype,
+            s.shape,
+            s.family,
+            s.layer,
+        )
     assert dict(implied.counts) == dict(Counter(s.family for s in specs))
 
 
@@ -198,7 +228,8 @@ def test_clean_mini(src):
     assert r.counts == dict(Counter(s.family for s in specs)) == r.expected_counts
     assert r.tensors == len(specs) == len(_index(src)["weight_map"])
     assert r.expert_packed == sum(
-        s.family == "experts" and s.name.endswith("weight_packed") for s in specs)
+        s.family == "experts" and s.name.endswith("weight_packed") for s in specs
+    )
     assert r.bytes_from == "headers"
     shards = sorted(p.name for p in src.glob("*.safetensors"))
     assert sorted(r.shard_bytes) == shards
@@ -244,6 +275,7 @@ def test_cli_exit_codes(src, broken, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ broken inputs
+
 
 def test_truncated_shard(broken):
     shard = _shard_of(broken, f"{L}1.input_layernorm.weight")
@@ -348,8 +380,11 @@ def test_shard_holds_tensor_the_index_does_not_list(broken):
     name = f"{L}3.stray.weight"
     shard = _shard_of(broken, f"{L}3.input_layernorm.weight")
     end = _data_size(shard)
-    _rewrite_shard(shard, lambda h: h.update(
-        {name: {"dtype": "U8", "shape": [8], "data_offsets": [end, end + 8]}}), bytes(8))
+    _rewrite_shard(
+        shard,
+        lambda h: h.update({name: {"dtype": "U8", "shape": [8], "data_offsets": [end, end + 8]}}),
+        bytes(8),
+    )
     r = audit(broken)
     _only(r, index_errors=True)
     assert len(r.index_errors) == 1

@@ -54,16 +54,23 @@ def _scan(tree: ast.AST, module: str, rel: str, used: dict, own: set) -> None:
                 own.add(item.name)
         if not bases:  # self._x set in a class of k3dist's own is its own name
             for n in ast.walk(cls):
-                if (isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-                        and isinstance(n.value, ast.Name) and n.value.id == "self"):
+                if (
+                    isinstance(n, ast.Attribute)
+                    and isinstance(n.ctx, ast.Store)
+                    and isinstance(n.value, ast.Name)
+                    and n.value.id == "self"
+                ):
                     own.add(n.attr)
     for n in ast.walk(tree):
         if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name not in used:
             own.add(n.name)
         elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
             own.add(n.id)
-        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-              and n.func.attr == "add_argument"):  # an option's dest is k3dist's own name
+        elif (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "add_argument"
+        ):  # an option's dest is k3dist's own name
             for a in n.args:
                 if isinstance(a, ast.Constant) and str(a.value).startswith("--"):
                     own.add(str(a.value)[2:].replace("-", "_"))

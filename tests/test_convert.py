@@ -67,8 +67,10 @@ def test_build_matches_mlx_lm_oracle_and_dequantized_reference(mini_src, mini_bu
     d_oracle = float(np.abs(l_oracle - l_build).max())
     d_ref = float(np.abs(l_ref - l_build).max())
     scale = float(np.abs(l_build).max())
-    print(f"\nmax |logit| {scale:.3f}; build vs mlx-lm on source: {d_oracle:.3g}; "
-          f"build vs numpy-dequantized float model: {d_ref:.3g}")
+    print(
+        f"\nmax |logit| {scale:.3f}; build vs mlx-lm on source: {d_oracle:.3g}; "
+        f"build vs numpy-dequantized float model: {d_ref:.3g}"
+    )
     # Same bytes, same kernels: identical. The float reference differs only by
     # summation order (quantized vs dense matmul) in float32.
     assert d_oracle == 0.0
@@ -82,7 +84,8 @@ def test_every_expert_byte_identical_to_source(mini_src, mini_build):
     tc = src.text_config
     bh = {}
     for f in json.loads((mini_build / "model.safetensors.index.json").read_text())[
-            "weight_map"].values():
+        "weight_map"
+    ].values():
         bh.setdefault(f, read_header(mini_build / f))
     tensors = {n: t for h in bh.values() for n, t in h.tensors.items()}
     checked = 0
@@ -96,7 +99,7 @@ def test_every_expert_byte_identical_to_source(mini_src, mini_build):
                 per = len(stacked) // tc["num_experts"]
                 for e in range(tc["num_experts"]):
                     name = f"{layout.LAYER_PREFIX}{layer}.block_sparse_moe.experts.{e}.{w}.{kind}"
-                    assert stacked[e * per:(e + 1) * per] == read_bytes(src.info(name)), name
+                    assert stacked[e * per : (e + 1) * per] == read_bytes(src.info(name)), name
                     checked += 1
     assert checked == sum(1 for n in src.weight_map if layout.parse_expert_key(n))
 
@@ -168,11 +171,11 @@ def _rewrite_header(path: Path, name: str, **changes) -> None:
     """Change one tensor's header entry in place (the data stays where it was)."""
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header[name].update(changes)
     new = json.dumps(header, separators=(",", ":")).encode()
     assert len(new) <= n, "test helper: header grew"
-    path.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n:])
+    path.write_bytes(raw[:8] + new + b" " * (n - len(new)) + raw[8 + n :])
 
 
 def _shard(src: Path, name: str) -> Path:
@@ -182,15 +185,20 @@ def _shard(src: Path, name: str) -> Path:
 L1 = "language_model.model.layers.1."
 BAD_INPUTS = {
     "truncated shard": lambda s: _shard(s, L1 + "input_layernorm.weight").write_bytes(
-        _shard(s, L1 + "input_layernorm.weight").read_bytes()[:-100]),
+        _shard(s, L1 + "input_layernorm.weight").read_bytes()[:-100]
+    ),
     "missing shard": lambda s: _shard(s, L1 + "input_layernorm.weight").unlink(),
-    "index names an absent tensor": lambda s: _index_add(s, L1 + "self_attn.q_proj.weight",
-                                                         "model-00005-of-000009.safetensors"),
+    "index names an absent tensor": lambda s: _index_add(
+        s, L1 + "self_attn.q_proj.weight", "model-00005-of-000009.safetensors"
+    ),
     "wrong dtype": lambda s: _rewrite_header(
-        _shard(s, L1 + "self_attn.dt_bias"), L1 + "self_attn.dt_bias", dtype="I32"),
+        _shard(s, L1 + "self_attn.dt_bias"), L1 + "self_attn.dt_bias", dtype="I32"
+    ),
     "wrong shape": lambda s: _rewrite_header(
         _shard(s, L1 + "block_sparse_moe.experts.3.w2.weight_scale"),
-        L1 + "block_sparse_moe.experts.3.w2.weight_scale", shape=[16, 2]),
+        L1 + "block_sparse_moe.experts.3.w2.weight_scale",
+        shape=[16, 2],
+    ),
     "non-zero A_log tail": lambda s: _poke_a_log(s),
     "unknown quantization format": lambda s: _set_quant_format(s, "nvfp4-pack-quantized"),
 }
@@ -260,20 +268,41 @@ def test_refuses_out_folder_with_different_build(mini_src, mini_build, tmp_path)
 
 def test_cli(mini_src, tmp_path):
     out = tmp_path / "cli"
-    r = subprocess.run([sys.executable, "-m", "k3dist.build.convert", "--src", str(mini_src),
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "k3dist.build.convert", "--src", str(mini_src), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert (out / "k3dist.json").exists()
-    r = subprocess.run([sys.executable, "-m", "k3dist.build.convert", "--src", str(out / "nope"),
-                        "--out", str(tmp_path / "x")], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "k3dist.build.convert",
+            "--src",
+            str(out / "nope"),
+            "--out",
+            str(tmp_path / "x"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0 and "error:" in r.stderr and "nope" in r.stderr
 
 
 # every class a different format, so a module filed under the wrong class shows
-PER_CLASS = {"attention": "6bit-g64", "shared": "5bit-g64", "latent": "8bit-g64",
-             "router": "4bit-g64", "dense_mlp": "3bit-g64", "embed": "4bit-g32",
-             "lm_head": "8bit-g128"}
+PER_CLASS = {
+    "attention": "6bit-g64",
+    "shared": "5bit-g64",
+    "latent": "8bit-g64",
+    "router": "4bit-g64",
+    "dense_mlp": "3bit-g64",
+    "embed": "4bit-g32",
+    "lm_head": "8bit-g128",
+}
 
 
 def _oracle_predicate(path: str, module) -> dict | bool:
@@ -293,8 +322,9 @@ def _oracle_predicate(path: str, module) -> dict | bool:
     elif path.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")):
         c = "dense_mlp"
     else:
-        c = {"language_model.model.embed_tokens": "embed",
-             "language_model.lm_head": "lm_head"}[path]
+        c = {"language_model.model.embed_tokens": "embed", "language_model.lm_head": "lm_head"}[
+            path
+        ]
     bits, group = (int(x) for x in PER_CLASS[c].split("bit-g"))
     cols = module.weight.shape[-1]
     while cols % group:
@@ -316,8 +346,11 @@ def test_per_class_nonexpert_equals_mlx_lm_quantization(mini_src, tmp_path):
     a, b = dict(tree_flatten(ours.parameters())), dict(tree_flatten(theirs.parameters()))
     assert set(a) == set(b)
     assert [k for k in a if not mx.array_equal(a[k], b[k]).item()] == []
-    q = {k: v for k, v in cfg["quantization"].items()
-         if isinstance(v, dict) and "switch_mlp" not in k}
+    q = {
+        k: v
+        for k, v in cfg["quantization"].items()
+        if isinstance(v, dict) and "switch_mlp" not in k
+    }
     assert q == {k: v for k, v in qcfg["quantization"].items() if isinstance(v, dict)}
     assert q["language_model.model.layers.3.self_attn.q_b_proj"]["group_size"] == 32  # 96 cols
     # 192 columns: g128 drops to g64
@@ -328,16 +361,19 @@ def test_per_class_nonexpert_equals_mlx_lm_quantization(mini_src, tmp_path):
     assert m["identity"]["nonexpert"] == PER_CLASS
     att = [f"{v['bits']}bit-g{v['group_size']}" for k, v in q.items() if ".self_attn." in k]
     assert m["profile"]["nonexpert_modules"]["attention"] == {
-        f: att.count(f) for f in ("6bit-g64", "6bit-g32")}
+        f: att.count(f) for f in ("6bit-g64", "6bit-g32")
+    }
     # a uniform build of the same source is another build
     with pytest.raises(CheckpointError, match="different build"):
         convert_mod.convert(mini_src, out, nonexpert_bits=8, progress=False)
 
 
 def test_per_class_nonexpert_refuses_nonsense(mini_src, tmp_path):
-    for spec, why in (("attn=6bit-g64", "unknown class 'attn'"),
-                      ("attention=mxfp4", "affine formats"),
-                      ("attention=7bit-g64", "write <bits>bit-g<group>")):
+    for spec, why in (
+        ("attn=6bit-g64", "unknown class 'attn'"),
+        ("attention=mxfp4", "affine formats"),
+        ("attention=7bit-g64", "write <bits>bit-g<group>"),
+    ):
         with pytest.raises(ValueError, match=why):
             convert_mod.convert(mini_src, tmp_path / "x", progress=False, nonexpert=spec)
     assert not (tmp_path / "x").exists()

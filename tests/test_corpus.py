@@ -72,8 +72,16 @@ def test_rebuild_from_interpreter_sources_is_identical(docs):
 
 
 def test_split_assignment_ignores_input_order():
-    raw = [dict(id=f"code:{i}", group=f"g{i // 2}", domain=("code", "prose")[i % 2],
-                source=str(i), text="x" * (100 + i)) for i in range(200)]
+    raw = [
+        dict(
+            id=f"code:{i}",
+            group=f"g{i // 2}",
+            domain=("code", "prose")[i % 2],
+            source=str(i),
+            text="x" * (100 + i),
+        )
+        for i in range(200)
+    ]
     a = {d.id: d.split for d in corpus.assign_splits(raw)}
     shuffled = raw[:]
     random.Random(1).shuffle(shuffled)
@@ -112,8 +120,9 @@ def test_train_tokenizer_on_train_split_deterministic_and_roundtrips(tmp_path):
     train = corpus.load_split("train")[:12]
     for out in (tmp_path / "a", tmp_path / "b"):
         assert corpus.train_tokenizer(train, out, vocab_size=600) == 600 + 256
-    assert (tmp_path / "a" / "tiktoken.model").read_bytes() == \
-        (tmp_path / "b" / "tiktoken.model").read_bytes()
+    assert (tmp_path / "a" / "tiktoken.model").read_bytes() == (
+        tmp_path / "b" / "tiktoken.model"
+    ).read_bytes()
     small = tk.load_encoding(tmp_path / "a")
     for d in corpus.load_split("eval")[:8]:
         assert small.decode(small.encode_ordinary(d.text)) == d.text

@@ -62,17 +62,21 @@ def test_ep_routed_bytes_are_the_owned_fraction(f):
         step = cm.bytes_per_token(mode, f, 2, jaccl())
         assert step["bytes"]["routed_experts_mean"] == TOP_K * MOE_LAYERS * ONE_EXPERT * 0.5
         # The step waits for the busiest rank: E[max] of a hypergeometric split.
-        emax = sum(max(x, TOP_K - x) * math.comb(448, x) * math.comb(448, TOP_K - x)
-                   for x in range(TOP_K + 1)) / math.comb(896, TOP_K)
+        emax = sum(
+            max(x, TOP_K - x) * math.comb(448, x) * math.comb(448, TOP_K - x)
+            for x in range(TOP_K + 1)
+        ) / math.comb(896, TOP_K)
         assert step["bytes"]["routed_experts"] == pytest.approx(
-            emax * MOE_LAYERS * ONE_EXPERT, rel=1e-9)
+            emax * MOE_LAYERS * ONE_EXPERT, rel=1e-9
+        )
     # A placement giving rank 0 three quarters of the experts.
     own = tuple([0] * 672 + [1] * 224)
     pl = Placement(2, 896, {i: own for i in f.moe_layers}, "custom")
     loads = cm.routed_loads(f, 2, pl)
     step = cm.bytes_per_token("ep-replicated", f, 2, jaccl(), loads=loads)
     assert step["bytes"]["routed_experts_mean"] == pytest.approx(
-        TOP_K * MOE_LAYERS * ONE_EXPERT * 0.75)
+        TOP_K * MOE_LAYERS * ONE_EXPERT * 0.75
+    )
 
 
 def test_modes_are_consistent(f):
@@ -95,7 +99,8 @@ def test_modes_are_consistent(f):
     assert (send["op"], send["bytes"]) == ("send", 5 * 7168 * 2)
     t = pp["time_s"]
     assert t["total"] == pytest.approx(
-        sum(st["compute_s"] for st in pp["stages"]) + pp["head_compute_s"] + t["comm"])
+        sum(st["compute_s"] for st in pp["stages"]) + pp["head_compute_s"] + t["comm"]
+    )
     assert pp["bytes"]["routed_experts"] == TOP_K * MOE_LAYERS * ONE_EXPERT
     # One box: every mode is the same single-process step.
     one = {cm.bytes_per_token(m, f, 1, hw)["bytes_critical_path"] for m in cm.MODES}
@@ -125,8 +130,7 @@ def test_projection_reacts_to_flags(cfg):
     assert tok("tp", slow) < tok("tp")
     # Latency costs TP (186 collectives) far more than PP (2).
     assert tok("tp") / tok("tp", slow) > tok("pp") / tok("pp", slow)
-    assert tok("ep-split", form="local") > tok("ep-split", replace(base, sync_s=2e-3),
-                                               form="local")
+    assert tok("ep-split", form="local") > tok("ep-split", replace(base, sync_s=2e-3), form="local")
     assert tok("ep-split", replace(base, placeholder_reads=4)) < tok("ep-split")
     assert tok("pp", context=65536) < tok("pp", context=1024)
     assert tok("pp", p=replace(prof, nonexpert_bits=4)) > tok("pp")
@@ -153,9 +157,23 @@ def test_sampled_routing_with_load_aware_placement(f):
 def test_cli_writes_json(tmp_path):
     out = tmp_path / "p.json"
     script = Path(__file__).parents[1] / "benchmarks" / "project.py"
-    r = subprocess.run([sys.executable, str(script), "--profile", "graded", "--backend",
-                        "jaccl", "--bw-fraction", "0.5", "--out", str(out)],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--profile",
+            "graded",
+            "--backend",
+            "jaccl",
+            "--bw-fraction",
+            "0.5",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     d = json.loads(out.read_text())
     assert d == json.loads(r.stdout)
     assert d["constants"]["hardware"]["bw_fraction"] == 0.5
@@ -184,7 +202,8 @@ def test_batch_reads_weights_once_and_the_union_of_experts(f):
     assert 1 < eight["tok_s"] / one["tok_s"] < 8
     colls = cm.collectives(f, "ep-split", 2, hw, batch=8)
     assert [c["bytes"] for c in colls] == [
-        8 * c["bytes"] for c in cm.collectives(f, "ep-split", 2, hw)]
+        8 * c["bytes"] for c in cm.collectives(f, "ep-split", 2, hw)
+    ]
 
 
 def test_plan_profile_reproduces_the_planner(cfg):
@@ -197,8 +216,11 @@ def test_plan_profile_reproduces_the_planner(cfg):
     f = cm.facts(cfg, prof)
     assert cm.footprint(cfg, prof)["build_bytes"] == pytest.approx(plan["build_bytes"], rel=1e-4)
     step = cm.bytes_per_token("ep-replicated", f, 2)
-    nonexpert = sum(v for g, v in step["bytes"].items()
-                    if g not in ("routed_experts", "routed_experts_mean", "placeholder", "state"))
+    nonexpert = sum(
+        v
+        for g, v in step["bytes"].items()
+        if g not in ("routed_experts", "routed_experts_mean", "placeholder", "state")
+    )
     assert nonexpert == pytest.approx(plan["nonexpert_read_per_token_per_rank"], rel=1e-6)
 
 
@@ -213,8 +235,7 @@ def test_prefill_chunks_trade_time_to_first_token_for_running_requests_latency(c
     assert c["n_collectives"] == 186  # as decode: one all_sum per layer + per MoE layer
     far = cm.prefill_chunk(f, "ep-split", 2, hw, 512, 100_000)
     assert far["attention_flops"] > 10 * c["attention_flops"]
-    assert far["flops"] - far["attention_flops"] == pytest.approx(
-        c["flops"] - c["attention_flops"])
+    assert far["flops"] - far["attention_flops"] == pytest.approx(c["flops"] - c["attention_flops"])
     ph = cm.prefill_chunk(f, "ep-split", 2, hw, 512, 0, "placeholder")
     assert ph["flops"] > 1.3 * c["flops"] and ph["time_s"]["sync"] == 0 < c["time_s"]["sync"]
     tp = cm.prefill_chunk(f, "tp", 2, hw, 512, 0)
@@ -223,8 +244,10 @@ def test_prefill_chunks_trade_time_to_first_token_for_running_requests_latency(c
     assert rows[0]["ttft_s"] > rows[1]["ttft_s"] and rows[0]["itl_mean_s"] < rows[1]["itl_mean_s"]
     assert rows[0]["decode_steps_stalled"] == 16 and rows[1]["decode_steps_stalled"] == 4
     cached = cm.prefill(f, "ep-split", 2, hw, 2048 + 64, 512, start=2048)
-    assert cached["chunks"] == 1 and cached["ttft_s"] < 0.1 * cm.prefill(
-        f, "ep-split", 2, hw, 2048 + 64, 512)["ttft_s"]
+    assert (
+        cached["chunks"] == 1
+        and cached["ttft_s"] < 0.1 * cm.prefill(f, "ep-split", 2, hw, 2048 + 64, 512)["ttft_s"]
+    )
 
 
 def test_mla_expansion_dominates_a_short_chunk_after_a_long_cache_and_absorbed_removes_it(cfg):

@@ -16,31 +16,89 @@ from k3dist.format.deployment import Deployment, DeploymentError, load_deploymen
 import pytest
 from util import REPO
 
-SCRIPTS = {"serve": REPO / "launch" / "serve.py", "generate": REPO / "launch" / "generate.py",
-           "rank_split": REPO / "slicing" / "rank_split.py"}
+SCRIPTS = {
+    "serve": REPO / "launch" / "serve.py",
+    "generate": REPO / "launch" / "generate.py",
+    "rank_split": REPO / "slicing" / "rank_split.py",
+}
 # the flags each script had before they were generated: names and meanings kept
 BEFORE = {
-    "serve": {"--config", "--rank-dir", "--host", "--port", "--model-id", "--max-context",
-              "--prefill-chunk", "--max-tokens", "--temperature", "--top-p", "--token-log",
-              "--moe-form", "--attention", "--dtype", "--blas-threads", "--heartbeat-s",
-              "--watchdog-timeout-s", "--watchdog-port", "--memory-headroom-gb",
-              "--max-queued-requests", "--max-connections", "--max-batch", "--max-images",
-              "--max-image-pixels", "--image-dir", "--api-key", "--api-key-file",
-              "--prompt-cache-tokens", "--prefix-cache-dir", "--prefix-cache-gb",
-              "--prefix-cache-min-tokens", "--verify", "--cors-origin", "--no-warmup",
-              "--allow-no-api-key", "--vision"},
-    "generate": {"--config", "--rank-dir", "--dtype", "--moe-form", "--attention", "--count",
-                 "--blas-threads", "--verify", "--prompt-ids", "--prompt-random", "--seed",
-                 "--max-tokens", "--dump"},
-    "rank_split": {"--rank", "--all", "--size", "--build", "--out", "--placement-counts",
-                   "--attention", "--config"},
+    "serve": {
+        "--config",
+        "--rank-dir",
+        "--host",
+        "--port",
+        "--model-id",
+        "--max-context",
+        "--prefill-chunk",
+        "--max-tokens",
+        "--temperature",
+        "--top-p",
+        "--token-log",
+        "--moe-form",
+        "--attention",
+        "--dtype",
+        "--blas-threads",
+        "--heartbeat-s",
+        "--watchdog-timeout-s",
+        "--watchdog-port",
+        "--memory-headroom-gb",
+        "--max-queued-requests",
+        "--max-connections",
+        "--max-batch",
+        "--max-images",
+        "--max-image-pixels",
+        "--image-dir",
+        "--api-key",
+        "--api-key-file",
+        "--prompt-cache-tokens",
+        "--prefix-cache-dir",
+        "--prefix-cache-gb",
+        "--prefix-cache-min-tokens",
+        "--verify",
+        "--cors-origin",
+        "--no-warmup",
+        "--allow-no-api-key",
+        "--vision",
+    },
+    "generate": {
+        "--config",
+        "--rank-dir",
+        "--dtype",
+        "--moe-form",
+        "--attention",
+        "--count",
+        "--blas-threads",
+        "--verify",
+        "--prompt-ids",
+        "--prompt-random",
+        "--seed",
+        "--max-tokens",
+        "--dump",
+    },
+    "rank_split": {
+        "--rank",
+        "--all",
+        "--size",
+        "--build",
+        "--out",
+        "--placement-counts",
+        "--attention",
+        "--config",
+    },
 }
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "100000"}  # argparse wraps --help at the terminal width
-    return subprocess.run([sys.executable, str(SCRIPTS[script]), *args], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, env=env)
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS[script]), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +112,9 @@ def helps() -> dict[str, str]:
 
 
 def test_every_key_is_a_flag_with_its_help(helps):
-    flags = {name: set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
-             for name, text in helps.items()}
+    flags = {
+        name: set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)) for name, text in helps.items()
+    }
     for name, before in BEFORE.items():
         assert before <= flags[name], (name, sorted(before - flags[name]))
     alias = {"rank_split": {"rank_dir": "--out"}}
@@ -80,13 +139,35 @@ def test_flags_override_the_yaml(tmp_path):
     y = tmp_path / "d.yaml"
     y.write_text("max_batch: 3\nport: 9001\nvision: true\nwarmup: false\ncors_origins: [a]\n")
     d = _parse(["--config", str(y)])
-    assert (d.max_batch, d.port, d.vision, d.warmup, d.cors_origins) == (3, 9001, True, False,
-                                                                         ["a"])
+    assert (d.max_batch, d.port, d.vision, d.warmup, d.cors_origins) == (
+        3,
+        9001,
+        True,
+        False,
+        ["a"],
+    )
     assert d.max_context == Deployment().max_context  # neither: the definition's default
-    d = _parse(["--config", str(y), "--max-batch", "5", "--no-vision", "--warmup",
-                "--cors-origin", "x", "--cors-origin", "y"])
-    assert (d.max_batch, d.port, d.vision, d.warmup, d.cors_origins) == (5, 9001, False, True,
-                                                                         ["x", "y"])
+    d = _parse(
+        [
+            "--config",
+            str(y),
+            "--max-batch",
+            "5",
+            "--no-vision",
+            "--warmup",
+            "--cors-origin",
+            "x",
+            "--cors-origin",
+            "y",
+        ]
+    )
+    assert (d.max_batch, d.port, d.vision, d.warmup, d.cors_origins) == (
+        5,
+        9001,
+        False,
+        True,
+        ["x", "y"],
+    )
     assert _parse(["--config", str(y), "--no-warmup"]).warmup is False
     # a script's subset: only its keys are flags
     with pytest.raises(SystemExit):
@@ -102,16 +183,23 @@ def test_a_bad_yaml_value_names_the_file_key_range_and_fix(tmp_path):
     assert f"{y}: max_batch must be an integer at least 1 and at most 256, not 1000" in msg
     assert f"set max_batch in {y} to such a value, or give --max-batch" in msg
     y.write_text("attention: tensor\n")
-    with pytest.raises(DeploymentError, match=f"{y}: attention must be split or replicated, "
-                       "not 'tensor'"):
+    with pytest.raises(
+        DeploymentError, match=f"{y}: attention must be split or replicated, not 'tensor'"
+    ):
         load_deployment(y)
     y.write_text("max_bach: 4\n")
-    with pytest.raises(DeploymentError, match=r"unknown setting 'max_bach' \(did you mean "
-                       r"'max_batch'\?\)"):
+    with pytest.raises(
+        DeploymentError,
+        match=r"unknown setting 'max_bach' \(did you mean "
+        r"'max_batch'\?\)",
+    ):
         load_deployment(y)
     y.write_text("prefill_chunk: 100\n")
-    with pytest.raises(DeploymentError, match=r"prefill_chunk .*not 100 \(must be a power "
-                       r"of two \(e.g. 64 or 128\)\)"):
+    with pytest.raises(
+        DeploymentError,
+        match=r"prefill_chunk .*not 100 \(must be a power "
+        r"of two \(e.g. 64 or 128\)\)",
+    ):
         load_deployment(y)
     y.write_text("api_key: abcdefgh\napi_key_file: k\n")
     with pytest.raises(DeploymentError, match="give api_key or api_key_file, not both"):
@@ -125,8 +213,11 @@ def test_a_bad_yaml_value_names_the_file_key_range_and_fix(tmp_path):
 
 
 def test_a_bad_flag_names_the_flag_key_and_range(tmp_path):
-    with pytest.raises(DeploymentError, match=r"--top-p 1.5: top_p must be a number more "
-                       r"than 0 and at most 1, not 1.5; give --top-p such a value"):
+    with pytest.raises(
+        DeploymentError,
+        match=r"--top-p 1.5: top_p must be a number more "
+        r"than 0 and at most 1, not 1.5; give --top-p such a value",
+    ):
         load_deployment(None, top_p=1.5)
     # the scripts end with the parser's error (exit 2) before any rank starts
     r = _run("serve", "--max-batch", "0")

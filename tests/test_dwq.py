@@ -26,8 +26,9 @@ def setup(mini_build, tmp_path_factory):
     tc = layout.text_config(cfg)
     moe = layout.moe_layers(tc)
     d = tmp_path_factory.mktemp("dwq")
-    student = grade.grade(mini_build, d / "graded", {i: [2, 5] for i in moe}, 2, "2bit-g32",
-                          progress=False)
+    student = grade.grade(
+        mini_build, d / "graded", {i: [2, 5] for i in moe}, 2, "2bit-g32", progress=False
+    )
     tokens = np.random.default_rng(0).integers(0, tc["vocab_size"], size=(N, L)).astype(np.int32)
     t = teacher.run(mini_build, tokens, d / "teacher", batch=2, progress=False)
     out = dwq.dwq(mini_build, t, student, tokens, d / "dwq", CFG, progress=False)
@@ -92,8 +93,7 @@ def test_resumes_by_block(setup, monkeypatch):
 
     monkeypatch.setattr(dwq.DWQ, "train_block", crash)
     with pytest.raises(KeyboardInterrupt):
-        dwq.dwq(_teacher_build(t), t,
-                student, tokens, d / "resumed", CFG, progress=False)
+        dwq.dwq(_teacher_build(t), t, student, tokens, d / "resumed", CFG, progress=False)
     monkeypatch.setattr(dwq.DWQ, "train_block", real)
     assert calls == [0, 2] and not (d / "resumed" / "k3dist.json").exists()
     again = dwq.dwq(_teacher_build(t), t, student, tokens, d / "resumed", CFG, progress=False)
@@ -119,8 +119,7 @@ def test_bf16_state_improves_every_block_like_float32(setup, tmp_path):
     runs = {}
     for state in ("float32", "bf16"):
         cfg = dwq.DWQConfig(**{**CFG.__dict__, "state": state, "input": "teacher"})
-        out = dwq.dwq(_teacher_build(t), t, student, tokens, tmp_path / state, cfg,
-                      progress=False)
+        out = dwq.dwq(_teacher_build(t), t, student, tokens, tmp_path / state, cfg, progress=False)
         runs[state] = json.loads((out / "k3dist.json").read_text())["dwq"]
     assert runs["bf16"]["config"]["state"] == "bf16"
     gains = []

@@ -24,8 +24,9 @@ ATOL = 1e-4
 
 def _slice_all(build, out, size, plc, attention="split"):
     for r in range(size):
-        slicing.slice_rank(build, out / f"rank{r}", r, size, plc, progress=False,
-                           attention=attention)
+        slicing.slice_rank(
+            build, out / f"rank{r}", r, size, plc, progress=False, attention=attention
+        )
     return str(out / "rank{rank}")
 
 
@@ -42,12 +43,21 @@ def builds(mini_src, mini_build, tmp_path_factory):
     """16-bit build; an 8-bit one whose mini shared experts and attention o_proj cannot
     split at group boundaries (64 wide, group 64): they stay replicated, outside the
     all_sum; and an 8-bit one at group 32, whose quantized attention splits."""
-    b8 = convert.convert(mini_src, tmp_path_factory.mktemp("b8") / "b8", nonexpert_bits=8,
-                         progress=False)
-    b8g32 = convert.convert(mini_src, tmp_path_factory.mktemp("b8g32") / "b8", nonexpert_bits=8,
-                            group_size=32, progress=False)
-    return {16: (mini_build, _oracle(mini_build)), 8: (b8, _oracle(b8)),
-            "8g32": (b8g32, _oracle(b8g32))}
+    b8 = convert.convert(
+        mini_src, tmp_path_factory.mktemp("b8") / "b8", nonexpert_bits=8, progress=False
+    )
+    b8g32 = convert.convert(
+        mini_src,
+        tmp_path_factory.mktemp("b8g32") / "b8",
+        nonexpert_bits=8,
+        group_size=32,
+        progress=False,
+    )
+    return {
+        16: (mini_build, _oracle(mini_build)),
+        8: (b8, _oracle(b8)),
+        "8g32": (b8g32, _oracle(b8g32)),
+    }
 
 
 def _skewed_placement(build, size):
@@ -64,26 +74,46 @@ def _skewed_placement(build, size):
 ALL = list(range(6))
 
 
-@pytest.mark.parametrize("size,kind,form,bits,attention,split", [
-    (2, "contiguous", "placeholder", 16, "split", ALL),
-    (2, "contiguous", "local", 16, "split", ALL),
-    (2, "load-aware", "placeholder", 16, "replicated", []),
-    (4, "contiguous", "local", 16, "split", ALL),
-    (2, "load-aware", "local", 8, "split", []),  # o_proj: one group of 64, no split
-    (2, "contiguous", "placeholder", "8g32", "split", ALL),
-])
+@pytest.mark.parametrize(
+    "size,kind,form,bits,attention,split",
+    [
+        (2, "contiguous", "placeholder", 16, "split", ALL),
+        (2, "contiguous", "local", 16, "split", ALL),
+        (2, "load-aware", "placeholder", 16, "replicated", []),
+        (4, "contiguous", "local", 16, "split", ALL),
+        (2, "load-aware", "local", 8, "split", []),  # o_proj: one group of 64, no split
+        (2, "contiguous", "placeholder", "8g32", "split", ALL),
+    ],
+)
 def test_ep_matches_single_process(builds, tmp_path, size, kind, form, bits, attention, split):
     mini_build, oracle = builds[bits]
     tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
     moe = layout.moe_layers(tc)
-    plc = (_skewed_placement(mini_build, size) if kind == "load-aware"
-           else placement.contiguous(tc["num_experts"], size, moe))
+    plc = (
+        _skewed_placement(mini_build, size)
+        if kind == "load-aware"
+        else placement.contiguous(tc["num_experts"], size, moe)
+    )
     pattern = _slice_all(mini_build, tmp_path / "ranks", size, plc, attention)
     prompt, tokens, logits = oracle
-    r = mlx_launch(size, "launch/generate.py", "--rank-dir", pattern, "--moe-form", form,
-                   "--attention", attention, "--count",
-                   "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", str(STEPS),
-                   "--dump", str(tmp_path / "out" / "rank{rank}.npz"), timeout=150 * size)
+    r = mlx_launch(
+        size,
+        "launch/generate.py",
+        "--rank-dir",
+        pattern,
+        "--moe-form",
+        form,
+        "--attention",
+        attention,
+        "--count",
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-tokens",
+        str(STEPS),
+        "--dump",
+        str(tmp_path / "out" / "rank{rank}.npz"),
+        timeout=150 * size,
+    )
     assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
     reports = [json.loads(line) for line in r.stdout.splitlines() if line.startswith('{"rank"')]
     assert len(reports) == size
@@ -96,9 +126,11 @@ def test_ep_matches_single_process(builds, tmp_path, size, kind, form, bits, att
     runs = [np.load(tmp_path / "out" / f"rank{i}.npz") for i in range(size)]
     diff = max(float(np.abs(x["logits"] - logits).max()) for x in runs)
     held = reports[0]["bytes_held"]
-    print(f"\nN={size} {kind} {form} {bits}-bit {attention}: max |logit - single-process| = "
-          f"{diff:.3g}; {want} collectives/token; rank 0 holds {held['attention']:,} "
-          f"attention bytes of {held['total']:,}")
+    print(
+        f"\nN={size} {kind} {form} {bits}-bit {attention}: max |logit - single-process| = "
+        f"{diff:.3g}; {want} collectives/token; rank 0 holds {held['attention']:,} "
+        f"attention bytes of {held['total']:,}"
+    )
     for x in runs:
         assert x["tokens"].tolist() == tokens
         assert np.array_equal(x["logits"], runs[0]["logits"])  # ranks agree bitwise

@@ -43,8 +43,11 @@ def make_routes(lead: tuple[int, ...], seed: int = 0):
 def autograd(bank: SwitchGLU, x, ids, w, g) -> dict[str, mx.array]:
     """mx.grad of sum(g * (bank(x, ids) * weff).sum(-2)) through the module itself."""
     bank.freeze()
-    bank.apply_to_modules(lambda _, m: m.unfreeze(keys=["scales", "biases"], recurse=False)
-                          if hasattr(m, "scales") else None)
+    bank.apply_to_modules(
+        lambda _, m: (
+            m.unfreeze(keys=["scales", "biases"], recurse=False) if hasattr(m, "scales") else None
+        )
+    )
 
     def loss(model, x):
         return (g * (model(x, ids) * w[..., None]).sum(axis=-2)).sum()
@@ -76,7 +79,7 @@ def dense_reference(bank: SwitchGLU, x, ids, w, g) -> dict[str, mx.array]:
             e = idsf[:, r]
             h = bank.activation((wu[e] @ xf[:, :, None])[..., 0], (wg[e] @ xf[:, :, None])[..., 0])
             y = (wd[e] @ h[:, :, None])[..., 0]
-            total = total + (gf * y * wf[:, r:r + 1]).sum()
+            total = total + (gf * y * wf[:, r : r + 1]).sum()
         return total
 
     tr = {k: getattr(bank, k.split(".")[0])[k.split(".")[1]] for k in trained_keys()}
@@ -89,8 +92,9 @@ def close(a: mx.array, b: mx.array, rtol: float = 1e-5) -> bool:
 
 
 @pytest.mark.parametrize("bits,group", [(2, 32), (4, 64)])
-@pytest.mark.parametrize("lead", [(40,), (2, 20), (10,)],
-                         ids=["T40-sorted", "B2xL20", "T10-unsorted"])
+@pytest.mark.parametrize(
+    "lead", [(40,), (2, 20), (10,)], ids=["T40-sorted", "B2xL20", "T10-unsorted"]
+)
 def test_chunked_equals_mx_grad(bits, group, lead):
     bank = make_bank(bits, group)
     x, ids, w, g = make_routes(lead)

@@ -15,17 +15,30 @@ from k3dist.bench import fuzz
 import pytest
 from serving import Server, post_conn, token_log, wait_logs
 
-pytest.importorskip("mlx_vlm", reason="vision tests need the extra: pip install "
-                    "'k3dist[vision]' (CI installs it)")
+pytest.importorskip(
+    "mlx_vlm", reason="vision tests need the extra: pip install 'k3dist[vision]' (CI installs it)"
+)
 
 N_REQUESTS = 100  # ~20 per endpoint
 
 
 @pytest.fixture(scope="module")
 def srv(ranks, tmp_path_factory):
-    s = Server(ranks, tmp_path_factory.mktemp("fuzz-serve"),
-               ("--max-tokens", str(fuzz.SMALL_TOKENS), "--vision", "--max-images", "2",
-                "--max-image-pixels", str(64 * 64), "--max-batch", "2"))
+    s = Server(
+        ranks,
+        tmp_path_factory.mktemp("fuzz-serve"),
+        (
+            "--max-tokens",
+            str(fuzz.SMALL_TOKENS),
+            "--vision",
+            "--max-images",
+            "2",
+            "--max-image-pixels",
+            str(64 * 64),
+            "--max-batch",
+            "2",
+        ),
+    )
     yield s
     s.stop()
 
@@ -38,13 +51,11 @@ def test_generated_requests_get_2xx_or_4xx_in_shape_and_ranks_stay_in_lockstep(s
     assert set(summary["by_endpoint"]) == set(fuzz.ENDPOINTS)
     assert summary["failures"] == 0, summary["first_failures"]
     # some of each kind: the fuzzer reaches generation as well as the refusals
-    ok = sum(n for c in summary["by_endpoint"].values() for s, n in c.items()
-             if s.startswith("2"))
+    ok = sum(n for c in summary["by_endpoint"].values() for s, n in c.items() if s.startswith("2"))
     assert ok >= 10 and summary["5xx"] == summary["connection_errors"] == 0
     # both ranks alive, serving, and agreed on every token they generated
     assert srv.proc.poll() is None and set(srv.rank_pids()) == {0, 1}
-    status, _, body = post_conn(srv.port, {"model": "kimi-k3", "prompt": "hi",
-                                           "max_tokens": 2})
+    status, _, body = post_conn(srv.port, {"model": "kimi-k3", "prompt": "hi", "max_tokens": 2})
     assert status == 200, body
     # rank 0 logs a request before its reply; rank 1 when its own generation ends, which
     # can trail: wait for rank 1 to hold as many entries as rank 0

@@ -10,8 +10,10 @@ from mlx._distributed_utils.common import Hostfile
 HOSTFILES = Path(__file__).resolve().parents[1] / "hostfiles"
 
 
-@pytest.mark.parametrize("name,backend,n", [("local.json", "", 2), ("tb5.json", "ring", 2),
-                                            ("tb5-jaccl.json", "jaccl", 2)])
+@pytest.mark.parametrize(
+    "name,backend,n",
+    [("local.json", "", 2), ("tb5.json", "ring", 2), ("tb5-jaccl.json", "jaccl", 2)],
+)
 def test_hostfile_parses(name, backend, n):
     h = Hostfile.from_file(HOSTFILES / name)
     assert len(h.hosts) == n and h.backend == backend

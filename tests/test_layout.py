@@ -104,8 +104,13 @@ def test_each_layer_imports_only_the_layers_below():
 
 
 def test_build_imports_nothing_from_serve():
-    wrong = sorted(f"{m} imports {d}" for m, deps in _imports().items()
-                   if m.startswith("k3dist.build") for d in deps if d.startswith("k3dist.serve"))
+    wrong = sorted(
+        f"{m} imports {d}"
+        for m, deps in _imports().items()
+        if m.startswith("k3dist.build")
+        for d in deps
+        if d.startswith("k3dist.serve")
+    )
     assert not wrong, wrong
 
 

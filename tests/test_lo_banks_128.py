@@ -48,19 +48,27 @@ def test_lo_bank_values_and_bytes(build128, moe, lo, tmp_path):
     src = mx.load(str(build128 / f"model-layer-{LAYER:03d}.safetensors"))
     got = mx.load(str(uniform / f"model-layer-{LAYER:03d}.safetensors"))
     e = 3
-    dense = mx.dequantize(src[f"{name}.weight"][e], src[f"{name}.scales"][e], mode="mxfp4",
-                          group_size=32, bits=4, dtype=mx.bfloat16)
+    dense = mx.dequantize(
+        src[f"{name}.weight"][e],
+        src[f"{name}.scales"][e],
+        mode="mxfp4",
+        group_size=32,
+        bits=4,
+        dtype=mx.bfloat16,
+    )
     qw, qs, qb = mx.quantize(dense, group_size=q.group_size, bits=q.bits)
     assert dense.shape[-1] == 128 and got[f"{name}.scales"].shape[-1] == 128 // q.group_size
     assert np.array_equal(np.array(got[f"{name}.weight"][e]), np.array(qw))
     for k, want in (("scales", qs), ("biases", qb)):
-        assert np.array_equal(np.array(got[f"{name}.{k}"][e].astype(mx.float32)),
-                              np.array(want.astype(mx.float32))), k
+        assert np.array_equal(
+            np.array(got[f"{name}.{k}"][e].astype(mx.float32)), np.array(want.astype(mx.float32))
+        ), k
 
 
 def test_two_rank_graded_g128_equals_single_process(build128, moe, tmp_path):
-    graded = grade.grade(build128, tmp_path / "g", {i: PROMOTED for i in moe}, 1, "2bit-g128",
-                         progress=False)
+    graded = grade.grade(
+        build128, tmp_path / "g", {i: PROMOTED for i in moe}, 1, "2bit-g128", progress=False
+    )
     model, config = two_bank.load_build(graded)
     model.count_routes(True)
     vocab = config["text_config"]["vocab_size"]
@@ -68,9 +76,18 @@ def test_two_rank_graded_g128_equals_single_process(build128, moe, tmp_path):
     tokens, logits = greedy(model, prompt, 16)
     assert model.route_stats()["dropped_routes"] > 0
     slicing.slice_all(graded, str(tmp_path / "ranks" / "rank{rank}"), 2, progress=False)
-    r = mlx_launch(2, "launch/generate.py", "--rank-dir", str(tmp_path / "ranks" / "rank{rank}"),
-                   "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "16",
-                   "--dump", str(tmp_path / "out" / "rank{rank}.npz"))
+    r = mlx_launch(
+        2,
+        "launch/generate.py",
+        "--rank-dir",
+        str(tmp_path / "ranks" / "rank{rank}"),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-tokens",
+        "16",
+        "--dump",
+        str(tmp_path / "out" / "rank{rank}.npz"),
+    )
     assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
     runs = [np.load(tmp_path / "out" / f"rank{i}.npz") for i in range(2)]
     for x in runs:

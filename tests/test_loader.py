@@ -27,8 +27,9 @@ def ranks2(mini_build, tmp_path_factory):
 
 
 def _run(n, rank_dir):
-    return mlx_launch(n, "launch/generate.py", "--rank-dir", rank_dir, "--max-tokens", "2",
-                      timeout=120)
+    return mlx_launch(
+        n, "launch/generate.py", "--rank-dir", rank_dir, "--max-tokens", "2", timeout=120
+    )
 
 
 def test_size_mismatch_refused(ranks2, tmp_path):

@@ -8,8 +8,10 @@ from k3dist.factory import synth
 
 def test_peak_rss_within_largest_unit_bound(mini_src, tmp_path):
     r = membound.measure(mini_src, tmp_path / "b")
-    print(f"\npeak over baseline {r['peak_over_baseline']} B, bound "
-          f"{r['bound_over_baseline']} B, model {r['model_bytes']} B")
+    print(
+        f"\npeak over baseline {r['peak_over_baseline']} B, bound "
+        f"{r['bound_over_baseline']} B, model {r['model_bytes']} B"
+    )
     assert r["within_bound"], r
 
 

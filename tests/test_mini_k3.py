@@ -35,8 +35,7 @@ PY_PROMPT = "class Queue:\n    def __init__(self, maxsize=0):\n        "
 
 @pytest.fixture(scope="module")
 def shipped_build(tmp_path_factory):
-    return convert.convert(SHIPPED, tmp_path_factory.mktemp("shipped") / "build",
-                           progress=False)
+    return convert.convert(SHIPPED, tmp_path_factory.mktemp("shipped") / "build", progress=False)
 
 
 def test_shipped_checkpoint_audits():
@@ -77,9 +76,18 @@ def test_two_ranks_complete_python_like_one_process(shipped_build, tmp_path):
     prompt = enc.encode_ordinary(PY_PROMPT)
     model, _ = load_f32(shipped_build)
     tokens, _ = greedy.greedy(model, prompt, 24)
-    res = mlx_launch(2, "launch/generate.py", "--rank-dir", str(tmp_path / "rank{rank}"),
-                     "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "24",
-                     "--dump", str(tmp_path / "out{rank}.npz"))
+    res = mlx_launch(
+        2,
+        "launch/generate.py",
+        "--rank-dir",
+        str(tmp_path / "rank{rank}"),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-tokens",
+        "24",
+        "--dump",
+        str(tmp_path / "out{rank}.npz"),
+    )
     assert res.returncode == 0 and not failed_ranks(res), res.stdout[-2000:] + res.stderr[-4000:]
     for r in range(2):
         assert np.load(tmp_path / f"out{r}.npz")["tokens"].tolist() == tokens

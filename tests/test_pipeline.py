@@ -50,8 +50,9 @@ def readme_run(tmp_path_factory):
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     block = readme_pipeline_block()
     out = re.search(r"--out (\S+)", block).group(1)
-    r = subprocess.run(["bash", "-ec", block], cwd=tmp, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        ["bash", "-ec", block], cwd=tmp, env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return tmp, tmp / out, block, env, r
 
@@ -61,8 +62,16 @@ def test_readme_block_makes_rank_folders_and_a_summary(readme_run):
     print("\n" + r.stdout[-1500:])
     summary = json.loads((out / pipeline.SUMMARY).read_text())
     stages = [s["stage"] for s in summary["stages"]]
-    assert stages == ["plan", "tokens", "base", "teacher", "student", "calibrate", "graded",
-                      "slice"]
+    assert stages == [
+        "plan",
+        "tokens",
+        "base",
+        "teacher",
+        "student",
+        "calibrate",
+        "graded",
+        "slice",
+    ]
     for s in summary["stages"][1:]:
         assert not s["skipped"] and s["seconds"] > 0 and s["peak_rss"] > 0, s
     for r_ in (0, 1):
@@ -79,8 +88,9 @@ def test_readme_block_makes_rank_folders_and_a_summary(readme_run):
 
 def test_readme_block_again_skips_every_stage(readme_run):
     tmp, _, block, env, _ = readme_run
-    r = subprocess.run(["bash", "-ec", block], cwd=tmp, env=env, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        ["bash", "-ec", block], cwd=tmp, env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("current, skipped") == 8, r.stdout
 
@@ -104,8 +114,9 @@ def test_pipeline_rank_folders_serve_on_two_ranks(readme_run):
     tmp, out, _, _, _ = readme_run
     srv = Server(str(out / "rank{rank}"), tmp / "srv", ("--no-warmup",))
     try:
-        c = srv.client().completions.create(model="kimi-k3", prompt="def add(a, b):\n",
-                                            max_tokens=8, temperature=0)
+        c = srv.client().completions.create(
+            model="kimi-k3", prompt="def add(a, b):\n", max_tokens=8, temperature=0
+        )
         assert c.choices[0].finish_reason == "length" and c.usage.completion_tokens == 8
         logs = wait_logs(srv, 0, 1)  # rank 1 logs when its own generation ends
         assert logs[0] and logs[0] == logs[1]  # both ranks generated the same tokens
@@ -114,8 +125,13 @@ def test_pipeline_rank_folders_serve_on_two_ranks(readme_run):
 
 
 def test_real_k3_disk_plan_from_config_and_index():
-    a = pipeline.Args(src=None, out="/nonexistent-k3dist-out", budget=480e9,
-                      config=str(pipeline.REAL_CONFIG), index=str(pipeline.REAL_INDEX))
+    a = pipeline.Args(
+        src=None,
+        out="/nonexistent-k3dist-out",
+        budget=480e9,
+        config=str(pipeline.REAL_CONFIG),
+        index=str(pipeline.REAL_INDEX),
+    )
     d = pipeline.run(a, dry_run=True)["disk_plan"]
     writes = {s["stage"]: s["writes"] for s in d["stages"]}
     assert d["source_bytes"] == 1_560_860_324_864
@@ -147,10 +163,12 @@ def test_refuses_with_the_numbers_when_the_disk_is_too_small(tmp_path):
 
 
 def test_calibration_text_through_the_source_tokenizer(tmp_path):
-    lines = [{"text": f"def f{i}(x):\n    return x * {i}\n" * 20, "domain": "code"}
-             for i in range(40)]
-    lines.append({"text": "The quick brown fox jumps over the lazy dog. " * 3,
-                  "domain": "prose"})  # one window of 40: 2.5 %
+    lines = [
+        {"text": f"def f{i}(x):\n    return x * {i}\n" * 20, "domain": "code"} for i in range(40)
+    ]
+    lines.append(
+        {"text": "The quick brown fox jumps over the lazy dog. " * 3, "domain": "prose"}
+    )  # one window of 40: 2.5 %
     (tmp_path / "mix.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
     rec = calibtext.make(MINI, tmp_path / "t.npz", [str(tmp_path / "mix.jsonl")], 40, 32)
     got = np.load(tmp_path / "t.npz")
@@ -174,15 +192,17 @@ def _publish(build: Path, out: Path) -> Path:
     swaps = []
     for name, m in model.named_modules():
         if isinstance(m, QuantizedSwitchLinear):
-            w = mx.dequantize(m.weight, m.scales, m.get("biases"), m.group_size, m.bits,
-                              mode=m.mode)
+            w = mx.dequantize(
+                m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=m.mode
+            )
             f = SwitchLinear(w.shape[2], w.shape[1], w.shape[0], bias=False)
             f.weight = w.astype(mx.bfloat16)
             swaps.append((name, f))
     model.update_modules(tree_unflatten(swaps))
     config.pop("quantization", None)
-    model, config = quantize_model(model, config, 32, 4,
-                                   quant_predicate=lambda p, m: "switch_mlp" in p)
+    model, config = quantize_model(
+        model, config, 32, 4, quant_predicate=lambda p, m: "switch_mlp" in p
+    )
     save_model(out, model)
     save_config(config, out / "config.json")
     for n in ("tiktoken.model", "tokenizer.json", "tokenizer_config.json"):
@@ -204,9 +224,16 @@ def test_published_mlx_build_audited_sliced_and_served(mini_build, tmp_path):
     tokens, logits = greedy(model, prompt, 16)
     slicing.slice_all(pub, str(tmp_path / "ranks" / "rank{rank}"), 2, progress=False)
     res = mlx_launch(
-        2, "launch/generate.py", "--rank-dir", str(tmp_path / "ranks" / "rank{rank}"),
-        "--prompt-ids", ",".join(map(str, prompt)), "--max-tokens", "16",
-        "--dump", str(tmp_path / "out" / "rank{rank}.npz"),
+        2,
+        "launch/generate.py",
+        "--rank-dir",
+        str(tmp_path / "ranks" / "rank{rank}"),
+        "--prompt-ids",
+        ",".join(map(str, prompt)),
+        "--max-tokens",
+        "16",
+        "--dump",
+        str(tmp_path / "out" / "rank{rank}.npz"),
     )
     assert res.returncode == 0 and not failed_ranks(res), res.stdout[-2000:] + res.stderr[-3000:]
     for i in range(2):
@@ -219,13 +246,25 @@ def test_published_mlx_build_audited_sliced_and_served(mini_build, tmp_path):
 
 def test_open_bind_without_a_key_refuses_naming_the_fix(tmp_path):
     env = dict(os.environ, HOME=str(tmp_path))  # no ~/.k3dist-key here
-    r = subprocess.run([sys.executable, "launch/serve.py", "--config", "deploy/tb5.yaml"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "launch/serve.py", "--config", "deploy/tb5.yaml"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1
     assert "refusing to start: api_key_file" in r.stderr and "write the key" in r.stderr
     (tmp_path / "open.yaml").write_text("host: 0.0.0.0\n")
-    r = subprocess.run([sys.executable, "launch/serve.py", "--config", str(tmp_path / "open.yaml")],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "launch/serve.py", "--config", str(tmp_path / "open.yaml")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1
     assert "no API key is set" in r.stderr and "api_key_file" in r.stderr
     assert "--allow-no-api-key" in r.stderr

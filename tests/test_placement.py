@@ -21,12 +21,15 @@ def test_contiguous_tables():
         placement.contiguous(10, 4, [1])
 
 
-@pytest.mark.parametrize("owners,match", [
-    ([0] * 8 + [1] * 7, "15 owners for 16"),
-    ([0] * 8 + [1] * 9, "17 owners for 16"),
-    ([0] * 8 + [1] * 7 + [2], "outside 0..1"),
-    ([0] * 16, "ranks \\[1\\] own no expert"),
-])
+@pytest.mark.parametrize(
+    "owners,match",
+    [
+        ([0] * 8 + [1] * 7, "15 owners for 16"),
+        ([0] * 8 + [1] * 9, "17 owners for 16"),
+        ([0] * 8 + [1] * 7 + [2], "outside 0..1"),
+        ([0] * 16, "ranks \\[1\\] own no expert"),
+    ],
+)
 def test_invalid_placements_refused(owners, match):
     with pytest.raises(PlacementError, match=match):
         Placement(2, 16, {1: tuple(owners)})
@@ -42,12 +45,15 @@ def test_load_aware_balances_skewed_routing(tmp_path):
     np.savez(tmp_path / "counts.npz", layer_1=counts)
     (tmp_path / "counts.json").write_text(json.dumps({"layers": {"1": counts.tolist()}}))
     la = placement.load_aware(placement.read_counts(tmp_path / "counts.npz"), N)
-    assert la.owners == placement.load_aware(placement.read_counts(tmp_path / "counts.json"),
-                                             N).owners
+    assert (
+        la.owners == placement.load_aware(placement.read_counts(tmp_path / "counts.json"), N).owners
+    )
     cont = placement.contiguous(E, N, [1])
     m_la, m_cont = la.expected_max_load(1, sel), cont.expected_max_load(1, sel)
-    print(f"\nE[max pairs per rank per token]: contiguous {m_cont:.3f}, load-aware {m_la:.3f}"
-          f" (ideal >= {k / N})")
+    print(
+        f"\nE[max pairs per rank per token]: contiguous {m_cont:.3f}, load-aware {m_la:.3f}"
+        f" (ideal >= {k / N})"
+    )
     assert m_la < m_cont
     assert all(len(la.experts_of(1, r)) == E // N for r in range(N))  # memory balanced
     assert Placement.from_json(la.to_json()) == la

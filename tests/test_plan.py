@@ -104,11 +104,17 @@ def _split_rank_folder(folder: Path, size: int) -> Path:
     tc = layout.text_config(real_config())
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(real_config()))
-    split = [i for i in range(tc["num_hidden_layers"])
-             if layout.attention_heads(tc, i) % size == 0]
-    (folder / "k3dist.json").write_text(json.dumps({
-        "kind": "rank", "rank": 0, "size": size,
-        "attention": {"mode": "split", "split_layers": split}}))
+    split = [i for i in range(tc["num_hidden_layers"]) if layout.attention_heads(tc, i) % size == 0]
+    (folder / "k3dist.json").write_text(
+        json.dumps(
+            {
+                "kind": "rank",
+                "rank": 0,
+                "size": size,
+                "attention": {"mode": "split", "split_layers": split},
+            }
+        )
+    )
     return folder
 
 
@@ -127,18 +133,38 @@ def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
     assert (req.attention, req.ranks) == (tb5.attention, tb5.size)
     tc = layout.text_config(real_config())
     folder = _split_rank_folder(tmp_path / "rank0", tb5.size)
-    others = [load_deployment(None, max_context=8192, max_batch=3, prefill_chunk=64),
-              load_deployment(None, max_context=20000, max_batch=1, prefill_chunk=512,
-                              prompt_cache_tokens=50000, dtype="float16")]
-    boxes = [planner.Box()] + [planner.Box(context=d.max_context, batch=d.max_batch,
-                                     prompt_cache_tokens=d.prompt_cache_tokens,
-                                     prefill_chunk=d.prefill_chunk,
-                                     act_bytes=kvmemory.act_bytes(d.dtype)) for d in others]
+    others = [
+        load_deployment(None, max_context=8192, max_batch=3, prefill_chunk=64),
+        load_deployment(
+            None,
+            max_context=20000,
+            max_batch=1,
+            prefill_chunk=512,
+            prompt_cache_tokens=50000,
+            dtype="float16",
+        ),
+    ]
+    boxes = [planner.Box()] + [
+        planner.Box(
+            context=d.max_context,
+            batch=d.max_batch,
+            prompt_cache_tokens=d.prompt_cache_tokens,
+            prefill_chunk=d.prefill_chunk,
+            act_bytes=kvmemory.act_bytes(d.dtype),
+        )
+        for d in others
+    ]
     for dep, box in zip([tb5, *others], boxes, strict=True):
-        kv = preflight.kv_need(folder, max_batch=dep.max_batch, max_context=dep.max_context,
-                               prompt_cache_tokens=dep.prompt_cache_tokens, dtype=dep.dtype)
-        act = preflight.activation_need(folder, max_context=dep.max_context,
-                                        prefill_chunk=dep.prefill_chunk, dtype=dep.dtype)
+        kv = preflight.kv_need(
+            folder,
+            max_batch=dep.max_batch,
+            max_context=dep.max_context,
+            prompt_cache_tokens=dep.prompt_cache_tokens,
+            dtype=dep.dtype,
+        )
+        act = preflight.activation_need(
+            folder, max_context=dep.max_context, prefill_chunk=dep.prefill_chunk, dtype=dep.dtype
+        )
         assert planner.kv_state(tc, box, tb5.size)["total"] == kv["total"], dep
         assert planner.activations(tc, box, tb5.size)["total"] == act["total"], dep
 
@@ -162,16 +188,30 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
     folder = tmp_path / "rank0"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(real_config()))
-    split = [i for i in range(tc["num_hidden_layers"])
-             if layout.attention_heads(tc, i) % tb5.size == 0]
+    split = [
+        i for i in range(tc["num_hidden_layers"]) if layout.attention_heads(tc, i) % tb5.size == 0
+    ]
     assert len(split) == tc["num_hidden_layers"]  # K3: every layer's heads divide (96)
-    (folder / "k3dist.json").write_text(json.dumps({
-        "kind": "rank", "rank": 0, "size": tb5.size,
-        "attention": {"mode": tb5.attention, "split_layers": split}}))
-    kv = preflight.kv_need(folder, max_batch=tb5.max_batch, max_context=tb5.max_context,
-                           prompt_cache_tokens=tb5.prompt_cache_tokens, dtype=tb5.dtype)
-    act = preflight.activation_need(folder, max_context=tb5.max_context,
-                                    prefill_chunk=tb5.prefill_chunk, dtype=tb5.dtype)
+    (folder / "k3dist.json").write_text(
+        json.dumps(
+            {
+                "kind": "rank",
+                "rank": 0,
+                "size": tb5.size,
+                "attention": {"mode": tb5.attention, "split_layers": split},
+            }
+        )
+    )
+    kv = preflight.kv_need(
+        folder,
+        max_batch=tb5.max_batch,
+        max_context=tb5.max_context,
+        prompt_cache_tokens=tb5.prompt_cache_tokens,
+        dtype=tb5.dtype,
+    )
+    act = preflight.activation_need(
+        folder, max_context=tb5.max_context, prefill_chunk=tb5.prefill_chunk, dtype=tb5.dtype
+    )
     # the same arithmetic at the same limits: the plan budgets what preflight checks
     assert per["kv_state"] == kv["total"] == 24_727_643_136
     assert per["activations"] == act["total"] == 9_980_346_368
@@ -182,14 +222,22 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
     headroom = int(tb5.memory_headroom_gb * GiB)
     assert need + 5 * GiB <= headroom  # 44 GiB: 6.63 GiB beyond what is modelled
     vision = acc.classes["vision"]["source_bytes"]  # 0.89 GB, rank 0 only
-    metal = {"max_recommended_working_set_bytes": box.wired, "memory_bytes": box.physical,
-             "iogpu_wired_limit_mb": box.wired_limit_mb}
+    metal = {
+        "max_recommended_working_set_bytes": box.wired,
+        "memory_bytes": box.physical,
+        "iogpu_wired_limit_mb": box.wired_limit_mb,
+    }
     for rank in range(tb5.size):
-        weights = per["nonexpert"] + per["routed_experts"] + (
-            vision if rank in vision_ranks(tb5.size) else 0)
+        weights = (
+            per["nonexpert"]
+            + per["routed_experts"]
+            + (vision if rank in vision_ranks(tb5.size) else 0)
+        )
         assert weights + headroom <= box.wired - box.runtime_reserve  # 482.21 GiB <= 484
-        assert preflight.check_memory(folder, weights, headroom, box.physical, "given", metal,
-                                      kv, act) == weights + headroom
+        assert (
+            preflight.check_memory(folder, weights, headroom, box.physical, "given", metal, kv, act)
+            == weights + headroom
+        )
 
 
 def test_k3_plan_fits_two_boxes(acc):
@@ -217,8 +265,9 @@ def test_more_budget_promotes_more_and_fallback_costs(acc):
             ranks=2, lo="2bit-g128", budget_per_rank=a["budget_per_rank"] + 20 * 10**9
         ),
     )
-    c = planner.make_plan(acc, planner.Box(),
-                          planner.PlanRequest(ranks=2, lo="2bit-g128", lo_fallback=True))
+    c = planner.make_plan(
+        acc, planner.Box(), planner.PlanRequest(ranks=2, lo="2bit-g128", lo_fallback=True)
+    )
     assert b["promoted_total"] > a["promoted_total"] > c["promoted_total"]
 
 
@@ -233,8 +282,9 @@ def test_target_bpw(acc):
 
 def test_nothing_fits_says_why(acc):
     with pytest.raises(ValueError, match="nothing fits"):
-        planner.make_plan(acc, planner.Box(),
-                          planner.PlanRequest(ranks=2, budget_per_rank=300 * 10**9))
+        planner.make_plan(
+            acc, planner.Box(), planner.PlanRequest(ranks=2, budget_per_rank=300 * 10**9)
+        )
 
 
 def test_k_hi_uniform_matches_issue_figures():
@@ -282,8 +332,11 @@ def test_cli_json(mini_src, tmp_path):
 
 def _sensitivity(tmp_path, kl: dict[str, dict[int, float]]) -> Path:
     """A benchmarks/nonexpert.py-shaped file (rows: one class, one format, its KL)."""
-    rows = [{"build": f"{c}-{b}bit", "class": c, "format": f"{b}bit-g64", "kl": v}
-            for c, per in kl.items() for b, v in per.items()]
+    rows = [
+        {"build": f"{c}-{b}bit", "class": c, "format": f"{b}bit-g64", "kl": v}
+        for c, per in kl.items()
+        for b, v in per.items()
+    ]
     rows.append({"build": "all-6bit", "class": "all", "format": {}, "kl": 1.0})
     p = tmp_path / "sens.json"
     p.write_text(json.dumps({"rows": rows}))
@@ -291,11 +344,16 @@ def _sensitivity(tmp_path, kl: dict[str, dict[int, float]]) -> Path:
 
 
 def test_measured_nonexpert_fewest_bits_within_tolerance(tmp_path):
-    sens = planner.read_sensitivity(_sensitivity(tmp_path, {
-        "attention": {8: 1e-4, 6: 5e-4, 5: 1.5e-3, 4: 4e-3},
-        "embed": {8: 1e-5, 6: 2e-5, 5: 5e-5, 4: 1e-4},
-        "lm_head": {8: 3e-3, 6: 9e-3, 5: 2e-2, 4: 5e-2},
-    }))
+    sens = planner.read_sensitivity(
+        _sensitivity(
+            tmp_path,
+            {
+                "attention": {8: 1e-4, 6: 5e-4, 5: 1.5e-3, 4: 4e-3},
+                "embed": {8: 1e-5, 6: 2e-5, 5: 5e-5, 4: 1e-4},
+                "lm_head": {8: 3e-3, 6: 9e-3, 5: 2e-2, 4: 5e-2},
+            },
+        )
+    )
     fmts, origin = planner.measured_nonexpert(sens, 2e-3)
     assert fmts["attention"] == "5bit-g64" and "KL 0.00150 <= 0.002" in origin["attention"]
     assert fmts["embed"] == "4bit-g64"
@@ -308,16 +366,35 @@ def test_measured_nonexpert_fewest_bits_within_tolerance(tmp_path):
 def test_real_k3_plan_with_measured_formats(tmp_path):
     """Fewer non-expert bytes -> more promoted experts, and the plan says where each
     class's format came from."""
-    sens = _sensitivity(tmp_path, {c: {8: 1e-4, 6: 5e-4, 5: 1e-3, 4: 1.5e-3}
-                                   for c in ("attention", "shared", "embed")})
+    sens = _sensitivity(
+        tmp_path,
+        {c: {8: 1e-4, 6: 5e-4, 5: 1e-3, 4: 1.5e-3} for c in ("attention", "shared", "embed")},
+    )
     outs = {}
     for name, extra in (("default", []), ("measured", ["--nonexpert-sensitivity", str(sens)])):
         out = tmp_path / f"{name}.json"
         r = subprocess.run(
-            [sys.executable, "-m", "k3dist.build.plan", "--config",
-             str(REPO / "k3dist/data/kimi-k3-config.json"), "--index", str(REAL_INDEX),
-             "--ranks", "2", "--dry-run", "--json", "--out", str(out), *extra],
-            capture_output=True, text=True, cwd=REPO, timeout=120)
+            [
+                sys.executable,
+                "-m",
+                "k3dist.build.plan",
+                "--config",
+                str(REPO / "k3dist/data/kimi-k3-config.json"),
+                "--index",
+                str(REAL_INDEX),
+                "--ranks",
+                "2",
+                "--dry-run",
+                "--json",
+                "--out",
+                str(out),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         outs[name] = json.loads(out.read_text())
     d, m = outs["default"], outs["measured"]

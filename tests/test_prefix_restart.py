@@ -13,13 +13,23 @@ from k3dist.serve.prefix_store import file_sha256
 from serving import Server, post_raw, wait_logs
 from test_agent_api import TOOLS_C, _greedy
 
-KW = {"model": "kimi-k3", "max_tokens": 6, "temperature": 0, "tools": TOOLS_C,
-      "extra_body": {"chat_template_kwargs": {"thinking": False}}}
+KW = {
+    "model": "kimi-k3",
+    "max_tokens": 6,
+    "temperature": 0,
+    "tools": TOOLS_C,
+    "extra_body": {"chat_template_kwargs": {"thinking": False}},
+}
 
 
 def _system(name: str) -> list[dict]:
-    return [{"role": "system", "content": f"You are {name}, a coding agent. " + " ".join(
-        f"Rule {i}: keep file {i} under {40 + i} lines." for i in range(12))}]
+    return [
+        {
+            "role": "system",
+            "content": f"You are {name}, a coding agent. "
+            + " ".join(f"Rule {i}: keep file {i} under {40 + i} lines." for i in range(12)),
+        }
+    ]
 
 
 def _turn(srv, system, user: str):
@@ -29,17 +39,27 @@ def _turn(srv, system, user: str):
 
 
 def _precompute(srv, system) -> dict:
-    status, raw = post_raw(srv.url + "/v1/k3dist/prefix", json.dumps(
-        {"messages": system, "tools": TOOLS_C,
-         "chat_template_kwargs": {"thinking": False}}).encode(), timeout=120)
+    status, raw = post_raw(
+        srv.url + "/v1/k3dist/prefix",
+        json.dumps(
+            {"messages": system, "tools": TOOLS_C, "chat_template_kwargs": {"thinking": False}}
+        ).encode(),
+        timeout=120,
+    )
     assert status == 200, raw
     return json.loads(raw)
 
 
 def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build, tmp_path):
     store = tmp_path / "prefixes"
-    extra = ("--max-context", "1024", "--prefix-cache-dir", str(store),
-             "--prefix-cache-min-tokens", "64")
+    extra = (
+        "--max-context",
+        "1024",
+        "--prefix-cache-dir",
+        str(store),
+        "--prefix-cache-min-tokens",
+        "64",
+    )
     a, b = _system("Ada"), _system("Bob")
     srv = Server(ranks, tmp_path / "first", extra)
     try:
@@ -48,9 +68,10 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
         assert pa["key"] != pb["key"]
         # in memory already: the first session's first turn starts warm
         assert _turn(srv, a, "List the files.") >= pa["prefix_tokens"]
-        status, raw = post_raw(srv.url + "/v1/k3dist/prefix",
-                               json.dumps({"messages": [{"role": "user", "content": "x"}]})
-                               .encode())
+        status, raw = post_raw(
+            srv.url + "/v1/k3dist/prefix",
+            json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
+        )
         assert status == 400 and b"system" in raw
     finally:
         srv.stop()
@@ -76,8 +97,9 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
         assert _turn(srv, b, user) == 0
         logs = wait_logs(srv, 1, 1)
         assert logs[0] == logs[1] and logs[0][0]["cached"] == 0
-        assert logs[0][0]["tokens"] == _greedy(mini_build, [*b, {"role": "user",
-                                                               "content": user}], 6)
+        assert logs[0][0]["tokens"] == _greedy(
+            mini_build, [*b, {"role": "user", "content": user}], 6
+        )
         assert _turn(srv, a, "Again.") >= pa["prefix_tokens"]  # still serving, in lockstep
         assert wait_logs(srv, 2, 1)[0] == wait_logs(srv, 2, 1)[1]
     finally:

@@ -32,17 +32,20 @@ def _same(a: list, b: list) -> bool:
     fa, fb = tree_flatten([c.state for c in a]), tree_flatten([c.state for c in b])
     return len(fa) == len(fb) and all(  # KVCache: keys, values, offset
         ka == kb and (mx.array_equal(x, y).item() if isinstance(x, mx.array) else x == y)
-        for (ka, x), (kb, y) in zip(fa, fb, strict=True))
+        for (ka, x), (kb, y) in zip(fa, fb, strict=True)
+    )
 
 
 def test_key_names_tokens_and_identity_not_rank():
     k = prefix_key([1, 2, 3], IDENT)
     assert k == prefix_key((1, 2, 3), Identity("build0", "place0", "split", "float32", 1, 1))
-    for other in (Identity("build1", "place0", "split", "float32", 0, 1),
-                  Identity("build0", "place1", "split", "float32", 0, 1),
-                  Identity("build0", "place0", "replicated", "float32", 0, 1),
-                  Identity("build0", "place0", "split", "bfloat16", 0, 1),
-                  Identity("build0", "place0", "split", "float32", 0, 2)):
+    for other in (
+        Identity("build1", "place0", "split", "float32", 0, 1),
+        Identity("build0", "place1", "split", "float32", 0, 1),
+        Identity("build0", "place0", "replicated", "float32", 0, 1),
+        Identity("build0", "place0", "split", "bfloat16", 0, 1),
+        Identity("build0", "place0", "split", "float32", 0, 2),
+    ):
         assert prefix_key([1, 2, 3], other) != k
         assert other.folder() != IDENT.folder()
     assert prefix_key([1, 2, 4], IDENT) != k and prefix_key([1, 2], IDENT) != k
@@ -81,8 +84,9 @@ def test_restored_after_reopen_longest_prefix_and_checks(tmp_path):
     assert s3.entries == {} and len(s3.skipped) == 1
     # a half-written file is swept at start
     (s3.dir / "x.partial.safetensors").write_bytes(b"junk")
-    assert not any(p.name.startswith("x.") for p in PrefixStore(tmp_path, IDENT, 10**9)
-                   .dir.iterdir())
+    assert not any(
+        p.name.startswith("x.") for p in PrefixStore(tmp_path, IDENT, 10**9).dir.iterdir()
+    )
 
 
 def test_lru_by_bytes_survives_reopen(tmp_path):
@@ -100,8 +104,12 @@ def test_lru_by_bytes_survives_reopen(tmp_path):
     s.flush()
     assert {e.tokens[0] for e in s.entries.values()} == {0, 2}  # [1]*8 evicted
     assert s.total_bytes() <= 2.5 * size and s.stats["evicted"] == 1
-    assert sorted(p.suffix for p in s.dir.iterdir()) == [".json", ".json", ".safetensors",
-                                                         ".safetensors"]
+    assert sorted(p.suffix for p in s.dir.iterdir()) == [
+        ".json",
+        ".json",
+        ".safetensors",
+        ".safetensors",
+    ]
     with pytest.raises(ValueError, match="must be positive"):
         PrefixStore(tmp_path, IDENT, 0)
 

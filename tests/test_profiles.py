@@ -33,8 +33,13 @@ def _graded_plan_kw(src: Source) -> dict:
     2 ranks (the plan's default), plus the prompt cache bound the plan also keeps room for
     (256 tokens)."""
     pc = kvmemory.serving_bytes(src.text_config, context=256, batch=1, prompt_cache_tokens=256)
-    return {"budget": int(2.12e6) + pc["prompt_cache"]["total"], "context": 256, "batch": 1,
-            "prompt_cache_tokens": 256, "headroom": 0}
+    return {
+        "budget": int(2.12e6) + pc["prompt_cache"]["total"],
+        "context": 256,
+        "batch": 1,
+        "prompt_cache_tokens": 256,
+        "headroom": 0,
+    }
 
 
 def _tensors(build: Path) -> dict:
@@ -54,9 +59,10 @@ def _logits(model, vocab: int) -> np.ndarray:
 def profiles(mini_src, mini_build, tmp_path_factory):
     """Every uniform profile of the session's mini source, over its MXFP4 build."""
     root = tmp_path_factory.mktemp("profiles")
-    return {p: convert_profile(mini_src, root / p, p, mxfp4_dir=mini_build,
-                                       progress=False)
-            for p in ("2bit", "3bit", "mixed2")}
+    return {
+        p: convert_profile(mini_src, root / p, p, mxfp4_dir=mini_build, progress=False)
+        for p in ("2bit", "3bit", "mixed2")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +70,9 @@ def scores(mini_src, tmp_path_factory) -> Path:
     tc = Source(mini_src).text_config
     rng = np.random.default_rng(0)
     path = tmp_path_factory.mktemp("scores") / "scores.npz"
-    np.savez(path, **{f"layer_{layer}": rng.random(tc["num_experts"])
-                      for layer in layout.moe_layers(tc)})
+    np.savez(
+        path, **{f"layer_{layer}": rng.random(tc["num_experts"]) for layer in layout.moe_layers(tc)}
+    )
     return path
 
 
@@ -88,7 +95,10 @@ def test_uniform_profiles_load_and_order_by_bytes(mini_src, mini_build, profiles
     mid = layout.moe_layers(tc)[1]
     # mini-K3 experts have 96 columns: g64 does not divide them, g32 does
     assert q[f"language_model.model.layers.{mid}.mlp.{LO}.gate_proj"] == {
-        "group_size": 32, "bits": 2, "mode": "affine"}
+        "group_size": 32,
+        "bits": 2,
+        "mode": "affine",
+    }
 
 
 def test_mixed2_is_2bit_and_3bit_projections(mini_src, profiles):
@@ -115,8 +125,14 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, alloca
     src = Source(mini_src)
     tc = src.text_config
     out = convert_profile(
-        mini_src, tmp_path / "graded", "graded", scores=scores, progress=False,
-        plan_kw=_graded_plan_kw(src), allocation=allocation)
+        mini_src,
+        tmp_path / "graded",
+        "graded",
+        scores=scores,
+        progress=False,
+        plan_kw=_graded_plan_kw(src),
+        allocation=allocation,
+    )
     m = json.loads((out / "k3dist.json").read_text())
     plan = m["plan"]
     assert 0 < plan["promoted_total"] < len(layout.moe_layers(tc)) * tc["num_experts"]
@@ -128,13 +144,16 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, alloca
     sc = dict(np.load(scores))
     assert plan["allocation"] == allocation
     if allocation == "global":  # the best over all layers, a multiple of the ranks each
-        wants = grade.promote_global({int(k[6:]): v for k, v in sc.items()},
-                                     plan["promoted_total"], plan["ranks"])
+        wants = grade.promote_global(
+            {int(k[6:]): v for k, v in sc.items()}, plan["promoted_total"], plan["ranks"]
+        )
         assert sum(map(len, wants.values())) == plan["promoted_total"]
         assert all(len(v) % plan["ranks"] == 0 for v in wants.values())
     else:
-        wants = {int(layer): sorted(np.argsort(-sc[f"layer_{layer}"], kind="stable")[:n].tolist())
-                 for layer, n in plan["promoted_per_layer"].items()}
+        wants = {
+            int(layer): sorted(np.argsort(-sc[f"layer_{layer}"], kind="stable")[:n].tolist())
+            for layer, n in plan["promoted_per_layer"].items()
+        }
     t = _tensors(out)
     checked = 0
     for layer, want in wants.items():
@@ -143,49 +162,93 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, alloca
             for kind, suffix in (("weight_packed", "weight"), ("weight_scale", "scales")):
                 if not want:
                     continue
-                stacked = read_bytes(t[f"language_model.model.layers.{layer}.mlp.{HI}."
-                                       f"{proj}.{suffix}"])
+                stacked = read_bytes(
+                    t[f"language_model.model.layers.{layer}.mlp.{HI}.{proj}.{suffix}"]
+                )
                 per = len(stacked) // len(want)
                 for i, e in enumerate(want):
-                    name = (f"{layout.LAYER_PREFIX}{layer}.block_sparse_moe.experts.{e}."
-                            f"{PROJ_SRC[proj]}.{kind}")
-                    assert stacked[i * per:(i + 1) * per] == read_bytes(src.info(name)), name
+                    name = (
+                        f"{layout.LAYER_PREFIX}{layer}.block_sparse_moe.experts.{e}."
+                        f"{PROJ_SRC[proj]}.{kind}"
+                    )
+                    assert stacked[i * per : (i + 1) * per] == read_bytes(src.info(name)), name
                     checked += 1
     assert checked == 6 * plan["promoted_total"]
     # non-experts in the plan's formats
     q = cfg["quantization"]
     att = [v for k, v in q.items() if ".self_attn." in k]
-    assert att and all(v["bits"] == int(plan["nonexpert"]["attention"]["format"][0])
-                       for v in att)
+    assert att and all(v["bits"] == int(plan["nonexpert"]["attention"]["format"][0]) for v in att)
     model, _ = two_bank.load_build(out)
     assert np.isfinite(_logits(model, tc["vocab_size"])).all()
     # resumable / idempotent: a second run finds both stages complete
     again = convert_profile(
-        mini_src, tmp_path / "graded", "graded", scores=scores, progress=False,
-        plan_kw=_graded_plan_kw(src), allocation=allocation)
+        mini_src,
+        tmp_path / "graded",
+        "graded",
+        scores=scores,
+        progress=False,
+        plan_kw=_graded_plan_kw(src),
+        allocation=allocation,
+    )
     assert json.loads((again / "k3dist.json").read_text())["build_hash"] == m["build_hash"]
 
 
 def test_graded_budget_too_small_says_the_numbers(mini_src, scores, tmp_path):
-    with pytest.raises(ValueError, match=r"nothing fits 1000000 bytes per rank: non-experts "
-                       r"\d+, KV/state \d+, activations \d+"):
-        convert_profile(mini_src, tmp_path / "g", "graded", scores=scores,
-                                progress=False, plan_kw={"budget": int(1e6), "context": 256,
-                                                         "headroom": 0})
+    with pytest.raises(
+        ValueError,
+        match=r"nothing fits 1000000 bytes per rank: non-experts "
+        r"\d+, KV/state \d+, activations \d+",
+    ):
+        convert_profile(
+            mini_src,
+            tmp_path / "g",
+            "graded",
+            scores=scores,
+            progress=False,
+            plan_kw={"budget": int(1e6), "context": 256, "headroom": 0},
+        )
     assert not (tmp_path / "g").exists() and not (tmp_path / "g.mxfp4").exists()
 
 
 def test_graded_cli_without_scores_names_calibrate(mini_src, tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "k3dist.build.profiles", "--src", str(mini_src), "--out",
-         str(tmp_path / "g"), "--profile", "graded", "--budget", "3e6"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "k3dist.build.profiles",
+            "--src",
+            str(mini_src),
+            "--out",
+            str(tmp_path / "g"),
+            "--profile",
+            "graded",
+            "--budget",
+            "3e6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "--scores" in r.stderr and "python -m k3dist.build.calibrate" in r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "k3dist.build.profiles", "--src", str(mini_src), "--out",
-         str(tmp_path / "u"), "--profile", "2bit", "--budget", "3e6"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "k3dist.build.profiles",
+            "--src",
+            str(mini_src),
+            "--out",
+            str(tmp_path / "u"),
+            "--profile",
+            "2bit",
+            "--budget",
+            "3e6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "only with --profile graded" in r.stderr
 
 
@@ -205,6 +268,7 @@ def test_profile_resumes_both_stages(mini_src, profiles, tmp_path, monkeypatch):
             if calls["n"] == at:
                 raise KeyboardInterrupt("simulated crash")
             return real(*a, **k)
+
         return f
 
     monkeypatch.setattr(convert, "iter_chunks", failing(convert.iter_chunks, 40))

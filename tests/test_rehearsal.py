@@ -45,9 +45,17 @@ def test_index_equals_the_real_one(preset_cfg):
 
 def test_config_has_every_real_count_and_g64_experts(preset_cfg):
     real, tc = synth.real_config()["text_config"], preset_cfg["text_config"]
-    for k in ("num_hidden_layers", "attn_res_block_size", "num_experts",
-              "num_experts_per_token", "num_shared_experts", "first_k_dense_replace",
-              "moe_layer_freq", "vocab_size", "linear_attn_config"):
+    for k in (
+        "num_hidden_layers",
+        "attn_res_block_size",
+        "num_experts",
+        "num_experts_per_token",
+        "num_shared_experts",
+        "first_k_dense_replace",
+        "moe_layer_freq",
+        "vocab_size",
+        "linear_attn_config",
+    ):
         if k == "linear_attn_config":
             for sub in ("kda_layers", "full_attn_layers"):
                 assert tc[k][sub] == real[k][sub]
@@ -86,20 +94,28 @@ def test_grade_runs_of_experts_equal_one_at_a_time(mini_build, tmp_path, monkeyp
     w, s = src[f"{p}.switch_mlp.gate_proj.weight"], src[f"{p}.switch_mlp.gate_proj.scales"]
     E, rows = w.shape[0], w.shape[1]
     monkeypatch.setattr(grade, "CHUNK_BYTES", 3 * w.nbytes // E)
-    out = grade.grade(mini_build, tmp_path / "g", {layer: hi}, 2, lo="2bit-g32",
-                      progress=False)
+    out = grade.grade(mini_build, tmp_path / "g", {layer: hi}, 2, lo="2bit-g32", progress=False)
     got = read_header(out / f"model-layer-{layer:03d}.safetensors").tensors
     lo = [e for e in range(E) if e not in hi]
-    parts = {k: read_bytes(got[f"{p}.{LO}.gate_proj.{k}"]) for k in ("weight", "scales",
-                                                                         "biases")}
+    parts = {k: read_bytes(got[f"{p}.{LO}.gate_proj.{k}"]) for k in ("weight", "scales", "biases")}
     for i, e in enumerate(lo):
         wq = mx.array(np.frombuffer(read_bytes(w, e * w.nbytes // E, w.nbytes // E), np.uint32))
         sq = mx.array(np.frombuffer(read_bytes(s, e * s.nbytes // E, s.nbytes // E), np.uint8))
-        dense = mx.dequantize(wq.reshape(rows, -1), sq.reshape(rows, -1), mode="mxfp4",
-                              group_size=32, bits=4, dtype=mx.bfloat16)
-        alone = dict(zip(("weight", "scales", "biases"),
-                         mx.quantize(dense, group_size=32, bits=2, mode="affine"),
-                         strict=True))
+        dense = mx.dequantize(
+            wq.reshape(rows, -1),
+            sq.reshape(rows, -1),
+            mode="mxfp4",
+            group_size=32,
+            bits=4,
+            dtype=mx.bfloat16,
+        )
+        alone = dict(
+            zip(
+                ("weight", "scales", "biases"),
+                mx.quantize(dense, group_size=32, bits=2, mode="affine"),
+                strict=True,
+            )
+        )
         for k, a in alone.items():
             b = mx_to_bytes(a)
-            assert parts[k][i * len(b):(i + 1) * len(b)] == b, (e, k)
+            assert parts[k][i * len(b) : (i + 1) * len(b)] == b, (e, k)

@@ -61,21 +61,22 @@ def srv(ranks, tmp_path_factory):
     s.stop()
 
 
-
-
 def test_chat_streamed_and_not_equal_single_process(srv, mini_build):
     c = srv.client()
     seen = len(token_log(srv, 0))
-    r = c.chat.completions.create(model="kimi-k3", messages=MESSAGES, max_tokens=24,
-                                  temperature=0.0, seed=3)
+    r = c.chat.completions.create(
+        model="kimi-k3", messages=MESSAGES, max_tokens=24, temperature=0.0, seed=3
+    )
     text = text_of(r.choices[0].message)
     assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
-    chunks = c.chat.completions.create(model="kimi-k3", messages=MESSAGES, max_tokens=24,
-                                       temperature=0.0, seed=3, stream=True)
+    chunks = c.chat.completions.create(
+        model="kimi-k3", messages=MESSAGES, max_tokens=24, temperature=0.0, seed=3, stream=True
+    )
     streamed = "".join(text_of(ch.choices[0].delta) for ch in chunks if ch.choices)
     assert streamed == text and text
-    sampled = c.chat.completions.create(model="kimi-k3", messages=MESSAGES, max_tokens=24,
-                                        temperature=0.7, seed=11)
+    sampled = c.chat.completions.create(
+        model="kimi-k3", messages=MESSAGES, max_tokens=24, temperature=0.7, seed=11
+    )
 
     logs = wait_logs(srv, seen, 3)
     assert len(logs[0]) == 3 and logs[0] == logs[1]  # both ranks generated the same tokens
@@ -98,9 +99,11 @@ def test_models_without_hf_cache_and_deployment_info(srv):
 def kernels_mapped(pid: int) -> set[str]:
     """The compiled-kernel libraries process ``pid`` has loaded (its /proc maps)."""
     d = str(warmup.jit_cache_dir())
-    return {Path(x.rsplit(None, 1)[-1]).name
-            for x in Path(f"/proc/{pid}/maps").read_text().splitlines()
-            if x.rstrip().endswith(".so") and x.rsplit(None, 1)[-1].startswith(d)}
+    return {
+        Path(x.rsplit(None, 1)[-1]).name
+        for x in Path(f"/proc/{pid}/maps").read_text().splitlines()
+        if x.rstrip().endswith(".so") and x.rsplit(None, 1)[-1].startswith(d)
+    }
 
 
 def test_warm_up_leaves_nothing_to_compile(srv):
@@ -121,11 +124,16 @@ def test_warm_up_leaves_nothing_to_compile(srv):
 
     def client(i: int) -> None:
         gate.wait()  # all 8 at once: they decode together, later ones join mid-decode
-        kw = dict(model="kimi-k3", prompt="x " * (1, 3, 9, 17, 33, 50, 70, 120)[i],
-                  max_tokens=6 + i, temperature=(0.0, 0.7)[i % 2])
+        kw = dict(
+            model="kimi-k3",
+            prompt="x " * (1, 3, 9, 17, 33, 50, 70, 120)[i],
+            max_tokens=6 + i,
+            temperature=(0.0, 0.7)[i % 2],
+        )
         if i % 3 == 0:
-            assert "".join(ch.choices[0].text for ch in
-                           c.completions.create(stream=True, **kw) if ch.choices)
+            assert "".join(
+                ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices
+            )
         else:
             assert c.completions.create(**kw).choices[0].text is not None
 
@@ -134,8 +142,10 @@ def test_warm_up_leaves_nothing_to_compile(srv):
     _, after = get_json(srv.url + "/v1/k3dist")
     new = {r: sorted(kernels_mapped(pid) - mapped[r]) for r, pid in pids.items()}
     batches = sorted({b for b, t in after["shapes_seen"] if t == 1})
-    print(f"\nkernels loaded by warm-up {before['warmup']['jit_kernels_loaded']}, new after "
-          f"requests per rank {new}; decode batch sizes served {batches}")
+    print(
+        f"\nkernels loaded by warm-up {before['warmup']['jit_kernels_loaded']}, new after "
+        f"requests per rank {new}; decode batch sizes served {batches}"
+    )
     assert max(batches) >= 2  # the clients were decoded together
     assert after["jit_kernels_after_warmup"] == [] and new == {0: [], 1: []}
 
@@ -152,8 +162,16 @@ MALFORMED = {
     "unknown role": (CHAT, {**OK, "messages": [{"role": "wizard", "content": "hi"}]}, 400),
     "content a number": (CHAT, {**OK, "messages": [{"role": "user", "content": 42}]}, 400),
     "content an object": (CHAT, {**OK, "messages": [{"role": "user", "content": {}}]}, 400),
-    "image part": (CHAT, {**OK, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
+    "image part": (
+        CHAT,
+        {
+            **OK,
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ],
+        },
+        400,
+    ),
     "negative max_tokens": (CHAT, {**OK, "max_tokens": -5}, 400),
     "zero max_tokens": (CHAT, {**OK, "max_tokens": 0}, 400),
     "huge max_tokens": (CHAT, {**OK, "max_tokens": 10**9}, 400),
@@ -172,8 +190,11 @@ MALFORMED = {
     "completion without prompt": ("/v1/completions", {"model": "kimi-k3"}, 400),
     "numeric prompt": ("/v1/completions", {"prompt": 7}, 400),
     "prompt over the context": ("/v1/completions", {"prompt": "word " * 600}, 400),
-    "chat over the context": (CHAT, {"messages": [{"role": "user", "content": "word " * 600}]},
-                              400),
+    "chat over the context": (
+        CHAT,
+        {"messages": [{"role": "user", "content": "word " * 600}]},
+        400,
+    ),
     "max_tokens past the context": (CHAT, {**OK, "max_tokens": MAX_CONTEXT}, 400),
 }
 
@@ -197,13 +218,14 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(srv):
 
 def test_six_million_token_prompt_refused_at_once(srv):
     t = time.perf_counter()
-    got, raw = post_raw(srv.url + "/v1/completions",
-                         json.dumps({"prompt": "a " * 6_000_000, "max_tokens": 4}).encode())
+    got, raw = post_raw(
+        srv.url + "/v1/completions",
+        json.dumps({"prompt": "a " * 6_000_000, "max_tokens": 4}).encode(),
+    )
     took = time.perf_counter() - t
     assert got in (400, 413), raw[:200]
     assert "context" in raw.decode() or "exceeds" in raw.decode()
     assert took < 10
-
 
 
 def test_requests_arriving_together_are_served_intact(srv):
@@ -215,8 +237,11 @@ def test_requests_arriving_together_are_served_intact(srv):
     prompts = ["def f(x):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"]
 
     def ask(p):
-        return c.completions.create(model="kimi-k3", prompt=p, max_tokens=8,
-                                    temperature=0.0).choices[0].text
+        return (
+            c.completions.create(model="kimi-k3", prompt=p, max_tokens=8, temperature=0.0)
+            .choices[0]
+            .text
+        )
 
     alone = [ask(p) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as ex:
@@ -238,8 +263,11 @@ OUT_OF_RANGE = {
     "logit_bias value 1e9": (COMPL, {**HI, "logit_bias": {"12": 1e9}}, "logit_bias"),
     "logit_bias value NaN": (COMPL, {**HI, "logit_bias": {"12": float("nan")}}, "logit_bias"),
     "logit_bias value a string": (COMPL, {**HI, "logit_bias": {"12": "5"}}, "logit_bias"),
-    "logit_bias 301 entries": (COMPL, {**HI, "logit_bias": {str(i): 1 for i in range(301)}},
-                               "logit_bias"),
+    "logit_bias 301 entries": (
+        COMPL,
+        {**HI, "logit_bias": {str(i): 1 for i in range(301)}},
+        "logit_bias",
+    ),
     "logit_bias a list": (COMPL, {**HI, "logit_bias": [1, 2]}, "logit_bias"),
     "seed -1": (COMPL, {**HI, "seed": -1}, "seed"),
     "seed 10**30": (COMPL, {**HI, "seed": 10**30}, "seed"),
@@ -262,47 +290,87 @@ OUT_OF_RANGE = {
     "frequency_penalty -3": (COMPL, {**HI, "frequency_penalty": -3}, "frequency_penalty"),
     "repetition_penalty -1": (COMPL, {**HI, "repetition_penalty": -1}, "repetition_penalty"),
     "repetition_penalty 11": (COMPL, {**HI, "repetition_penalty": 11}, "repetition_penalty"),
-    "repetition_context_size -1": (COMPL, {**HI, "repetition_context_size": -1},
-                                   "repetition_context_size"),
-    "repetition_context_size 10**9": (COMPL, {**HI, "repetition_context_size": 10**9},
-                                      "repetition_context_size"),
-    "presence_context_size -1": (COMPL, {**HI, "presence_context_size": -1},
-                                 "presence_context_size"),
-    "frequency_context_size 10**9": (COMPL, {**HI, "frequency_context_size": 10**9},
-                                     "frequency_context_size"),
+    "repetition_context_size -1": (
+        COMPL,
+        {**HI, "repetition_context_size": -1},
+        "repetition_context_size",
+    ),
+    "repetition_context_size 10**9": (
+        COMPL,
+        {**HI, "repetition_context_size": 10**9},
+        "repetition_context_size",
+    ),
+    "presence_context_size -1": (
+        COMPL,
+        {**HI, "presence_context_size": -1},
+        "presence_context_size",
+    ),
+    "frequency_context_size 10**9": (
+        COMPL,
+        {**HI, "frequency_context_size": 10**9},
+        "frequency_context_size",
+    ),
     "xtc_probability 1.5": (COMPL, {**HI, "xtc_probability": 1.5}, "xtc_probability"),
     "xtc_threshold 0.9": (COMPL, {**HI, "xtc_threshold": 0.9}, "xtc_threshold"),
     "max_tokens true": (COMPL, {**HI, "max_tokens": True}, "max_tokens"),
-    "max_completion_tokens 0": (COMPL, {**HI, "max_completion_tokens": 0},
-                                "max_completion_tokens"),
-    "max_completion_tokens 10**9": (COMPL, {**HI, "max_completion_tokens": 10**9},
-                                    "max_completion_tokens"),
+    "max_completion_tokens 0": (COMPL, {**HI, "max_completion_tokens": 0}, "max_completion_tokens"),
+    "max_completion_tokens 10**9": (
+        COMPL,
+        {**HI, "max_completion_tokens": 10**9},
+        "max_completion_tokens",
+    ),
     "n 2": (COMPL, {**HI, "n": 2}, "n"),
     "stop 5 sequences": (COMPL, {**HI, "stop": list("abcde")}, "stop"),
     "stop 1 MB": (COMPL, {**HI, "stop": "x" * 2**20}, "stop"),
     "stop empty": (COMPL, {**HI, "stop": ""}, "stop"),
-    "stream_options include_usage a string": (COMPL, {**HI, "stream": True,
-                                                      "stream_options": {"include_usage": "y"}},
-                                              "stream_options"),
+    "stream_options include_usage a string": (
+        COMPL,
+        {**HI, "stream": True, "stream_options": {"include_usage": "y"}},
+        "stream_options",
+    ),
     "logprobs a string": (COMPL, {**HI, "logprobs": "yes"}, "logprobs"),
     "draft_model": (COMPL, {**HI, "draft_model": "x"}, "draft_model"),
     "num_draft_tokens": (COMPL, {**HI, "num_draft_tokens": 10**6}, "num_draft_tokens"),
     "adapters": (COMPL, {**HI, "adapters": "/etc"}, "adapters"),
     "messages on /v1/completions": (COMPL, {**HI, "messages": []}, "messages"),
-    "chat_template_kwargs tokenize": (CHAT, {**OK, "chat_template_kwargs": {"tokenize": False}},
-                                      "chat_template_kwargs"),
-    "chat_template_kwargs tools": (CHAT, {**OK, "chat_template_kwargs": {"tools": []}},
-                                   "chat_template_kwargs"),
-    "chat_template_kwargs 17 keys": (CHAT, {**OK, "chat_template_kwargs": {
-        f"k{i}": 1 for i in range(17)}}, "chat_template_kwargs"),
-    "chat_template_kwargs object value": (CHAT, {**OK, "chat_template_kwargs": {"a": {"b": 1}}},
-                                          "chat_template_kwargs"),
-    "chat_template_kwargs 1 KB string": (CHAT, {**OK, "chat_template_kwargs": {"a": "x" * 1024}},
-                                         "chat_template_kwargs"),
-    "tools 129": (CHAT, {**OK, "tools": [{"type": "function", "function": {"name": f"f{i}"}}
-                                         for i in range(129)]}, "tools"),
-    "tools 1 MB": (CHAT, {**OK, "tools": [{"type": "function", "function": {
-        "name": "f", "description": "x" * 2**20}}]}, None),  # over the context
+    "chat_template_kwargs tokenize": (
+        CHAT,
+        {**OK, "chat_template_kwargs": {"tokenize": False}},
+        "chat_template_kwargs",
+    ),
+    "chat_template_kwargs tools": (
+        CHAT,
+        {**OK, "chat_template_kwargs": {"tools": []}},
+        "chat_template_kwargs",
+    ),
+    "chat_template_kwargs 17 keys": (
+        CHAT,
+        {**OK, "chat_template_kwargs": {f"k{i}": 1 for i in range(17)}},
+        "chat_template_kwargs",
+    ),
+    "chat_template_kwargs object value": (
+        CHAT,
+        {**OK, "chat_template_kwargs": {"a": {"b": 1}}},
+        "chat_template_kwargs",
+    ),
+    "chat_template_kwargs 1 KB string": (
+        CHAT,
+        {**OK, "chat_template_kwargs": {"a": "x" * 1024}},
+        "chat_template_kwargs",
+    ),
+    "tools 129": (
+        CHAT,
+        {**OK, "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+        "tools",
+    ),
+    "tools 1 MB": (
+        CHAT,
+        {
+            **OK,
+            "tools": [{"type": "function", "function": {"name": "f", "description": "x" * 2**20}}],
+        },
+        None,
+    ),  # over the context
     "role_mapping": (CHAT, {**OK, "role_mapping": {"user": "x" * 100}}, "role_mapping"),
 }
 
@@ -329,8 +397,7 @@ def test_smallest_top_p_samples_the_same_token_on_both_ranks(srv):
     fuzzer saw the ranks sample different first tokens (benchmarks/fuzz.py)."""
     seen = len(token_log(srv, 0))
     for t in (0.7, 1.5):
-        got, _, raw = post_conn(srv.port, {**HI, "max_tokens": 3, "temperature": t,
-                                           "top_p": 1e-30})
+        got, _, raw = post_conn(srv.port, {**HI, "max_tokens": 3, "temperature": t, "top_p": 1e-30})
         assert got == 200, raw[:300]
     logs = wait_logs(srv, seen, 2)
     assert len(logs[0]) == 2 and logs[0] == logs[1]
@@ -345,8 +412,18 @@ def test_null_fields_are_the_defaults(srv):
     """null is "not given" in OpenAI's API: served, not refused in mlx-lm's own error
     shape (found by the fuzzer: stream and temperature null were a bare {"error": str})."""
     for path, base in ((COMPL, HI), (CHAT, OK)):
-        got, _, raw = post_conn(srv.port, {**base, "stream": None, "temperature": None,
-                                           "top_p": None, "stop": None, "seed": None}, path)
+        got, _, raw = post_conn(
+            srv.port,
+            {
+                **base,
+                "stream": None,
+                "temperature": None,
+                "top_p": None,
+                "stop": None,
+                "seed": None,
+            },
+            path,
+        )
         assert got == 200, (path, raw[:300])
         assert json.loads(raw)["choices"], raw[:300]
 
@@ -358,9 +435,14 @@ def test_edge_values_are_served(srv):
         {"top_k": v - 1, "temperature": 2, "seed": 2**64 - 1},
         {"logprobs": True, "top_logprobs": 11, "min_p": 1, "top_p": 0},
         {"logit_bias": {str(i): (-100 if i % 2 else 100) for i in range(v - 300, v)}},
-        {"presence_penalty": -2, "frequency_penalty": 2, "repetition_penalty": 10,
-         "repetition_context_size": MAX_CONTEXT, "presence_context_size": 0,
-         "frequency_context_size": MAX_CONTEXT},
+        {
+            "presence_penalty": -2,
+            "frequency_penalty": 2,
+            "repetition_penalty": 10,
+            "repetition_context_size": MAX_CONTEXT,
+            "presence_context_size": 0,
+            "frequency_context_size": MAX_CONTEXT,
+        },
         {"xtc_probability": 1, "xtc_threshold": 0.5, "temperature": 1, "seed": 0},
         {"stop": ["x" * 256] * 4, "stream": True, "stream_options": {}},
     ]
@@ -368,11 +450,9 @@ def test_edge_values_are_served(srv):
         got, _, raw = post_conn(srv.port, {**HI, **extra})
         assert got == 200, (extra, raw[:300])
         assert b"error" not in raw, raw[:300]
-    got, _, raw = post_conn(srv.port, {**OK, "chat_template_kwargs": {"thinking": False}},
-                             CHAT)
+    got, _, raw = post_conn(srv.port, {**OK, "chat_template_kwargs": {"thinking": False}}, CHAT)
     assert got == 200, raw[:300]
     assert set(srv.rank_pids()) == {0, 1}
-
 
 
 def test_crash_request_is_refused_and_both_ranks_keep_serving(srv):
@@ -389,8 +469,13 @@ def test_crash_request_is_refused_and_both_ranks_keep_serving(srv):
             got, _, raw = post_conn(srv.port, {**HI, "seed": seed, "stream": stream})
             assert got == 400 and json.loads(raw)["error"]["param"] == "seed", raw
     seen = len(token_log(srv, 0))
-    r = srv.client().completions.create(model="kimi-k3", prompt="hi", max_tokens=3,
-                                        temperature=0.0, logit_bias={str(vocab - 1): 100})
+    r = srv.client().completions.create(
+        model="kimi-k3",
+        prompt="hi",
+        max_tokens=3,
+        temperature=0.0,
+        logit_bias={str(vocab - 1): 100},
+    )
     assert r.usage.completion_tokens >= 1
     logs = wait_logs(srv, seen, 1)
     assert logs[0] == logs[1] and logs[0][0]["tokens"][0] == vocab - 1  # the bias took effect
@@ -415,7 +500,6 @@ def test_huge_stop_strings_and_deep_json_refused_at_once(srv):
     assert got == 200, raw[:300]
 
 
-
 @pytest.mark.parametrize("n", [32, 128])
 def test_burst_is_served_or_refused_never_reset(srv, n):
     """The listen backlog was 5: bursts of 32 got ConnectionResetError. Now all are
@@ -424,8 +508,10 @@ def test_burst_is_served_or_refused_never_reset(srv, n):
     seen = len(token_log(srv, 0))
     t = time.perf_counter()
     served, refused = check_burst(burst(srv.port, n, body))
-    print(f"\nburst of {n}: {served} served, {refused} refused (429) in "
-          f"{time.perf_counter() - t:.1f}s")
+    print(
+        f"\nburst of {n}: {served} served, {refused} refused (429) in "
+        f"{time.perf_counter() - t:.1f}s"
+    )
     if n <= 64:
         assert served == n
     logs = wait_logs(srv, seen, served)
@@ -438,12 +524,12 @@ def test_client_disconnect_mid_stream_keeps_ranks_in_lockstep(srv):
     NotImplementedError path), while rank 1 goes on generating: the next request then
     meets rank 1 mid-generation. Here both ranks stop at the same token."""
     seen = len(token_log(srv, 0))
-    s = stream_socket(srv.port, {"prompt": "def f(x):", "max_tokens": 200,
-                                  "temperature": 0.0}, 3)
+    s = stream_socket(srv.port, {"prompt": "def f(x):", "max_tokens": 200, "temperature": 0.0}, 3)
     s.close()
     t = time.perf_counter()
-    r = srv.client().completions.create(model="kimi-k3", prompt="import os", max_tokens=6,
-                                        temperature=0.0)
+    r = srv.client().completions.create(
+        model="kimi-k3", prompt="import os", max_tokens=6, temperature=0.0
+    )
     print(f"\nnext request answered {time.perf_counter() - t:.2f}s after the disconnect")
     assert r.usage.completion_tokens == 6
     logs = wait_logs(srv, seen, 2)
@@ -456,18 +542,20 @@ def test_client_disconnect_mid_stream_keeps_ranks_in_lockstep(srv):
 
 def test_cors_off_and_detail_for_loopback_only(srv):
     for method, body in (("OPTIONS", b""), ("POST", HI)):
-        status, headers, _ = post_conn(srv.port, body, headers={"Origin": "http://evil.example"},
-                                        method=method)
+        status, headers, _ = post_conn(
+            srv.port, body, headers={"Origin": "http://evil.example"}, method=method
+        )
         assert status in (200, 204)
         assert not any(k.lower().startswith("access-control") for k in headers), headers
     status, body = get_json(srv.url + "/v1/k3dist")
     assert status == 200 and "preflight" in body and "blas" in body  # loopback: everything
-    fp = srv.client().completions.create(model="kimi-k3", prompt="hi", max_tokens=1
-                                         ).system_fingerprint
+    fp = (
+        srv.client()
+        .completions.create(model="kimi-k3", prompt="hi", max_tokens=1)
+        .system_fingerprint
+    )
     assert fp == f"k3dist-0.1.0-mlx-{mx.__version__}", fp
     assert os.uname().release not in fp
-
-
 
 
 def test_oversized_body_and_headers_get_4xx(srv):
@@ -512,11 +600,11 @@ def test_idle_and_slow_connections_do_not_block_service(srv):
             times.append(time.perf_counter() - t)
             assert got == 200, raw[:200]
             time.sleep(1)
-        print(f"\nwith 1000 idle + 20 slowloris connections: served in "
-              f"{', '.join(f'{x:.2f}' for x in times)} s")
+        print(
+            f"\nwith 1000 idle + 20 slowloris connections: served in "
+            f"{', '.join(f'{x:.2f}' for x in times)} s"
+        )
         assert max(times) < 10
     finally:
         for s in idle + slow:
             s.close()
-
-

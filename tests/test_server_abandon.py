@@ -21,9 +21,19 @@ CHUNK = 16
 
 @pytest.fixture(scope="module", params=["1", "4"], ids=["single", "batched"])
 def server(ranks, tmp_path_factory, request):
-    s = Server(ranks, tmp_path_factory.mktemp(f"abandon-{request.param}"),
-               ("--no-warmup", "--max-context", str(CONTEXT), "--prefill-chunk", str(CHUNK),
-                "--max-batch", request.param))
+    s = Server(
+        ranks,
+        tmp_path_factory.mktemp(f"abandon-{request.param}"),
+        (
+            "--no-warmup",
+            "--max-context",
+            str(CONTEXT),
+            "--prefill-chunk",
+            str(CHUNK),
+            "--max-batch",
+            request.param,
+        ),
+    )
     yield s
     s.stop()
 
@@ -38,8 +48,11 @@ def _long_prompt(ranks: str, n_tokens: int) -> str:
 def _send(port: int, path: str, body: dict) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=120)
     data = json.dumps(body).encode()
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    s.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: k3\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return s
 
 
@@ -47,8 +60,11 @@ def test_hang_up_during_prefill_stops_it_on_every_rank(server, ranks):
     prompt = _long_prompt(ranks, CONTEXT - 400)
     seen = len(token_log(server, 0))
     # 1. streamed: hang up once the prefill has visibly begun (mlx-lm's keepalives)
-    s = _send(server.port, "/v1/completions",
-              {"prompt": prompt, "max_tokens": 8, "stream": True, "temperature": 0})
+    s = _send(
+        server.port,
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 8, "stream": True, "temperature": 0},
+    )
     got, t0 = b"", time.perf_counter()
     while not re.search(rb": keepalive [1-9]\d*/\d+", got):
         more = s.recv(65536)
@@ -58,22 +74,27 @@ def test_hang_up_during_prefill_stops_it_on_every_rank(server, ranks):
     s.close()
     # 2. not streamed, through the Anthropic relay: nothing is written to the client
     # before the answer, so only rank 0's look at the socket can see it go
-    s = _send(server.port, "/v1/messages",
-              {"model": "kimi-k3", "max_tokens": 8,
-               "messages": [{"role": "user", "content": prompt}]})
+    s = _send(
+        server.port,
+        "/v1/messages",
+        {"model": "kimi-k3", "max_tokens": 8, "messages": [{"role": "user", "content": prompt}]},
+    )
     time.sleep(1.0)
     s.close()
     # 3. the next short request is served at once, not after two long prefills
     t = time.perf_counter()
-    status, _, raw = post_conn(server.port, {"prompt": "def f(x):", "max_tokens": 4,
-                                             "temperature": 0})
+    status, _, raw = post_conn(
+        server.port, {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
+    )
     short = time.perf_counter() - t
     full = len(prompt) and (CONTEXT - 400) / rate  # one whole prefill at the seen rate
     logs = wait_logs(server, seen, 3)
     out = server.output()
     lines = [x for x in out.splitlines() if "the client went away; stopped on every rank" in x]
-    print(f"\nprefill ~{rate:.0f} tok/s (a whole prompt ~{full:.1f}s); short request after "
-          f"two hang-ups: {short:.2f}s; logged: {lines}")
+    print(
+        f"\nprefill ~{rate:.0f} tok/s (a whole prompt ~{full:.1f}s); short request after "
+        f"two hang-ups: {short:.2f}s; logged: {lines}"
+    )
     assert status == 200 and json.loads(raw)["choices"][0]["text"], raw
     assert short < full / 4, (short, full)
     assert logs[0] == logs[1], logs  # both ranks stopped the same requests, same tokens

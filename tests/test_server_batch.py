@@ -16,10 +16,16 @@ from serving import (
     wait_logs,
 )
 
-BATCH_PROMPTS = ["class Queue:\n    def __init__(self, maxsize=0):\n        ", "def f(x):",
-                 "import os\nimport sys\n\ndef read_file(path):\n", "for i in range(10):",
-                 "The river ran", "def main():\n    for arg in sys.argv[1:]:\n",
-                 "x = [1, 2, 3]\n", "Once upon a time, in a small town by the sea, there"]
+BATCH_PROMPTS = [
+    "class Queue:\n    def __init__(self, maxsize=0):\n        ",
+    "def f(x):",
+    "import os\nimport sys\n\ndef read_file(path):\n",
+    "for i in range(10):",
+    "The river ran",
+    "def main():\n    for arg in sys.argv[1:]:\n",
+    "x = [1, 2, 3]\n",
+    "Once upon a time, in a small town by the sea, there",
+]
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +68,17 @@ def test_batch_of_8_gives_each_request_its_greedy_tokens_alone(shipped):
     c = shipped.client()
 
     def ask(p):
-        return c.completions.create(model="kimi-k3", prompt=p, max_tokens=n_tok,
-                                    temperature=0.0).choices[0].text
+        return (
+            c.completions.create(model="kimi-k3", prompt=p, max_tokens=n_tok, temperature=0.0)
+            .choices[0]
+            .text
+        )
 
     seen = len(token_log(shipped, 0))
     # a streamed request that will hang up while the batch runs
-    s = stream_socket(shipped.port, {"prompt": "def g(y):", "max_tokens": 400,
-                                      "temperature": 0.0}, 2)
+    s = stream_socket(
+        shipped.port, {"prompt": "def g(y):", "max_tokens": 400, "temperature": 0.0}, 2
+    )
     with ThreadPoolExecutor(len(BATCH_PROMPTS)) as ex:
         futures = [ex.submit(ask, p) for p in BATCH_PROMPTS]
         time.sleep(0.5)
@@ -85,13 +95,13 @@ def test_batch_of_8_gives_each_request_its_greedy_tokens_alone(shipped):
 
     _, after = get_json(shipped.url + "/v1/k3dist")
     batches = sorted({b for b, t in after["shapes_seen"] if t == 1})
-    print(f"\ndecode batch sizes served: {batches}; shapes warmed "
-          f"{len(info['warmup']['shapes'])}, JIT kernels {info['jit_kernels']} -> "
-          f"{after['jit_kernels']}")
+    print(
+        f"\ndecode batch sizes served: {batches}; shapes warmed "
+        f"{len(info['warmup']['shapes'])}, JIT kernels {info['jit_kernels']} -> "
+        f"{after['jit_kernels']}"
+    )
     assert max(batches) >= 4  # the requests were decoded together
-    assert {tuple(x) for x in after["shapes_seen"]} <= {tuple(x) for x in
-                                                       info["warmup"]["shapes"]}
+    assert {tuple(x) for x in after["shapes_seen"]} <= {tuple(x) for x in info["warmup"]["shapes"]}
     assert after["jit_kernels"] == info["jit_kernels"]
     assert set(shipped.rank_pids()) == {0, 1}
     assert get_json(shipped.url + "/health")[0] == 200
-

@@ -30,8 +30,9 @@ def _stream_until_killed(s: Server, sig: int, victim: int):
     c = s.client()
     pids = s.rank_pids()
     assert set(pids) == {0, 1}, pids
-    stream = c.chat.completions.create(model="kimi-k3", messages=MESSAGES, max_tokens=200,
-                                       temperature=0.0, stream=True)
+    stream = c.chat.completions.create(
+        model="kimi-k3", messages=MESSAGES, max_tokens=200, temperature=0.0, stream=True
+    )
     got, error = 0, None
     t_kill = None
     try:
@@ -54,8 +55,10 @@ def test_losing_a_rank_mid_stream_ends_cleanly(ranks, tmp_path, sig):
     finally:
         s.stop()
     out = s.output()
-    print(f"\n{signal.Signals(sig).name}: {got} chunks, client error {error!r}, "
-          f"launch ended {took:.1f}s after the signal")
+    print(
+        f"\n{signal.Signals(sig).name}: {got} chunks, client error {error!r}, "
+        f"launch ended {took:.1f}s after the signal"
+    )
     assert took < 30
     assert error is not None and got < 200  # the client saw an error, not a normal end
     if sig == signal.SIGKILL:
@@ -70,8 +73,19 @@ def configured(ranks, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-configured")
     # host in YAML: mlx.launch takes a --host flag for its own --hosts/--hostfile
     (tmp / "deploy.yaml").write_text("host: 0.0.0.0\nallow_no_api_key: true\n")
-    s = Server(ranks, tmp, ("--no-warmup", "--config", str(tmp / "deploy.yaml"),
-                            "--cors-origin", "http://app.example", "--max-queued-requests", "2"))
+    s = Server(
+        ranks,
+        tmp,
+        (
+            "--no-warmup",
+            "--config",
+            str(tmp / "deploy.yaml"),
+            "--cors-origin",
+            "http://app.example",
+            "--max-queued-requests",
+            "2",
+        ),
+    )
     yield s
     s.stop()
 
@@ -80,8 +94,9 @@ def test_cors_on_for_configured_origin_and_outside_callers_get_less(configured):
     port = configured.port
     status, headers, _ = post_conn(port, HI, headers={"Origin": "http://app.example"})
     assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://app.example"
-    status, headers, _ = post_conn(port, b"", headers={"Origin": "http://app.example"},
-                                    method="OPTIONS")
+    status, headers, _ = post_conn(
+        port, b"", headers={"Origin": "http://app.example"}, method="OPTIONS"
+    )
     assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://app.example"
     status, headers, _ = post_conn(port, HI, headers={"Origin": "http://evil.example"})
     assert status == 200 and "Access-Control-Allow-Origin" not in headers
@@ -136,8 +151,9 @@ def test_killed_rank_0_ends_the_stream_without_finish_reason(ranks, tmp_path):
     s = Server(ranks, tmp_path, ("--no-warmup",))
     try:
         pids = s.rank_pids()
-        stream = s.client().completions.create(model="kimi-k3", prompt="def f(x):",
-                                               max_tokens=300, temperature=0.0, stream=True)
+        stream = s.client().completions.create(
+            model="kimi-k3", prompt="def f(x):", max_tokens=300, temperature=0.0, stream=True
+        )
         chunks, error, t = [], None, None
         try:
             for ch in stream:
@@ -152,8 +168,10 @@ def test_killed_rank_0_ends_the_stream_without_finish_reason(ranks, tmp_path):
         ended = time.perf_counter() - t
     finally:
         s.stop()
-    print(f"\nrank 0 killed: {len(chunks)} chunks, client error {error!r}, stream ended "
-          f"{seen:.2f}s after the kill, launch {ended:.1f}s")
+    print(
+        f"\nrank 0 killed: {len(chunks)} chunks, client error {error!r}, stream ended "
+        f"{seen:.2f}s after the kill, launch {ended:.1f}s"
+    )
     assert 3 <= len(chunks) < 300
     assert all(ch.choices[0].finish_reason is None for ch in chunks)
     assert ended < 30 and not s.rank_pids()
@@ -164,8 +182,9 @@ def test_sigterm_to_mlx_launch_mid_stream(ranks, tmp_path):
     stop together and the open stream ends with an error event."""
     s = Server(ranks, tmp_path, ("--no-warmup",))
     try:
-        stream = s.client().completions.create(model="kimi-k3", prompt="def f(x):",
-                                               max_tokens=300, temperature=0.0, stream=True)
+        stream = s.client().completions.create(
+            model="kimi-k3", prompt="def f(x):", max_tokens=300, temperature=0.0, stream=True
+        )
         got, error, t = 0, None, None
         try:
             for _ in stream:
@@ -183,7 +202,9 @@ def test_sigterm_to_mlx_launch_mid_stream(ranks, tmp_path):
         ended = time.perf_counter() - t
     finally:
         s.stop()
-    print(f"\nSIGTERM to mlx.launch: {got} chunks, client error {error!r} after {seen:.2f}s, "
-          f"all processes gone after {ended:.2f}s")
+    print(
+        f"\nSIGTERM to mlx.launch: {got} chunks, client error {error!r} after {seen:.2f}s, "
+        f"all processes gone after {ended:.2f}s"
+    )
     assert got < 300 and not s.rank_pids() and ended < 30
     assert error is not None

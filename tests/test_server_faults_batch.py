@@ -21,8 +21,16 @@ from pathlib import Path
 from serving import free_port, get_json, post_conn
 from util import REPO, free_base_port
 
-PROMPTS = ["def f(x):", "class Queue:", "import os\n", "for i in range(10):",
-           "The river ran", "def main():", "x = [1, 2, 3]\n", "Once upon a time"]
+PROMPTS = [
+    "def f(x):",
+    "class Queue:",
+    "import os\n",
+    "for i in range(10):",
+    "The river ran",
+    "def main():",
+    "x = [1, 2, 3]\n",
+    "Once upon a time",
+]
 WATCHDOG_S = 15.0
 IDLE_S = 5.0
 
@@ -74,10 +82,13 @@ class _Stream:
     def __init__(self, port: int, prompt: str):
         self.raw, self.ended = b"", None
         self.s = socket.create_connection(("127.0.0.1", port), timeout=120)
-        data = json.dumps({"prompt": prompt, "max_tokens": 400, "temperature": 0,
-                           "stream": True}).encode()
-        self.s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: "
-                       b"application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        data = json.dumps(
+            {"prompt": prompt, "max_tokens": 400, "temperature": 0, "stream": True}
+        ).encode()
+        self.s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: k3\r\nContent-Type: "
+            b"application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data
+        )
         self.t = threading.Thread(target=self._read, daemon=True)
         self.t.start()
 
@@ -98,19 +109,45 @@ class _Stream:
 def test_sigkill_of_rank_1_while_8_requests_decode(ranks, tmp_path):
     port = free_port()
     log = open(tmp_path / "server.log", "w")
-    cmd = [sys.executable, str(REPO / "launch/run.py"), "--hosts", "127.0.0.1", "-n", "2",
-           "-p", str(free_base_port(2)), "--", str(REPO / "launch/serve.py"),
-           "--rank-dir", ranks, "--port", str(port), "--max-context", "512",
-           "--prefill-chunk", "32", "--max-batch", "8", "--no-warmup",
-           "--watchdog-timeout-s", str(WATCHDOG_S)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env=dict(os.environ,
-                                                             HOME=str(tmp_path)))
+    cmd = [
+        sys.executable,
+        str(REPO / "launch/run.py"),
+        "--hosts",
+        "127.0.0.1",
+        "-n",
+        "2",
+        "-p",
+        str(free_base_port(2)),
+        "--",
+        str(REPO / "launch/serve.py"),
+        "--rank-dir",
+        ranks,
+        "--port",
+        str(port),
+        "--max-context",
+        "512",
+        "--prefill-chunk",
+        "32",
+        "--max-batch",
+        "8",
+        "--no-warmup",
+        "--watchdog-timeout-s",
+        str(WATCHDOG_S),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=dict(os.environ, HOME=str(tmp_path)),
+    )
     try:
         deadline = time.time() + 240
         while True:
-            assert proc.poll() is None and time.time() < deadline, \
-                (tmp_path / "server.log").read_text()
+            assert proc.poll() is None and time.time() < deadline, (
+                tmp_path / "server.log"
+            ).read_text()
             try:
                 if get_json(f"http://127.0.0.1:{port}/health", 2)[0] == 200:
                     break
@@ -142,8 +179,10 @@ def test_sigkill_of_rank_1_while_8_requests_decode(ranks, tmp_path):
         log.close()
     out = (tmp_path / "server.log").read_text()
     waits = [round(s.ended - t, 2) for s in streams]
-    print(f"\nidle {IDLE_S:g} s: CPU seconds {idle}; SIGKILL rank 1 with 8 decoding: errors "
-          f"after {waits} s; supervisor exit {rc} after {took:.2f} s; left running: {left}")
+    print(
+        f"\nidle {IDLE_S:g} s: CPU seconds {idle}; SIGKILL rank 1 with 8 decoding: errors "
+        f"after {waits} s; supervisor exit {rc} after {took:.2f} s; left running: {left}"
+    )
     assert set(idle) == {"supervisor", "launcher", "rank0", "rank1"}, idle
     assert all(v < 0.25 for v in idle.values()), idle
     for s in streams:

@@ -36,8 +36,7 @@ def tensors(folder: Path) -> dict:
 
 
 def expert_bytes(folder: Path) -> int:
-    return sum(t.nbytes for n, t in tensors(folder).items()
-               if slicing.stacked_layer(n) is not None)
+    return sum(t.nbytes for n, t in tensors(folder).items() if slicing.stacked_layer(n) is not None)
 
 
 def skewed_placement(size: int, seed: int = 0) -> Placement:
@@ -47,9 +46,11 @@ def skewed_placement(size: int, seed: int = 0) -> Placement:
 
 
 def placements(build: Path) -> dict[str, Placement]:
-    return {"contiguous-2": slicing.placement_for(build, 2),
-            "contiguous-4": slicing.placement_for(build, 4),
-            "load-aware-4": skewed_placement(4)}
+    return {
+        "contiguous-2": slicing.placement_for(build, 2),
+        "contiguous-4": slicing.placement_for(build, 4),
+        "load-aware-4": skewed_placement(4),
+    }
 
 
 def _array(t) -> np.ndarray:
@@ -63,8 +64,9 @@ def assert_split_reassembles(build: Path, folders: list[Path]) -> int:
     tc = layout.text_config(json.loads((build / "config.json").read_text()))
     full = tensors(build)
     ranks = [tensors(f) for f in folders]
-    split = set(manifest.attention_of(json.loads((folders[0] / "k3dist.json").read_text()))[
-        "split_layers"])
+    split = set(
+        manifest.attention_of(json.loads((folders[0] / "k3dist.json").read_text()))["split_layers"]
+    )
     n = 0
     for name, g in full.items():
         rule = layout.split_rule(tc, name) if layout.layer_of(name) in split else None
@@ -91,8 +93,9 @@ def test_each_rank_holds_exactly_its_experts(mini_build, tmp_path, which):
         assert any(placement.experts_of(L, 0) != list(range(E // size)) for L in MOE)
     build = tensors(mini_build)
     build_manifest = json.loads((mini_build / "k3dist.json").read_text())
-    paths = slicing.slice_all(mini_build, str(tmp_path / "rank{rank}"), size, placement,
-                              progress=False)
+    paths = slicing.slice_all(
+        mini_build, str(tmp_path / "rank{rank}"), size, placement, progress=False
+    )
     total = 0
     split = set(range(6))  # the mini's 4 KDA and 4 MLA heads divide 2 and 4 ways
     tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
@@ -111,13 +114,19 @@ def test_each_rank_holds_exactly_its_experts(mini_build, tmp_path, which):
         idx = json.loads((folder / "model.safetensors.index.json").read_text())
         # the vision tower only where it runs (slicing.vision_ranks: rank 0)
         vis = rank in slicing.vision_ranks(size)
-        want = {n: f for n, f in json.loads((mini_build / "model.safetensors.index.json")
-                                            .read_text())["weight_map"].items()
-                if vis or not n.startswith(("vision_tower.", "mm_projector."))}
+        want = {
+            n: f
+            for n, f in json.loads((mini_build / "model.safetensors.index.json").read_text())[
+                "weight_map"
+            ].items()
+            if vis or not n.startswith(("vision_tower.", "mm_projector."))
+        }
         assert idx["weight_map"] == want
         assert sorted(p.name for p in folder.glob("*.safetensors")) == sorted(
-            p.name for p in mini_build.glob("*.safetensors")
-            if vis or p.name != "model-vision.safetensors")
+            p.name
+            for p in mini_build.glob("*.safetensors")
+            if vis or p.name != "model-vision.safetensors"
+        )
 
         mine_all = tensors(folder)
         assert set(mine_all) == set(want)
@@ -139,7 +148,7 @@ def test_each_rank_holds_exactly_its_experts(mini_build, tmp_path, which):
             per = g.nbytes // E
             local, glob = read_bytes(t), read_bytes(g)
             for i, e in enumerate(mine):
-                assert local[i * per:(i + 1) * per] == glob[e * per:(e + 1) * per], (name, e)
+                assert local[i * per : (i + 1) * per] == glob[e * per : (e + 1) * per], (name, e)
         assert stacks == len(MOE) * 6
         # MLX itself parses the files and sees the local stacks
         arr = mx.load(str(folder / "model-layer-003.safetensors"))
@@ -152,22 +161,27 @@ def test_each_rank_holds_exactly_its_experts(mini_build, tmp_path, which):
 def test_quantized_attention_splits_at_whole_groups(mini_src, tmp_path):
     """8-bit non-expert tensors at group 32: weights, scales and biases split together;
     at group 64 o_proj's 64 inputs are one group, so no layer splits (replicated)."""
-    b32 = convert_mod.convert(mini_src, tmp_path / "b32", nonexpert_bits=8, group_size=32,
-                              progress=False)
+    b32 = convert_mod.convert(
+        mini_src, tmp_path / "b32", nonexpert_bits=8, group_size=32, progress=False
+    )
     paths = slicing.slice_all(b32, str(tmp_path / "r32" / "rank{rank}"), 2, progress=False)
     n = assert_split_reassembles(b32, paths)
     assert n > 4 * 8 + 2 * 5 + 3  # scales and biases too
     t0 = tensors(paths[0])
     assert t0["language_model.model.layers.1.self_attn.o_proj.scales"].shape == (64, 1)
     assert manifest.attention_of(manifest.verify(paths[1], "rank"))["split_layers"] == list(
-        range(6))
+        range(6)
+    )
     b64 = convert_mod.convert(mini_src, tmp_path / "b64", nonexpert_bits=8, progress=False)
     out = slicing.slice_rank(b64, tmp_path / "r64", 0, 2, progress=False)
-    assert manifest.attention_of(manifest.verify(out, "rank")) == {"mode": "split",
-                                                                   "split_layers": []}
+    assert manifest.attention_of(manifest.verify(out, "rank")) == {
+        "mode": "split",
+        "split_layers": [],
+    }
     with pytest.raises(CheckpointError, match="convert it first"):
-        slicing.slice_rank(mini_src, tmp_path / "src-split", 0, 2, attention="split",
-                           progress=False)
+        slicing.slice_rank(
+            mini_src, tmp_path / "src-split", 0, 2, attention="split", progress=False
+        )
 
 
 def test_resume_after_interruption(mini_build, tmp_path, monkeypatch):
@@ -222,8 +236,9 @@ def test_source_route_resumes(mini_src, mini_build, tmp_path, monkeypatch):
     assert list(json.loads((out / JOURNAL).read_text())["done"]) == ["layer.0"]
     monkeypatch.setattr(convert_mod, "iter_chunks", real)
     slicing.slice_rank(mini_src, out, 0, 2, placement, progress=False)
-    ref = slicing.slice_rank(mini_build, tmp_path / "ref", 0, 2, placement, progress=False,
-                             attention="replicated")
+    ref = slicing.slice_rank(
+        mini_build, tmp_path / "ref", 0, 2, placement, progress=False, attention="replicated"
+    )
     a = json.loads((out / "k3dist.json").read_text())["files"]
     b = json.loads((ref / "k3dist.json").read_text())["files"]
     assert a == b
@@ -234,12 +249,22 @@ def test_source_route_byte_identical_to_build_route(mini_src, mini_build, tmp_pa
     assert slicing.is_source(mini_src) and not slicing.is_source(mini_build)
     placement = skewed_placement(4, seed=1)
     a = slicing.slice_rank(mini_src, tmp_path / "from-src", rank, 4, placement, progress=False)
-    b = slicing.slice_rank(mini_build, tmp_path / "from-build", rank, 4, placement,
-                           progress=False, attention="replicated")
+    b = slicing.slice_rank(
+        mini_build,
+        tmp_path / "from-build",
+        rank,
+        4,
+        placement,
+        progress=False,
+        attention="replicated",
+    )
     ma, mb = manifest.verify(a, "rank", sha256=True), manifest.verify(b, "rank", sha256=True)
     assert (ma["input"], mb["input"]) == ("source", "build")
-    assert ma["build_hash"] == mb["build_hash"] == json.loads(
-        (mini_build / "k3dist.json").read_text())["build_hash"]
+    assert (
+        ma["build_hash"]
+        == mb["build_hash"]
+        == json.loads((mini_build / "k3dist.json").read_text())["build_hash"]
+    )
     assert ma["identity"] == mb["identity"]
     ta, tb = tensors(a), tensors(b)
     assert set(ta) == set(tb)
@@ -259,8 +284,9 @@ def test_build_without_manifest(mini_build, tmp_path):
     (build / "k3dist.json").unlink()
     out = slicing.slice_rank(build, tmp_path / "r", 0, 2, progress=False)
     m = manifest.verify(out, "rank", sha256=True)
-    want = hashlib.sha256((build / "model.safetensors.index.json").read_bytes()
-                          + (build / "config.json").read_bytes()).hexdigest()[:16]
+    want = hashlib.sha256(
+        (build / "model.safetensors.index.json").read_bytes() + (build / "config.json").read_bytes()
+    ).hexdigest()[:16]
     assert m["build_hash"] == want
     ref = slicing.slice_rank(mini_build, tmp_path / "ref", 0, 2, progress=False)
     assert m["files"] == json.loads((ref / "k3dist.json").read_text())["files"]
@@ -302,25 +328,38 @@ def _truncate(folder: Path) -> None:
 BAD = {
     "rank >= size": (lambda b, t: (b, 2, 2, None), ["--rank 2 must be in 0..1"]),
     "negative rank": (lambda b, t: (b, -1, 2, None), ["--rank -1 must be in 0..1"]),
-    "placement of wrong size": (lambda b, t: (b, 0, 2, slicing.placement_for(b, 4)),
-                                ["placement is for 4 ranks but --size is 2"]),
-    "placement for 8 experts": (lambda b, t: (b, 0, 2, contiguous(8, 2, MOE)),
-                                ["8 experts per layer", "has 16"]),
-    "placement missing a layer": (lambda b, t: (b, 0, 2, contiguous(E, 2, MOE[:-1])),
-                                  ["missing [5]"]),
-    "placement with an extra layer": (lambda b, t: (b, 0, 2, contiguous(E, 2, [0, *MOE])),
-                                      ["extra [0]"]),
+    "placement of wrong size": (
+        lambda b, t: (b, 0, 2, slicing.placement_for(b, 4)),
+        ["placement is for 4 ranks but --size is 2"],
+    ),
+    "placement for 8 experts": (
+        lambda b, t: (b, 0, 2, contiguous(8, 2, MOE)),
+        ["8 experts per layer", "has 16"],
+    ),
+    "placement missing a layer": (
+        lambda b, t: (b, 0, 2, contiguous(E, 2, MOE[:-1])),
+        ["missing [5]"],
+    ),
+    "placement with an extra layer": (
+        lambda b, t: (b, 0, 2, contiguous(E, 2, [0, *MOE])),
+        ["extra [0]"],
+    ),
     "stack dim != num_experts": (
-        lambda b, t: (_copy(b, t, lambda d: _set_num_experts(d, 8)), 0, 2,
-                      contiguous(8, 2, MOE)),
-        ["switch_mlp", "U32[16,", "num_experts=8"]),
-    "unfinished build": (lambda b, t: (_copy(b, t, _unfinished), 0, 2, None),
-                         ["unfinished conversion", "k3dist.build.convert"]),
-    "truncated build file": (lambda b, t: (_copy(b, t, _truncate), 0, 2, None),
-                             ["model-layer-002.safetensors", "copy the build again"]),
+        lambda b, t: (_copy(b, t, lambda d: _set_num_experts(d, 8)), 0, 2, contiguous(8, 2, MOE)),
+        ["switch_mlp", "U32[16,", "num_experts=8"],
+    ),
+    "unfinished build": (
+        lambda b, t: (_copy(b, t, _unfinished), 0, 2, None),
+        ["unfinished conversion", "k3dist.build.convert"],
+    ),
+    "truncated build file": (
+        lambda b, t: (_copy(b, t, _truncate), 0, 2, None),
+        ["model-layer-002.safetensors", "copy the build again"],
+    ),
     "a rank folder as input": (
         lambda b, t: (slicing.slice_rank(b, t / "r0", 0, 2, progress=False), 0, 2, None),
-        ["kind 'rank'", "slice the build it came from"]),
+        ["kind 'rank'", "slice the build it came from"],
+    ),
 }
 
 
@@ -340,15 +379,22 @@ def test_bad_input_specific_error_and_nothing_written(mini_build, tmp_path, case
 
 def test_placement_must_own_every_expert_once():
     own = [0] * 8 + [1] * 8
-    cases = {"duplicated owner entry": (own + [1], "17 owners for 16 experts"),
-             "missing owner": (own[:-1], "15 owners for 16 experts"),
-             "owner outside the ranks": (own[:-1] + [2], "outside 0..1"),
-             "a rank owning nothing": ([0] * 16, "ranks [1] own no expert")}
+    cases = {
+        "duplicated owner entry": (own + [1], "17 owners for 16 experts"),
+        "missing owner": (own[:-1], "15 owners for 16 experts"),
+        "owner outside the ranks": (own[:-1] + [2], "outside 0..1"),
+        "a rank owning nothing": ([0] * 16, "ranks [1] own no expert"),
+    }
     for case, (owners, expect) in cases.items():
-        with pytest.raises(PlacementError, match=expect.replace("[", r"\[").replace(
-                "]", r"\]")):
-            Placement.from_json({"size": 2, "num_experts": 16, "kind": "custom",
-                                 "owners": {str(L): owners for L in MOE}})
+        with pytest.raises(PlacementError, match=expect.replace("[", r"\[").replace("]", r"\]")):
+            Placement.from_json(
+                {
+                    "size": 2,
+                    "num_experts": 16,
+                    "kind": "custom",
+                    "owners": {str(L): owners for L in MOE},
+                }
+            )
         print(f"{case}: refused")
 
 
@@ -406,8 +452,13 @@ def test_manifest_verify_finds_damage(mini_build, tmp_path):
 
 
 def _cli(*args, cwd=REPO):
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
-                          text=True, timeout=120, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
 
 
 def test_cli(mini_build, tmp_path):
@@ -421,12 +472,14 @@ def test_cli(mini_build, tmp_path):
     np.savez(tmp_path / "counts.npz", **{f"layer_{L}": np.arange(E)[::-1] ** 2 for L in MOE})
     (tmp_path / "d.yaml").write_text(
         f"build: {mini_build}\nrank_dir: {tmp_path}/yaml/r{{rank}}\nsize: 4\n"
-        f"placement_counts: {tmp_path / 'counts.npz'}\n")
+        f"placement_counts: {tmp_path / 'counts.npz'}\n"
+    )
     r = _cli("--config", tmp_path / "d.yaml", "--all", "--out", tmp_path / "all" / "r{rank}")
     assert r.returncode == 0, r.stderr
     ms = [manifest.verify(tmp_path / "all" / f"r{k}", "rank") for k in range(4)]
     assert [(m["rank"], m["size"], m["placement"]["kind"]) for m in ms] == [
-        (k, 4, "load-aware") for k in range(4)]
+        (k, 4, "load-aware") for k in range(4)
+    ]
     assert not (tmp_path / "yaml").exists()  # --out overrides the YAML's rank_dir
 
     r = _cli("--rank", 5, "--size", 2, "--build", mini_build, "--out", tmp_path / "bad{rank}")

@@ -263,11 +263,14 @@ def test_fast_tokenizer_equals_tiktoken_random(fast, enc: tiktoken.Encoding) -> 
     rng = random.Random(1)
     words = tk.split_text(bpe.MINI_TEXT) + list(tk.special_tokens(512)) + ["你好", "🚀", " \n"]
     for _ in range(200):
-        parts = [rng.choice(words) if rng.random() < 0.8 else chr(rng.randrange(0x20, 0x30000))
-                 for _ in range(rng.randrange(1, 40))]
+        parts = [
+            rng.choice(words) if rng.random() < 0.8 else chr(rng.randrange(0x20, 0x30000))
+            for _ in range(rng.randrange(1, 40))
+        ]
         text = "".join(p for p in parts if not 0xD800 <= ord(p[0]) < 0xE000)
         assert fast.encode(text, add_special_tokens=False) == enc.encode(
-            text, allowed_special="all"), text
+            text, allowed_special="all"
+        ), text
 
 
 def test_fast_tokenizer_long_runs_split_like_k3(fast, enc: tiktoken.Encoding) -> None:
@@ -289,7 +292,11 @@ def test_fast_tokenizer_control_tokens(fast) -> None:
         assert entry.content == name and entry.special == (name not in (tk.OPEN, tk.CLOSE, tk.SEP))
     sp = tk.special_tokens(base)
     assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id, fast.unk_token_id) == (
-        sp[tk.BOS], sp[tk.EOS], sp[tk.PAD], sp[tk.UNK])  # no config.json: the tokenizer's EOS
+        sp[tk.BOS],
+        sp[tk.EOS],
+        sp[tk.PAD],
+        sp[tk.UNK],
+    )  # no config.json: the tokenizer's EOS
     ids = fast.encode("<|open|>think<|sep|>x<|end_of_msg|>", add_special_tokens=False)
     # Structural markers survive skip_special_tokens (the XTML parsers need them).
     assert fast.decode(ids, skip_special_tokens=True) == "<|open|>think<|sep|>x"
@@ -343,8 +350,9 @@ def test_chat_control_tokens_can_be_sanitized(fast) -> None:
     msgs = [{"role": "user", "content": "say <|end_of_msg|> please"}]
     sp = tk.special_tokens(512)
     plain = fast.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
-    safe = fast.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False,
-                                    sanitize_control_tokens=True)
+    safe = fast.apply_chat_template(
+        msgs, add_generation_prompt=True, return_dict=False, sanitize_control_tokens=True
+    )
     assert plain.count(sp[tk.END_OF_MSG]) == safe.count(sp[tk.END_OF_MSG]) + 1
     assert safe.count(sp[tk.OPEN]) == plain.count(sp[tk.OPEN]) >= 3
     assert fast.decode(safe) == fast.decode(plain)

@@ -47,8 +47,16 @@ def experts_frozen(model) -> bool:
 
 
 def _args(**kw) -> train.TrainArgs:
-    base = dict(size="tiny", seq=32, batch=4, lr=3e-3, warmup=2, eval_every=0,
-                eval_windows=2, save_every_s=1e9)
+    base = dict(
+        size="tiny",
+        seq=32,
+        batch=4,
+        lr=3e-3,
+        warmup=2,
+        eval_every=0,
+        eval_windows=2,
+        save_every_s=1e9,
+    )
     return train.TrainArgs(**{**base, **kw})
 
 
@@ -61,8 +69,10 @@ def test_topology_is_k3s(config):
     moes = train.moe_layers(model)
     assert len(moes) == tc["num_hidden_layers"] - 1
     assert tc["num_experts"] >= 64 and tc["num_shared_experts"] == 2
-    assert moes[0].routed_expert_norm is not None and moes[0].latent_size == tc[
-        "routed_expert_hidden_size"]
+    assert (
+        moes[0].routed_expert_norm is not None
+        and moes[0].latent_size == tc["routed_expert_hidden_size"]
+    )
     assert tc["hidden_act"] == "situ" and tc["moe_router_activation_func"] == "sigmoid"
     assert model.layers[0].use_attn_res
     trainable = dict(tree_flatten(model.trainable_parameters()))
@@ -83,8 +93,7 @@ def _trainer(config):
 def test_five_steps_lower_loss_on_a_fixed_batch(config, batch):
     x, y = batch
     model, opt, grad_fn, a = _trainer(config)
-    losses = [train.train_step(model, opt, grad_fn, x, y, a.lr, a)[0].item()
-              for _ in range(5)]
+    losses = [train.train_step(model, opt, grad_fn, x, y, a.lr, a)[0].item() for _ in range(5)]
     assert losses[-1] < losses[0] - 0.3, losses
     assert all(np.isfinite(losses))
 
@@ -110,14 +119,15 @@ def test_bias_update_moves_load_toward_balance(config, batch):
         train.update_router_bias(model, loads(), 0.01)
     last = loads()
     assert train.load_imbalance(last) < 0.8 * train.load_imbalance(first), (
-        train.load_imbalance(first), train.load_imbalance(last))
+        train.load_imbalance(first),
+        train.load_imbalance(last),
+    )
     cv = lambda lo: float((np.array(lo).std(axis=1) / np.array(lo).mean(axis=1)).mean())  # noqa: E731
     assert cv(last) < 0.8 * cv(first)
 
 
 def test_resume_is_bit_exact(tmp_path):
-    a = dict(size="tiny", seq=32, batch=4, warmup=2, steps=4, eval_every=2,
-             eval_windows=2)
+    a = dict(size="tiny", seq=32, batch=4, warmup=2, steps=4, eval_every=2, eval_windows=2)
     straight = train.Trainer(tmp_path / "a", a)
     straight.run(progress=False)
     part = train.Trainer(tmp_path / "b", a)
@@ -139,8 +149,10 @@ def test_resume_is_bit_exact(tmp_path):
 
 
 def test_freeze_keeps_experts_fixed_and_trains_the_rest(tmp_path):
-    tr = train.Trainer(tmp_path / "run", dict(size="tiny", seq=32, batch=4, warmup=2,
-                                              steps=2, eval_every=0, eval_windows=2))
+    tr = train.Trainer(
+        tmp_path / "run",
+        dict(size="tiny", seq=32, batch=4, warmup=2, steps=2, eval_every=0, eval_windows=2),
+    )
     tr.run(progress=False)
     event = tr.freeze()
     assert event["rel_rms_error"] and all(0 < e < 0.2 for e in event["rel_rms_error"].values())
@@ -156,8 +168,9 @@ def test_freeze_keeps_experts_fixed_and_trains_the_rest(tmp_path):
     # Resuming a frozen run rebuilds the quantized experts before loading.
     again = train.Trainer(tmp_path / "run")
     assert again.state.phase == "freeze" and experts_frozen(again.model)
-    assert all(mx.array_equal(v, dict(tree_flatten(again.model.parameters()))[k])
-               for k, v in after.items())
+    assert all(
+        mx.array_equal(v, dict(tree_flatten(again.model.parameters()))[k]) for k, v in after.items()
+    )
 
 
 def test_export_audits_and_loads_to_the_same_logits(config, batch, tmp_path):
@@ -211,9 +224,19 @@ def test_init_from_an_export_starts_at_its_logits_with_float_experts(config, bat
     train.round_to_source(model, config)
     out = train.export_source(model, config, tmp_path / "src")
 
-    tr = train.Trainer(tmp_path / "warm", dict(size="tiny", seq=32, batch=4, warmup=2,
-                                               steps=2, eval_every=0, eval_windows=2,
-                                               init=str(out)))
+    tr = train.Trainer(
+        tmp_path / "warm",
+        dict(
+            size="tiny",
+            seq=32,
+            batch=4,
+            warmup=2,
+            steps=2,
+            eval_every=0,
+            eval_windows=2,
+            init=str(out),
+        ),
+    )
     assert not experts_frozen(tr.model)
     trainable = dict(tree_flatten(tr.model.trainable_parameters()))
     assert any(".switch_mlp.down_proj.weight" in k for k in trainable)
@@ -256,11 +279,14 @@ def test_data_parallel_two_ranks_take_the_one_process_steps(tmp_path):
     assert "2 rank(s)" in res.stdout
     single = train.Trainer(tmp_path / "sp", dict(size="tiny", seq=32, batch=4, steps=3))
     single.run(progress=False)
-    logs = [[json.loads(line) for line in (tmp_path / d / "log.jsonl").read_text().splitlines()]
-            for d in ("dp", "sp")]
+    logs = [
+        [json.loads(line) for line in (tmp_path / d / "log.jsonl").read_text().splitlines()]
+        for d in ("dp", "sp")
+    ]
     assert [r["step"] for r in logs[0]] == [1, 2, 3]
-    np.testing.assert_allclose([r["loss"] for r in logs[0]], [r["loss"] for r in logs[1]],
-                               atol=1e-4)
+    np.testing.assert_allclose(
+        [r["loss"] for r in logs[0]], [r["loss"] for r in logs[1]], atol=1e-4
+    )
     dp = mx.load(str(tmp_path / "dp" / "state" / "model.safetensors"))
     sp = dict(tree_flatten(single.model.parameters()))
     assert dp.keys() == sp.keys()
@@ -270,10 +296,23 @@ def test_data_parallel_two_ranks_take_the_one_process_steps(tmp_path):
 
 def test_sigterm_finishes_the_step_and_saves(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "train/train.py", "--out", str(out), "--size", "tiny", "--seq", "32",
-           "--batch", "4", "--steps", "10000"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "train/train.py",
+        "--out",
+        str(out),
+        "--size",
+        "tiny",
+        "--seq",
+        "32",
+        "--batch",
+        "4",
+        "--steps",
+        "10000",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     log = out / "log.jsonl"
     deadline = time.time() + 60
     while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 2):

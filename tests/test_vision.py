@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from util import failed_ranks, mlx_launch
 
-pytest.importorskip("mlx_vlm", reason="vision tests need the extra: pip install "
-                    "'k3dist[vision]' (CI installs it)")
+pytest.importorskip(
+    "mlx_vlm", reason="vision tests need the extra: pip install 'k3dist[vision]' (CI installs it)"
+)
 
 from k3dist.serve import vision  # noqa: E402
 
@@ -38,8 +39,11 @@ def _image(w: int, h: int, seed: int) -> Image.Image:
 @pytest.fixture(scope="module")
 def processors(mini_src, mini_build):
     cfg = json.loads((mini_src / "config.json").read_text())
-    return (Processor.from_pretrained(str(mini_src)), vision.K3Processor(cfg["vision_config"]),
-            load_tokenizer(mini_build))
+    return (
+        Processor.from_pretrained(str(mini_src)),
+        vision.K3Processor(cfg["vision_config"]),
+        load_tokenizer(mini_build),
+    )
 
 
 @pytest.mark.parametrize("w,h", [(13, 9), (60, 40), (100, 100), (30, 200), (1000, 20)])
@@ -57,8 +61,9 @@ def test_token_accounting_matches_processor(processors, w, h):
     # expanded length: the unexpanded prompt's tokens minus the placeholder, plus the
     # image block (begin, "image WxH", content, n pads, end)
     block = tok.encode(ref.make_image_prompt(w, h, n), add_special_tokens=False)
-    assert len(ids) == len(tok.encode(TEXT.replace(vision.IMAGE_PLACEHOLDER, ""),
-                                      add_special_tokens=False)) + len(block)
+    assert len(ids) == len(
+        tok.encode(TEXT.replace(vision.IMAGE_PLACEHOLDER, ""), add_special_tokens=False)
+    ) + len(block)
     # one pad per image in a prompt expands to the full block too
     one = ours.expand(f"a{vision.MEDIA_PAD}b", [img])
     assert one.count(vision.MEDIA_PAD) == n
@@ -79,22 +84,28 @@ def test_two_rank_forward_with_image_matches_mlx_vlm(mini_src, mini_build, tmp_p
     oracle = []
     for im in imgs:
         out = proc(images=[im], text=TEXT)
-        logits = ref_model(out["input_ids"], out["pixel_values"],
-                           grid_thws=out["grid_thws"]).logits
+        logits = ref_model(out["input_ids"], out["pixel_values"], grid_thws=out["grid_thws"]).logits
         oracle.append((np.array(out["input_ids"])[0], np.array(logits[0])))
 
     tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
     plc = placement.contiguous(tc["num_experts"], 2, layout.moe_layers(tc))
     for r in range(2):
-        slicing.slice_rank(mini_build, tmp_path / "ranks" / f"rank{r}", r, 2, plc,
-                           progress=False)
+        slicing.slice_rank(mini_build, tmp_path / "ranks" / f"rank{r}", r, 2, plc, progress=False)
     assert (tmp_path / "ranks/rank0" / vision.VISION_FILE).exists()
     assert not (tmp_path / "ranks/rank1" / vision.VISION_FILE).exists()
 
-    r = mlx_launch(2, "tests/scripts/vision_forward.py",
-                   "--rank-dir", str(tmp_path / "ranks" / "rank{rank}"),
-                   "--images", ",".join(map(str, paths)), "--text", TEXT,
-                   "--dump", str(tmp_path / "out" / "rank{rank}.npz"))
+    r = mlx_launch(
+        2,
+        "tests/scripts/vision_forward.py",
+        "--rank-dir",
+        str(tmp_path / "ranks" / "rank{rank}"),
+        "--images",
+        ",".join(map(str, paths)),
+        "--text",
+        TEXT,
+        "--dump",
+        str(tmp_path / "out" / "rank{rank}.npz"),
+    )
     assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
     runs = [np.load(tmp_path / "out" / f"rank{i}.npz") for i in range(2)]
     assert runs[0]["has_tower"] and not runs[1]["has_tower"]
@@ -128,11 +139,17 @@ def test_local_images_only_under_the_deployment_directory(tmp_path):
     part = {"type": "image_url", "image_url": {"url": str(root / "a.png")}}
     assert vision.check_image_part(part, on, "p").size == (40, 30)
     assert part["image_url"]["url"].startswith("data:image/png;base64,")  # ranks get bytes
-    for url in (str(tmp_path / "outside.png"), str(root / "link.png"),
-                str(root / ".." / "outside.png"), f"file://{tmp_path}/outside.png"):
+    for url in (
+        str(tmp_path / "outside.png"),
+        str(root / "link.png"),
+        str(root / ".." / "outside.png"),
+        f"file://{tmp_path}/outside.png",
+    ):
         with pytest.raises(vision.ImageError, match="outside"):
             vision.check_image_part({"type": "image_url", "image_url": {"url": url}}, on, "p")
     with pytest.raises(vision.ImageError, match="off in this deployment"):
         vision.check_image_part(
             {"type": "image_url", "image_url": {"url": str(root / "a.png")}},
-            vision.VisionLimits(), "p")
+            vision.VisionLimits(),
+            "p",
+        )

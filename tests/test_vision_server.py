@@ -12,8 +12,9 @@ import zlib
 
 import pytest
 
-pytest.importorskip("mlx_vlm", reason="vision tests need the extra: pip install "
-                    "'k3dist[vision]' (CI installs it)")
+pytest.importorskip(
+    "mlx_vlm", reason="vision tests need the extra: pip install 'k3dist[vision]' (CI installs it)"
+)
 
 from k3dist.serve import vision  # noqa: E402
 
@@ -40,25 +41,40 @@ def _png(img: Image.Image, fmt: str = "PNG") -> bytes:
 
 def _forged_png(w: int, h: int) -> bytes:
     """A PNG whose header claims w x h (a bomb's header; the data is a few bytes)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
+
     ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
-            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
 def _chat(*urls: str, text: str = "What is this?") -> dict:
     parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
-            "max_tokens": 3, "temperature": 0}
+    return {
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
 
 
 @pytest.fixture(scope="module")
 def vsrv(ranks, tmp_path_factory):
-    s = Server(ranks, tmp_path_factory.mktemp("vision-serve"),
-               ("--vision", "--max-images", "2", "--max-image-pixels", str(MAX_PIXELS),
-                "--no-warmup"))
+    s = Server(
+        ranks,
+        tmp_path_factory.mktemp("vision-serve"),
+        ("--vision", "--max-images", "2", "--max-image-pixels", str(MAX_PIXELS), "--no-warmup"),
+    )
     yield s
     s.stop()
 
@@ -70,8 +86,9 @@ def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_src, mi
 
     # served, with the processor's own token count (one pad per feature row), and the
     # first token's logprob is mlx-vlm's single-process kimi_k3 with the same image
-    got, raw = post_raw(vsrv.url + CHAT, json.dumps(
-        {**_chat(_data_url(good)), "logprobs": True}).encode(), 120)
+    got, raw = post_raw(
+        vsrv.url + CHAT, json.dumps({**_chat(_data_url(good)), "logprobs": True}).encode(), 120
+    )
     assert got == 200, raw[:500]
     reply = json.loads(raw)
     tok = load_tokenizer(mini_build)
@@ -100,23 +117,34 @@ def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_src, mi
     truncated = good[: len(good) // 2]
     black = Image.new("L", (1200, 1200))  # 1.44 M pixels in a ~5 kB PNG
     bad = {
-        "corrupt bytes": (CHAT, _chat(_data_url(b"\x89PNG\r\n\x1a\n" + b"x" * 200)),
-                          "not a readable image"),
+        "corrupt bytes": (
+            CHAT,
+            _chat(_data_url(b"\x89PNG\r\n\x1a\n" + b"x" * 200)),
+            "not a readable image",
+        ),
         "truncated": (CHAT, _chat(_data_url(truncated)), "corrupt"),
         "zero bytes": (CHAT, _chat("data:image/png;base64,"), "empty"),
         "bad base64": (CHAT, _chat("data:image/png;base64,@@@"), "base64"),
-        "huge header (bomb)": (CHAT, _chat(_data_url(_forged_png(60000, 60000))),
-                               "before decoding"),
+        "huge header (bomb)": (
+            CHAT,
+            _chat(_data_url(_forged_png(60000, 60000))),
+            "before decoding",
+        ),
         "over the pixel cap": (CHAT, _chat(_data_url(_png(black))), "before decoding"),
         "bmp": (CHAT, _chat(_data_url(_png(img, "BMP"), "image/bmp")), "not supported"),
         "too many images": (CHAT, _chat(*[_data_url(good)] * 3), "at most 2"),
         "remote url": (CHAT, _chat("http://127.0.0.1:9/x.png"), "remote image URLs"),
         "local path (off)": (CHAT, _chat("/etc/hosts"), "local image paths are off"),
-        "text completion": ("/v1/completions",
-                            {"prompt": [{"type": "image_url", "image_url": {"url": "x"}}],
-                             "max_tokens": 3}, "/v1/chat/completions"),
-        "images field": ("/v1/completions", {"prompt": "hi", "images": [_data_url(good)]},
-                         "/v1/chat/completions"),
+        "text completion": (
+            "/v1/completions",
+            {"prompt": [{"type": "image_url", "image_url": {"url": "x"}}], "max_tokens": 3},
+            "/v1/chat/completions",
+        ),
+        "images field": (
+            "/v1/completions",
+            {"prompt": "hi", "images": [_data_url(good)]},
+            "/v1/chat/completions",
+        ),
     }
     for name, (path, body, words) in bad.items():
         got, raw = post_raw(vsrv.url + path, json.dumps(body).encode())
@@ -126,8 +154,11 @@ def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_src, mi
     assert len(token_log(vsrv, 0)) == served and len(token_log(vsrv, 1)) == served  # no rank worked
 
     # still serving: text and images
-    got, raw = post_raw(vsrv.url + CHAT, json.dumps(
-        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode(), 60)
+    got, raw = post_raw(
+        vsrv.url + CHAT,
+        json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode(),
+        60,
+    )
     assert got == 200, raw[:300]
     other = _png(Image.fromarray(rng.integers(0, 256, (45, 80, 3), dtype=np.uint8)))
     got, raw = post_raw(vsrv.url + CHAT, json.dumps(_chat(_data_url(other))).encode(), 120)
@@ -135,27 +166,55 @@ def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_src, mi
     assert set(vsrv.rank_pids()) == {0, 1}
 
 
-def test_image_inside_an_anthropic_tool_result_is_an_image_of_the_tool_message(vsrv,
-                                                                                mini_build):
+def test_image_inside_an_anthropic_tool_result_is_an_image_of_the_tool_message(vsrv, mini_build):
     from k3dist.serve import anthropic_api
 
     rng = np.random.default_rng(1)
     img = Image.fromarray(rng.integers(0, 256, (45, 80, 3), dtype=np.uint8))
-    src = {"type": "base64", "media_type": "image/png",
-           "data": base64.b64encode(_png(img)).decode()}
-    body = {"model": "kimi-k3", "max_tokens": 3, "temperature": 0,
-            "tools": [{"name": "Read", "description": "Read a file",
-                       "input_schema": {"type": "object",
-                                        "properties": {"path": {"type": "string"}}}}],
-            "messages": [
-                {"role": "user", "content": "What is in shot.png?"},
-                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
-                                                   "name": "Read",
-                                                   "input": {"path": "shot.png"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                              "content": [{"type": "image", "source": src},
-                                                          {"type": "text",
-                                                           "text": "shot.png"}]}]}]}
+    src = {
+        "type": "base64",
+        "media_type": "image/png",
+        "data": base64.b64encode(_png(img)).decode(),
+    }
+    body = {
+        "model": "kimi-k3",
+        "max_tokens": 3,
+        "temperature": 0,
+        "tools": [
+            {
+                "name": "Read",
+                "description": "Read a file",
+                "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+            }
+        ],
+        "messages": [
+            {"role": "user", "content": "What is in shot.png?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_1",
+                        "name": "Read",
+                        "input": {"path": "shot.png"},
+                    }
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [
+                            {"type": "image", "source": src},
+                            {"type": "text", "text": "shot.png"},
+                        ],
+                    }
+                ],
+            },
+        ],
+    }
     got, raw = post_raw(vsrv.url + "/v1/messages", json.dumps(body).encode(), 120)
     assert got == 200, raw[:500]
     reply = json.loads(raw)
@@ -163,14 +222,16 @@ def test_image_inside_an_anthropic_tool_result_is_an_image_of_the_tool_message(v
     # the prompt: the tool message's image expanded into the processor's pads
     chat = anthropic_api.to_chat(body)
     tool = chat["messages"][-1]
-    assert tool["role"] == "tool" and [p["type"] for p in tool["content"]] == \
-        ["image_url", "text"]
+    assert tool["role"] == "tool" and [p["type"] for p in tool["content"]] == ["image_url", "text"]
     tok = load_tokenizer(mini_build)
-    proc = vision.K3Processor(json.loads((mini_build / "config.json").read_text())
-                              ["vision_config"])
-    text = tok.apply_chat_template(chat["messages"], tools=chat["tools"],
-                                   add_generation_prompt=True, tokenize=False,
-                                   **chat["chat_template_kwargs"])
+    proc = vision.K3Processor(json.loads((mini_build / "config.json").read_text())["vision_config"])
+    text = tok.apply_chat_template(
+        chat["messages"],
+        tools=chat["tools"],
+        add_generation_prompt=True,
+        tokenize=False,
+        **chat["chat_template_kwargs"],
+    )
     want = vision.prompt_tokens(tok, proc, text, [img])
     assert want.count(tok.convert_tokens_to_ids(vision.MEDIA_PAD)) == proc.count(img) > 0
     assert reply["usage"]["input_tokens"] == len(want)
@@ -180,8 +241,10 @@ def test_image_inside_an_anthropic_tool_result_is_an_image_of_the_tool_message(v
     assert got == 200, raw[:500]
     served = json.loads(raw)
     assert served["usage"]["prompt_tokens"] == len(want)
-    assert "".join(b.get("text", "") for b in reply["content"]) == \
-        served["choices"][0]["message"]["content"]
+    assert (
+        "".join(b.get("text", "") for b in reply["content"])
+        == served["choices"][0]["message"]["content"]
+    )
 
     # an image in a tool_result is an image like any other: checked before any rank works
     bad = json.loads(json.dumps(body))

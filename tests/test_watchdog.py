@@ -37,8 +37,10 @@ def test_coordinator_address(tmp_path):
     env = {"MLX_HOSTFILE": str(hostfile)}
     assert watchdog.coordinator_address(environ=env) == ("10.0.0.1", 6000)
     assert watchdog.coordinator_address(environ=env, port=7000) == ("10.0.0.1", 7000)
-    assert watchdog.coordinator_address(environ={"MLX_JACCL_COORDINATOR": "10.0.0.9:3000"}) \
-        == ("10.0.0.9", 4000)
+    assert watchdog.coordinator_address(environ={"MLX_JACCL_COORDINATOR": "10.0.0.9:3000"}) == (
+        "10.0.0.9",
+        4000,
+    )
     assert watchdog.coordinator_address(environ={}) == ("127.0.0.1", 32323 + 1000)
     hostfile.write_text("not json")
     with pytest.raises(WatchdogError, match="MLX_HOSTFILE"):
@@ -51,8 +53,12 @@ def test_coordinator_address(tmp_path):
 def _group(n: int, **kw) -> tuple[list[Watchdog], list[int]]:
     """n watchdogs in this process; hard exits are recorded instead of taken."""
     codes: list[int] = []
-    kw = {"interval_s": 0.1, "timeout_s": 1.0, "connect_timeout_s": 10.0,
-          "hard_exit": codes.append} | kw
+    kw = {
+        "interval_s": 0.1,
+        "timeout_s": 1.0,
+        "connect_timeout_s": 10.0,
+        "hard_exit": codes.append,
+    } | kw
     w0 = Watchdog(0, n, "127.0.0.1", 0, **kw)
     ws = [w0] + [Watchdog(r, n, "127.0.0.1", w0.port, **kw) for r in range(1, n)]
     threads = [threading.Thread(target=w.start) for w in ws]
@@ -210,13 +216,28 @@ def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float = 15.0) -> s
 
 def _spawn(tmp: Path, rank: int, port: int) -> subprocess.Popen:
     log = open(tmp / f"rank{rank}.log", "w")  # a file: a full pipe must not stall a rank
-    return subprocess.Popen([sys.executable, str(PEER), "--rank", str(rank), "--size", "2",
-                             "--port", str(port), "--pid-dir", str(tmp)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(PEER),
+            "--rank",
+            str(rank),
+            "--size",
+            "2",
+            "--port",
+            str(port),
+            "--pid-dir",
+            str(tmp),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
 
 
-@pytest.mark.parametrize("victim,sig", [(1, signal.SIGKILL), (0, signal.SIGKILL),
-                                        (1, signal.SIGTERM)])
+@pytest.mark.parametrize(
+    "victim,sig", [(1, signal.SIGKILL), (0, signal.SIGKILL), (1, signal.SIGTERM)]
+)
 def test_watchdog_processes(tmp_path, victim, sig):
     p0 = _spawn(tmp_path, 0, 0)
     port = int(_wait_file(tmp_path / "rank0.port", p0))
@@ -257,8 +278,19 @@ def test_watchdog_processes(tmp_path, victim, sig):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_mlx_launch_peer_death_and_stop(tmp_path, sig):
     launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [str(launcher), "-n", "2", "-p", str(free_base_port(2)), "--python", sys.executable,
-           str(PEER), "--launch", "--pid-dir", str(tmp_path)]
+    cmd = [
+        str(launcher),
+        "-n",
+        "2",
+        "-p",
+        str(free_base_port(2)),
+        "--python",
+        sys.executable,
+        str(PEER),
+        "--launch",
+        "--pid-dir",
+        str(tmp_path),
+    ]
     out = open(tmp_path / "launch.log", "w")
     launch = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
@@ -299,10 +331,21 @@ def test_ranks_stop_when_mlx_launch_is_killed(tmp_path):
     """SIGKILL/SIGTERM to mlx.launch ends the launcher only; without the parent check
     its ranks were seen serving on, orphaned (2026-11-29)."""
     launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [str(launcher), "-n", "2", "-p", str(free_base_port(2)), "--python", sys.executable,
-           str(PEER), "--launch", "--pid-dir", str(tmp_path), "--stop-with-launcher"]
-    launch = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              cwd=REPO)
+    cmd = [
+        str(launcher),
+        "-n",
+        "2",
+        "-p",
+        str(free_base_port(2)),
+        "--python",
+        sys.executable,
+        str(PEER),
+        "--launch",
+        "--pid-dir",
+        str(tmp_path),
+        "--stop-with-launcher",
+    ]
+    launch = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     pids = []
     try:
         pids = [int(_wait_file(tmp_path / f"rank{r}.pid", launch, 30)) for r in range(2)]

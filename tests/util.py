@@ -51,8 +51,17 @@ def mlx_launch(n: int, script: str, *args: str, timeout: float = 240):
     import sys
 
     launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [str(launcher), "-n", str(n), "-p", str(free_base_port(n)), "--python",
-           sys.executable, str(REPO / script), *args]
+    cmd = [
+        str(launcher),
+        "-n",
+        str(n),
+        "-p",
+        str(free_base_port(n)),
+        "--python",
+        sys.executable,
+        str(REPO / script),
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
@@ -61,5 +70,6 @@ def failed_ranks(res) -> set[int]:
     import re
 
     text = res.stdout + res.stderr
-    return {int(r) for r in re.findall(r"Node with rank (\d+) (?:exited with code|was killed)",
-                                       text)}
+    return {
+        int(r) for r in re.findall(r"Node with rank (\d+) (?:exited with code|was killed)", text)
+    }

@@ -23,8 +23,7 @@ def load_single(build: str | Path, dtype: str = "float32"):
     return model, config
 
 
-def load_tensor_parallel(build: str | Path, group: mx.distributed.Group,
-                         dtype: str = "float32"):
+def load_tensor_parallel(build: str | Path, group: mx.distributed.Group, dtype: str = "float32"):
     """mlx-lm's own tensor parallelism: ``sharded_load`` (``kimi_k3.Model.shard``)."""
     try:
         model, _, config = sharded_load(str(build), tensor_group=group, return_config=True)
@@ -35,7 +34,8 @@ def load_tensor_parallel(build: str | Path, group: mx.distributed.Group,
             f"({e}); its experts are split by their intermediate dimension "
             f"({tc['moe_intermediate_size']}), so moe_intermediate_size / {group.size()} must "
             "be a multiple of the quantization group (32 for mxfp4): use a build with wider "
-            "experts (the bench preset) or fewer ranks") from None
+            "experts (the bench preset) or fewer ranks"
+        ) from None
     model.set_dtype(loader.DTYPES[dtype])
     mx.eval(model.parameters())
     return model, config

@@ -30,9 +30,21 @@ def ensure_preset_build(preset: str, cache: str | Path = "runs", progress: bool 
         return remake_stale(build, lambda: convert.convert(src, build, progress=progress))
 
 
-def slice_for_rank(build: str | Path, out: str | Path, group: mx.distributed.Group,
-                   plc: placement.Placement | None, attention: str = "split") -> Path:
+def slice_for_rank(
+    build: str | Path,
+    out: str | Path,
+    group: mx.distributed.Group,
+    plc: placement.Placement | None,
+    attention: str = "split",
+) -> Path:
     """This rank's folder of ``build`` under ``out`` (each rank writes its own, so
     this works on one machine or several)."""
-    return slicing.slice_rank(build, Path(out) / f"rank{group.rank()}", group.rank(),
-                              group.size(), plc, progress=False, attention=attention)
+    return slicing.slice_rank(
+        build,
+        Path(out) / f"rank{group.rank()}",
+        group.rank(),
+        group.size(),
+        plc,
+        progress=False,
+        attention=attention,
+    )

@@ -35,8 +35,15 @@ def _time(fn: Callable[[], mx.array], trials: int, group, warmup: int = 1) -> li
     return out
 
 
-def time_all_sum(group, width: int, tokens: int = 1, trials: int = 30,
-                 dtype: mx.Dtype = mx.float32, chain: int = 1, warmup: int = 1) -> list[float]:
+def time_all_sum(
+    group,
+    width: int,
+    tokens: int = 1,
+    trials: int = 30,
+    dtype: mx.Dtype = mx.float32,
+    chain: int = 1,
+    warmup: int = 1,
+) -> list[float]:
     """ms per ``all_sum`` of a ``[1, tokens, width]`` array; ``chain`` > 1: that many
     dependent all_sums in one graph (as a decode step issues them), per all_sum."""
     x = mx.ones((1, tokens, width), dtype=dtype)
@@ -50,20 +57,25 @@ def time_all_sum(group, width: int, tokens: int = 1, trials: int = 30,
     return [t / chain for t in _time(run, trials, group, warmup)]
 
 
-def allsum_timings(group, sizes: tuple[int, ...] = (7168, 10752), trials: int = 200,
-                   chain: int = 20, dtype: mx.Dtype = mx.bfloat16) -> dict:
+def allsum_timings(
+    group,
+    sizes: tuple[int, ...] = (7168, 10752),
+    trials: int = 200,
+    chain: int = 20,
+    dtype: mx.Dtype = mx.bfloat16,
+) -> dict:
     """Per-all_sum time in us of a ``dtype`` vector of each width, alone (one eval
     each) and ``chain`` in one graph; keyed by payload bytes (``--calibrate`` of
     ``benchmarks/project.py``)."""
     out: dict = {"size": group.size()}
     for n in sizes:
         single = time_all_sum(group, n, trials=trials, dtype=dtype, warmup=20)
-        chained = time_all_sum(group, n, trials=max(trials // 4, 10), dtype=dtype,
-                               chain=chain)
+        chained = time_all_sum(group, n, trials=max(trials // 4, 10), dtype=dtype, chain=chain)
         out[str(n * dtype.size)] = {
             "single_median_us": round(float(np.median(single)) * 1e3, 1),
             "single_p90_us": round(float(np.percentile(single, 90)) * 1e3, 1),
-            "chained_median_us": round(float(np.median(chained)) * 1e3, 1)}
+            "chained_median_us": round(float(np.median(chained)) * 1e3, 1),
+        }
     return out
 
 
@@ -113,11 +125,11 @@ def collective_plan(model, group: mx.distributed.Group | None) -> list[dict]:
                 add("all_sum", w + hidden if mlp._shared_split else w, "moe routed+shared")
         elif isinstance(mlp, kimi_k3.KimiK3SparseMoE) and mlp.sharding_group is not None:
             w = mlp.latent_size or hidden
-            add("all_sum", w + hidden if mlp.shared_experts is not None else w,
-                "moe routed+shared")
+            add("all_sum", w + hidden if mlp.shared_experts is not None else w, "moe routed+shared")
         for _, m in layer.named_modules():
-            if isinstance(m, (ShardedToAllLinear, QuantizedShardedToAllLinear, SumLinear,
-                              QuantizedSumLinear)):
+            if isinstance(
+                m, (ShardedToAllLinear, QuantizedShardedToAllLinear, SumLinear, QuantizedSumLinear)
+            ):
                 add("all_sum", int(m.weight.shape[0]), "sharded-to-all linear")
     if tm.pipeline_size > 1:
         # rows rank r receives from r+1: its AttnRes blocks so far + the hidden state
@@ -126,15 +138,16 @@ def collective_plan(model, group: mx.distributed.Group | None) -> list[dict]:
         for r in range(tm.pipeline_size - 1):
             add("send_recv", int(rows[r]) * hidden, f"pipeline hop {r + 1}->{r}")
         add("all_gather", hidden, "pipeline output")
-    return [{"op": op, "width": w, "count": n, "what": what}
-            for (op, w, what), n in sorted(plan.items())]
+    return [
+        {"op": op, "width": w, "count": n, "what": what}
+        for (op, w, what), n in sorted(plan.items())
+    ]
 
 
 _TIMERS = {"all_sum": time_all_sum, "all_gather": time_all_gather, "send_recv": time_send_recv}
 
 
-def price_plan(plan: list[dict], group, tokens: int, trials: int,
-               memo: dict | None = None) -> dict:
+def price_plan(plan: list[dict], group, tokens: int, trials: int, memo: dict | None = None) -> dict:
     """Microbenchmark each collective of ``plan`` at ``tokens`` tokens; the step's
     estimated communication is the sum of count x median."""
     memo = {} if memo is None else memo

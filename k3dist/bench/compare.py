@@ -43,8 +43,11 @@ import numpy as np
 PARALLEL = ("ep_contiguous", "ep_load_aware", "ep_split", "tp", "pp", "single")
 
 
-COMPUTE_ONLY = {"ep_contiguous": "ep_contiguous_nocomm", "ep_load_aware": "ep_load_aware_nocomm",
-                "ep_split": "ep_split_nocomm"}
+COMPUTE_ONLY = {
+    "ep_contiguous": "ep_contiguous_nocomm",
+    "ep_load_aware": "ep_load_aware_nocomm",
+    "ep_split": "ep_split_nocomm",
+}
 
 
 # modes also timed at batch > 1 (CompareSettings.batches)
@@ -87,8 +90,13 @@ def _ratio_rounds(num: list[float], den: list[float]) -> list[float]:
     return [n / d for n, d in zip(num, den, strict=True)]
 
 
-def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
-            tmp: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
+def compare(
+    build: str | Path,
+    group: mx.distributed.Group,
+    s: CompareSettings,
+    tmp: str | Path | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
     """k3dist EP (contiguous and load-aware placement) vs mlx-lm TP, PP and a single
     process, on every rank of ``group`` (one ``mlx.launch`` run); this rank's report
     (merge with ``merge_compare``)."""
@@ -110,16 +118,21 @@ def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
         held_out = router_selections(single, prompt)
         c = selection_counts(calib_sel, tc["num_experts"])
         stacked = np.stack([c[i] for i in moe])
-    stacked = np.array(mx.distributed.all_sum(mx.array(stacked.astype(np.int32)),
-                                              group=group)).astype(np.int64)
+    stacked = np.array(
+        mx.distributed.all_sum(mx.array(stacked.astype(np.int32)), group=group)
+    ).astype(np.int64)
     counts = {i: stacked[j] for j, i in enumerate(moe)}
-    plcs = {"ep_contiguous": placement.contiguous(tc["num_experts"], size, moe),
-            "ep_load_aware": placement.load_aware(counts, size)}
+    plcs = {
+        "ep_contiguous": placement.contiguous(tc["num_experts"], size, moe),
+        "ep_load_aware": placement.load_aware(counts, size),
+    }
     placements = {n: {"kind": p.kind, "hash": p.hash} for n, p in plcs.items()}
     if rank == 0:
         for n, p in plcs.items():
-            placements[n].update(balance_calibration=balance(p, calib_sel),
-                                 balance_benchmark_prompt=balance(p, held_out))
+            placements[n].update(
+                balance_calibration=balance(p, calib_sel),
+                balance_benchmark_prompt=balance(p, held_out),
+            )
     log(f"rank {rank}: calibration + placements {time.perf_counter() - t0:.1f}s")
 
     models: dict[str, object] = {"single": single}
@@ -150,11 +163,12 @@ def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
             modes[c] = Mode(c, models[n], collectives=False)
     names = list(modes)
     # Row j of every batch is the same prompt: row 0 is the batch-1 prompt.
-    rows = [prompt] + [random_prompt(vocab, s.prompt_len, s.seed + 100 + j)
-                       for j in range(1, max(s.batches))]
+    rows = [prompt] + [
+        random_prompt(vocab, s.prompt_len, s.seed + 100 + j) for j in range(1, max(s.batches))
+    ]
 
     def inputs(m: Mode):
-        return prompt if m.batch == 1 else rows[:m.batch]
+        return prompt if m.batch == 1 else rows[: m.batch]
 
     launch0, w0 = launcher(), time.perf_counter()
     # Warm-up: every mode's prefill shape and decode, compiled before timing.
@@ -176,16 +190,16 @@ def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
     for m in modes.values():  # greedy sequence: prefill's token, then every decode step
         m.tokens = [m.next_token]
         barrier(group)
-        toks, _ = m.run(lambda m=m: decode_steps(m.model, m.cache, m.next_token,
-                                                 s.warmup_steps))
+        toks, _ = m.run(lambda m=m: decode_steps(m.model, m.cache, m.next_token, s.warmup_steps))
         m.tokens += toks
         m.next_token = toks[-1]
     for i in range(s.decode_rounds):
         for n in _rotated(names, i):
             m = modes[n]
             barrier(group)
-            toks, ms = m.run(lambda m=m: decode_steps(m.model, m.cache, m.next_token,
-                                                      s.steps_per_round))
+            toks, ms = m.run(
+                lambda m=m: decode_steps(m.model, m.cache, m.next_token, s.steps_per_round)
+            )
             m.tokens += toks
             m.next_token = toks[-1]
             m.decode_ms.append(ms)
@@ -194,36 +208,49 @@ def compare(build: str | Path, group: mx.distributed.Group, s: CompareSettings,
     log(f"rank {rank}: timed rounds done {time.perf_counter() - t0:.1f}s")
     launch = None
     if launch0 and launch1:
-        launch = {"pid": launch1["pid"], "nice": launch1["nice"],
-                  "cpu_cores_used_while_timing": round(
-                      (launch1["cpu_s"] - launch0["cpu_s"]) / (w1 - w0), 3)}
+        launch = {
+            "pid": launch1["pid"],
+            "nice": launch1["nice"],
+            "cpu_cores_used_while_timing": round(
+                (launch1["cpu_s"] - launch0["cpu_s"]) / (w1 - w0), 3
+            ),
+        }
 
     counted = {}
     for n, m in models.items():
         if n != "single":
             barrier(group)
-            counted[n] = {"collectives_per_token": introspect.collectives_per_token(m),
-                          "weight_bytes": introspect.bytes_held(m)}
+            counted[n] = {
+                "collectives_per_token": introspect.collectives_per_token(m),
+                "weight_bytes": introspect.bytes_held(m),
+            }
     comm = {}
     memo: dict = {}
     for n in PARALLEL:
         if n in models and n != "single":
             plan = collective_plan(models[n], group)
-            comm[n] = {"decode": price_plan(plan, group, 1, s.comm_trials, memo),
-                       "prefill": price_plan(plan, group, s.prompt_len,
-                                             max(5, s.comm_trials // 3), memo)}
+            comm[n] = {
+                "decode": price_plan(plan, group, 1, s.comm_trials, memo),
+                "prefill": price_plan(plan, group, s.prompt_len, max(5, s.comm_trials // 3), memo),
+            }
 
     return {
-        "rank": rank, "size": size,
+        "rank": rank,
+        "size": size,
         "settings": {**s.__dict__, "moe_form_resolved": form},
         "skipped": skipped,
         "placements": placements,
         "routing_counts": {str(i): c.tolist() for i, c in counts.items()},
         "weights_bytes": weights,
         "memory": memory(),
-        "trials": {n: {"batch": m.batch, "prefill_s": [round(x, 5) for x in m.prefill_s],
-                       "decode_ms": [[round(x, 4) for x in r] for r in m.decode_ms]}
-                   for n, m in modes.items()},
+        "trials": {
+            n: {
+                "batch": m.batch,
+                "prefill_s": [round(x, 5) for x in m.prefill_s],
+                "decode_ms": [[round(x, 4) for x in r] for r in m.decode_ms],
+            }
+            for n, m in modes.items()
+        },
         # batch-1 modes: one token per step; batches: the tokens of row 0 (the batch-1
         # prompt) and of the whole batch
         "tokens": {n: m.tokens for n, m in modes.items() if m.collectives and m.batch == 1},
@@ -246,12 +273,17 @@ def summarize(rep: dict) -> dict:
         steps = [x for r in t["decode_ms"] for x in r]
         st = stats(steps)
         B = t.get("batch", 1)
-        out[n] = {"batch": B, "decode_step_ms": st,
-                  "decode_tok_s": round(1e3 / st["median"], 3),  # per request
-                  "decode_tok_s_aggregate": round(B * 1e3 / st["median"], 3)}
+        out[n] = {
+            "batch": B,
+            "decode_step_ms": st,
+            "decode_tok_s": round(1e3 / st["median"], 3),  # per request
+            "decode_tok_s_aggregate": round(B * 1e3 / st["median"], 3),
+        }
         if t["prefill_s"]:
-            out[n].update(prefill_s=stats(t["prefill_s"]),
-                          prefill_tok_s=round(P / float(np.median(t["prefill_s"])), 2))
+            out[n].update(
+                prefill_s=stats(t["prefill_s"]),
+                prefill_tok_s=round(P / float(np.median(t["prefill_s"])), 2),
+            )
     for n, c in COMPUTE_ONLY.items():
         if n not in out:
             continue
@@ -260,24 +292,33 @@ def summarize(rep: dict) -> dict:
         est = rep["collectives"].get(n, {})
         out[n]["split"] = {
             "method": "measured: the same steps with the MoE all_sum bypassed give compute; "
-                      "communication = total - compute, paired per round (so it includes "
-                      "waiting for the slower rank and the collective's busy-wait)",
+            "communication = total - compute, paired per round (so it includes "
+            "waiting for the slower rank and the collective's busy-wait)",
             "decode_compute_ms": out[c]["decode_step_ms"]["median"],
             "decode_comm_ms": stats(comm),
             "decode_transfer_estimated_ms": est.get("decode", {}).get("estimated_ms"),
             "prefill_compute_s": out[c]["prefill_s"]["median"],
             "prefill_comm_s": stats(pre),
-            "all_sums_per_step": sum(x["count"] for x in est.get("decode", {}).get(
-                "collectives", [])),
+            "all_sums_per_step": sum(
+                x["count"] for x in est.get("decode", {}).get("collectives", [])
+            ),
         }
-    for n, method in (("tp", "estimated: all_sum microbenchmark (both ranks idle but for "
-                             "it) at each payload x count per step, read from the sharded "
-                             "model; compute = total - that, so it includes waiting for "
-                             "the peer (not separable: ring has no group split to bypass)"),
-                      ("pp", "estimated: send/recv one-way (ping-pong / 2) per pipeline hop + "
-                             "the final all_gather, microbenchmarked at each payload; "
-                             "compute = total - that, so it includes waiting for the other "
-                             "stage (a pipeline runs its stages one after the other)")):
+    for n, method in (
+        (
+            "tp",
+            "estimated: all_sum microbenchmark (both ranks idle but for "
+            "it) at each payload x count per step, read from the sharded "
+            "model; compute = total - that, so it includes waiting for "
+            "the peer (not separable: ring has no group split to bypass)",
+        ),
+        (
+            "pp",
+            "estimated: send/recv one-way (ping-pong / 2) per pipeline hop + "
+            "the final all_gather, microbenchmarked at each payload; "
+            "compute = total - that, so it includes waiting for the other "
+            "stage (a pipeline runs its stages one after the other)",
+        ),
+    ):
         if n not in out:
             continue
         est = rep["collectives"][n]
@@ -292,15 +333,16 @@ def summarize(rep: dict) -> dict:
             "collectives_per_step": sum(x["count"] for x in est["decode"]["collectives"]),
         }
     if "single" in out:
-        out["single"]["split"] = {"method": "no collectives",
-                                  "decode_compute_ms": out["single"]["decode_step_ms"]["median"],
-                                  "decode_comm_ms": {"median": 0.0},
-                                  "decode_transfer_estimated_ms": 0.0}
+        out["single"]["split"] = {
+            "method": "no collectives",
+            "decode_compute_ms": out["single"]["decode_step_ms"]["median"],
+            "decode_comm_ms": {"median": 0.0},
+            "decode_transfer_estimated_ms": 0.0,
+        }
 
     ratios: dict = {}
     per_round: dict = {}
-    for ep, tag in (("ep_contiguous", "ep"), ("ep_load_aware", "ep_la"),
-                    ("ep_split", "ep_split")):
+    for ep, tag in (("ep_contiguous", "ep"), ("ep_load_aware", "ep_la"), ("ep_split", "ep_split")):
         for other in ("tp", "pp", "single", "ep_contiguous"):
             if ep in tr and other in tr and other != ep:
                 d = _ratio_rounds(round_ms[other], round_ms[ep])
@@ -343,8 +385,9 @@ def merge_compare(reports: list[dict], env: dict, build: str | Path) -> dict:
     for n, toks in r0["tokens"].items():
         mm = _first_mismatch(toks, ref)
         agree[n] = {"same_as_single": mm is None, "first_mismatch": mm}
-    ranks_agree = {n: all(r["tokens"][n] == toks for r in reports)
-                   for n, toks in r0["tokens"].items()}
+    ranks_agree = {
+        n: all(r["tokens"][n] == toks for r in reports) for n, toks in r0["tokens"].items()
+    }
     # a request's greedy tokens must not depend on the rest of its batch (float noise
     # may flip a near-tie: the first step that differs is reported)
     batch_row0 = {}
@@ -353,27 +396,43 @@ def merge_compare(reports: list[dict], env: dict, build: str | Path) -> dict:
         mm = _first_mismatch([t[0] for t in toks], alone)
         batch_row0[n] = {"same_as_batch1": mm is None, "first_mismatch": mm}
     summaries = [summarize(r) for r in reports]
-    bm = json.loads((Path(build) / "k3dist.json").read_text()) if (
-        Path(build) / "k3dist.json").exists() else {}
+    bm = (
+        json.loads((Path(build) / "k3dist.json").read_text())
+        if (Path(build) / "k3dist.json").exists()
+        else {}
+    )
     tc = layout.text_config(load_config(build))
     return {
         **env,
-        "build": repo_path(build), "build_hash": bm.get("build_hash"),
-        "model": {k: tc.get(k) for k in ("num_hidden_layers", "hidden_size", "num_experts",
-                                          "num_experts_per_token", "moe_intermediate_size",
-                                          "routed_expert_hidden_size", "vocab_size")},
+        "build": repo_path(build),
+        "build_hash": bm.get("build_hash"),
+        "model": {
+            k: tc.get(k)
+            for k in (
+                "num_hidden_layers",
+                "hidden_size",
+                "num_experts",
+                "num_experts_per_token",
+                "moe_intermediate_size",
+                "routed_expert_hidden_size",
+                "vocab_size",
+            )
+        },
         "size": r0["size"],
         "settings": r0["settings"],
         "skipped": r0["skipped"],
         "placements": r0["placements"],
-        "greedy_tokens": {"tokens": r0["tokens"], "vs_single": agree,
-                          "identical_across_ranks": ranks_agree,
-                          "all_modes_agree": all(a["same_as_single"] for a in agree.values()),
-                          "batch_row0_vs_batch1": batch_row0},
+        "greedy_tokens": {
+            "tokens": r0["tokens"],
+            "vs_single": agree,
+            "identical_across_ranks": ranks_agree,
+            "all_modes_agree": all(a["same_as_single"] for a in agree.values()),
+            "batch_row0_vs_batch1": batch_row0,
+        },
         "launcher": r0.get("launcher"),
         "ratios": summaries[0]["ratios"],
         "ratios_note": "speed ratios (other mode's time / EP's time), > 1: EP faster; per "
-                       "interleaved round, then median; from rank 0 (ratios_by_rank: all)",
+        "interleaved round, then median; from rank 0 (ratios_by_rank: all)",
         "ratios_by_rank": [s["ratios"] for s in summaries],
         "summary": summaries[0]["modes"],
         "summary_by_rank": [s["modes"] for s in summaries],

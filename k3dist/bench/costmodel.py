@@ -95,9 +95,23 @@ SPLIT = {
     "pp": set(),
 }
 # Attention modules mlx-lm's shard() splits by heads (q/k/v fused as qkv_proj there).
-_HEAD_SPLIT = {"q_proj", "k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "A_log",
-               "dt_bias", "b_proj", "f_b_proj", "g_proj", "g_b_proj", "o_proj", "q_b_proj",
-               "kv_b_proj"}
+_HEAD_SPLIT = {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "q_conv1d",
+    "k_conv1d",
+    "v_conv1d",
+    "A_log",
+    "dt_bias",
+    "b_proj",
+    "f_b_proj",
+    "g_proj",
+    "g_b_proj",
+    "o_proj",
+    "q_b_proj",
+    "kv_b_proj",
+}
 
 
 @dataclass(frozen=True)
@@ -110,17 +124,23 @@ class Backend:
 
 BACKENDS = {
     "jaccl": Backend(
-        "jaccl", 50e-6, 6.3e9,
+        "jaccl",
+        50e-6,
+        6.3e9,
         "assumed: 27-31 us and 6.1-6.5 GB/s measured for JACCL RDMA over a direct TB5 cable "
         "(M3 Ultra <-> M5 Max, jundot/omlx PR #3118) + ~20 us assumed for MLX's GPU->CPU "
-        "hand-off around each collective"),
+        "hand-off around each collective",
+    ),
     "ring": Backend(
-        "ring", 600e-6, 2.5e9,
+        "ring",
+        600e-6,
+        2.5e9,
         "assumed: ~1 round trip over the Thunderbolt IP bridge (ping 0.38-0.95 ms between "
         "M3 Ultras, exo-explore/exo issue #2295) + MLX's ring software path (0.07-0.13 ms "
         "median per all_sum over loopback here, heavy tails under load: benchmarks/"
         "project.py --calibrate); wire bandwidth assumed (TB5 is 80 Gb/s "
-        "= 10 GB/s raw; TCP gets less)"),
+        "= 10 GB/s raw; TCP gets less)",
+    ),
 }
 
 
@@ -144,22 +164,22 @@ SOURCES = {
     "mem_bw": "spec: Apple, M3 Ultra 819 GB/s unified memory bandwidth",
     "memory": "spec: Apple, M3 Ultra up to 512 GB unified memory",
     "usable_memory": "assumed: 512 GB less ~32 GB for macOS and the process (with "
-                     "iogpu.wired_limit_mb raised)",
+    "iogpu.wired_limit_mb raised)",
     "bw_fraction": "derived, not K3: mlx decodes llama-3.1-8b-4bit at 119 tok/s on an M3 "
-                   "Ultra (raullenchai/Rapid-MLX PR #586): ~4.2 GB/token x 119 = 0.50 TB/s "
-                   "= 0.61 of 819 GB/s, a dense-model figure that K3's MoE gathers and KDA "
-                   "kernels may not reach. Not calibratable here: this machine's MLX CPU "
-                   "matvecs are compute-bound (see measured_here). The anchors' implied "
-                   "values are reported beside it",
+    "Ultra (raullenchai/Rapid-MLX PR #586): ~4.2 GB/token x 119 = 0.50 TB/s "
+    "= 0.61 of 819 GB/s, a dense-model figure that K3's MoE gathers and KDA "
+    "kernels may not reach. Not calibratable here: this machine's MLX CPU "
+    "matvecs are compute-bound (see measured_here). The anchors' implied "
+    "values are reported beside it",
     "flops": "assumed: 80 GPU cores x 128 FP32 lanes x 2 x ~1.4 GHz (Apple publishes no "
-             "TFLOPS); FLOP time stays under ~15% of memory time at batch 1",
+    "TFLOPS); FLOP time stays under ~15% of memory time at batch 1",
     "flops_fraction": "assumed",
     "sync_s": "assumed: one host sync per MoE layer drains the GPU queue and serialises "
-              "graph building; ~1 ms is what the published graded build's 2.06x loss on "
-              "Metal implies at ~90 ms/step over 92 layers ((2.06-1) x 90 / 92)",
+    "graph building; ~1 ms is what the published graded build's 2.06x loss on "
+    "Metal implies at ~90 ms/step over 92 layers ((2.06-1) x 90 / 92)",
     "placeholder_reads": "assumed: the redirect expert is read from memory once per layer "
-                         "(repeats within the gather kernel hit the cache; 92 x 17.5 MB "
-                         "do not stay resident across a step)",
+    "(repeats within the gather kernel hit the cache; 92 x 17.5 MB "
+    "do not stay resident across a step)",
     "link": "spec: Thunderbolt 5, 80 Gb/s (10 GB/s) each way per port",
 }
 
@@ -216,9 +236,14 @@ def plan_profile(plan: dict, name: str | None = None, source: str = "") -> Profi
         if cls == "small":
             continue  # norms, biases, convolutions: kept in their source dtypes
         classes.append((cls, 16 if fmt == "source" else int(fmt.split("bit")[0])))
-    return Profile(name or f"plan-{plan['attention']}", hi_fraction=plan["promoted_fraction"],
-                   lo_bits=lo["bits"] + 32 / lo["group_size"], group_size=lo["group_size"],
-                   class_bits=tuple(classes), source=source or "plan")
+    return Profile(
+        name or f"plan-{plan['attention']}",
+        hi_fraction=plan["promoted_fraction"],
+        lo_bits=lo["bits"] + 32 / lo["group_size"],
+        group_size=lo["group_size"],
+        class_bits=tuple(classes),
+        source=source or "plan",
+    )
 
 
 PROFILES = {
@@ -233,6 +258,7 @@ PROFILES = {
 
 
 # ---------------------------------------------------------------- model facts
+
 
 @dataclass
 class Layer:
@@ -273,17 +299,31 @@ class Facts:
 
 
 # layout family -> the planner's non-expert class
-_CLASS = {"kda": "attention", "mla": "attention", "shared_experts": "shared",
-          "latent": "latent", "router": "router", "dense_mlp": "dense_mlp"}
+_CLASS = {
+    "kda": "attention",
+    "mla": "attention",
+    "shared_experts": "shared",
+    "latent": "latent",
+    "router": "router",
+    "dense_mlp": "dense_mlp",
+}
 
 
 def _tensor_bytes(s: layout.TensorSpec, p: Profile) -> float:
-    if s.family in ("norm", "attn_res", "vision") or s.shape is None or len(s.shape) != 2 \
-            or s.shape[-1] % p.group_size or s.shape[0] == 1:
+    if (
+        s.family in ("norm", "attn_res", "vision")
+        or s.shape is None
+        or len(s.shape) != 2
+        or s.shape[-1] % p.group_size
+        or s.shape[0] == 1
+    ):
         return s.nbytes
     if p.class_bits is not None:
-        cls = ("lm_head" if s.name.endswith("lm_head.weight") else "embed") \
-            if s.family == "embed" else _CLASS.get(s.family)
+        cls = (
+            ("lm_head" if s.name.endswith("lm_head.weight") else "embed")
+            if s.family == "embed"
+            else _CLASS.get(s.family)
+        )
         bits = dict(p.class_bits).get(cls, 16)
     elif p.nonexpert_bits == 16:
         return s.nbytes
@@ -296,8 +336,14 @@ def _group(s: layout.TensorSpec) -> str:
     if s.family in ("kda", "mla"):
         module = s.name.split("self_attn.")[1].split(".")[0]
         return "attn_heads" if module in _HEAD_SPLIT else "attn_rep"
-    return {"norm": "norms", "attn_res": "norms", "dense_mlp": "dense_mlp", "router": "router",
-            "latent": "latent", "shared_experts": "shared"}[s.family]
+    return {
+        "norm": "norms",
+        "attn_res": "norms",
+        "dense_mlp": "dense_mlp",
+        "router": "router",
+        "latent": "latent",
+        "shared_experts": "shared",
+    }[s.family]
 
 
 def facts(config: dict, profile: Profile) -> Facts:
@@ -320,8 +366,9 @@ def facts(config: dict, profile: Profile) -> Facts:
             state, cache = kda_state, 0.0
         else:
             state, cache = 0.0, mla_cache
-        layers.append(Layer(i, "kda" if i in kda else "mla", layout.is_moe_layer(tc, i),
-                            b, e, state, cache))
+        layers.append(
+            Layer(i, "kda" if i in kda else "mla", layout.is_moe_layer(tc, i), b, e, state, cache)
+        )
     head = {"embed": 0.0, "embed_row": 0.0, "lm_head": 0.0, "norms": 0.0}
     head_elems = 0.0
     for s in layout.head_specs(tc):
@@ -339,10 +386,21 @@ def facts(config: dict, profile: Profile) -> Facts:
         head_elems = tc["vocab_size"] * tc["hidden_size"]
     vision = sum(s.nbytes for s in layout.vision_specs(config))
     moe = layout.moe_layers(tc)[0]
-    elems = sum(s.shape[0] * s.shape[1] * (2 if s.name.endswith("weight_packed") else 0)
-                for s in layout.expert_specs(tc, moe, 0))
-    return Facts(tc, profile, layers, head, head_elems, vision, elems, tc["num_experts"],
-                 tc["num_experts_per_token"])
+    elems = sum(
+        s.shape[0] * s.shape[1] * (2 if s.name.endswith("weight_packed") else 0)
+        for s in layout.expert_specs(tc, moe, 0)
+    )
+    return Facts(
+        tc,
+        profile,
+        layers,
+        head,
+        head_elems,
+        vision,
+        elems,
+        tc["num_experts"],
+        tc["num_experts_per_token"],
+    )
 
 
 def footprint(config: dict, profile: Profile) -> dict:
@@ -354,11 +412,17 @@ def footprint(config: dict, profile: Profile) -> dict:
     by["head_norms"] = f.head["norms"]
     by["vision"] = f.vision_bytes
     total = sum(by.values())
-    return {"profile": asdict(profile), "build_bytes": total, "build_TB": round(total / 1e12, 4),
-            "by_group": by, "one_expert_bytes": f.expert_bytes}
+    return {
+        "profile": asdict(profile),
+        "build_bytes": total,
+        "build_TB": round(total / 1e12, 4),
+        "by_group": by,
+        "one_expert_bytes": f.expert_bytes,
+    }
 
 
 # ---------------------------------------------------------------- routing loads
+
 
 @dataclass(frozen=True)
 class Load:
@@ -393,8 +457,9 @@ def _uniform_load(owned: list[int], k: int) -> Load:
     return Load(tuple(k * c / E for c in owned), emax)
 
 
-def _sampled_load(pl: Placement, layer: int, counts: np.ndarray, k: int, samples: int,
-                  seed: int) -> Load:
+def _sampled_load(
+    pl: Placement, layer: int, counts: np.ndarray, k: int, samples: int, seed: int
+) -> Load:
     """Tokens drawn without replacement proportionally to routing counts (Gumbel top-k)."""
     rng = np.random.default_rng(seed + layer)
     p = np.asarray(counts, dtype=np.float64) + 1e-9
@@ -405,8 +470,15 @@ def _sampled_load(pl: Placement, layer: int, counts: np.ndarray, k: int, samples
     return Load(mean, pl.expected_max_load(layer, sel))
 
 
-def _batch_load(pl: Placement, layer: int, counts: np.ndarray | None, k: int, batch: int,
-                samples: int, seed: int) -> Load:
+def _batch_load(
+    pl: Placement,
+    layer: int,
+    counts: np.ndarray | None,
+    k: int,
+    batch: int,
+    samples: int,
+    seed: int,
+) -> Load:
     """B tokens per step, each drawing k experts without replacement (proportionally to
     routing counts, or uniformly): the union each rank reads, the pairs it computes."""
     rng = np.random.default_rng(seed + layer)
@@ -419,14 +491,24 @@ def _batch_load(pl: Placement, layer: int, counts: np.ndarray | None, k: int, ba
     owners = np.asarray(pl.owners[layer])
     read = np.stack([touched[:, owners == r].sum(-1) for r in range(pl.size)], -1)
     pairs = np.stack([(owners[sel] == r).sum((-1, -2)) for r in range(pl.size)], -1)
-    return Load(tuple(float(x) for x in read.mean(0)), float(read.max(-1).mean()),
-                float(pairs.max(-1).mean()), float(touched.sum(-1).mean()))
+    return Load(
+        tuple(float(x) for x in read.mean(0)),
+        float(read.max(-1).mean()),
+        float(pairs.max(-1).mean()),
+        float(touched.sum(-1).mean()),
+    )
 
 
-def routed_loads(f: Facts, size: int, pl: Placement | None = None,
-                 counts: dict[int, np.ndarray] | None = None, samples: int = 2048,
-                 seed: int = 0, batch: int = 1, skew: dict[str, float] | None = None
-                 ) -> dict[int, Load]:
+def routed_loads(
+    f: Facts,
+    size: int,
+    pl: Placement | None = None,
+    counts: dict[int, np.ndarray] | None = None,
+    samples: int = 2048,
+    seed: int = 0,
+    batch: int = 1,
+    skew: dict[str, float] | None = None,
+) -> dict[int, Load]:
     """Per MoE layer: experts per rank under EP. Uniform routing unless counts are
     given; batch > 1 is sampled (``samples`` steps). ``skew`` (``benchmarks/routing.py``:
     measured over uniform on real routing; keys ``skew``, ``skew_pairs``, ``skew_union``)
@@ -435,16 +517,20 @@ def routed_loads(f: Facts, size: int, pl: Placement | None = None,
     if not skew:
         return out
     k = f.top_k
-    return {i: Load(v.mean, min(v.max * skew["skew"], batch * k),
-                    min((v.max if v.pairs_max is None else v.pairs_max) * skew["skew_pairs"],
-                        batch * k),
-                    min((k if v.distinct is None else v.distinct) * skew["skew_union"],
-                        batch * k))
-            for i, v in out.items()}
+    return {
+        i: Load(
+            v.mean,
+            min(v.max * skew["skew"], batch * k),
+            min((v.max if v.pairs_max is None else v.pairs_max) * skew["skew_pairs"], batch * k),
+            min((k if v.distinct is None else v.distinct) * skew["skew_union"], batch * k),
+        )
+        for i, v in out.items()
+    }
 
 
-def _routed_loads(f: Facts, size: int, pl: Placement | None, counts, samples: int,
-                  seed: int, batch: int) -> dict[int, Load]:
+def _routed_loads(
+    f: Facts, size: int, pl: Placement | None, counts, samples: int, seed: int, batch: int
+) -> dict[int, Load]:
     moe = f.moe_layers
     pl = pl or contiguous(f.num_experts, size, moe)
     if pl.size != size:
@@ -453,8 +539,9 @@ def _routed_loads(f: Facts, size: int, pl: Placement | None, counts, samples: in
     if batch > 1:
         n = max(64, samples // batch)
         for i in moe:
-            out[i] = _batch_load(pl, i, None if counts is None else counts[i], f.top_k, batch,
-                                 n, seed)
+            out[i] = _batch_load(
+                pl, i, None if counts is None else counts[i], f.top_k, batch, n, seed
+            )
         return out
     for i in moe:
         if counts is not None:
@@ -468,6 +555,7 @@ def _routed_loads(f: Facts, size: int, pl: Placement | None, counts, samples: in
 
 
 # ---------------------------------------------------------------- one step
+
 
 def shared_splits(f: Facts, size: int) -> bool:
     """Whether EP splits the shared experts (model.experts.ExpertParallelMoE.shard_shared)."""
@@ -485,8 +573,17 @@ def _split(mode: str, group: str, f: Facts, size: int) -> float:
     return 1.0 / size
 
 
-def _layer_step(f: Facts, L: Layer, mode: str, size: int, load: Load | None, form: str,
-                hw: Hardware, context: int, batch: int = 1) -> dict:
+def _layer_step(
+    f: Facts,
+    L: Layer,
+    mode: str,
+    size: int,
+    load: Load | None,
+    form: str,
+    hw: Hardware,
+    context: int,
+    batch: int = 1,
+) -> dict:
     """Bytes (by group) and FLOPs one rank spends on one layer, on the critical path.
     Weights are read once per step whatever the batch; caches, states and FLOPs scale
     with it."""
@@ -497,8 +594,14 @@ def _layer_step(f: Facts, L: Layer, mode: str, size: int, load: Load | None, for
     if L.attention == "mla":
         tc = f.tc
         lat = tc["kv_lora_rank"]
-        flops += batch * 2 * tc["num_attention_heads"] * heads * context * (
-            lat + tc["qk_rope_head_dim"] + lat)
+        flops += (
+            batch
+            * 2
+            * tc["num_attention_heads"]
+            * heads
+            * context
+            * (lat + tc["qk_rope_head_dim"] + lat)
+        )
     else:
         lc = f.tc["linear_attn_config"]
         flops += batch * 8 * lc["num_heads"] * heads * lc["head_dim"] ** 2
@@ -525,11 +628,20 @@ def _layer_step(f: Facts, L: Layer, mode: str, size: int, load: Load | None, for
 
 
 def _collective(op: str, count: int, size_bytes: float, n: int, hw: Hardware) -> dict:
-    wire = {"all_sum": 2 * (n - 1) / n * size_bytes, "send": size_bytes,
-            "all_gather": (n - 1) * size_bytes}[op]
+    wire = {
+        "all_sum": 2 * (n - 1) / n * size_bytes,
+        "send": size_bytes,
+        "all_gather": (n - 1) * size_bytes,
+    }[op]
     each = hw.backend.latency_s + wire / hw.backend.bandwidth
-    return {"op": op, "count": count, "bytes": size_bytes, "wire_bytes": wire,
-            "each_s": each, "total_s": count * each}
+    return {
+        "op": op,
+        "count": count,
+        "bytes": size_bytes,
+        "wire_bytes": wire,
+        "each_s": each,
+        "total_s": count * each,
+    }
 
 
 def collectives(f: Facts, mode: str, size: int, hw: Hardware, batch: int = 1) -> list[dict]:
@@ -545,22 +657,32 @@ def collectives(f: Facts, mode: str, size: int, hw: Hardware, batch: int = 1) ->
     moe_size = ACT_BYTES * (latent + (H if shared else 0))
     out = []
     if mode in ("ep-split", "tp"):
-        out.append(_collective("all_sum", n_layers, ACT_BYTES * H, size, hw) | {
-            "what": "attention o_proj partial sums"})
+        out.append(
+            _collective("all_sum", n_layers, ACT_BYTES * H, size, hw)
+            | {"what": "attention o_proj partial sums"}
+        )
     if mode in EP_MODES + ("tp",):
-        out.append(_collective("all_sum", n_moe, moe_size, size, hw) | {
-            "what": "MoE: routed latent" + (" + shared partial" if shared else "")})
+        out.append(
+            _collective("all_sum", n_moe, moe_size, size, hw)
+            | {"what": "MoE: routed latent" + (" + shared partial" if shared else "")}
+        )
     if mode in ("tp", "ep-split") and n_dense:
-        out.append(_collective("all_sum", n_dense, ACT_BYTES * H, size, hw) | {
-            "what": "dense MLP down_proj partial sums"})
+        out.append(
+            _collective("all_sum", n_dense, ACT_BYTES * H, size, hw)
+            | {"what": "dense MLP down_proj partial sums"}
+        )
     if mode == "pp":
         block = tc.get("attn_res_block_size")
         for start, _ in pp_stages(n_layers, size)[1:]:
             rows = 1 + (math.ceil(start / block) if block else 0)
-            out.append(_collective("send", 1, ACT_BYTES * H * rows, size, hw) | {
-                "what": f"hand-off into layer {start}: hidden + {rows - 1} AttnRes blocks"})
-        out.append(_collective("all_gather", 1, ACT_BYTES * H, size, hw) | {
-            "what": "pipeline output to every rank"})
+            out.append(
+                _collective("send", 1, ACT_BYTES * H * rows, size, hw)
+                | {"what": f"hand-off into layer {start}: hidden + {rows - 1} AttnRes blocks"}
+            )
+        out.append(
+            _collective("all_gather", 1, ACT_BYTES * H, size, hw)
+            | {"what": "pipeline output to every rank"}
+        )
     return out
 
 
@@ -592,9 +714,16 @@ def _critical(by: dict) -> float:
     return sum(v for g, v in by.items() if g != "routed_experts_mean")
 
 
-def bytes_per_token(mode: str, f: Facts, size: int, hw: Hardware = Hardware(),
-                    form: str = "placeholder", loads: dict[int, Load] | None = None,
-                    context: int = 4096, batch: int = 1) -> dict:
+def bytes_per_token(
+    mode: str,
+    f: Facts,
+    size: int,
+    hw: Hardware = Hardware(),
+    form: str = "placeholder",
+    loads: dict[int, Load] | None = None,
+    context: int = 4096,
+    batch: int = 1,
+) -> dict:
     """Per rank per step of ``batch`` requests in lockstep: bytes by group, FLOPs,
     collectives and time; ``tok_s`` is the aggregate (``batch`` / step time),
     ``tok_s_per_request`` one request's. For PP the stages run one after the other
@@ -605,52 +734,78 @@ def bytes_per_token(mode: str, f: Facts, size: int, hw: Hardware = Hardware(),
         raise ValueError(f"form must be one of {FORMS}, not {form!r}")
     if loads is None and (batch > 1 or (mode in EP_MODES and size > 1)):
         loads = routed_loads(f, size, batch=batch)
-    head = {"embed_row": batch * f.head["embed_row"], "lm_head": f.head["lm_head"],
-            "head_norms": f.head["norms"]}
+    head = {
+        "embed_row": batch * f.head["embed_row"],
+        "lm_head": f.head["lm_head"],
+        "head_norms": f.head["norms"],
+    }
     head_flops = batch * 2 * f.head_elems
     colls = collectives(f, mode, size, hw, batch)
     comm = sum(c["total_s"] for c in colls)
-    sync = hw.sync_s * len(f.moe_layers) if (
-        mode in EP_MODES and form == "local" and size > 1) else 0.0
+    sync = (
+        hw.sync_s * len(f.moe_layers)
+        if (mode in EP_MODES and form == "local" and size > 1)
+        else 0.0
+    )
     stage_ranges = pp_stages(len(f.layers), size) if mode == "pp" else [(0, len(f.layers))]
     stages = []
     for start, end in stage_ranges:
-        parts = [_layer_step(f, L, mode, size, (loads or {}).get(L.index), form, hw, context,
-                             batch) for L in f.layers[start:end]]
+        parts = [
+            _layer_step(f, L, mode, size, (loads or {}).get(L.index), form, hw, context, batch)
+            for L in f.layers[start:end]
+        ]
         by = _sum_bytes(parts)
         flops = sum(p["flops"] for p in parts)
-        stages.append({"layers": [start, end], "bytes": by, "flops": flops,
-                       **_compute_time(_critical(by), flops, hw)})
+        stages.append(
+            {
+                "layers": [start, end],
+                "bytes": by,
+                "flops": flops,
+                **_compute_time(_critical(by), flops, hw),
+            }
+        )
     # The head (embedding row, final norm, lm_head) runs on every rank, in parallel.
     head_time = _compute_time(sum(head.values()), head_flops, hw)
     compute = sum(s["compute_s"] for s in stages) + head_time["compute_s"]
     total = compute + comm + sync
     crit = _critical(_sum_bytes(stages)) + sum(head.values())
     out = {
-        "mode": mode, "form": form if mode in EP_MODES and size > 1 else None, "size": size,
+        "mode": mode,
+        "form": form if mode in EP_MODES and size > 1 else None,
+        "size": size,
         "batch": batch,
         "bytes": {k: round(v) for k, v in (_sum_bytes(stages) | head).items()},
         "bytes_critical_path": round(crit),
         "flops": sum(s["flops"] for s in stages) + head_flops,
         "collectives": colls,
         "n_collectives": sum(c["count"] for c in colls),
-        "time_s": {"memory": sum(s["memory_s"] for s in stages) + head_time["memory_s"],
-                   "flops": sum(s["flops_s"] for s in stages) + head_time["flops_s"],
-                   "compute": compute, "comm": comm, "sync": sync, "total": total},
+        "time_s": {
+            "memory": sum(s["memory_s"] for s in stages) + head_time["memory_s"],
+            "flops": sum(s["flops_s"] for s in stages) + head_time["flops_s"],
+            "compute": compute,
+            "comm": comm,
+            "sync": sync,
+            "total": total,
+        },
         "tok_s": batch / total,
         "tok_s_per_request": 1 / total,
         "achieved_GBps": crit / total / 1e9,
     }
     if mode == "pp":
-        out["stages"] = [{"layers": s["layers"], "bytes": round(_critical(s["bytes"])),
-                          "routed_experts": round(s["bytes"]["routed_experts"]),
-                          "compute_s": s["compute_s"]} for s in stages]
+        out["stages"] = [
+            {
+                "layers": s["layers"],
+                "bytes": round(_critical(s["bytes"])),
+                "routed_experts": round(s["bytes"]["routed_experts"]),
+                "compute_s": s["compute_s"],
+            }
+            for s in stages
+        ]
         out["head_compute_s"] = head_time["compute_s"]
     return out
 
 
-def box_footprint(mode: str, f: Facts, size: int, context: int = 4096, batch: int = 1
-                  ) -> dict:
+def box_footprint(mode: str, f: Facts, size: int, context: int = 4096, batch: int = 1) -> dict:
     """Resident bytes per box (the largest rank): weights as loaded (mlx-lm drops the
     vision tower), MLA latent cache at ``context`` and KDA state."""
     head = f.head["embed"] + f.head["lm_head"] + f.head["norms"]
@@ -664,11 +819,15 @@ def box_footprint(mode: str, f: Facts, size: int, context: int = 4096, batch: in
         experts = sum(L.moe for L in layers) * experts_per_layer
     weights = sum(L.bytes[g] * _split(mode, g, f, size) for L in layers for g in GROUPS)
     heads = _split(mode, "attn_heads", f, size)
-    cache = batch * sum(L.state_bytes * heads + L.cache_bytes_per_token * context
-                        for L in layers)
+    cache = batch * sum(L.state_bytes * heads + L.cache_bytes_per_token * context for L in layers)
     total = weights + experts + head + cache
-    return {"weights_nonexpert": round(weights + head), "routed_experts": round(experts),
-            "cache": round(cache), "total": round(total), "total_GB": round(total / 1e9, 1)}
+    return {
+        "weights_nonexpert": round(weights + head),
+        "routed_experts": round(experts),
+        "cache": round(cache),
+        "total": round(total),
+        "total_GB": round(total / 1e9, 1),
+    }
 
 
 def attention_bytes(config: dict, profile: Profile, size: int = 2) -> dict:
@@ -682,21 +841,41 @@ def attention_bytes(config: dict, profile: Profile, size: int = 2) -> dict:
         divides = layout.attention_heads(f.tc, L.index) % size == 0
         rep += L.bytes["attn_heads"] + L.bytes["attn_rep"]
         split += L.bytes["attn_heads"] / (size if divides else 1) + L.bytes["attn_rep"]
-    return {"size": size, "profile": profile.name, "attention_replicated": round(rep),
-            "attention_split": round(split), "saved_bytes": round(rep - split),
-            "saved_fraction_of_attention": round((rep - split) / rep, 4),
-            "box_total": {m: box_footprint(m, f, size)["total"] for m in EP_MODES}}
+    return {
+        "size": size,
+        "profile": profile.name,
+        "attention_replicated": round(rep),
+        "attention_split": round(split),
+        "saved_bytes": round(rep - split),
+        "saved_fraction_of_attention": round((rep - split) / rep, 4),
+        "box_total": {m: box_footprint(m, f, size)["total"] for m in EP_MODES},
+    }
 
 
 # ---------------------------------------------------------------- projection
 
 ANCHORS = (
-    {"name": "Alis two-box EP (attention TP + jaccl)", "tok_s": 8.8, "mode": "ep-split",
-     "backends": ("jaccl",), "size": 2},
-    {"name": "PipeNetwork TP", "tok_s": 3.6, "mode": "tp", "backends": ("ring", "jaccl"),
-     "size": 2},
-    {"name": "PipeNetwork PP", "tok_s": 2.13, "mode": "pp", "backends": ("ring", "jaccl"),
-     "size": 2},
+    {
+        "name": "Alis two-box EP (attention TP + jaccl)",
+        "tok_s": 8.8,
+        "mode": "ep-split",
+        "backends": ("jaccl",),
+        "size": 2,
+    },
+    {
+        "name": "PipeNetwork TP",
+        "tok_s": 3.6,
+        "mode": "tp",
+        "backends": ("ring", "jaccl"),
+        "size": 2,
+    },
+    {
+        "name": "PipeNetwork PP",
+        "tok_s": 2.13,
+        "mode": "pp",
+        "backends": ("ring", "jaccl"),
+        "size": 2,
+    },
 )
 
 
@@ -713,50 +892,79 @@ def implied(step: dict, tok_s: float, hw: Hardware) -> dict:
     n = step["n_collectives"]
     wire = sum(c["count"] * c["wire_bytes"] for c in step["collectives"]) / hw.backend.bandwidth
     lat = (t - step["time_s"]["compute"] - step["time_s"]["sync"] - wire) / n if n else None
-    return {"bw_fraction": None if frac is None else round(frac, 3),
-            "latency_us": None if lat is None else round(lat * 1e6, 1)}
+    return {
+        "bw_fraction": None if frac is None else round(frac, 3),
+        "latency_us": None if lat is None else round(lat * 1e6, 1),
+    }
 
 
-def project(config: dict, profile: Profile, hw: Hardware, size: int = 2,
-            modes: tuple[str, ...] = MODES, form: str = "placeholder", context: int = 4096,
-            placement: Placement | None = None, counts: dict[int, np.ndarray] | None = None,
-            batch: int = 1, skew: dict[str, float] | None = None) -> dict:
+def project(
+    config: dict,
+    profile: Profile,
+    hw: Hardware,
+    size: int = 2,
+    modes: tuple[str, ...] = MODES,
+    form: str = "placeholder",
+    context: int = 4096,
+    placement: Placement | None = None,
+    counts: dict[int, np.ndarray] | None = None,
+    batch: int = 1,
+    skew: dict[str, float] | None = None,
+) -> dict:
     """Projected decode speed per mode (``batch`` requests in lockstep), with its
     breakdown and per-box footprint (the MLA cache of every request)."""
     f = facts(config, profile)
-    loads = routed_loads(f, size, placement, counts, batch=batch, skew=skew) if (
-        size > 1 or batch > 1) else None
+    loads = (
+        routed_loads(f, size, placement, counts, batch=batch, skew=skew)
+        if (size > 1 or batch > 1)
+        else None
+    )
     out = {}
     for mode in modes:
         forms = FORMS if mode in EP_MODES and size > 1 else (form,)
-        res = {fm: bytes_per_token(mode, f, size, hw, fm, loads, context, batch)
-               for fm in forms}
+        res = {fm: bytes_per_token(mode, f, size, hw, fm, loads, context, batch) for fm in forms}
         head = res[form] if form in res else next(iter(res.values()))
         fp = box_footprint(mode, f, size, context, batch)
         fp["fits"] = fp["total"] <= hw.usable_memory
         out[mode] = {**head, "footprint_per_box": fp}
         if len(res) > 1:
-            out[mode]["forms"] = {fm: {"tok_s": r["tok_s"], "time_s": r["time_s"],
-                                       "bytes_critical_path": r["bytes_critical_path"],
-                                       "flops": r["flops"]} for fm, r in res.items()}
+            out[mode]["forms"] = {
+                fm: {
+                    "tok_s": r["tok_s"],
+                    "time_s": r["time_s"],
+                    "bytes_critical_path": r["bytes_critical_path"],
+                    "flops": r["flops"],
+                }
+                for fm, r in res.items()
+            }
             # The host-sync cost per layer at which local would run 2.06x slower than
             # placeholder (the published graded build's loss on Metal).
             ph, lo = res["placeholder"]["time_s"], res["local"]["time_s"]
             sync = (GRADED_LOCAL_LOSS * ph["total"] - (lo["total"] - lo["sync"])) / len(
-                f.moe_layers)
+                f.moe_layers
+            )
             out[mode]["forms"]["local"]["sync_ms_implied_by_2.06x"] = round(sync * 1e3, 3)
     routed = {
-        "mean_pairs_heaviest_rank": (float(np.mean([max(v.mean) for v in loads.values()]))
-                                if loads else f.top_k),
-        "expected_max_pairs_per_token": (float(np.mean([v.max for v in loads.values()]))
-                               if loads else f.top_k),
+        "mean_pairs_heaviest_rank": (
+            float(np.mean([max(v.mean) for v in loads.values()])) if loads else f.top_k
+        ),
+        "expected_max_pairs_per_token": (
+            float(np.mean([v.max for v in loads.values()])) if loads else f.top_k
+        ),
         "placement": (placement.kind if placement else "contiguous"),
         "routing": "counts (sampled)" if counts else "uniform (exact)",
         "skew": skew,
     }
-    return {"size": size, "batch": batch, "profile": asdict(profile),
-            "hardware": hardware_json(hw), "context": context, "form": form, "routed": routed,
-            "modes": out}
+    return {
+        "size": size,
+        "batch": batch,
+        "profile": asdict(profile),
+        "hardware": hardware_json(hw),
+        "context": context,
+        "form": form,
+        "routed": routed,
+        "modes": out,
+    }
 
 
 def hardware_json(hw: Hardware) -> dict:
@@ -765,8 +973,9 @@ def hardware_json(hw: Hardware) -> dict:
     return d
 
 
-def with_backend(hw: Hardware, name: str, latency_s: float | None = None,
-                 bandwidth: float | None = None) -> Hardware:
+def with_backend(
+    hw: Hardware, name: str, latency_s: float | None = None, bandwidth: float | None = None
+) -> Hardware:
     b = BACKENDS[name]
     if latency_s is not None:
         b = replace(b, latency_s=latency_s, source="flag")
@@ -775,8 +984,13 @@ def with_backend(hw: Hardware, name: str, latency_s: float | None = None,
     return replace(hw, backend=b)
 
 
-def compare_anchors(config: dict, profile: Profile, hws: dict[str, Hardware],
-                    context: int = 4096, form: str = "placeholder") -> list[dict]:
+def compare_anchors(
+    config: dict,
+    profile: Profile,
+    hws: dict[str, Hardware],
+    context: int = 4096,
+    form: str = "placeholder",
+) -> list[dict]:
     """The model next to the published two-box numbers, for each backend in ``hws``
     that the anchor may have used, with what the anchor implies about the constants
     the model assumes."""
@@ -789,17 +1003,24 @@ def compare_anchors(config: dict, profile: Profile, hws: dict[str, Hardware],
                 continue
             step = bytes_per_token(a["mode"], f, a["size"], hws[b], form, None, context)
             steps[a["name"], b] = step
-            out.append({"anchor": a["name"], "anchor_tok_s": a["tok_s"], "mode": a["mode"],
-                        "backend": b, "model_tok_s": round(step["tok_s"], 2),
-                        "anchor_over_model": round(a["tok_s"] / step["tok_s"], 3),
-                        "implied": implied(step, a["tok_s"], hws[b])})
+            out.append(
+                {
+                    "anchor": a["name"],
+                    "anchor_tok_s": a["tok_s"],
+                    "mode": a["mode"],
+                    "backend": b,
+                    "model_tok_s": round(step["tok_s"], 2),
+                    "anchor_over_model": round(a["tok_s"] / step["tok_s"], 3),
+                    "implied": implied(step, a["tok_s"], hws[b]),
+                }
+            )
     tp, pp = ANCHORS[1], ANCHORS[2]  # one setup: fit both constants to both numbers
     for b in tp["backends"]:
         if (tp["name"], b) in steps:
-            fit = joint_fit([steps[tp["name"], b], steps[pp["name"], b]],
-                            [tp["tok_s"], pp["tok_s"]], hws[b])
-            out.append({"anchor": "PipeNetwork TP + PP jointly", "backend": b,
-                        "implied": fit})
+            fit = joint_fit(
+                [steps[tp["name"], b], steps[pp["name"], b]], [tp["tok_s"], pp["tok_s"]], hws[b]
+            )
+            out.append({"anchor": "PipeNetwork TP + PP jointly", "backend": b, "implied": fit})
     return out
 
 
@@ -808,13 +1029,14 @@ def joint_fit(steps: list[dict], tok_s: list[float], hw: Hardware) -> dict:
     speeds at once, memory-bound: 1/tok_s = B / (BW eta) + n lambda + wire + sync."""
     A, y = [], []
     for st, t in zip(steps, tok_s, strict=True):
-        wire = sum(c["count"] * c["wire_bytes"] for c in st["collectives"]) / (
-            hw.backend.bandwidth)
+        wire = sum(c["count"] * c["wire_bytes"] for c in st["collectives"]) / (hw.backend.bandwidth)
         A.append([st["bytes_critical_path"] / hw.mem_bw, st["n_collectives"]])
         y.append(1 / t - wire - st["time_s"]["sync"])
     inv_eta, lam = np.linalg.solve(np.array(A), np.array(y))
-    return {"bw_fraction": round(float(1 / inv_eta), 3) if inv_eta > 0 else None,
-            "latency_us": round(float(lam) * 1e6, 1)}
+    return {
+        "bw_fraction": round(float(1 / inv_eta), 3) if inv_eta > 0 else None,
+        "latency_us": round(float(lam) * 1e6, 1),
+    }
 
 
 # ---------------------------------------------------------------- prefill
@@ -830,19 +1052,20 @@ PREFILL_SOURCES = {
         "59.6 = 4.4 TFLOPS, 0.15 of 28.7 (0.2 with its MLA attention at 13K); a dense 70B "
         "4-bit under mlx-lm 0.31.2 on the same box prefills 4K at ~170 tok/s = 23.8 TFLOPS, "
         "0.83 (abhiramsalammagari.com, dense-70b-mlx-m3-ultra, 2026-05-03). 0.5 is reported "
-        "beside it as the optimistic case"),
+        "beside it as the optimistic case"
+    ),
     "mla_prefill": "mlx-lm 0.32.2 kimi_k3 MLA at L > 1: the cached latent (T tokens) is "
-                   "expanded to per-head keys and values every chunk (embed_q, unembed_out: "
-                   "2 x T x 512 x 256 FLOP a head), then full masked attention C x T over "
-                   "128 + 64 (q/k) and 128 (v) dims; absorbed (mla='absorbed'): "
-                   "2 x C x (128 x 512 + T x (2 x 512 + 64) + 512 x 128) FLOP a head",
+    "expanded to per-head keys and values every chunk (embed_q, unembed_out: "
+    "2 x T x 512 x 256 FLOP a head), then full masked attention C x T over "
+    "128 + 64 (q/k) and 128 (v) dims; absorbed (mla='absorbed'): "
+    "2 x C x (128 x 512 + T x (2 x 512 + 64) + 512 x 128) FLOP a head",
     "kda_prefill": "8 x head_dim^2 FLOP per token and head (the decode model's), no growth "
-                   "with context",
+    "with context",
     "experts_touched": "a chunk of C tokens reads every expert one of its C x k routes "
-                       "lands on: E_r (1 - (1 - k/E)^C) of a rank's E_r experts, uniform "
-                       "routing",
+    "lands on: E_r (1 - (1 - k/E)^C) of a rank's E_r experts, uniform "
+    "routing",
     "lm_head": "computed for the prompt's last token only (MLX evaluates the caches, not "
-               "the chunk's logits)",
+    "the chunk's logits)",
 }
 
 
@@ -856,9 +1079,17 @@ def _busiest_pairs(f: Facts, size: int, chunk: int) -> float:
     return chunk * k * p + spread * math.sqrt(var)
 
 
-def prefill_chunk(f: Facts, mode: str, size: int, hw: Hardware, chunk: int, start: int,
-                  form: str = "local", flops_fraction: float = PREFILL_FLOPS_FRACTION,
-                  mla: str = "expanded") -> dict:
+def prefill_chunk(
+    f: Facts,
+    mode: str,
+    size: int,
+    hw: Hardware,
+    chunk: int,
+    start: int,
+    form: str = "local",
+    flops_fraction: float = PREFILL_FLOPS_FRACTION,
+    mla: str = "expanded",
+) -> dict:
     """One rank's time for one prefill chunk of ``chunk`` tokens after ``start`` cached
     ones: weights read once, the experts the chunk touches read once, FLOPs of every
     matmul (routed pairs: the busiest rank's under EP; every pair under the placeholder
@@ -892,8 +1123,13 @@ def prefill_chunk(f: Facts, mode: str, size: int, hw: Hardware, chunk: int, star
             nbytes += T * L.cache_bytes_per_token
         else:
             lc = tc["linear_attn_config"]
-            a = chunk * 8 * lc["num_heads"] * _split(mode, "attn_heads", f, size) * \
-                lc["head_dim"] ** 2
+            a = (
+                chunk
+                * 8
+                * lc["num_heads"]
+                * _split(mode, "attn_heads", f, size)
+                * lc["head_dim"] ** 2
+            )
             nbytes += 2 * L.state_bytes * _split(mode, "attn_heads", f, size)
         attn_flops += a
         if L.moe:
@@ -908,21 +1144,43 @@ def prefill_chunk(f: Facts, mode: str, size: int, hw: Hardware, chunk: int, star
     flops += attn_flops
     colls = collectives(f, mode, size, hw, chunk)
     comm = sum(c["total_s"] for c in colls)
-    sync = hw.sync_s * len(f.moe_layers) if (
-        mode in EP_MODES and form == "local" and size > 1) else 0.0
+    sync = (
+        hw.sync_s * len(f.moe_layers)
+        if (mode in EP_MODES and form == "local" and size > 1)
+        else 0.0
+    )
     mem_s = nbytes / (hw.mem_bw * hw.bw_fraction)
     flops_s = flops / (hw.flops * flops_fraction)
-    return {"chunk": chunk, "start": start, "bytes": nbytes, "flops": flops,
-            "attention_flops": attn_flops, "mla_expand_flops": expand_flops,
-            "experts_touched_per_layer": touched,
-            "n_collectives": sum(c["count"] for c in colls),
-            "time_s": {"memory": mem_s, "flops": flops_s, "comm": comm, "sync": sync,
-                       "total": max(mem_s, flops_s) + comm + sync}}
+    return {
+        "chunk": chunk,
+        "start": start,
+        "bytes": nbytes,
+        "flops": flops,
+        "attention_flops": attn_flops,
+        "mla_expand_flops": expand_flops,
+        "experts_touched_per_layer": touched,
+        "n_collectives": sum(c["count"] for c in colls),
+        "time_s": {
+            "memory": mem_s,
+            "flops": flops_s,
+            "comm": comm,
+            "sync": sync,
+            "total": max(mem_s, flops_s) + comm + sync,
+        },
+    }
 
 
-def prefill(f: Facts, mode: str, size: int, hw: Hardware, prompt: int, chunk: int,
-            start: int = 0, form: str = "local",
-            flops_fraction: float = PREFILL_FLOPS_FRACTION) -> dict:
+def prefill(
+    f: Facts,
+    mode: str,
+    size: int,
+    hw: Hardware,
+    prompt: int,
+    chunk: int,
+    start: int = 0,
+    form: str = "local",
+    flops_fraction: float = PREFILL_FLOPS_FRACTION,
+) -> dict:
     """Time to first token of a ``prompt``-token prompt whose first ``start`` tokens are
     cached: its chunks (``chunk`` tokens, the rest last) one after another, then the
     first token (one decode step: lm_head and sampling)."""
@@ -938,29 +1196,56 @@ def prefill(f: Facts, mode: str, size: int, hw: Hardware, prompt: int, chunk: in
         flops += step["flops"]
         pos += c
         n += 1
-    first = bytes_per_token(mode, f, size, hw, "local" if form == "local" else "placeholder",
-                            None, prompt)["time_s"]["total"]
-    return {"mode": mode, "form": form if mode in EP_MODES else None, "prompt": prompt,
-            "cached": start, "chunk": chunk, "chunks": n, "prefill_s": total,
-            "comm_s": comm, "flops": flops, "attention_flops": attn, "first_token_s": first,
-            "ttft_s": total + first, "prefill_tok_s": (prompt - start) / total if total else None}
+    first = bytes_per_token(
+        mode, f, size, hw, "local" if form == "local" else "placeholder", None, prompt
+    )["time_s"]["total"]
+    return {
+        "mode": mode,
+        "form": form if mode in EP_MODES else None,
+        "prompt": prompt,
+        "cached": start,
+        "chunk": chunk,
+        "chunks": n,
+        "prefill_s": total,
+        "comm_s": comm,
+        "flops": flops,
+        "attention_flops": attn,
+        "first_token_s": first,
+        "ttft_s": total + first,
+        "prefill_tok_s": (prompt - start) / total if total else None,
+    }
 
 
-def chunk_tradeoff(f: Facts, mode: str, size: int, hw: Hardware, chunks: tuple[int, ...],
-                   prompt: int, batch: int, context: int, form: str = "local",
-                   flops_fraction: float = PREFILL_FLOPS_FRACTION) -> list[dict]:
+def chunk_tradeoff(
+    f: Facts,
+    mode: str,
+    size: int,
+    hw: Hardware,
+    chunks: tuple[int, ...],
+    prompt: int,
+    batch: int,
+    context: int,
+    form: str = "local",
+    flops_fraction: float = PREFILL_FLOPS_FRACTION,
+) -> list[dict]:
     """Per prefill chunk size: the prompt's time to first token, and the inter-token latency
     of ``batch`` requests decoding beside it (mlx-lm's BatchGenerator runs one chunk
     between decode steps: each step waits for a chunk), mean and worst over the prompt."""
-    step = bytes_per_token(mode, f, size, hw, form if mode in EP_MODES else "placeholder",
-                           None, context, batch)["time_s"]["total"]
+    step = bytes_per_token(
+        mode, f, size, hw, form if mode in EP_MODES else "placeholder", None, context, batch
+    )["time_s"]["total"]
     out = []
     for c in chunks:
         p = prefill(f, mode, size, hw, prompt, c, 0, form, flops_fraction)
         last = prefill_chunk(f, mode, size, hw, c, max(prompt - c, 0), form, flops_fraction)
-        out.append({"chunk": c, "ttft_s": round(p["ttft_s"], 2),
-                    "decode_step_alone_s": round(step, 4),
-                    "itl_mean_s": round(step + p["prefill_s"] / p["chunks"], 3),
-                    "itl_worst_s": round(step + last["time_s"]["total"], 3),
-                    "decode_steps_stalled": p["chunks"]})
+        out.append(
+            {
+                "chunk": c,
+                "ttft_s": round(p["ttft_s"], 2),
+                "decode_step_alone_s": round(step, 4),
+                "itl_mean_s": round(step + p["prefill_s"] / p["chunks"], 3),
+                "itl_worst_s": round(step + last["time_s"]["total"], 3),
+                "decode_steps_stalled": p["chunks"],
+            }
+        )
     return out

@@ -42,8 +42,11 @@ def decode_report(model, group: mx.distributed.Group, vocab: int, s: DecodeSetti
             barrier(group)
             secs.append(prefill(model, prompt)[2])
         st = stats(secs, 5)
-        prefill_out[str(L)] = {"seconds": st, "tok_s": round(L / st["median"], 2),
-                               "trials_s": [round(x, 5) for x in secs]}
+        prefill_out[str(L)] = {
+            "seconds": st,
+            "tok_s": round(L / st["median"], 2),
+            "trials_s": [round(x, 5) for x in secs],
+        }
 
     prompt = random_prompt(vocab, s.context_len, s.seed)
     with_c = Mode("collectives", model)
@@ -51,11 +54,10 @@ def decode_report(model, group: mx.distributed.Group, vocab: int, s: DecodeSetti
     for m in (with_c, without):
         barrier(group)
         m.cache, m.next_token, _ = m.run(lambda m=m: prefill(model, prompt))
-        toks, _ = m.run(lambda m=m: decode_steps(model, m.cache, m.next_token,
-                                                 s.warmup_steps))
+        toks, _ = m.run(lambda m=m: decode_steps(model, m.cache, m.next_token, s.warmup_steps))
         m.next_token = toks[-1]
     for i in range(s.decode_trials):  # interleaved, one step each, order alternating
-        for m in ((with_c, without) if i % 2 == 0 else (without, with_c)):
+        for m in (with_c, without) if i % 2 == 0 else (without, with_c):
             barrier(group)
             toks, ms = m.run(lambda m=m: decode_steps(model, m.cache, m.next_token, 1))
             m.next_token = toks[-1]
@@ -66,22 +68,26 @@ def decode_report(model, group: mx.distributed.Group, vocab: int, s: DecodeSetti
     est = price_plan(plan, group, 1, s.comm_trials)
     st = stats(total)
     return {
-        "rank": group.rank(), "size": group.size(),
+        "rank": group.rank(),
+        "size": group.size(),
         "settings": s.__dict__ | {"prompt_lens": list(s.prompt_lens)},
         "weights_bytes": weight_bytes(model),
         "prefill": prefill_out,
         "decode": {
             "context_len": s.context_len,
-            "step_ms": st, "tok_s": round(1e3 / st["median"], 3),
+            "step_ms": st,
+            "tok_s": round(1e3 / st["median"], 3),
             "compute_ms": stats(compute),
             "comm_ms": stats([a - b for a, b in zip(total, compute, strict=True)]),
             "comm_method": "measured: the same steps with the MoE all_sum bypassed give "
-                           "compute; communication = total - compute, paired per trial "
-                           "(includes waiting for the slower rank)",
+            "compute; communication = total - compute, paired per trial "
+            "(includes waiting for the slower rank)",
             "all_sums_per_step": sum(c["count"] for c in plan if c["op"] == "all_sum"),
             "all_sum_microbenchmark": est,
-            "trials_ms": {"total": [round(x, 4) for x in total],
-                          "compute": [round(x, 4) for x in compute]},
+            "trials_ms": {
+                "total": [round(x, 4) for x in total],
+                "compute": [round(x, 4) for x in compute],
+            },
         },
         "memory": memory(),
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],

@@ -133,8 +133,9 @@ class Sums:
     tokens: int = 0
     kl_tokens: list[np.ndarray] = field(default_factory=list)
 
-    def add(self, kl: float, flips: int, nll: float, tokens: int,
-            kl_tokens: np.ndarray | None = None) -> None:
+    def add(
+        self, kl: float, flips: int, nll: float, tokens: int, kl_tokens: np.ndarray | None = None
+    ) -> None:
         self.kl += kl
         self.flips += flips
         self.nll += nll
@@ -175,8 +176,12 @@ def row_sums(
     kl_tok = kl
     kl = kl.sum(axis=-1)
     mx.eval(kl, flips, nll, kl_tok)
-    return (np.asarray(kl, dtype=np.float64), np.asarray(flips),
-            np.asarray(nll, dtype=np.float64), np.asarray(kl_tok, dtype=np.float32))
+    return (
+        np.asarray(kl, dtype=np.float64),
+        np.asarray(flips),
+        np.asarray(nll, dtype=np.float64),
+        np.asarray(kl_tok, dtype=np.float32),
+    )
 
 
 def evaluate(
@@ -244,11 +249,9 @@ def evaluate(
             sums = {d: Sums() for d in corpus.DOMAINS}
             for b, (r, logits) in enumerate(stream.forward(st, tokens, batch=batch, cap=cap)):
                 ids, t_logp = t_out.logits(b)
-                kl, flips, nll, kl_tok = row_sums(ids, t_logp, logits,
-                                                  mx.array(targets[r]))
+                kl, flips, nll, kl_tok = row_sums(ids, t_logp, logits, mx.array(targets[r]))
                 for j, w in enumerate(range(r.start, r.stop)):
-                    sums[doms[w]].add(float(kl[j]), int(flips[j]), float(nll[j]), seq,
-                                      kl_tok[j])
+                    sums[doms[w]].add(float(kl[j]), int(flips[j]), float(nll[j]), seq, kl_tok[j])
             stats = st.model.route_stats() if gmap is not None else None
             studs.append((Path(p), gmap, sums, stats, st))
             say(f"student {p}")
@@ -409,8 +412,9 @@ def main(argv: list[str] | None = None) -> None:
         description="KL, top-1 flip and perplexity of student "
         "builds against the MXFP4 teacher on held-out windows."
     )
-    ap.add_argument("--teacher", required=True, type=Path,
-                    help="MXFP4 build (python -m k3dist.build.convert)")
+    ap.add_argument(
+        "--teacher", required=True, type=Path, help="MXFP4 build (python -m k3dist.build.convert)"
+    )
     ap.add_argument(
         "--student",
         action="append",

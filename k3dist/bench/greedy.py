@@ -12,8 +12,9 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 
-def greedy(model, prompt: list[int], steps: int, prefill_step_size: int = 2048
-           ) -> tuple[list[int], np.ndarray]:
+def greedy(
+    model, prompt: list[int], steps: int, prefill_step_size: int = 2048
+) -> tuple[list[int], np.ndarray]:
     """Greedy tokens and the raw logits behind each of them ([steps, vocab], float32)."""
     seen: list[mx.array] = []
 
@@ -23,9 +24,13 @@ def greedy(model, prompt: list[int], steps: int, prefill_step_size: int = 2048
 
     tokens = [
         int(tok)
-        for tok, _ in generate_step(mx.array(prompt), model, max_tokens=steps,
-                                    logits_processors=[capture],
-                                    prefill_step_size=prefill_step_size)
+        for tok, _ in generate_step(
+            mx.array(prompt),
+            model,
+            max_tokens=steps,
+            logits_processors=[capture],
+            prefill_step_size=prefill_step_size,
+        )
     ]
     logits = np.stack([np.array(x.reshape(-1), dtype=np.float32) for x in seen[:steps]])
     return tokens, logits
@@ -40,8 +45,9 @@ class BatchDecode:
     step_seconds: list[float]
 
 
-def batch_decode(model, prompts: list[list[int]], steps: int, prefill_step_size: int = 2048
-                 ) -> BatchDecode:
+def batch_decode(
+    model, prompts: list[list[int]], steps: int, prefill_step_size: int = 2048
+) -> BatchDecode:
     """Decode ``prompts`` together, greedy, through mlx-lm's BatchGenerator as the server
     runs it (prefill one prompt at a time, decode all of them in one batch). Every rank
     of an expert-parallel model calls it with the same prompts and runs the same steps
@@ -51,10 +57,10 @@ def batch_decode(model, prompts: list[list[int]], steps: int, prefill_step_size:
 
     B = len(prompts)
     if B < 1 or steps < 1:
-        raise ValueError(f"batch_decode needs at least one prompt and one step, not {B}, "
-                         f"{steps}")
-    gen = BatchGenerator(model, completion_batch_size=B, prefill_batch_size=1,
-                         prefill_step_size=prefill_step_size)
+        raise ValueError(f"batch_decode needs at least one prompt and one step, not {B}, {steps}")
+    gen = BatchGenerator(
+        model, completion_batch_size=B, prefill_batch_size=1, prefill_step_size=prefill_step_size
+    )
     # Enough tokens that no prompt ends before ``steps`` whole-batch steps were timed:
     # the first prompt decodes while the others are prefilled.
     limit = steps + sum(len(p) // prefill_step_size + 2 for p in prompts)
@@ -71,8 +77,9 @@ def batch_decode(model, prompts: list[list[int]], steps: int, prefill_step_size:
             if len(responses) == B and not prompt_responses:
                 times.append(dt)
             if not responses and not prompt_responses:
-                raise RuntimeError("batch_decode: the batch ended before "
-                                   f"{steps} whole-batch steps")
+                raise RuntimeError(
+                    f"batch_decode: the batch ended before {steps} whole-batch steps"
+                )
     finally:
         gen.close()
     return BatchDecode([out[u] for u in uids], times)

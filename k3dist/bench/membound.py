@@ -56,14 +56,22 @@ def bound(config: dict) -> dict:
 
 
 def measure(src: str | Path, out: str | Path, nonexpert_bits: int = 16) -> dict:
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(out), str(nonexpert_bits)],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(src), str(out), str(nonexpert_bits)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     m = json.loads(r.stdout.strip().splitlines()[-1])
     b = bound(load_config(src))
     over = m["peak_rss"] - m["baseline_rss"]
-    return {**m, **b, "peak_over_baseline": over,
-            "within_bound": over <= b["bound_over_baseline"],
-            "peak_over_baseline_vs_model": round(over / b["model_bytes"], 4)}
+    return {
+        **m,
+        **b,
+        "peak_over_baseline": over,
+        "within_bound": over <= b["bound_over_baseline"],
+        "peak_over_baseline_vs_model": round(over / b["model_bytes"], 4),
+    }
 
 
 def child_peak(code: str, *args: str) -> dict:

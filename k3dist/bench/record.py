@@ -31,10 +31,13 @@ def stats(xs: Sequence[float], digits: int = 4) -> dict:
     a = np.asarray(xs, dtype=np.float64)
     if a.size == 0:
         return {"n": 0}
-    return {"median": round(float(np.median(a)), digits),
-            "p10": round(float(np.percentile(a, 10)), digits),
-            "p90": round(float(np.percentile(a, 90)), digits),
-            "mean": round(float(a.mean()), digits), "n": int(a.size)}
+    return {
+        "median": round(float(np.median(a)), digits),
+        "p10": round(float(np.percentile(a, 10)), digits),
+        "p90": round(float(np.percentile(a, 90)), digits),
+        "mean": round(float(a.mean()), digits),
+        "n": int(a.size),
+    }
 
 
 def emit(report: dict, out: str | Path | None, indent: int = 2) -> str:
@@ -80,8 +83,12 @@ def environment(argv: Sequence[str] | None = None) -> dict:
     """The exact command, versions, machine, backend and BLAS of this process."""
     return {
         "command": command_line(argv),
-        "versions": {"k3dist": k3dist.__version__, "mlx": mx.__version__,
-                     "mlx_lm": mlx_lm.__version__, "python": platform.python_version()},
+        "versions": {
+            "k3dist": k3dist.__version__,
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+            "python": platform.python_version(),
+        },
         "machine": platform.platform(),
         "processor": _cpu_model() or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -124,8 +131,11 @@ def launcher() -> dict | None:
         f = Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return {"pid": ppid, "cpu_s": (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK"),
-            "nice": os.getpriority(os.PRIO_PROCESS, ppid)}
+    return {
+        "pid": ppid,
+        "cpu_s": (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK"),
+        "nice": os.getpriority(os.PRIO_PROCESS, ppid),
+    }
 
 
 def nice_launcher(niceness: int = 19) -> dict | None:
@@ -141,8 +151,11 @@ def nice_launcher(niceness: int = 19) -> dict | None:
 
 
 def memory() -> dict:
-    return {"mx_peak_bytes": int(mx.get_peak_memory()),
-            "mx_active_bytes": int(mx.get_active_memory()), "vm_hwm_bytes": peak_rss()}
+    return {
+        "mx_peak_bytes": int(mx.get_peak_memory()),
+        "mx_active_bytes": int(mx.get_active_memory()),
+        "vm_hwm_bytes": peak_rss(),
+    }
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -157,6 +170,6 @@ def gather_json(obj, group: mx.distributed.Group | None) -> list:
     data = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).astype(np.int32)
     n = int(mx.distributed.all_gather(mx.array([data.size]), group=group).max().item())
     pad = np.zeros(n + 1, dtype=np.int32)
-    pad[0], pad[1:data.size + 1] = data.size, data
+    pad[0], pad[1 : data.size + 1] = data.size, data
     rows = np.array(mx.distributed.all_gather(mx.array(pad)[None], group=group))
-    return [json.loads(bytes(r[1:r[0] + 1].astype(np.uint8)).decode()) for r in rows]
+    return [json.loads(bytes(r[1 : r[0] + 1].astype(np.uint8)).decode()) for r in rows]

@@ -26,8 +26,14 @@ class _RouteRecorder(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         m, a = self.moe, self.moe.args
         inds, _ = compat.group_expert_select(
-            m.gate(x), m.e_score_correction_bias, a.num_experts_per_token,
-            a.num_expert_group, a.topk_group, a.routed_scaling_factor, a.moe_renormalize)
+            m.gate(x),
+            m.e_score_correction_bias,
+            a.num_experts_per_token,
+            a.num_expert_group,
+            a.topk_group,
+            a.routed_scaling_factor,
+            a.moe_renormalize,
+        )
         self.selected.append(inds)
         return m(x)
 
@@ -44,25 +50,28 @@ def router_selections(model, prompt: list[int]) -> dict[int, np.ndarray]:
             layer.mlp = _RouteRecorder(layer.mlp)
     try:
         mx.eval(model(mx.array([prompt]), cache=model.make_cache()))
-        return {i: np.concatenate([np.array(s).reshape(-1, s.shape[-1])
-                                   for s in layers[i].mlp.selected])
-                for i in swapped}
+        return {
+            i: np.concatenate(
+                [np.array(s).reshape(-1, s.shape[-1]) for s in layers[i].mlp.selected]
+            )
+            for i in swapped
+        }
     finally:
         for i, moe in swapped.items():
             layers[i].mlp = moe
 
 
-def selection_counts(selections: dict[int, np.ndarray], num_experts: int
-                     ) -> dict[int, np.ndarray]:
-    return {i: np.bincount(s.reshape(-1), minlength=num_experts).astype(np.int64)
-            for i, s in selections.items()}
+def selection_counts(selections: dict[int, np.ndarray], num_experts: int) -> dict[int, np.ndarray]:
+    return {
+        i: np.bincount(s.reshape(-1), minlength=num_experts).astype(np.int64)
+        for i, s in selections.items()
+    }
 
 
 def routing_counts(model, prompt: list[int]) -> dict[int, np.ndarray]:
     """How often each expert is selected per MoE layer over ``prompt`` (the input of
     ``placement.load_aware``)."""
-    return selection_counts(router_selections(model, prompt),
-                            model.args.text_config.num_experts)
+    return selection_counts(router_selections(model, prompt), model.args.text_config.num_experts)
 
 
 def balance(plc: placement.Placement, selections: dict[int, np.ndarray]) -> dict:
@@ -70,5 +79,7 @@ def balance(plc: placement.Placement, selections: dict[int, np.ndarray]) -> dict
     count per token (the decode critical path); perfect balance is top_k / size."""
     per = [plc.expected_max_load(i, s) for i, s in selections.items()]
     k = next(iter(selections.values())).shape[-1]
-    return {"expected_max_pairs_per_token": round(float(np.mean(per)), 4),
-            "ideal": round(k / plc.size, 4)}
+    return {
+        "expected_max_pairs_per_token": round(float(np.mean(per)), 4),
+        "ideal": round(k / plc.size, 4),
+    }

@@ -29,8 +29,7 @@ def prefill(model, prompts: list[int] | list[list[int]]) -> tuple[list, int | li
     return cache, (toks if batch else toks[0]), time.perf_counter() - t
 
 
-def decode_steps(model, cache, token: int | list[int], n: int
-                 ) -> tuple[list, list[float]]:
+def decode_steps(model, cache, token: int | list[int], n: int) -> tuple[list, list[float]]:
     """``n`` greedy decode steps from ``token`` (one per row for a batch, every row one
     step per forward, in lockstep): tokens (per step: an int, or a list for a batch) and
     ms per step."""

@@ -56,7 +56,7 @@ def _implied(config: dict) -> _Implied:
         if layout.is_moe_layer(tc, layer):
             first = layout.expert_specs(tc, layer, 0)
             stem = first[0].name[: first[0].name.index(".experts.0.") + len(".experts.")]
-            leaves = [(s.name[len(stem) + 2:], s) for s in first]  # after "0."
+            leaves = [(s.name[len(stem) + 2 :], s) for s in first]  # after "0."
             for s in first:
                 by_id[id(s)] = s
             n_experts = tc["num_experts"]
@@ -67,8 +67,9 @@ def _implied(config: dict) -> _Implied:
             counts["experts"] += n_experts * len(first)
     add(layout.head_specs(tc))
     add(layout.vision_specs(config))
-    a_log = {s.layer: s.name for s in by_id.values()
-             if s.family == "kda" and s.name.endswith(".A_log")}
+    a_log = {
+        s.layer: s.name for s in by_id.values() if s.family == "kda" and s.name.endswith(".A_log")
+    }
     return _Implied(specs, by_id, counts, dict(sorted(a_log.items())))
 
 
@@ -110,9 +111,15 @@ class AuditReport:
 
     @property
     def findings(self) -> int:
-        return (len(self.missing) + len(self.unexpected) + len(self.mismatches)
-                + len(self.index_errors) + len(self.shard_errors)
-                + len(self.a_log_failures) + len(self.errors))
+        return (
+            len(self.missing)
+            + len(self.unexpected)
+            + len(self.mismatches)
+            + len(self.index_errors)
+            + len(self.shard_errors)
+            + len(self.a_log_failures)
+            + len(self.errors)
+        )
 
     @property
     def ok(self) -> bool:
@@ -130,15 +137,20 @@ def to_json(report: AuditReport) -> str:
     return json.dumps(report.to_dict(), indent=2)
 
 
-def audit(src: str | Path | Source | None = None, *, config: str | Path | None = None,
-          index: str | Path | None = None) -> AuditReport:
+def audit(
+    src: str | Path | Source | None = None,
+    *,
+    config: str | Path | None = None,
+    index: str | Path | None = None,
+) -> AuditReport:
     """Audit a checkpoint through its index and shard headers (no tensor data but
     the ``A_log`` tails). Raises ``CheckpointError`` only when there is nothing to
     audit (no readable config or index); everything else becomes a finding."""
     t0 = time.perf_counter()
     with _gc_paused():
-        report = _audit(src if isinstance(src, Source)
-                        else open_source(src, config=config, index=index))
+        report = _audit(
+            src if isinstance(src, Source) else open_source(src, config=config, index=index)
+        )
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -191,14 +203,23 @@ def _audit(source: Source) -> AuditReport:
     report = AuditReport(
         source=str(source.path),
         config_path=str(source.config_path),
-        index_path=str(source.index_path), index_sha256=source.index_sha256,
-        tensors=len(wm), expected_tensors=len(specs),
-        counts=by_family(counts), expected_counts=by_family(imp.counts),
-        family_bytes=by_family(family_bytes), expert_packed=expert_packed,
-        bytes_from="specs", shard_tensors={f: len(v) for f, v in by_shard.items()},
-        shard_bytes=implied_shard, total_bytes=sum(implied_shard.values()),
+        index_path=str(source.index_path),
+        index_sha256=source.index_sha256,
+        tensors=len(wm),
+        expected_tensors=len(specs),
+        counts=by_family(counts),
+        expected_counts=by_family(imp.counts),
+        family_bytes=by_family(family_bytes),
+        expert_packed=expert_packed,
+        bytes_from="specs",
+        shard_tensors={f: len(v) for f, v in by_shard.items()},
+        shard_bytes=implied_shard,
+        total_bytes=sum(implied_shard.values()),
         index_total_size=_total_size(source.index_metadata),
-        missing=missing, unexpected=unexpected, checks_run=["coverage"])
+        missing=missing,
+        unexpected=unexpected,
+        checks_run=["coverage"],
+    )
 
     if any((source.path / f).exists() for f in by_shard):
         _audit_headers(source, imp, by_shard, report)
@@ -208,13 +229,15 @@ def _audit(source: Source) -> AuditReport:
     return report
 
 
-def _audit_headers(source: Source, imp: _Implied, by_shard: dict[str, list[str]],
-                   r: AuditReport) -> None:
+def _audit_headers(
+    source: Source, imp: _Implied, by_shard: dict[str, list[str]], r: AuditReport
+) -> None:
     r.checks_run += list(HEADER_CHECKS)
     r.bytes_from = "headers"
     r.shard_bytes = {}
-    expect = {i: (s.dtype, list(s.shape), s.nbytes)
-              for i, s in imp.by_id.items() if s.shape is not None}
+    expect = {
+        i: (s.dtype, list(s.shape), s.nbytes) for i, s in imp.by_id.items() if s.shape is not None
+    }
     num_heads = source.text_config["linear_attn_config"]["num_heads"]
     a_log_by_shard: defaultdict[str, list[tuple[int, str]]] = defaultdict(list)
     for layer, name in imp.a_log.items():
@@ -229,8 +252,9 @@ def _audit_headers(source: Source, imp: _Implied, by_shard: dict[str, list[str]]
             def tensor(name: str, entries=entries, data_offset=data_offset, path=path):
                 e = entries[name]
                 b, end = e["data_offsets"]
-                return TensorInfo(name, e["dtype"], tuple(e["shape"]), data_offset + b,
-                                  data_offset + end, path)
+                return TensorInfo(
+                    name, e["dtype"], tuple(e["shape"]), data_offset + b, data_offset + end, path
+                )
         else:
             try:
                 header = source.header(fname)
@@ -254,9 +278,12 @@ def _audit_headers(source: Source, imp: _Implied, by_shard: dict[str, list[str]]
     r.a_log = dict(sorted(r.a_log.items()))
 
 
-def _certify_shard(path: Path, names: list[str], specs: dict[str, layout.TensorSpec],
-                   expect: dict[int, tuple[str, list[int], int]]
-                   ) -> tuple[int, dict, int] | None:
+def _certify_shard(
+    path: Path,
+    names: list[str],
+    specs: dict[str, layout.TensorSpec],
+    expect: dict[int, tuple[str, list[int], int]],
+) -> tuple[int, dict, int] | None:
     """The common case, fast: the header lists exactly ``names``, each with the dtype
     and shape config.json implies, spanning its bytes, inside the file. Returns
     (tensor bytes, raw header entries, data offset), or None on any doubt: the
@@ -274,8 +301,7 @@ def _certify_shard(path: Path, names: list[str], specs: dict[str, layout.TensorS
         if len(entries) != len(names):
             return None
         total = last = 0
-        for name, x in zip(names, map(expect.get, map(id, map(specs.get, names))),
-                           strict=True):
+        for name, x in zip(names, map(expect.get, map(id, map(specs.get, names))), strict=True):
             e = entries.get(name)
             if e is None or x is None or e["dtype"] != x[0] or e["shape"] != x[1]:
                 return None
@@ -290,8 +316,13 @@ def _certify_shard(path: Path, names: list[str], specs: dict[str, layout.TensorS
         return None
 
 
-def _check_header(source: Source, header: Header, names: list[str],
-                  specs: dict[str, layout.TensorSpec], r: AuditReport) -> None:
+def _check_header(
+    source: Source,
+    header: Header,
+    names: list[str],
+    specs: dict[str, layout.TensorSpec],
+    r: AuditReport,
+) -> None:
     """Every finding in one readable shard: index keys it lacks, tensors it holds that
     the index does not place there, dtypes and shapes config.json does not imply."""
     tensors = header.tensors
@@ -313,7 +344,9 @@ def _check_header(source: Source, header: Header, names: list[str],
     r.index_errors += [
         f"{header.path}: holds tensor {n!r} that the index does not place there; "
         "the index and the shard disagree (re-download the index or the shard)"
-        for n in tensors if n not in listed]
+        for n in tensors
+        if n not in listed
+    ]
 
 
 def _total_size(metadata: dict) -> int | None:
@@ -333,15 +366,20 @@ def _check_total_size(r: AuditReport) -> None:
     elif r.bytes_from == "specs" and r.unexpected:
         r.checks_skipped["total_size"] = (
             f"{len(r.unexpected)} index keys are not implied by config.json, so their "
-            "sizes are unknown without shard headers")
+            "sizes are unknown without shard headers"
+        )
     else:
         r.checks_run.append("total_size")
         if r.total_bytes != r.index_total_size:
-            what = ("the shard headers hold" if r.bytes_from == "headers"
-                    else "config.json implies for the index's tensors")
+            what = (
+                "the shard headers hold"
+                if r.bytes_from == "headers"
+                else "config.json implies for the index's tensors"
+            )
             r.errors.append(
                 f"{r.index_path}: metadata.total_size is {r.index_total_size:,} bytes but "
-                f"{what} {r.total_bytes:,}; the index and the checkpoint disagree")
+                f"{what} {r.total_bytes:,}; the index and the checkpoint disagree"
+            )
 
 
 def by_family(c: Counter) -> dict[str, int]:

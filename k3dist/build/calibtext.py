@@ -40,12 +40,44 @@ import numpy as np
 
 MIN_SHARE = 0.05
 EXPECTED_LANGS = ("en", "zh")  # K3 is trained mostly on these; name a missing one
-CODE_SUFFIXES = {".py", ".c", ".h", ".cc", ".cpp", ".rs", ".go", ".js", ".ts", ".java",
-                 ".sh", ".swift", ".m", ".rb", ".lua", ".sql", ".json", ".yaml", ".toml"}
+CODE_SUFFIXES = {
+    ".py",
+    ".c",
+    ".h",
+    ".cc",
+    ".cpp",
+    ".rs",
+    ".go",
+    ".js",
+    ".ts",
+    ".java",
+    ".sh",
+    ".swift",
+    ".m",
+    ".rb",
+    ".lua",
+    ".sql",
+    ".json",
+    ".yaml",
+    ".toml",
+}
 # the default mix: deterministic, from the running Python's standard library
-DEFAULT_CODE_MODULES = ("json", "argparse", "asyncio", "email", "http", "logging",
-                        "unittest", "collections", "pathlib.py", "dataclasses.py",
-                        "functools.py", "textwrap.py", "shutil.py", "subprocess.py")
+DEFAULT_CODE_MODULES = (
+    "json",
+    "argparse",
+    "asyncio",
+    "email",
+    "http",
+    "logging",
+    "unittest",
+    "collections",
+    "pathlib.py",
+    "dataclasses.py",
+    "functools.py",
+    "textwrap.py",
+    "shutil.py",
+    "subprocess.py",
+)
 
 
 class CalibTextError(ValueError):
@@ -89,14 +121,16 @@ def _jsonl_docs(path: Path) -> Iterator[dict]:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise CalibTextError(f"{path}:{n}: not JSON ({e.msg}); one JSON object a line "
-                                 "with a 'text' field") from None
+            raise CalibTextError(
+                f"{path}:{n}: not JSON ({e.msg}); one JSON object a line with a 'text' field"
+            ) from None
         if not isinstance(rec, dict):
             raise CalibTextError(f"{path}:{n}: a JSON {type(rec).__name__}, not an object")
         text = rec.get("text") or rec.get("content")
         if text is None and isinstance(rec.get("messages"), list):
-            text = "\n".join(str(m.get("content", "")) for m in rec["messages"]
-                             if isinstance(m, dict))
+            text = "\n".join(
+                str(m.get("content", "")) for m in rec["messages"] if isinstance(m, dict)
+            )
         if not isinstance(text, str) or not text:
             raise CalibTextError(f"{path}:{n}: no 'text', 'content' or 'messages' string")
         yield {"text": text, "domain": rec.get("domain"), "lang": rec.get("lang")}
@@ -120,16 +154,22 @@ def read_sources(paths: list[str | Path]) -> list[TextSource]:
                 by: dict[tuple, TextSource] = {}
                 for rec in _jsonl_docs(f):
                     key = (rec["domain"] or "prose", rec["lang"])
-                    src = by.setdefault(key, TextSource(
-                        f"{f}" + (f"#{key[0]}" if rec["domain"] else ""), key[0], lang=key[1]))
+                    src = by.setdefault(
+                        key,
+                        TextSource(
+                            f"{f}" + (f"#{key[0]}" if rec["domain"] else ""), key[0], lang=key[1]
+                        ),
+                    )
                     src.docs.append(rec["text"])
                 out += by.values()
             else:
                 try:
                     text = f.read_text(encoding="utf-8")
                 except UnicodeDecodeError:
-                    raise CalibTextError(f"{f}: not UTF-8 text; give text or JSONL files "
-                                         "(binary files are not calibration text)") from None
+                    raise CalibTextError(
+                        f"{f}: not UTF-8 text; give text or JSONL files "
+                        "(binary files are not calibration text)"
+                    ) from None
                 if text.strip():
                     dom = "code" if f.suffix in CODE_SUFFIXES else "prose"
                     out.append(TextSource(str(f), dom, [text]))
@@ -148,8 +188,9 @@ def default_sources(max_chars: int = 2_000_000) -> list[TextSource]:
         files += sorted(p.rglob("*.py")) if p.is_dir() else [p] if p.exists() else []
     files = [f for f in files if "test" not in f.parts]
     if not files:
-        raise CalibTextError(f"{stdlib}: no Python sources found for the default mix; "
-                             "give --calib-text FILES")
+        raise CalibTextError(
+            f"{stdlib}: no Python sources found for the default mix; give --calib-text FILES"
+        )
     code = TextSource("stdlib:code", "code", lang="en")
     prose = TextSource("stdlib:docstrings", "prose", lang="en")
     n_code = n_prose = 0
@@ -164,8 +205,9 @@ def default_sources(max_chars: int = 2_000_000) -> list[TextSource]:
             except SyntaxError:
                 continue
             for node in ast.walk(tree):
-                if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef |
-                              ast.AsyncFunctionDef):
+                if isinstance(
+                    node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+                ):
                     d = ast.get_docstring(node)
                     if d and len(d) > 200:  # paragraphs, not one-line summaries
                         prose.docs.append(d)
@@ -197,7 +239,8 @@ def load_tokenizer(src: str | Path):
         raise CalibTextError(
             f"{src}: its tokenizer did not load with mlx_lm.utils.load_tokenizer ({e}); the "
             "folder needs the checkpoint's tokenizer files (tiktoken.model + "
-            "tokenizer_config.json, or tokenizer.json)") from None
+            "tokenizer_config.json, or tokenizer.json)"
+        ) from None
 
 
 def token_set(sources: list[TextSource], tokenizer, windows: int, seq: int) -> dict:
@@ -229,19 +272,34 @@ def token_set(sources: list[TextSource], tokenizer, windows: int, seq: int) -> d
                 chosen.append((i, w[k]))
         k += 1
     if not chosen:
-        raise CalibTextError(f"the calibration text holds fewer than {seq + 1} tokens per "
-                             "source; give more text or a smaller --seq")
+        raise CalibTextError(
+            f"the calibration text holds fewer than {seq + 1} tokens per "
+            "source; give more text or a smaller --seq"
+        )
     arr = np.stack([w for _, w in chosen]).astype(np.int32)
     vocab = getattr(tokenizer, "vocab_size", None)
     report = []
     for i, s in enumerate(sources):
         n = sum(1 for j, _ in chosen if j == i)
-        report.append({"source": s.name, "domain": s.domain, "lang": s.lang, "windows": n,
-                       "tokens": n * seq, "share": round(n / len(chosen), 4),
-                       "available_windows": len(per[i])})
-    return {"inputs": arr[:, :-1], "targets": arr[:, 1:],
-            "domain": np.array([sources[i].domain for i, _ in chosen]),
-            "sources": report, "vocab_size": vocab, "seq": seq}
+        report.append(
+            {
+                "source": s.name,
+                "domain": s.domain,
+                "lang": s.lang,
+                "windows": n,
+                "tokens": n * seq,
+                "share": round(n / len(chosen), 4),
+                "available_windows": len(per[i]),
+            }
+        )
+    return {
+        "inputs": arr[:, :-1],
+        "targets": arr[:, 1:],
+        "domain": np.array([sources[i].domain for i, _ in chosen]),
+        "sources": report,
+        "vocab_size": vocab,
+        "seq": seq,
+    }
 
 
 def shares(report: list[dict], key: str) -> dict[str, float]:
@@ -258,15 +316,19 @@ def warnings_for(report: list[dict], min_share: float = MIN_SHARE) -> list[str]:
     for key in ("domain", "lang"):
         for name, sh in sorted(shares(report, key).items()):
             if sh < min_share:
-                out.append(f"calibration {key} {name!r} is {100 * sh:.1f}% of the windows "
-                           f"(< {100 * min_share:.0f}%): experts it routes to are scored on "
-                           "almost nothing; add more of it with --calib-text")
+                out.append(
+                    f"calibration {key} {name!r} is {100 * sh:.1f}% of the windows "
+                    f"(< {100 * min_share:.0f}%): experts it routes to are scored on "
+                    "almost nothing; add more of it with --calib-text"
+                )
     langs = shares(report, "lang")
     missing = [lang for lang in EXPECTED_LANGS if lang not in langs]
     if missing:
-        out.append(f"calibration text has no {', '.join(missing)} text: experts that serve "
-                   "these languages are judged without it and may be demoted; add some with "
-                   "--calib-text")
+        out.append(
+            f"calibration text has no {', '.join(missing)} text: experts that serve "
+            "these languages are judged without it and may be demoted; add some with "
+            "--calib-text"
+        )
     for r in report:
         if r["windows"] == 0:
             out.append(f"{r['source']}: shorter than one window; not used")
@@ -286,24 +348,27 @@ def write(out: str | Path, ts: dict, src: str | Path) -> dict:
         "sha256": hashlib.sha256(np.ascontiguousarray(ts["inputs"]).tobytes()).hexdigest(),
         "tokenizer": str(src),
         "sources": ts["sources"],
-        "shares": {"domain": shares(ts["sources"], "domain"),
-                   "lang": shares(ts["sources"], "lang")},
+        "shares": {
+            "domain": shares(ts["sources"], "domain"),
+            "lang": shares(ts["sources"], "lang"),
+        },
         "warnings": warnings_for(ts["sources"]),
     }
 
 
-def make(src: str | Path, out: str | Path, files: list[str] | None, windows: int,
-         seq: int) -> dict:
+def make(src: str | Path, out: str | Path, files: list[str] | None, windows: int, seq: int) -> dict:
     sources = read_sources(files) if files else default_sources()
     ts = token_set(sources, load_tokenizer(src), windows, seq)
     return write(out, ts, src)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Calibration text -> token set through the "
-                                 "source folder's own tokenizer.")
-    ap.add_argument("files", nargs="*", help="text / JSONL files or folders (none: the "
-                    "default stdlib mix)")
+    ap = argparse.ArgumentParser(
+        description="Calibration text -> token set through the source folder's own tokenizer."
+    )
+    ap.add_argument(
+        "files", nargs="*", help="text / JSONL files or folders (none: the default stdlib mix)"
+    )
     ap.add_argument("--src", required=True, help="checkpoint folder with tokenizer files")
     ap.add_argument("--out", required=True)
     ap.add_argument("--windows", type=int, default=16)

@@ -65,8 +65,14 @@ from mlx_lm.models import kimi_k3
 from tqdm import tqdm
 
 FORMAT_VERSION = BUILD_FORMAT_VERSION
-TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json",
-                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tiktoken.model",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 def output_file(group: str) -> str:
@@ -75,8 +81,9 @@ def output_file(group: str) -> str:
     return f"model-{group}.safetensors"
 
 
-def identity(src: Source, nonexpert_bits: int, group_size: int,
-             nonexpert: dict[str, QFormat] | None = None) -> dict:
+def identity(
+    src: Source, nonexpert_bits: int, group_size: int, nonexpert: dict[str, QFormat] | None = None
+) -> dict:
     """What makes two builds the same build: the source and the profile."""
     cfg_bytes = (src.path / CONFIG_NAME).read_bytes()
     ident = {
@@ -99,23 +106,30 @@ def parse_nonexpert(spec: str | dict | None) -> dict[str, QFormat] | None:
     a class not named keeps its source dtype (``bf16``)."""
     if spec is None:
         return None
-    items = spec.items() if isinstance(spec, dict) else (
-        kv.partition("=")[::2] for kv in spec.split(",") if kv.strip())
+    items = (
+        spec.items()
+        if isinstance(spec, dict)
+        else (kv.partition("=")[::2] for kv in spec.split(",") if kv.strip())
+    )
     out: dict[str, QFormat] = {}
     rest = None
     for c, f in items:
         c = c.strip()
         fmt = f if isinstance(f, QFormat) else QFormat.parse(str(f))
         if fmt.quantized and fmt.mode != "affine":
-            raise ValueError(f"--nonexpert {c}={fmt.name}: non-expert classes take affine "
-                             "formats (<bits>bit-g<group>) or bf16")
+            raise ValueError(
+                f"--nonexpert {c}={fmt.name}: non-expert classes take affine "
+                "formats (<bits>bit-g<group>) or bf16"
+            )
         if c == "*":
             rest = fmt
         elif c in CLASSES:
             out[c] = fmt
         else:
-            raise ValueError(f"--nonexpert: unknown class {c!r}; one of {', '.join(CLASSES)} "
-                             "or * (e.g. attention=6bit-g64,shared=8bit-g64)")
+            raise ValueError(
+                f"--nonexpert: unknown class {c!r}; one of {', '.join(CLASSES)} "
+                "or * (e.g. attention=6bit-g64,shared=8bit-g64)"
+            )
     return {c: out.get(c, rest or SOURCE) for c in CLASSES}
 
 
@@ -123,9 +137,15 @@ def build_hash(ident: dict) -> str:
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
-              group_size: int, predicate,
-              nonexpert: dict[str, QFormat] | None = None) -> dict:
+def _quantize(
+    module: nn.Module,
+    prefix: str,
+    loaded: set[str],
+    bits: int,
+    group_size: int,
+    predicate,
+    nonexpert: dict[str, QFormat] | None = None,
+) -> dict:
     """mlx-lm's module-level quantization, restricted to modules we loaded weights
     into; returns the per-path parameters for the config's quantization block.
     ``nonexpert`` (class -> format) replaces the uniform ``bits``/``group_size``: each
@@ -160,10 +180,15 @@ def _quantize(module: nn.Module, prefix: str, loaded: set[str], bits: int,
 
 
 class Converter:
-    def __init__(self, src: Source, out: Path, nonexpert_bits: int = 16,
-                 group_size: int = 64,
-                 experts: Callable[[int], Sequence[int]] | None = None,
-                 nonexpert: str | dict | None = None):
+    def __init__(
+        self,
+        src: Source,
+        out: Path,
+        nonexpert_bits: int = 16,
+        group_size: int = 64,
+        experts: Callable[[int], Sequence[int]] | None = None,
+        nonexpert: str | dict | None = None,
+    ):
         if nonexpert_bits not in (16, 8, 4):
             raise ValueError(f"--nonexpert-bits must be 16, 8 or 4, not {nonexpert_bits}")
         self.nonexpert = parse_nonexpert(nonexpert)
@@ -190,8 +215,10 @@ class Converter:
             return list(range(E))
         ids = [int(e) for e in self.experts(layer)]
         if not ids or len(set(ids)) != len(ids) or not all(0 <= e < E for e in ids):
-            raise ValueError(f"layer {layer}: expert subset {ids[:8]} must be one or more "
-                             f"distinct ids in 0..{E - 1}")
+            raise ValueError(
+                f"layer {layer}: expert subset {ids[:8]} must be one or more "
+                f"distinct ids in 0..{E - 1}"
+            )
         return ids
 
     # -- one unit ---------------------------------------------------------------
@@ -207,7 +234,8 @@ class Converter:
         weights = self.model.sanitize(weights)
         qconfig: dict = {}
         quantize = self.bits < 16 or (
-            self.nonexpert is not None and any(f.quantized for f in self.nonexpert.values()))
+            self.nonexpert is not None and any(f.quantized for f in self.nonexpert.values())
+        )
         if quantize:
             if group.startswith("layer."):
                 layer = int(group.split(".")[1])
@@ -215,13 +243,23 @@ class Converter:
                 prefix = f"language_model.model.layers.{layer}."
             else:
                 module, prefix = kimi_k3.Model(self.args), ""
-            local = {k[len(prefix):]: v for k, v in weights.items()}
+            local = {k[len(prefix) :]: v for k, v in weights.items()}
             module.load_weights(list(local.items()), strict=False)
-            qconfig = _quantize(module, prefix, set(weights), self.bits, self.group_size,
-                                self.model.quant_predicate, self.nonexpert)
+            qconfig = _quantize(
+                module,
+                prefix,
+                set(weights),
+                self.bits,
+                self.group_size,
+                self.model.quant_predicate,
+                self.nonexpert,
+            )
             params = dict(tree_flatten(module.parameters()))
-            keep = {k for k in params if (prefix + k) in weights
-                    or (prefix + k.rsplit(".", 1)[0] + ".weight") in weights}
+            keep = {
+                k
+                for k in params
+                if (prefix + k) in weights or (prefix + k.rsplit(".", 1)[0] + ".weight") in weights
+            }
             weights = {prefix + k: params[k] for k in sorted(keep)}
         return sorted(weights.items()), qconfig
 
@@ -260,9 +298,15 @@ class Converter:
             with StreamWriter(path, entries, {"format": "mlx"}) as w:
                 for t in infos:
                     w.write(t.name, iter_chunks(t))
-            return {"file": path.name, "bytes": w.size, "sha256": w.sha256,
-                    "tensors": len(entries), "quantization": {},
-                    "header_sha256": w.header_sha256, "tensor_sha256": w.tensor_sha256}
+            return {
+                "file": path.name,
+                "bytes": w.size,
+                "sha256": w.sha256,
+                "tensors": len(entries),
+                "quantization": {},
+                "header_sha256": w.header_sha256,
+                "tensor_sha256": w.tensor_sha256,
+            }
 
         dense, qconfig = self._dense(group)
         experts = []
@@ -278,9 +322,15 @@ class Converter:
                 w.write(n, mx_to_bytes(a))
             for n, _, _, chunks in experts:
                 w.write(n, chunks())
-        return {"file": path.name, "bytes": w.size, "sha256": w.sha256,
-                "tensors": len(entries), "quantization": qconfig,
-                "header_sha256": w.header_sha256, "tensor_sha256": w.tensor_sha256}
+        return {
+            "file": path.name,
+            "bytes": w.size,
+            "sha256": w.sha256,
+            "tensors": len(entries),
+            "quantization": qconfig,
+            "header_sha256": w.header_sha256,
+            "tensor_sha256": w.tensor_sha256,
+        }
 
     def preflight(self) -> None:
         """Every header entry against the config, and the A_log tails, before any
@@ -291,7 +341,8 @@ class Converter:
             raise CheckpointError(
                 f"{self.src.index_path}: {len(extra)} tensors that config.json does not imply "
                 f"(e.g. {extra[:3]}); converting would drop them silently. Is config.json "
-                "from this checkpoint?")
+                "from this checkpoint?"
+            )
         heads = self.tc["linear_attn_config"]["num_heads"]
         for specs in self.specs.values():
             for s in specs:
@@ -310,16 +361,17 @@ class Converter:
 
     def run(self, progress: bool = True) -> Path:
         if self.experts is not None:
-            raise ValueError("an expert subset makes a rank folder, not a build; use "
-                             "k3dist.build.slicing.slice_rank")
+            raise ValueError(
+                "an expert subset makes a rank folder, not a build; use "
+                "k3dist.build.slicing.slice_rank"
+            )
         self.preflight()
         folder = JournaledFolder(self.out, "build", self.ident)
         if folder.open():
             return self.out  # same identity, already complete
         groups = self.units()
         total = sum(s.nbytes for g in groups for s in self.specs.get(g, []))
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert",
-                   disable=not progress)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=not progress)
         t0 = time.perf_counter()
         for g in groups:
             if folder.unit(g, lambda g=g: self.convert_unit(g)):
@@ -337,8 +389,9 @@ class Converter:
             for name in read_header(self.out / done[g]["file"]).tensors:
                 weight_map[name] = done[g]["file"]
         total = sum((self.out / done[g]["file"]).stat().st_size for g in groups)
-        write_json_atomic(self.out / INDEX_NAME,
-                           {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json_atomic(
+            self.out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map}
+        )
 
         cfg = json.loads(json.dumps(self.src.config))
         # auto_map points at Moonshot's remote code: transformers would prompt for
@@ -347,8 +400,11 @@ class Converter:
             d.pop("quantization_config", None)
             d.pop("auto_map", None)
         # the default block applies to no module here: every quantized one has its own
-        quant = MXFP4.qconfig() if self.bits == 16 else {
-            "group_size": self.group_size, "bits": self.bits, "mode": "affine"}
+        quant = (
+            MXFP4.qconfig()
+            if self.bits == 16
+            else {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
+        )
         for g in groups:
             quant.update(done[g].get("quantization", {}))
         cfg["quantization"] = quant
@@ -371,8 +427,11 @@ class Converter:
         """The manifest's profile: expert format and non-expert formats; per class, how
         many modules got each format (a group size may drop where columns need it)."""
         if self.nonexpert is None:
-            return {"experts": "mxfp4 (source bytes)", "nonexpert_bits": self.bits,
-                    "nonexpert_group_size": self.group_size if self.bits < 16 else None}
+            return {
+                "experts": "mxfp4 (source bytes)",
+                "nonexpert_bits": self.bits,
+                "nonexpert_group_size": self.group_size if self.bits < 16 else None,
+            }
         used: dict[str, dict[str, int]] = {}
         for g in groups:
             for path, q in done[g].get("quantization", {}).items():
@@ -382,11 +441,13 @@ class Converter:
                 name = QFormat(q["mode"], q["bits"], q["group_size"]).name
                 used.setdefault(c, {}).setdefault(name, 0)
                 used[c][name] += 1
-        return {"experts": "mxfp4 (source bytes)",
-                "nonexpert": {c: f.name for c, f in self.nonexpert.items()},
-                "nonexpert_modules": used,
-                "nonexpert_rule": "a class's format at the largest group size up to the "
-                                  "one asked that divides the columns; else source dtype"}
+        return {
+            "experts": "mxfp4 (source bytes)",
+            "nonexpert": {c: f.name for c, f in self.nonexpert.items()},
+            "nonexpert_modules": used,
+            "nonexpert_rule": "a class's format at the largest group size up to the "
+            "one asked that divides the columns; else source dtype",
+        }
 
     def _finish(self, folder: JournaledFolder, groups: list[str], seconds: float) -> None:
         done = folder.done
@@ -399,19 +460,29 @@ class Converter:
             "source": str(self.src.path.resolve()),
             "profile": self.profile(done, groups),
             "files_by_group": done,
-            "files": {done[g]["file"]: {"sha256": done[g]["sha256"], "bytes": done[g]["bytes"]}
-                      for g in groups} | {n: {"sha256": h} for n, h in copied.items()},
+            "files": {
+                done[g]["file"]: {"sha256": done[g]["sha256"], "bytes": done[g]["bytes"]}
+                for g in groups
+            }
+            | {n: {"sha256": h} for n, h in copied.items()},
             "seconds": round(seconds, 2),
         }
         folder.finish(manifest)
 
 
-def convert(src: str | Path, out: str | Path, nonexpert_bits: int = 16, group_size: int = 64,
-            progress: bool = True, nonexpert: str | dict | None = None) -> Path:
+def convert(
+    src: str | Path,
+    out: str | Path,
+    nonexpert_bits: int = 16,
+    group_size: int = 64,
+    progress: bool = True,
+    nonexpert: str | dict | None = None,
+) -> Path:
     """Convert a Moonshot-format K3 folder into an MLX build; resumable. ``nonexpert``:
     a format per non-expert class (``parse_nonexpert``) instead of ``nonexpert_bits``."""
-    return Converter(Source(src), Path(out), nonexpert_bits, group_size,
-                     nonexpert=nonexpert).run(progress)
+    return Converter(Source(src), Path(out), nonexpert_bits, group_size, nonexpert=nonexpert).run(
+        progress
+    )
 
 
 def main() -> None:
@@ -419,26 +490,38 @@ def main() -> None:
         prog="python -m k3dist.build.convert",
         description="Convert Moonshot's K3 checkpoint to an MLX build (experts mxfp4 "
         "bit-exact), one layer at a time. Low-bit and graded builds: python -m "
-        "k3dist.build.profiles.")
+        "k3dist.build.profiles.",
+    )
     ap.add_argument("--src", required=True, help="Moonshot-format checkpoint folder")
     ap.add_argument("--out", required=True, help="output build folder (resumes if partial)")
-    ap.add_argument("--nonexpert-bits", type=int, default=16, choices=(16, 8, 4),
-                    help="16 keeps source dtypes; 8/4 quantize affine like mlx_lm.convert")
+    ap.add_argument(
+        "--nonexpert-bits",
+        type=int,
+        default=16,
+        choices=(16, 8, 4),
+        help="16 keeps source dtypes; 8/4 quantize affine like mlx_lm.convert",
+    )
     ap.add_argument("--group-size", type=int, default=64, help="affine group size (8/4-bit)")
-    ap.add_argument("--nonexpert", metavar="CLASS=FORMAT,...",
-                    help="a format per non-expert class instead of --nonexpert-bits, e.g. "
-                    "attention=6bit-g64,shared=8bit-g64,*=bf16 (classes: "
-                    f"{', '.join(CLASSES)}; unnamed ones keep bf16)")
+    ap.add_argument(
+        "--nonexpert",
+        metavar="CLASS=FORMAT,...",
+        help="a format per non-expert class instead of --nonexpert-bits, e.g. "
+        "attention=6bit-g64,shared=8bit-g64,*=bf16 (classes: "
+        f"{', '.join(CLASSES)}; unnamed ones keep bf16)",
+    )
     # the profiles moved to their own command; an old command line is told where
     ap.add_argument("--profile", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.profile is not None:
-        ap.error(f"--profile {args.profile}: build profiles with python -m "
-                 "k3dist.build.profiles --profile ... (same flags); this command makes the "
-                 "mxfp4 build")
+        ap.error(
+            f"--profile {args.profile}: build profiles with python -m "
+            "k3dist.build.profiles --profile ... (same flags); this command makes the "
+            "mxfp4 build"
+        )
     try:
-        path = convert(args.src, args.out, args.nonexpert_bits, args.group_size,
-                       nonexpert=args.nonexpert)
+        path = convert(
+            args.src, args.out, args.nonexpert_bits, args.group_size, nonexpert=args.nonexpert
+        )
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {path}")

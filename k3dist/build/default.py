@@ -22,9 +22,11 @@ def ensure_default_build(progress: bool = False) -> Path:
     if not (DEFAULT_SRC / INDEX_NAME).exists():
         raise FileNotFoundError(
             f"{DEFAULT_SRC}: the shipped mini-K3 is missing (it is committed: restore it "
-            "with `git checkout -- data/mini-k3`, or retrain it as data/README.md shows)")
-    return remake_stale(DEFAULT_BUILD,
-                        lambda: convert.convert(DEFAULT_SRC, DEFAULT_BUILD, progress=progress))
+            "with `git checkout -- data/mini-k3`, or retrain it as data/README.md shows)"
+        )
+    return remake_stale(
+        DEFAULT_BUILD, lambda: convert.convert(DEFAULT_SRC, DEFAULT_BUILD, progress=progress)
+    )
 
 
 def ensure_default_rank(rank: int, size: int, rank_dir: Path) -> Path:
@@ -35,5 +37,6 @@ def ensure_default_rank(rank: int, size: int, rank_dir: Path) -> Path:
 
     with locked(DEFAULT_BUILD.parent / ".default.lock"):
         build = ensure_default_build()
-        return remake_stale(rank_dir, lambda: slicing.slice_rank(build, rank_dir, rank, size,
-                                                                 None, progress=False))
+        return remake_stale(
+            rank_dir, lambda: slicing.slice_rank(build, rank_dir, rank, size, None, progress=False)
+        )

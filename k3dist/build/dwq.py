@@ -443,8 +443,14 @@ class _Adam:
     increments under ~1/256 of ``v``: harmless over DWQ's tens of steps a block, not for
     thousands."""
 
-    def __init__(self, lr: float, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                 dtype: mx.Dtype = mx.float32):
+    def __init__(
+        self,
+        lr: float,
+        b1: float = 0.9,
+        b2: float = 0.999,
+        eps: float = 1e-8,
+        dtype: mx.Dtype = mx.float32,
+    ):
         self.b1, self.b2, self.eps, self.dtype = b1, b2, eps, dtype
         self.m: dict[str, mx.array] = {}
         self.v: dict[str, mx.array] = {}
@@ -510,12 +516,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--input", choices=("student", "teacher"), default=d.input)
     ap.add_argument("--chunk", type=int, default=d.chunk, help="experts per gradient chunk")
     ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--state", choices=sorted(STATE_DTYPES), default=d.state,
-                    help="dtype of Adam's m, v and the best copy (bf16: a third the memory)")
+    ap.add_argument(
+        "--state",
+        choices=sorted(STATE_DTYPES),
+        default=d.state,
+        help="dtype of Adam's m, v and the best copy (bf16: a third the memory)",
+    )
     ap.add_argument("--cap", default="2GiB", help="memory cap for the states")
     a = ap.parse_args(argv)
-    cfg = DWQConfig(a.steps, a.lr, a.batch, a.valid_windows, a.eval_every, a.input, a.chunk,
-                    a.seed, a.state)
+    cfg = DWQConfig(
+        a.steps, a.lr, a.batch, a.valid_windows, a.eval_every, a.input, a.chunk, a.seed, a.state
+    )
     try:
         path = dwq(
             a.teacher_build,

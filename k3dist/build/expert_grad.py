@@ -44,12 +44,14 @@ def _check_bank(bank: SwitchGLU) -> None:
         if not isinstance(proj, QuantizedSwitchLinear):
             raise TypeError(
                 f"{p}: expected a QuantizedSwitchLinear, got {type(proj).__name__}; only a "
-                "quantized expert bank has scales/biases to train (quantize it first)")
+                "quantized expert bank has scales/biases to train (quantize it first)"
+            )
         if proj.mode != "affine" or proj.get("biases") is None:
             raise ValueError(
                 f"{p}.scales: mode {proj.mode!r} has no gradient w.r.t. its scales (only "
                 "affine banks are trained; an MXFP4 hi bank stays frozen — pass the lo "
-                "bank, mlp.switch_mlp)")
+                "bank, mlp.switch_mlp)"
+            )
         if proj.get("global_scale") is not None:
             raise ValueError(f"{p}: a global_scale bank is not affine; it stays frozen")
 
@@ -59,23 +61,35 @@ def _flatten(x: mx.array, ids: mx.array, weff: mx.array, g: mx.array):
     if x.shape[:-1] != lead or weff.shape != ids.shape or g.shape[:-1] != lead:
         raise ValueError(
             f"bank_grads: leading dims differ: x {x.shape}, ids {ids.shape}, weff "
-            f"{weff.shape}, g {g.shape} (want x [..., D], ids/weff [..., k], g [..., D_out])")
+            f"{weff.shape}, g {g.shape} (want x [..., D], ids/weff [..., k], g [..., D_out])"
+        )
     k = ids.shape[-1]
-    return (x.reshape(-1, x.shape[-1]), ids.reshape(-1, k), weff.reshape(-1, k),
-            g.reshape(-1, g.shape[-1]))
+    return (
+        x.reshape(-1, x.shape[-1]),
+        ids.reshape(-1, k),
+        weff.reshape(-1, k),
+        g.reshape(-1, g.shape[-1]),
+    )
 
 
-def _glu(bank: SwitchGLU, params: dict[str, mx.array], x: mx.array,
-         idx: mx.array) -> mx.array:
+def _glu(bank: SwitchGLU, params: dict[str, mx.array], x: mx.array, idx: mx.array) -> mx.array:
     """SwitchGLU's sorted path on (sliced) parameters: x [n, D], idx [n] sorted ->
     [n, D_out]. The projections are called as QuantizedSwitchLinear calls them."""
 
     def proj(name: str, h: mx.array) -> mx.array:
         mod = getattr(bank, name)
         out = mx.gather_qmm(
-            h, params[f"{name}.weight"], params[f"{name}.scales"], params[f"{name}.biases"],
-            rhs_indices=idx, transpose=True, group_size=mod.group_size, bits=mod.bits,
-            mode=mod.mode, sorted_indices=True)
+            h,
+            params[f"{name}.weight"],
+            params[f"{name}.scales"],
+            params[f"{name}.biases"],
+            rhs_indices=idx,
+            transpose=True,
+            group_size=mod.group_size,
+            bits=mod.bits,
+            mode=mod.mode,
+            sorted_indices=True,
+        )
         if f"{name}.bias" in params:
             out = out + mx.expand_dims(params[f"{name}.bias"][idx], -2)
         return out
@@ -99,8 +113,9 @@ def _chunk_params(bank: SwitchGLU, e0: int, e1: int) -> tuple[dict, dict]:
     return trained, frozen
 
 
-def _chunk_grad(bank: SwitchGLU, e0: int, e1: int, x: mx.array, idx: mx.array,
-                w: mx.array, g: mx.array) -> dict[str, mx.array]:
+def _chunk_grad(
+    bank: SwitchGLU, e0: int, e1: int, x: mx.array, idx: mx.array, w: mx.array, g: mx.array
+) -> dict[str, mx.array]:
     trained, frozen = _chunk_params(bank, e0, e1)
 
     def partial_sum(tr: dict[str, mx.array]) -> mx.array:
@@ -110,8 +125,9 @@ def _chunk_grad(bank: SwitchGLU, e0: int, e1: int, x: mx.array, idx: mx.array,
     return mx.grad(partial_sum)(trained)
 
 
-def bank_grads(bank: SwitchGLU, x: mx.array, ids: mx.array, weff: mx.array, g: mx.array,
-               chunk: int = 64) -> dict[str, mx.array]:
+def bank_grads(
+    bank: SwitchGLU, x: mx.array, ids: mx.array, weff: mx.array, g: mx.array, chunk: int = 64
+) -> dict[str, mx.array]:
     """Exact d(sum_t g_t . y_t)/d(scales, biases) of every projection of the quantized
     SwitchGLU `bank`, keyed like bank.parameters() flattened ("gate_proj.scales",
     "gate_proj.biases", "up_proj.scales", ...), each [E, out, in/group] with the bank's
@@ -149,8 +165,15 @@ def bank_grads(bank: SwitchGLU, x: mx.array, ids: mx.array, weff: mx.array, g: m
             continue
         sel_t = mx.array(tok[lo:hi])
         sel_r = mx.array(rt[lo:hi])
-        grads = _chunk_grad(bank, e0, e1, x[sel_t], mx.array(exp[lo:hi] - e0, dtype=mx.uint32),
-                            weff[sel_t, sel_r], g[sel_t])
+        grads = _chunk_grad(
+            bank,
+            e0,
+            e1,
+            x[sel_t],
+            mx.array(exp[lo:hi] - e0, dtype=mx.uint32),
+            weff[sel_t, sel_r],
+            g[sel_t],
+        )
         mx.eval(grads)
         for key, v in grads.items():
             out[key].append(v)
@@ -166,8 +189,9 @@ def _concat(parts: dict[str, list[mx.array]]) -> dict[str, mx.array]:
     return result
 
 
-def plain_grads(bank: SwitchGLU, x: mx.array, ids: mx.array, weff: mx.array, g: mx.array,
-                chunk: int = 64) -> dict[str, mx.array]:
+def plain_grads(
+    bank: SwitchGLU, x: mx.array, ids: mx.array, weff: mx.array, g: mx.array, chunk: int = 64
+) -> dict[str, mx.array]:
     """The reference: one ``mx.grad`` through ``bank(x, ids)`` over the whole stack (what
     bank_grads replaces; its backward holds a dense (E, out, in) gradient). `chunk` is
     ignored; it is there so the two are interchangeable."""
@@ -177,9 +201,13 @@ def plain_grads(bank: SwitchGLU, x: mx.array, ids: mx.array, weff: mx.array, g: 
     return _grad_through_bank(bank, trained, lambda: bank(x, ids), weff, g)
 
 
-def _grad_through_bank(bank: SwitchGLU, trained: dict[str, mx.array],
-                       forward: Callable[[], mx.array], weff: mx.array,
-                       g: mx.array) -> dict[str, mx.array]:
+def _grad_through_bank(
+    bank: SwitchGLU,
+    trained: dict[str, mx.array],
+    forward: Callable[[], mx.array],
+    weff: mx.array,
+    g: mx.array,
+) -> dict[str, mx.array]:
     """Gradient of sum(g * (forward() * weff).sum(-2)) w.r.t. `trained`, set into the
     bank's own modules for the call and put back after (the bank is left unchanged)."""
     saved = {k: getattr(bank, k.split(".")[0])[k.split(".")[1]] for k in trained}

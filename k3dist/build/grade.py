@@ -66,7 +66,6 @@ def _identity(build_manifest: dict, gmap: GradedMap, lo: QFormat) -> dict:
     }
 
 
-
 def expert_runs(ids: list[int], most: int) -> list[tuple[int, int]]:
     """(first id, count) of runs of consecutive ``ids`` (in order), each at most ``most``."""
     runs: list[tuple[int, int]] = []
@@ -76,6 +75,7 @@ def expert_runs(ids: list[int], most: int) -> list[tuple[int, int]]:
         else:
             runs.append((e, 1))
     return runs
+
 
 class GradedBuilder:
     def __init__(

@@ -86,11 +86,14 @@ def audit_build(path: str | Path, ranks: int = 2) -> dict:
         if m:
             stacks += 1
             if not shape or shape[0] != E:
-                findings.append(f"{n}: leading dim {shape[:1]} is not the config's "
-                                f"num_experts {E}; the slicer needs experts stacked per layer")
+                findings.append(
+                    f"{n}: leading dim {shape[:1]} is not the config's "
+                    f"num_experts {E}; the slicer needs experts stacked per layer"
+                )
     if E and stacks == 0:
-        findings.append(f"{path}: no stacked expert tensors (switch_mlp); not an mlx-lm "
-                        "kimi_k3 build")
+        findings.append(
+            f"{path}: no stacked expert tensors (switch_mlp); not an mlx-lm kimi_k3 build"
+        )
     if E and E % ranks:
         findings.append(f"{E} experts do not split evenly over {ranks} ranks")
     checks.append("expert_stacks")
@@ -134,8 +137,10 @@ def _model_check(path: Path, config: dict) -> list[str]:
         def loader():
             return two_bank.load_build(path, lazy=True)
     else:
+
         def loader():
             return load_model(path, lazy=True, strict=True)
+
     try:
         loader()
     except (ValueError, KeyError) as e:
@@ -144,11 +149,16 @@ def _model_check(path: Path, config: dict) -> list[str]:
 
 
 def format_report(r: dict) -> str:
-    lines = [f"{r['path']}: {r['tensors']:,} tensors, {r['expert_stacks']} expert stacks "
-             f"({r['num_experts']} experts), quantization {r['quantization']}"
-             + (f" + {r['quantized_paths_with_own_format']} paths with their own format"
-                if r["quantized_paths_with_own_format"] else ""),
-             f"checks run: {', '.join(r['checks'])}"]
+    lines = [
+        f"{r['path']}: {r['tensors']:,} tensors, {r['expert_stacks']} expert stacks "
+        f"({r['num_experts']} experts), quantization {r['quantization']}"
+        + (
+            f" + {r['quantized_paths_with_own_format']} paths with their own format"
+            if r["quantized_paths_with_own_format"]
+            else ""
+        ),
+        f"checks run: {', '.join(r['checks'])}",
+    ]
     lines += [f"  {f}" for f in r["findings"]]
     if r["cannot_verify"]:
         lines.append("cannot be verified without a k3dist manifest:")

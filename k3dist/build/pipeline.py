@@ -121,18 +121,31 @@ def stages(a: Args) -> list[str]:
 
 # scratch -> the stage after which nothing reads it any more
 def consumers_end(a: Args) -> dict[str, str]:
-    return {"student": "calibrate", "base": "graded", "teacher": "slice" if not a.dwq else "dwq",
-            "graded": "dwq" if a.dwq else "slice", "dwq": "slice"}
+    return {
+        "student": "calibrate",
+        "base": "graded",
+        "teacher": "slice" if not a.dwq else "dwq",
+        "graded": "dwq" if a.dwq else "slice",
+        "dwq": "slice",
+    }
 
 
 def stage_params(a: Args, stage: str) -> dict:
     """What shapes a stage's output (besides the stages before it)."""
     return {
-        "plan": {"src": a.src, "ranks": a.ranks, "budget": a.budget,
-                 "budget_total": a.budget_total, "target_bpw": a.target_bpw},
-        "tokens": {"calib": _file_id(a.calib) if a.calib else None,
-                   "calib_text": [_file_id(p) for p in a.calib_text or []],
-                   "windows": a.windows, "seq": a.seq},
+        "plan": {
+            "src": a.src,
+            "ranks": a.ranks,
+            "budget": a.budget,
+            "budget_total": a.budget_total,
+            "target_bpw": a.target_bpw,
+        },
+        "tokens": {
+            "calib": _file_id(a.calib) if a.calib else None,
+            "calib_text": [_file_id(p) for p in a.calib_text or []],
+            "windows": a.windows,
+            "seq": a.seq,
+        },
         "base": {},
         "teacher": {"batch": a.batch, "top_k": a.top_k},
         "student": {},
@@ -197,12 +210,14 @@ def make_plan(a: Args, acc) -> dict:
     from k3dist.build import planner
 
     if sum(x is not None for x in (a.budget, a.budget_total, a.target_bpw)) != 1:
-        raise CheckpointError("give one of --budget BYTES (per rank), --budget-total BYTES or "
-                              "--target-bpw BITS")
+        raise CheckpointError(
+            "give one of --budget BYTES (per rank), --budget-total BYTES or --target-bpw BITS"
+        )
     req = planner.PlanRequest(
         ranks=a.ranks,
-        budget_per_rank=int(a.budget) if a.budget is not None else (
-            int(a.budget_total) // a.ranks if a.budget_total is not None else None),
+        budget_per_rank=int(a.budget)
+        if a.budget is not None
+        else (int(a.budget_total) // a.ranks if a.budget_total is not None else None),
         target_expert_bpw=a.target_bpw,
     )
     return planner.make_plan(acc, planner.Box(), req)
@@ -210,10 +225,12 @@ def make_plan(a: Args, acc) -> dict:
 
 def plan_kw(a: Args) -> dict:
     """profiles.plan_graded's arguments for the same plan as :func:`make_plan`."""
-    return {"ranks": a.ranks,
-            "budget": int(a.budget) if a.budget is not None else None,
-            "budget_total": int(a.budget_total) if a.budget_total is not None else None,
-            "target_bpw": a.target_bpw}
+    return {
+        "ranks": a.ranks,
+        "budget": int(a.budget) if a.budget is not None else None,
+        "budget_total": int(a.budget_total) if a.budget_total is not None else None,
+        "target_bpw": a.target_bpw,
+    }
 
 
 def calib_tokens(a: Args) -> int:
@@ -243,8 +260,10 @@ def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
         d = stream.blocks_before(tc, b)
         states += ntok * (H * 4 * (d + 1) + 4 * d)
     logits = ntok * (V * 4 if a.top_k == 0 else a.top_k * 8)
-    per_rank = [plan["bytes_per_rank"]["nonexpert"] + plan["bytes_per_rank"]["routed_experts"]
-                for _ in range(a.ranks)]
+    per_rank = [
+        plan["bytes_per_rank"]["nonexpert"] + plan["bytes_per_rank"]["routed_experts"]
+        for _ in range(a.ranks)
+    ]
     per_rank[0] += vision
     writes = {
         "plan": 1 << 20,
@@ -274,8 +293,9 @@ def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
             for scratch, last in frees.items():
                 if last == s and scratch in alive:
                     freed += alive.pop(scratch)
-        rows.append({"stage": s, "writes": writes[s], "held_after": held - freed,
-                     "freed_after": freed})
+        rows.append(
+            {"stage": s, "writes": writes[s], "held_after": held - freed, "freed_after": freed}
+        )
     ranks_total = sum(per_rank)
     goal = source_bytes + int(GOAL_FACTOR * ranks_total)
     return {
@@ -302,8 +322,13 @@ def check_memory_caps(a: Args, config: dict, tokens: int) -> None:
     tc = layout.text_config(config)
     copies = 3 if a.dwq else 2
     try:
-        stream.check_cap(tc, tokens, stream.parse_bytes(a.cap), copies,
-                         "the token set's states in " + ("DWQ" if a.dwq else "calibration"))
+        stream.check_cap(
+            tc,
+            tokens,
+            stream.parse_bytes(a.cap),
+            copies,
+            "the token set's states in " + ("DWQ" if a.dwq else "calibration"),
+        )
     except stream.StreamError as e:
         raise CheckpointError(f"{e} (--windows x --seq tokens, --cap)") from None
 
@@ -330,18 +355,26 @@ def _tb(n: float) -> str:
 
 
 def print_disk_plan(d: dict, free: int | None, already: int = 0) -> None:
-    print(f"disk plan ({d['tokens']:,} calibration tokens; scratch "
-          f"{'kept (--keep)' if d['keep'] else 'deleted once read'}):")
+    print(
+        f"disk plan ({d['tokens']:,} calibration tokens; scratch "
+        f"{'kept (--keep)' if d['keep'] else 'deleted once read'}):"
+    )
     print(f"  {'stage':<10} {'writes':>12} {'freed after':>12} {'held after':>12}")
     for r in d["stages"]:
-        print(f"  {r['stage']:<10} {_tb(r['writes']):>12} {_tb(r['freed_after']):>12} "
-              f"{_tb(r['held_after']):>12}")
-    print(f"  peak in OUT {_tb(d['peak_out'])} (during {d['peak_stage']}); with the source "
-          f"({_tb(d['source_bytes'])}) {_tb(d['peak_with_source'])}")
-    print(f"  rank folders {' + '.join(_tb(x) for x in d['rank_folders'])} = "
-          f"{_tb(d['rank_folders_total'])}; goal source + {GOAL_FACTOR} x rank folders = "
-          f"{_tb(d['goal_bytes'])}: {'met' if d['goal_met'] else 'NOT met'} "
-          f"({(d['peak_with_source']) / max(d['goal_bytes'], 1):.2f} x the goal)")
+        print(
+            f"  {r['stage']:<10} {_tb(r['writes']):>12} {_tb(r['freed_after']):>12} "
+            f"{_tb(r['held_after']):>12}"
+        )
+    print(
+        f"  peak in OUT {_tb(d['peak_out'])} (during {d['peak_stage']}); with the source "
+        f"({_tb(d['source_bytes'])}) {_tb(d['peak_with_source'])}"
+    )
+    print(
+        f"  rank folders {' + '.join(_tb(x) for x in d['rank_folders'])} = "
+        f"{_tb(d['rank_folders_total'])}; goal source + {GOAL_FACTOR} x rank folders = "
+        f"{_tb(d['goal_bytes'])}: {'met' if d['goal_met'] else 'NOT met'} "
+        f"({(d['peak_with_source']) / max(d['goal_bytes'], 1):.2f} x the goal)"
+    )
     if free is not None:
         print(f"  free on OUT's filesystem {_tb(free)} (+ {_tb(already)} already in OUT)")
 
@@ -367,7 +400,8 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
                 raise CheckpointError(
                     f"--calib {a.calib}: token ids {int(tokens.min())}..{int(tokens.max())} "
                     f"outside the source's vocabulary (0..{vocab - 1}); make the token set "
-                    "with this checkpoint's tokenizer (--calib-text FILES)")
+                    "with this checkpoint's tokenizer (--calib-text FILES)"
+                )
             tok.parent.mkdir(parents=True, exist_ok=True)
             tmp = tok.with_name(tok.name + ".partial")
             with open(tmp, "wb") as f:
@@ -389,27 +423,52 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
     elif stage == "teacher":
         from k3dist.build import stream
 
-        teacher.run(base, teacher.read_tokens(tok), a.path("teacher"),
-                    cap=stream.parse_bytes(a.cap), batch=a.batch, top_k=a.top_k)
+        teacher.run(
+            base,
+            teacher.read_tokens(tok),
+            a.path("teacher"),
+            cap=stream.parse_bytes(a.cap),
+            batch=a.batch,
+            top_k=a.top_k,
+        )
     elif stage == "student":
         grade.grade(base, a.path("student"), {}, 0, plan["lo"]["format"])
     elif stage == "calibrate":
         from k3dist.build import stream
 
-        calibrate.calibrate(a.path("student"), base, a.path("teacher"),
-                            teacher.read_tokens(tok), a.path("calibrate"), batch=a.batch,
-                            cap=stream.parse_bytes(a.cap))
+        calibrate.calibrate(
+            a.path("student"),
+            base,
+            a.path("teacher"),
+            teacher.read_tokens(tok),
+            a.path("calibrate"),
+            batch=a.batch,
+            cap=stream.parse_bytes(a.cap),
+        )
     elif stage == "graded":
         cal = a.path("calibrate")
-        profiles.convert_profile(a.src, a.path("graded"), "graded", mxfp4_dir=base,
-                                 scores=cal / "scores-taylor.npz", routes=cal / "routes.npz",
-                                 plan_kw=plan_kw(a))
+        profiles.convert_profile(
+            a.src,
+            a.path("graded"),
+            "graded",
+            mxfp4_dir=base,
+            scores=cal / "scores-taylor.npz",
+            routes=cal / "routes.npz",
+            plan_kw=plan_kw(a),
+        )
     elif stage == "dwq":
         from k3dist.build import dwq, stream
 
         cfg = dwq.DWQConfig(steps=a.dwq_steps, batch=a.dwq_batch)
-        dwq.dwq(base, a.path("teacher"), a.path("graded"), teacher.read_tokens(tok),
-                a.path("dwq"), cfg, cap=stream.parse_bytes(a.cap))
+        dwq.dwq(
+            base,
+            a.path("teacher"),
+            a.path("graded"),
+            teacher.read_tokens(tok),
+            a.path("dwq"),
+            cfg,
+            cap=stream.parse_bytes(a.cap),
+        )
     elif stage == "slice":
         slicing.slice_all(a.final_build(), str(Path(a.out) / RANK_PATTERN), a.ranks)
     return {}
@@ -419,8 +478,12 @@ def _io() -> dict:
     try:
         with open("/proc/self/io") as f:
             d = dict(line.split(": ") for line in f.read().splitlines())
-        return {"read": int(d["read_bytes"]), "written": int(d["write_bytes"]),
-                "rchar": int(d["rchar"]), "wchar": int(d["wchar"])}
+        return {
+            "read": int(d["read_bytes"]),
+            "written": int(d["write_bytes"]),
+            "rchar": int(d["rchar"]),
+            "wchar": int(d["wchar"]),
+        }
     except OSError:  # macOS: block counts
         import resource
 
@@ -438,16 +501,30 @@ def child(a: Args, stage: str, stats: Path) -> None:
         facts = _run_stage(a, stage, plan)
     except (CheckpointError, StreamError, ValueError) as e:
         raise SystemExit(f"error: stage {stage}: {e}") from None
-    write_json_atomic(stats, {"seconds": round(time.perf_counter() - t0, 2),
-                              "peak_rss": peak_rss(), "io": _io(), "facts": facts})
+    write_json_atomic(
+        stats,
+        {
+            "seconds": round(time.perf_counter() - t0, 2),
+            "peak_rss": peak_rss(),
+            "io": _io(),
+            "facts": facts,
+        },
+    )
 
 
 def reads(a: Args) -> dict[str, list[str]]:
     """stage -> the earlier outputs it reads."""
-    return {"plan": [], "tokens": [], "base": [], "teacher": ["base", "tokens"],
-            "student": ["base"], "calibrate": ["student", "base", "teacher", "tokens"],
-            "graded": ["base", "calibrate"], "dwq": ["teacher", "graded", "tokens"],
-            "slice": ["dwq" if a.dwq else "graded"]}
+    return {
+        "plan": [],
+        "tokens": [],
+        "base": [],
+        "teacher": ["base", "tokens"],
+        "student": ["base"],
+        "calibrate": ["student", "base", "teacher", "tokens"],
+        "graded": ["base", "calibrate"],
+        "dwq": ["teacher", "graded", "tokens"],
+        "slice": ["dwq" if a.dwq else "graded"],
+    }
 
 
 def first_to_run(a: Args, state: dict, ks: dict[str, str]) -> int:
@@ -512,7 +589,8 @@ def run(a: Args, dry_run: bool = False) -> dict:
             f"{out}: the pipeline needs {_tb(d['peak_out'])} at its peak (during "
             f"{d['peak_stage']}) and OUT's filesystem has {_tb(free)} free (+ "
             f"{_tb(already)} already written there); free space, choose another --out, or "
-            "drop --keep")
+            "drop --keep"
+        )
     out.mkdir(parents=True, exist_ok=True)
     sp = out / STATE
     ks = keys(a)
@@ -528,17 +606,27 @@ def run(a: Args, dry_run: bool = False) -> dict:
         _run_stages(a, plan, state, sp, ks, order, summary, first_to_run(a, state, ks))
     finally:
         disk.stop()
-    result = {"command": ["python", "-m", "k3dist.build.pipeline", *sys.argv[1:]],
-              "out": str(out), "ranks": [str(r) for r in a.rank_dirs()], "stages": summary,
-              "disk_plan": d, "peak_disk_in_out_measured": disk.peak,
-              "disk_sample_s": DiskWatch.every_s,
-              "loadavg_1m": {"start": round(load0[0], 2), "end": round(os.getloadavg()[0], 2),
-                             "cpus": os.cpu_count()},
-              "tokens": state["stages"].get("tokens", {}).get("tokens")}
+    result = {
+        "command": ["python", "-m", "k3dist.build.pipeline", *sys.argv[1:]],
+        "out": str(out),
+        "ranks": [str(r) for r in a.rank_dirs()],
+        "stages": summary,
+        "disk_plan": d,
+        "peak_disk_in_out_measured": disk.peak,
+        "disk_sample_s": DiskWatch.every_s,
+        "loadavg_1m": {
+            "start": round(load0[0], 2),
+            "end": round(os.getloadavg()[0], 2),
+            "cpus": os.cpu_count(),
+        },
+        "tokens": state["stages"].get("tokens", {}).get("tokens"),
+    }
     write_json_atomic(out / SUMMARY, result)
     print_summary(summary)
-    print(f"peak disk in OUT, sampled every {DiskWatch.every_s} s: {_tb(disk.peak)} (planned "
-          f"{_tb(d['peak_out'])})")
+    print(
+        f"peak disk in OUT, sampled every {DiskWatch.every_s} s: {_tb(disk.peak)} (planned "
+        f"{_tb(d['peak_out'])})"
+    )
     print(f"rank folders: {', '.join(result['ranks'])}; summary: {out / SUMMARY}")
     return result
 
@@ -566,8 +654,16 @@ class DiskWatch(threading.Thread):
         self.peak = max(self.peak, _du(self.out))
 
 
-def _run_stages(a: Args, plan: dict, state: dict, sp: Path, ks: dict, order: list[str],
-                summary: list, first: int) -> None:
+def _run_stages(
+    a: Args,
+    plan: dict,
+    state: dict,
+    sp: Path,
+    ks: dict,
+    order: list[str],
+    summary: list,
+    first: int,
+) -> None:
     """Each stage in order: skipped when current, else run in a child process."""
     out = Path(a.out)
     for n, stage in enumerate(order, 1):
@@ -575,9 +671,22 @@ def _run_stages(a: Args, plan: dict, state: dict, sp: Path, ks: dict, order: lis
         if n - 1 < first:
             rec = state["stages"][stage]
             print(f"[{n}/{len(order)}] {stage}: current, skipped")
-            summary.append({"stage": stage, "skipped": True, **{
-                k: rec.get(k) for k in ("seconds", "peak_rss", "read_bytes", "written_bytes",
-                                        "output_bytes")}})
+            summary.append(
+                {
+                    "stage": stage,
+                    "skipped": True,
+                    **{
+                        k: rec.get(k)
+                        for k in (
+                            "seconds",
+                            "peak_rss",
+                            "read_bytes",
+                            "written_bytes",
+                            "output_bytes",
+                        )
+                    },
+                }
+            )
             continue
         rec = state["stages"].get(stage)
         if rec and rec.get("deleted"):
@@ -595,23 +704,38 @@ def _run_stages(a: Args, plan: dict, state: dict, sp: Path, ks: dict, order: lis
         else:
             stats_path = out / f".stage-{stage}.json"
             stats_path.unlink(missing_ok=True)
-            cmd = [sys.executable, "-m", "k3dist.build.pipeline", "--_stage", stage,
-                   "--_args", json.dumps(asdict(a)), "--_stats", str(stats_path)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "k3dist.build.pipeline",
+                "--_stage",
+                stage,
+                "--_args",
+                json.dumps(asdict(a)),
+                "--_stats",
+                str(stats_path),
+            ]
             rc = subprocess.call(cmd)
             if rc != 0 or not stats_path.exists():
                 write_json_atomic(sp, state)
                 raise CheckpointError(
                     f"stage {stage} failed (exit {rc}); its output so far is kept and the "
                     f"same command resumes it: python -m k3dist.build.pipeline "
-                    f"{' '.join(sys.argv[1:])}")
+                    f"{' '.join(sys.argv[1:])}"
+                )
             stats = json.loads(stats_path.read_text())
             stats_path.unlink()
-        outb = (sum(_du(r) for r in a.rank_dirs()) if stage == "slice"
-                else _du(a.path(stage)))
-        rec = {"key": key, "done": True, "seconds": round(time.perf_counter() - t0, 2),
-               "peak_rss": stats["peak_rss"], "read_bytes": stats["io"].get("read"),
-               "written_bytes": stats["io"].get("written"), "output_bytes": outb,
-               **stats["facts"]}
+        outb = sum(_du(r) for r in a.rank_dirs()) if stage == "slice" else _du(a.path(stage))
+        rec = {
+            "key": key,
+            "done": True,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "peak_rss": stats["peak_rss"],
+            "read_bytes": stats["io"].get("read"),
+            "written_bytes": stats["io"].get("written"),
+            "output_bytes": outb,
+            **stats["facts"],
+        }
         state["stages"][stage] = rec
         if not a.keep:
             for scratch, last in consumers_end(a).items():
@@ -619,32 +743,47 @@ def _run_stages(a: Args, plan: dict, state: dict, sp: Path, ks: dict, order: lis
                     _delete(a.path(scratch))
                     state["stages"][scratch]["deleted"] = True
         write_json_atomic(sp, state)
-        summary.append({"stage": stage, "skipped": False, **{
-            k: rec.get(k) for k in ("seconds", "peak_rss", "read_bytes", "written_bytes",
-                                    "output_bytes")}})
+        summary.append(
+            {
+                "stage": stage,
+                "skipped": False,
+                **{
+                    k: rec.get(k)
+                    for k in ("seconds", "peak_rss", "read_bytes", "written_bytes", "output_bytes")
+                },
+            }
+        )
 
 
 def print_summary(rows: list[dict]) -> None:
     def gb(x):
         return "-" if x is None else f"{x / 1e6:,.1f} MB" if x < 1e9 else f"{x / 1e9:,.2f} GB"
 
-    print(f"{'stage':<10} {'wall s':>8} {'peak RSS':>11} {'read':>11} {'written':>11} "
-          f"{'output':>11}")
+    print(
+        f"{'stage':<10} {'wall s':>8} {'peak RSS':>11} {'read':>11} {'written':>11} {'output':>11}"
+    )
     for r in rows:
         s = "skipped" if r["skipped"] else f"{r['seconds']:.1f}"
-        print(f"{r['stage']:<10} {s:>8} {gb(r['peak_rss']):>11} {gb(r['read_bytes']):>11} "
-              f"{gb(r['written_bytes']):>11} {gb(r['output_bytes']):>11}")
+        print(
+            f"{r['stage']:<10} {s:>8} {gb(r['peak_rss']):>11} {gb(r['read_bytes']):>11} "
+            f"{gb(r['written_bytes']):>11} {gb(r['output_bytes']):>11}"
+        )
 
 
 def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
-    ap = argparse.ArgumentParser(description="Moonshot's K3 folder -> per-rank folders in one "
-                                 "resumable command (module doc: python -m pydoc "
-                                 "k3dist.build.pipeline).")
+    ap = argparse.ArgumentParser(
+        description="Moonshot's K3 folder -> per-rank folders in one "
+        "resumable command (module doc: python -m pydoc "
+        "k3dist.build.pipeline)."
+    )
     ap.add_argument("--src", help="Moonshot-format checkpoint folder")
     ap.add_argument("--config", help="config.json (with --index, --dry-run: no weights)")
     ap.add_argument("--index", help="model.safetensors.index.json[.gz] (with --config)")
-    ap.add_argument("--real-k3", action="store_true",
-                    help="--config/--index of the real K3 shipped in k3dist/data")
+    ap.add_argument(
+        "--real-k3",
+        action="store_true",
+        help="--config/--index of the real K3 shipped in k3dist/data",
+    )
     ap.add_argument("--out", help="output folder: OUT/rank{rank}, OUT/work (scratch)")
     ap.add_argument("--ranks", type=int, default=2)
     b = ap.add_mutually_exclusive_group()
@@ -653,9 +792,13 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     b.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
     c = ap.add_mutually_exclusive_group()
     c.add_argument("--calib", help="a token set (.npy/.npz 'inputs') in the source's vocabulary")
-    c.add_argument("--calib-text", nargs="+", metavar="FILE",
-                   help="text / JSONL files or folders, tokenized with the source's tokenizer "
-                   "(default: the stdlib mix, k3dist.build.calibtext)")
+    c.add_argument(
+        "--calib-text",
+        nargs="+",
+        metavar="FILE",
+        help="text / JSONL files or folders, tokenized with the source's tokenizer "
+        "(default: the stdlib mix, k3dist.build.calibtext)",
+    )
     ap.add_argument("--windows", type=int, default=16, help="calibration windows (--calib-text)")
     ap.add_argument("--seq", type=int, default=256, help="tokens a window (--calib-text)")
     ap.add_argument("--batch", type=int, default=4, help="windows per teacher/calibration call")
@@ -683,11 +826,27 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
         if not ns.dry_run:
             ap.error("--out is needed")
         ns.out = "."
-    a = Args(src=ns.src, out=ns.out, ranks=ns.ranks, budget=ns.budget,
-             budget_total=ns.budget_total, target_bpw=ns.target_bpw, calib=ns.calib,
-             calib_text=ns.calib_text, windows=ns.windows, seq=ns.seq, batch=ns.batch,
-             cap=ns.cap, top_k=ns.top_k, dwq=ns.dwq, dwq_steps=ns.dwq_steps,
-             dwq_batch=ns.dwq_batch, keep=ns.keep, config=ns.config, index=ns.index)
+    a = Args(
+        src=ns.src,
+        out=ns.out,
+        ranks=ns.ranks,
+        budget=ns.budget,
+        budget_total=ns.budget_total,
+        target_bpw=ns.target_bpw,
+        calib=ns.calib,
+        calib_text=ns.calib_text,
+        windows=ns.windows,
+        seq=ns.seq,
+        batch=ns.batch,
+        cap=ns.cap,
+        top_k=ns.top_k,
+        dwq=ns.dwq,
+        dwq_steps=ns.dwq_steps,
+        dwq_batch=ns.dwq_batch,
+        keep=ns.keep,
+        config=ns.config,
+        index=ns.index,
+    )
     return a, ns
 
 

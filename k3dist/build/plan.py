@@ -125,9 +125,13 @@ def main(argv: list[str] | None = None) -> None:
         help=f"nats/token a class may add (default {DEFAULT_KL_TOLERANCE}: "
         "KL of seven classes adds to well under the 2-bit experts' error)",
     )
-    ap.add_argument("--attention", choices=ATTENTION_MODES, default=PlanRequest.attention,
-                    help="attention heads (and their KDA state and prefill activations) split "
-                    "across ranks, as deploy/tb5.yaml serves (default), or replicated on each")
+    ap.add_argument(
+        "--attention",
+        choices=ATTENTION_MODES,
+        default=PlanRequest.attention,
+        help="attention heads (and their KDA state and prefill activations) split "
+        "across ranks, as deploy/tb5.yaml serves (default), or replicated on each",
+    )
     ap.add_argument(
         "--lo-fallback",
         action="store_true",
@@ -139,14 +143,30 @@ def main(argv: list[str] | None = None) -> None:
         default=PlanRequest.headroom / GiB,
         help="kept free per rank beyond weights, KV/state and activations",
     )
-    ap.add_argument("--context", type=int, default=Box.context,
-                    help="tokens of one request (the server's max_context)")
-    ap.add_argument("--batch", type=int, default=Box.batch,
-                    help="requests decoded together, each with its own KV cache (max_batch)")
-    ap.add_argument("--prompt-cache-tokens", type=int, default=Box.prompt_cache_tokens,
-                    help="the prompt cache's token bound (prompt_cache_tokens; 0: 4 x context)")
-    ap.add_argument("--prefill-chunk", type=int, default=Box.prefill_chunk,
-                    help="tokens of one prefill chunk (the server's prefill_chunk)")
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=Box.context,
+        help="tokens of one request (the server's max_context)",
+    )
+    ap.add_argument(
+        "--batch",
+        type=int,
+        default=Box.batch,
+        help="requests decoded together, each with its own KV cache (max_batch)",
+    )
+    ap.add_argument(
+        "--prompt-cache-tokens",
+        type=int,
+        default=Box.prompt_cache_tokens,
+        help="the prompt cache's token bound (prompt_cache_tokens; 0: 4 x context)",
+    )
+    ap.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=Box.prefill_chunk,
+        help="tokens of one prefill chunk (the server's prefill_chunk)",
+    )
     ap.add_argument("--wired-limit-mb", type=int, default=Box.wired_limit_mb)
     ap.add_argument("--physical-gib", type=int, default=512)
     ap.add_argument("--runtime-reserve-gib", type=float, default=Box.runtime_reserve / GiB)

@@ -110,8 +110,10 @@ def read_sensitivity(path: str | Path) -> dict[str, dict[str, float]]:
         if r.get("class") in CLASSES and isinstance(r.get("format"), str):
             out.setdefault(r["class"], {})[QFormat.parse(r["format"]).name] = float(r["kl"])
     if not out:
-        raise ValueError(f"{path}: no per-class rows (class, format, kl); write it with "
-                         "python benchmarks/nonexpert.py")
+        raise ValueError(
+            f"{path}: no per-class rows (class, format, kl); write it with "
+            "python benchmarks/nonexpert.py"
+        )
     return out
 
 
@@ -135,8 +137,10 @@ def measured_nonexpert(
         else:
             best = min(sens[c].items(), key=lambda x: x[1])
             formats[c] = "bf16"
-            origin[c] = (f"{where}: no format within {tolerance} (best {best[0]}, KL "
-                         f"{best[1]:.5f}); source dtype")
+            origin[c] = (
+                f"{where}: no format within {tolerance} (best {best[0]}, KL "
+                f"{best[1]:.5f}); source dtype"
+            )
     return formats, origin
 
 
@@ -171,8 +175,14 @@ def kv_state(tc: dict, box: Box, attention_split: int = 1) -> dict:
     (``k3dist.format.kvmemory.serving_bytes``; ``mla_latent_cache`` and ``kda_state`` are
     one request's, ``total`` all of it)."""
     return kvmemory.serving_bytes(
-        tc, context=box.context, batch=box.batch, prompt_cache_tokens=box.prompt_cache_tokens,
-        act=box.act_bytes, size=attention_split, step=box.cache_step)
+        tc,
+        context=box.context,
+        batch=box.batch,
+        prompt_cache_tokens=box.prompt_cache_tokens,
+        act=box.act_bytes,
+        size=attention_split,
+        step=box.cache_step,
+    )
 
 
 def activations(tc: dict, box: Box, attention_split: int = 1) -> dict:
@@ -180,8 +190,8 @@ def activations(tc: dict, box: Box, attention_split: int = 1) -> dict:
     ``box.context`` on one rank (``k3dist.format.kvmemory.prefill_activation_bytes``, what
     the server's preflight checks a deployment with)."""
     return kvmemory.prefill_activation_bytes(
-        tc, context=box.context, chunk=box.prefill_chunk, act=box.act_bytes,
-        size=attention_split)
+        tc, context=box.context, chunk=box.prefill_chunk, act=box.act_bytes, size=attention_split
+    )
 
 
 ASSUMPTIONS = [

@@ -40,16 +40,22 @@ from k3dist.format.sfile import CheckpointError
 from k3dist.format.source import Source
 
 PROFILES = ("mxfp4", "2bit", "3bit", "mixed2", "graded")
-CALIBRATE_HINT = ("python -m k3dist.build.calibrate (per-expert sensitivity scores: npz of "
-                  "layer_L arrays); routing counts (a frequency baseline) also work")
+CALIBRATE_HINT = (
+    "python -m k3dist.build.calibrate (per-expert sensitivity scores: npz of "
+    "layer_L arrays); routing counts (a frequency baseline) also work"
+)
 
 
 def lo_format(tc: dict, bits: int, group: int = 64) -> QFormat:
     """``bits``-bit affine at group ``group`` where every routed-expert matrix's
     columns allow it, else the largest smaller group that does (mini-K3: 96 columns,
     g32)."""
-    acc_cols = {tc["hidden_size"] if tc.get("routed_expert_hidden_size") is None
-                else tc["routed_expert_hidden_size"], tc["moe_intermediate_size"]}
+    acc_cols = {
+        tc["hidden_size"]
+        if tc.get("routed_expert_hidden_size") is None
+        else tc["routed_expert_hidden_size"],
+        tc["moe_intermediate_size"],
+    }
     for g in sorted((g for g in GROUP_SIZES if g <= group), reverse=True):
         f = QFormat("affine", bits, g)
         if all(f.fits(c) for c in acc_cols):
@@ -82,8 +88,12 @@ class PerProjection(GradedBuilder):
         base = min(lo_of.values(), key=lambda f: f.bits)
         super().__init__(build, out, gmap, base, plan)
         self.lo_of = lo_of
-        self.ident = {**self.ident, "lo_by_projection": {
-            f"{layer}.{proj}": f.name for (layer, proj), f in sorted(lo_of.items())}}
+        self.ident = {
+            **self.ident,
+            "lo_by_projection": {
+                f"{layer}.{proj}": f.name for (layer, proj), f in sorted(lo_of.items())
+            },
+        }
 
     def _bank_entries(self, layer, proj, w, s):
         base, self.lo = self.lo, self.lo_of[(layer, proj)]
@@ -96,31 +106,43 @@ class PerProjection(GradedBuilder):
         cfg = super().config_out()
         for (layer, proj), f in self.lo_of.items():
             cfg["quantization"][f"language_model.model.layers.{layer}.mlp.{LO}.{proj}"] = (
-                f.qconfig())
+                f.qconfig()
+            )
         return cfg
 
 
-def plan_graded(src: Source, ranks: int = 2, budget: int | None = None,
-                budget_total: int | None = None, target_bpw: float | None = None,
-                lo: str = "auto", nonexpert: dict[str, str] | None = None,
-                nonexpert_from: dict[str, str] | None = None, context: int | None = None,
-                headroom: int | None = None, batch: int | None = None,
-                prompt_cache_tokens: int | None = None) -> dict:
+def plan_graded(
+    src: Source,
+    ranks: int = 2,
+    budget: int | None = None,
+    budget_total: int | None = None,
+    target_bpw: float | None = None,
+    lo: str = "auto",
+    nonexpert: dict[str, str] | None = None,
+    nonexpert_from: dict[str, str] | None = None,
+    context: int | None = None,
+    headroom: int | None = None,
+    batch: int | None = None,
+    prompt_cache_tokens: int | None = None,
+) -> dict:
     """The byte-budget plan (``k3dist.build.planner``) from the source's own config and
     index; ``context``, ``batch``, ``prompt_cache_tokens``: the serving limits it leaves
     KV/state for (None: the plan's defaults). ValueError with the numbers when nothing
     fits."""
     if sum(x is not None for x in (budget, budget_total, target_bpw)) != 1:
-        raise ValueError("--profile graded needs one of --budget BYTES (per rank), "
-                         "--budget-total BYTES or --target-bpw BITS")
+        raise ValueError(
+            "--profile graded needs one of --budget BYTES (per rank), "
+            "--budget-total BYTES or --target-bpw BITS"
+        )
     index = read_index(src.index_path) if src.index_path.exists() else None
     acc = account(src.config, index, str(src.index_path))
     limits = {"context": context, "batch": batch, "prompt_cache_tokens": prompt_cache_tokens}
     box = replace(planner.Box(), **{k: v for k, v in limits.items() if v is not None})
     req = planner.PlanRequest(
         ranks=ranks,
-        budget_per_rank=budget if budget is not None else (
-            budget_total // ranks if budget_total is not None else None),
+        budget_per_rank=budget
+        if budget is not None
+        else (budget_total // ranks if budget_total is not None else None),
         target_expert_bpw=target_bpw,
         lo=lo,
         nonexpert=dict(nonexpert or planner.DEFAULT_NONEXPERT),
@@ -131,12 +153,22 @@ def plan_graded(src: Source, ranks: int = 2, budget: int | None = None,
     return planner.make_plan(acc, box, req)
 
 
-def convert_profile(src: str | Path, out: str | Path, profile: str = "mxfp4", *,
-                    mxfp4_dir: str | Path | None = None, nonexpert_bits: int = 16,
-                    group_size: int = 64, nonexpert: str | dict | None = None,
-                    scores: str | Path | None = None, plan_kw: dict | None = None,
-                    k_hi: int | None = None, routes: str | Path | None = None,
-                    allocation: str = "global", progress: bool = True) -> Path:
+def convert_profile(
+    src: str | Path,
+    out: str | Path,
+    profile: str = "mxfp4",
+    *,
+    mxfp4_dir: str | Path | None = None,
+    nonexpert_bits: int = 16,
+    group_size: int = 64,
+    nonexpert: str | dict | None = None,
+    scores: str | Path | None = None,
+    plan_kw: dict | None = None,
+    k_hi: int | None = None,
+    routes: str | Path | None = None,
+    allocation: str = "global",
+    progress: bool = True,
+) -> Path:
     """One ``--profile``; every stage streamed and resumable (module doc). ``graded``:
     the plan fixes how many experts are promoted; ``allocation`` ``global`` spends them
     on the highest ``scores`` over all layers (a multiple of the ranks per layer),
@@ -164,14 +196,14 @@ def convert_profile(src: str | Path, out: str | Path, profile: str = "mxfp4", *,
         plan = plan_graded(source, **kw)
         nonexpert = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
         nonexpert_bits = 16
-    build = Converter(source, stage, nonexpert_bits, group_size,
-                      nonexpert=nonexpert).run(progress)
+    build = Converter(source, stage, nonexpert_bits, group_size, nonexpert=nonexpert).run(progress)
     E = tc["num_experts"]
     if profile == "graded":
         counts = {int(k): int(v) for k, v in plan["promoted_per_layer"].items()}
         if allocation == "global":
-            promoted = grader.promote_global(read_counts(scores), sum(counts.values()),
-                                             plan["ranks"])
+            promoted = grader.promote_global(
+                read_counts(scores), sum(counts.values()), plan["ranks"]
+            )
         elif allocation == "per-layer":
             promoted = grader.promote_top(read_counts(scores), counts)
         else:
@@ -183,11 +215,11 @@ def convert_profile(src: str | Path, out: str | Path, profile: str = "mxfp4", *,
             khi = dict.fromkeys(promoted, k_hi)
         else:
             target = planner.PlanRequest().k_hi_drop_target
-            khi = {i: max(1, planner.k_hi_uniform(E, tc["num_experts_per_token"], len(v),
-                                                  target))
-                   for i, v in promoted.items()}
-        grader.grade(build, out, promoted, khi, plan["lo"]["format"], progress=progress,
-                     plan=plan)
+            khi = {
+                i: max(1, planner.k_hi_uniform(E, tc["num_experts_per_token"], len(v), target))
+                for i, v in promoted.items()
+            }
+        grader.grade(build, out, promoted, khi, plan["lo"]["format"], progress=progress, plan=plan)
     elif profile in ("2bit", "3bit"):
         grader.grade(build, out, {}, 0, lo_format(tc, int(profile[0])), progress=progress)
     else:  # mixed2
@@ -195,8 +227,11 @@ def convert_profile(src: str | Path, out: str | Path, profile: str = "mxfp4", *,
         gmap = GradedMap(E, {}, {}, False, "mixed2")
         PerProjection(build, out, gmap, lo_of).run(progress)
     m = json.loads((out / MANIFEST).read_text())
-    m["convert_profile"] = {"profile": profile, "mxfp4_build": str(build.resolve()),
-                            "scores": str(scores) if scores else None}
+    m["convert_profile"] = {
+        "profile": profile,
+        "mxfp4_build": str(build.resolve()),
+        "scores": str(scores) if scores else None,
+    }
     write_json_atomic(out / MANIFEST, m)
     return out
 
@@ -205,54 +240,102 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         prog="python -m k3dist.build.profiles",
         description="Make a build profile of Moonshot's K3 checkpoint: the MXFP4 build "
-        "(experts bit-exact), then a low-bit / graded build from it, one layer at a time.")
+        "(experts bit-exact), then a low-bit / graded build from it, one layer at a time.",
+    )
     ap.add_argument("--src", required=True, help="Moonshot-format checkpoint folder")
     ap.add_argument("--out", required=True, help="output build folder (resumes if partial)")
-    ap.add_argument("--profile", choices=PROFILES, default="mxfp4",
-                    help="mxfp4: experts in their source bytes (default); 2bit / 3bit: "
-                    "every routed expert affine (g64 where the columns allow, else g32); "
-                    "mixed2: down_proj and the first/last MoE layer 3-bit, the rest 2-bit; "
-                    "graded: plan a byte budget, promoted experts keep MXFP4, the rest the "
-                    "plan's lo format (needs a budget and --scores)")
-    ap.add_argument("--mxfp4", help="where the MXFP4 stage of a non-mxfp4 profile is built "
-                    "(resumable; reused; default OUT.mxfp4 beside OUT)")
-    ap.add_argument("--nonexpert-bits", type=int, default=16, choices=(16, 8, 4),
-                    help="16 keeps source dtypes; 8/4 quantize affine like mlx_lm.convert")
+    ap.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="mxfp4",
+        help="mxfp4: experts in their source bytes (default); 2bit / 3bit: "
+        "every routed expert affine (g64 where the columns allow, else g32); "
+        "mixed2: down_proj and the first/last MoE layer 3-bit, the rest 2-bit; "
+        "graded: plan a byte budget, promoted experts keep MXFP4, the rest the "
+        "plan's lo format (needs a budget and --scores)",
+    )
+    ap.add_argument(
+        "--mxfp4",
+        help="where the MXFP4 stage of a non-mxfp4 profile is built "
+        "(resumable; reused; default OUT.mxfp4 beside OUT)",
+    )
+    ap.add_argument(
+        "--nonexpert-bits",
+        type=int,
+        default=16,
+        choices=(16, 8, 4),
+        help="16 keeps source dtypes; 8/4 quantize affine like mlx_lm.convert",
+    )
     ap.add_argument("--group-size", type=int, default=64, help="affine group size (8/4-bit)")
-    ap.add_argument("--nonexpert", metavar="CLASS=FORMAT,...",
-                    help="a format per non-expert class instead of --nonexpert-bits, e.g. "
-                    "attention=6bit-g64,shared=8bit-g64,*=bf16 (classes: "
-                    f"{', '.join(CLASSES)}; unnamed ones keep bf16)")
+    ap.add_argument(
+        "--nonexpert",
+        metavar="CLASS=FORMAT,...",
+        help="a format per non-expert class instead of --nonexpert-bits, e.g. "
+        "attention=6bit-g64,shared=8bit-g64,*=bf16 (classes: "
+        f"{', '.join(CLASSES)}; unnamed ones keep bf16)",
+    )
     g = ap.add_argument_group("graded profile")
     b = g.add_mutually_exclusive_group()
     b.add_argument("--budget", type=float, help="bytes per rank (weights + KV + activations)")
     b.add_argument("--budget-total", type=float, help="bytes over all ranks")
     b.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
-    g.add_argument("--scores", help="per-expert scores, npz of layer_L arrays (as grade "
-                   "--scores): the highest of each layer are promoted")
+    g.add_argument(
+        "--scores",
+        help="per-expert scores, npz of layer_L arrays (as grade "
+        "--scores): the highest of each layer are promoted",
+    )
     g.add_argument("--ranks", type=int, default=2)
     g.add_argument("--lo", default="auto", help="lo-bank format or auto (the plan's)")
-    g.add_argument("--k-hi", type=int, help="hi routes per token (default: from --routes, "
-                   "else uniform routing at the plan's drop target)")
-    g.add_argument("--routes", help="calibration routes.npz (python -m "
-                   "k3dist.build.calibrate): k_hi per layer = the observed maximum")
-    g.add_argument("--allocation", choices=("global", "per-layer"), default="global",
-                   help="global (default, measured better: benchmarks/results/quality-*): "
-                   "the plan's promotions go to the highest scores over all layers; "
-                   "per-layer: the plan's count in every layer")
+    g.add_argument(
+        "--k-hi",
+        type=int,
+        help="hi routes per token (default: from --routes, "
+        "else uniform routing at the plan's drop target)",
+    )
+    g.add_argument(
+        "--routes",
+        help="calibration routes.npz (python -m "
+        "k3dist.build.calibrate): k_hi per layer = the observed maximum",
+    )
+    g.add_argument(
+        "--allocation",
+        choices=("global", "per-layer"),
+        default="global",
+        help="global (default, measured better: benchmarks/results/quality-*): "
+        "the plan's promotions go to the highest scores over all layers; "
+        "per-layer: the plan's count in every layer",
+    )
     g.add_argument("--context", type=int, help="tokens of context the plan leaves KV for")
-    g.add_argument("--batch", type=int, help="requests served together the plan leaves KV "
-                   "for (plan default)")
-    g.add_argument("--prompt-cache-tokens", type=int, help="the prompt cache bound the plan "
-                   "leaves KV for (plan default)")
+    g.add_argument(
+        "--batch", type=int, help="requests served together the plan leaves KV for (plan default)"
+    )
+    g.add_argument(
+        "--prompt-cache-tokens",
+        type=int,
+        help="the prompt cache bound the plan leaves KV for (plan default)",
+    )
     g.add_argument("--headroom-gib", type=float, help="kept free per rank (plan default)")
-    g.add_argument("--nonexpert-sensitivity", metavar="JSON",
-                   help="measured non-expert formats (plan --nonexpert-sensitivity)")
+    g.add_argument(
+        "--nonexpert-sensitivity",
+        metavar="JSON",
+        help="measured non-expert formats (plan --nonexpert-sensitivity)",
+    )
     g.add_argument("--kl-tolerance", type=float, help="with --nonexpert-sensitivity")
     args = ap.parse_args()
-    graded_only = ("budget", "budget_total", "target_bpw", "scores", "k_hi", "routes", "context",
-                   "batch", "prompt_cache_tokens", "headroom_gib", "nonexpert_sensitivity",
-                   "kl_tolerance")
+    graded_only = (
+        "budget",
+        "budget_total",
+        "target_bpw",
+        "scores",
+        "k_hi",
+        "routes",
+        "context",
+        "batch",
+        "prompt_cache_tokens",
+        "headroom_gib",
+        "nonexpert_sensitivity",
+        "kl_tolerance",
+    )
     given = [f"--{k.replace('_', '-')}" for k in graded_only if getattr(args, k) is not None]
     if args.profile != "graded" and given:
         ap.error(f"{', '.join(given)}: only with --profile graded")
@@ -260,22 +343,37 @@ def main() -> None:
         ap.error("--mxfp4: only with a profile other than mxfp4")
     plan_kw = None
     if args.profile == "graded":
-        plan_kw = {"ranks": args.ranks, "lo": args.lo, "context": args.context,
-                   "batch": args.batch, "prompt_cache_tokens": args.prompt_cache_tokens,
-                   "budget": int(args.budget) if args.budget is not None else None,
-                   "budget_total": int(args.budget_total) if args.budget_total else None,
-                   "target_bpw": args.target_bpw,
-                   "headroom": None if args.headroom_gib is None
-                   else int(args.headroom_gib * GiB)}
+        plan_kw = {
+            "ranks": args.ranks,
+            "lo": args.lo,
+            "context": args.context,
+            "batch": args.batch,
+            "prompt_cache_tokens": args.prompt_cache_tokens,
+            "budget": int(args.budget) if args.budget is not None else None,
+            "budget_total": int(args.budget_total) if args.budget_total else None,
+            "target_bpw": args.target_bpw,
+            "headroom": None if args.headroom_gib is None else int(args.headroom_gib * GiB),
+        }
         if args.nonexpert_sensitivity:
             tol = args.kl_tolerance or planner.DEFAULT_KL_TOLERANCE
             plan_kw["nonexpert"], plan_kw["nonexpert_from"] = planner.measured_nonexpert(
-                planner.read_sensitivity(args.nonexpert_sensitivity), tol)
+                planner.read_sensitivity(args.nonexpert_sensitivity), tol
+            )
     try:
-        path = convert_profile(args.src, args.out, args.profile, mxfp4_dir=args.mxfp4,
-                               nonexpert_bits=args.nonexpert_bits, group_size=args.group_size,
-                               nonexpert=args.nonexpert, scores=args.scores, plan_kw=plan_kw,
-                               k_hi=args.k_hi, routes=args.routes, allocation=args.allocation)
+        path = convert_profile(
+            args.src,
+            args.out,
+            args.profile,
+            mxfp4_dir=args.mxfp4,
+            nonexpert_bits=args.nonexpert_bits,
+            group_size=args.group_size,
+            nonexpert=args.nonexpert,
+            scores=args.scores,
+            plan_kw=plan_kw,
+            k_hi=args.k_hi,
+            routes=args.routes,
+            allocation=args.allocation,
+        )
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {path}")

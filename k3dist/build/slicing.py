@@ -89,12 +89,12 @@ def check_rank(rank: int, size: int) -> None:
     if size < 1:
         raise CheckpointError(f"--size {size} must be at least 1")
     if not 0 <= rank < size:
-        raise CheckpointError(f"--rank {rank} must be in 0..{size - 1} (0..size-1 for "
-                              f"--size {size})")
+        raise CheckpointError(
+            f"--rank {rank} must be in 0..{size - 1} (0..size-1 for --size {size})"
+        )
 
 
-def placement_for(build: str | Path, size: int, counts_path: str | Path | None = None
-                  ) -> Placement:
+def placement_for(build: str | Path, size: int, counts_path: str | Path | None = None) -> Placement:
     """The placement for a build or source folder: contiguous, or load-aware from
     routing counts."""
     config = load_config(build)
@@ -114,11 +114,18 @@ def _is_vision(name: str) -> bool:
     return name.startswith(layout.VISION_PREFIXES)
 
 
-def _identity(build_hash: str, rank: int, size: int, placement: Placement,
-              attention: str = "replicated") -> dict:
-    return {"format_version": FORMAT_VERSION, "kind": "rank", "build_hash": build_hash,
-            "rank": rank, "size": size, "placement_hash": placement.hash,
-            "attention": attention}
+def _identity(
+    build_hash: str, rank: int, size: int, placement: Placement, attention: str = "replicated"
+) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "kind": "rank",
+        "build_hash": build_hash,
+        "rank": rank,
+        "size": size,
+        "placement_hash": placement.hash,
+        "attention": attention,
+    }
 
 
 def resolve_attention(attention: str | None, size: int) -> str:
@@ -126,14 +133,17 @@ def resolve_attention(attention: str | None, size: int) -> str:
     split, so it is always ``replicated``."""
     attention = attention or "split"
     if attention not in layout.ATTENTION_MODES:
-        raise CheckpointError(f"--attention must be one of {layout.ATTENTION_MODES}, not "
-                              f"{attention!r}")
+        raise CheckpointError(
+            f"--attention must be one of {layout.ATTENTION_MODES}, not {attention!r}"
+        )
     return "replicated" if size <= 1 else attention
 
 
 def _describe(ident: dict) -> str:
-    return (f"rank {ident.get('rank')} of {ident.get('size')} of build "
-            f"{ident.get('build_hash')} (placement {ident.get('placement_hash')})")
+    return (
+        f"rank {ident.get('rank')} of {ident.get('size')} of build "
+        f"{ident.get('build_hash')} (placement {ident.get('placement_hash')})"
+    )
 
 
 def _copy_file(src: Path, dst: Path) -> None:
@@ -162,8 +172,9 @@ def _runs(ids: list[int], per: int) -> list[tuple[int, int]]:
     return out
 
 
-def _split_reads(t: TensorInfo, rule: tuple[int, int], rank: int, size: int
-                 ) -> tuple[tuple[int, ...], list]:
+def _split_reads(
+    t: TensorInfo, rule: tuple[int, int], rank: int, size: int
+) -> tuple[tuple[int, ...], list]:
     """(output shape, reads) of this rank's part of a non-expert tensor divided across
     ranks (``layout.split_rule``). A read is (offset, length, columns): ``columns``
     (row bytes, start, stop) keeps those bytes of every row of the block read."""
@@ -171,37 +182,54 @@ def _split_reads(t: TensorInfo, rule: tuple[int, int], rank: int, size: int
     spans = layout.split_slice(t.shape, rule, rank, size)
     shape = list(t.shape)
     shape[axis] = sum(b - a for a, b in spans)
-    inner = t.nbytes // int(np.prod(t.shape[:axis + 1]))  # bytes per index along axis
+    inner = t.nbytes // int(np.prod(t.shape[: axis + 1]))  # bytes per index along axis
     if axis == 0:
-        reads = [(a * inner + s, n, None) for a, b in spans
-                 for s, n in _runs([0], (b - a) * inner)]
+        reads = [(a * inner + s, n, None) for a, b in spans for s, n in _runs([0], (b - a) * inner)]
         return tuple(shape), reads
     if axis != len(t.shape) - 1:
-        raise CheckpointError(f"{t.path}: {t.name!r} would split along axis {axis}; only "
-                              "the first or last axis can be divided across ranks")
+        raise CheckpointError(
+            f"{t.path}: {t.name!r} would split along axis {axis}; only "
+            "the first or last axis can be divided across ranks"
+        )
     row = t.shape[-1] * inner
     rows = t.nbytes // row
     per = max(1, CHUNK_BYTES // row)
     cols = [(a * inner, b * inner) for a, b in spans]
-    reads = [(r * row, min(per, rows - r) * row, (row, c0, c1))
-             for r in range(0, rows, per) for c0, c1 in cols]
+    reads = [
+        (r * row, min(per, rows - r) * row, (row, c0, c1))
+        for r in range(0, rows, per)
+        for c0, c1 in cols
+    ]
     return tuple(shape), reads
 
 
 def _folder(out: Path, ident: dict, source_kind: str) -> JournaledFolder:
-    return JournaledFolder(out, "rank", ident, source=source_kind, describe=_describe,
-                           hint=" (e.g. one with {rank})")
+    return JournaledFolder(
+        out, "rank", ident, source=source_kind, describe=_describe, hint=" (e.g. one with {rank})"
+    )
 
 
-def _write_manifest(folder: JournaledFolder, placement: Placement, build: Path,
-                    safetensors: dict[str, dict], small: list[str], seconds: float,
-                    split: list[int] | None = None) -> dict:
+def _write_manifest(
+    folder: JournaledFolder,
+    placement: Placement,
+    build: Path,
+    safetensors: dict[str, dict],
+    small: list[str],
+    seconds: float,
+    split: list[int] | None = None,
+) -> dict:
     """``k3dist.json``, last: sha256 of the tensor files from the journal (computed
     while writing; never a second read of the folder), of the small files here."""
     out, ident = folder.path, folder.identity
-    files = {name: {"sha256": e["sha256"], "bytes": e["bytes"],
-                    "header_sha256": e["header_sha256"], "tensors": e["tensor_sha256"]}
-             for name, e in safetensors.items()}
+    files = {
+        name: {
+            "sha256": e["sha256"],
+            "bytes": e["bytes"],
+            "header_sha256": e["header_sha256"],
+            "tensors": e["tensor_sha256"],
+        }
+        for name, e in safetensors.items()
+    }
     for name in small:
         files[name] = {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
     manifest = {
@@ -226,22 +254,28 @@ def _write_manifest(folder: JournaledFolder, placement: Placement, build: Path,
     return manifest
 
 
-def _check_placement(placement: Placement, size: int, num_experts: int, layers: set[int],
-                     where: str) -> None:
+def _check_placement(
+    placement: Placement, size: int, num_experts: int, layers: set[int], where: str
+) -> None:
     placement.validate()
     if placement.size != size:
-        raise PlacementError(f"placement is for {placement.size} ranks but --size is {size}; "
-                             "make the placement for this size (or pass --size "
-                             f"{placement.size})")
+        raise PlacementError(
+            f"placement is for {placement.size} ranks but --size is {size}; "
+            "make the placement for this size (or pass --size "
+            f"{placement.size})"
+        )
     if placement.num_experts != num_experts:
-        raise PlacementError(f"placement maps {placement.num_experts} experts per layer but "
-                             f"{where} has {num_experts}; make the placement from its config")
+        raise PlacementError(
+            f"placement maps {placement.num_experts} experts per layer but "
+            f"{where} has {num_experts}; make the placement from its config"
+        )
     missing, extra = sorted(layers - set(placement.owners)), sorted(set(placement.owners) - layers)
     if missing or extra:
         raise PlacementError(
             f"placement covers MoE layers {_short(placement.owners)} but {where} has expert "
             f"stacks for {_short(layers)} (missing {_short(missing)}, extra {_short(extra)}); "
-            "make the placement from this model's config")
+            "make the placement from this model's config"
+        )
 
 
 def _short(xs, n: int = 8) -> str:
@@ -251,37 +285,58 @@ def _short(xs, n: int = 8) -> str:
 
 # ----------------------------------------------------------------------------- build input
 
+
 class BuildSlicer:
     """Slice an mlx-lm-format build (ours or a community one) for one rank."""
 
-    def __init__(self, build: Path, out: Path, rank: int, size: int, placement: Placement,
-                 attention: str | None = None):
+    def __init__(
+        self,
+        build: Path,
+        out: Path,
+        rank: int,
+        size: int,
+        placement: Placement,
+        attention: str | None = None,
+    ):
         check_rank(rank, size)
         self.size = size
         self.build, self.out, self.rank = build, out, rank
         self.config = load_config(build)
         self.config_bytes = (build / "config.json").read_bytes()
         if not (build / INDEX_NAME).exists():
-            raise CheckpointError(f"{build}: no {INDEX_NAME}; an MLX build folder has an "
-                                  "index (python -m k3dist.build.convert writes one)")
+            raise CheckpointError(
+                f"{build}: no {INDEX_NAME}; an MLX build folder has an "
+                "index (python -m k3dist.build.convert writes one)"
+            )
         self.index_bytes = (build / INDEX_NAME).read_bytes()
         self.manifest = self._build_manifest()
         self.index = json.loads(self.index_bytes)
         self.weight_map: dict[str, str] = {
-            n: f for n, f in self.index["weight_map"].items()
-            if rank in vision_ranks(size) or not _is_vision(n)}
-        self.build_hash = (self.manifest["build_hash"] if self.manifest else
-                           hashlib.sha256(self.index_bytes + self.config_bytes).hexdigest()[:16])
+            n: f
+            for n, f in self.index["weight_map"].items()
+            if rank in vision_ranks(size) or not _is_vision(n)
+        }
+        self.build_hash = (
+            self.manifest["build_hash"]
+            if self.manifest
+            else hashlib.sha256(self.index_bytes + self.config_bytes).hexdigest()[:16]
+        )
         self.files = list(dict.fromkeys(self.weight_map.values()))
         self.headers = {f: read_header(build / f) for f in self.files}
         self._check_index()
         tc = layout.text_config(self.config)
         E = tc.get("num_experts")
-        self.stacks = {n: layer for h in self.headers.values() for n in h.tensors
-                       if (layer := stacked_layer(n)) is not None}
+        self.stacks = {
+            n: layer
+            for h in self.headers.values()
+            for n in h.tensors
+            if (layer := stacked_layer(n)) is not None
+        }
         if self.stacks and not E:
-            raise CheckpointError(f"{build}/config.json: no num_experts but the build has "
-                                  "stacked experts; is config.json from this build?")
+            raise CheckpointError(
+                f"{build}/config.json: no num_experts but the build has "
+                "stacked experts; is config.json from this build?"
+            )
         self.gmap = graded.GradedMap.from_config(self.config)
         for h in self.headers.values():
             for n, t in h.tensors.items():
@@ -291,7 +346,8 @@ class BuildSlicer:
                         f"{h.path}: stacked expert tensor {n!r} is {t.dtype}{list(t.shape)} "
                         f"but config.json implies {rows} experts (num_experts={E}, graded "
                         f"map {'yes' if self.gmap else 'no'}); the leading dim must match "
-                        "(a rank folder cannot be sliced again)")
+                        "(a rank folder cannot be sliced again)"
+                    )
         _check_placement(placement, size, E, set(self.stacks.values()), str(build))
         if self.gmap is not None:
             for layer, ids in self.gmap.hi.items():
@@ -301,48 +357,63 @@ class BuildSlicer:
                         f"placement gives rank(s) {sorted(set(range(size)) - held)} none of "
                         f"layer {layer}'s {len(ids)} promoted experts (an empty hi bank); "
                         "use k3dist.format.graded.balance_hi(placement, "
-                        "GradedMap.from_config(cfg))")
+                        "GradedMap.from_config(cfg))"
+                    )
         self.placement = placement
         self.tc = tc
         self.attention = resolve_attention(attention, size)
-        shapes = {n: t.shape for h in self.headers.values() for n, t in h.tensors.items()
-                  if n not in self.stacks}
-        self.split_layers = (set(layout.split_layers(tc, size, shapes))
-                             if self.attention == "split" else set())
+        shapes = {
+            n: t.shape
+            for h in self.headers.values()
+            for n, t in h.tensors.items()
+            if n not in self.stacks
+        }
+        self.split_layers = (
+            set(layout.split_layers(tc, size, shapes)) if self.attention == "split" else set()
+        )
         self.ident = _identity(self.build_hash, rank, size, placement, self.attention)
 
     def _build_manifest(self) -> dict | None:
         p = self.build / MANIFEST
         if not p.exists():
             if (self.build / JOURNAL).exists():
-                raise CheckpointError(f"{self.build}: an unfinished conversion (journal, no "
-                                      f"{MANIFEST}); finish it with python -m k3dist.build.convert")
+                raise CheckpointError(
+                    f"{self.build}: an unfinished conversion (journal, no "
+                    f"{MANIFEST}); finish it with python -m k3dist.build.convert"
+                )
             return None  # e.g. an mlx-community build
         return manifest.verify(self.build, "build")
 
     def _check_index(self) -> None:
         for name, f in self.weight_map.items():
             if name not in self.headers[f].tensors:
-                raise CheckpointError(f"{self.build / f}: the index places {name!r} here but "
-                                      "the file does not hold it; copy the build again")
+                raise CheckpointError(
+                    f"{self.build / f}: the index places {name!r} here but "
+                    "the file does not hold it; copy the build again"
+                )
 
     def _plan(self, fname: str) -> list[tuple[TensorInfo, tuple[int, ...], list]]:
         """(tensor, output shape, byte ranges) in the file's data order."""
         plan = []
         for t in sorted(self.headers[fname].tensors.values(), key=lambda t: t.start):
             layer = self.stacks.get(t.name)
-            rule = (layout.split_rule(self.tc, t.name)
-                    if layout.layer_of(t.name) in self.split_layers else None)
+            rule = (
+                layout.split_rule(self.tc, t.name)
+                if layout.layer_of(t.name) in self.split_layers
+                else None
+            )
             if rule is not None:
                 plan.append((t, *_split_reads(t, rule, self.rank, self.size)))
             elif layer is None:
                 plan.append((t, t.shape, [(s, n, None) for s, n in _runs([0], t.nbytes)]))
             else:
-                mine = graded.local_rows(self.gmap, t.name, self.placement.num_experts,
-                                        self.placement, self.rank)
+                mine = graded.local_rows(
+                    self.gmap, t.name, self.placement.num_experts, self.placement, self.rank
+                )
                 per = t.nbytes // t.shape[0]
-                plan.append((t, (len(mine), *t.shape[1:]),
-                             [(s, n, None) for s, n in _runs(mine, per)]))
+                plan.append(
+                    (t, (len(mine), *t.shape[1:]), [(s, n, None) for s, n in _runs(mine, per)])
+                )
         return plan
 
     def _slice_file(self, fname: str, bar: tqdm) -> dict:
@@ -358,28 +429,38 @@ class BuildSlicer:
                     data = np.frombuffer(data, np.uint8).reshape(-1, row)[:, a:b].tobytes()
                 yield data
 
-        with StreamWriter(self.out / fname, entries,
-                          self.headers[fname].metadata or None) as w:
+        with StreamWriter(self.out / fname, entries, self.headers[fname].metadata or None) as w:
             for t, _, ranges in plan:
                 w.write(t.name, chunks(t, ranges))
-        return {"file": fname, "bytes": w.size, "sha256": w.sha256, "tensors": len(entries),
-                "header_sha256": w.header_sha256, "tensor_sha256": w.tensor_sha256}
+        return {
+            "file": fname,
+            "bytes": w.size,
+            "sha256": w.sha256,
+            "tensors": len(entries),
+            "header_sha256": w.header_sha256,
+            "tensor_sha256": w.tensor_sha256,
+        }
 
     def _small_files(self) -> list[str]:
         """Tokenizer and other files to carry: not tensors, index, manifest or journal."""
         skip = {INDEX_NAME, MANIFEST, JOURNAL, "config.json"}
-        return sorted(p.name for p in self.build.iterdir()
-                      if p.is_file() and not p.name.startswith(".") and p.name not in skip
-                      and not p.name.endswith((".safetensors", ".partial", ".tmp")))
+        return sorted(
+            p.name
+            for p in self.build.iterdir()
+            if p.is_file()
+            and not p.name.startswith(".")
+            and p.name not in skip
+            and not p.name.endswith((".safetensors", ".partial", ".tmp"))
+        )
 
     def run(self, progress: bool = True) -> Path:
         folder = _folder(self.out, self.ident, "build")
         if folder.open():
             return self.out
-        total = sum(sum(r[1] for r in ranges) for f in self.files for _, _, ranges in
-                    self._plan(f))
-        bar = tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
-                   desc=f"rank {self.rank}")
+        total = sum(sum(r[1] for r in ranges) for f in self.files for _, _, ranges in self._plan(f))
+        bar = tqdm(
+            total=total, unit="B", unit_scale=True, disable=not progress, desc=f"rank {self.rank}"
+        )
         t0 = time.perf_counter()
         for f in self.files:
             if not folder.unit(f, lambda f=f: self._slice_file(f, bar)):
@@ -387,41 +468,61 @@ class BuildSlicer:
         bar.close()
         total_size = sum(folder.done[f]["bytes"] for f in self.files)
         meta = {**self.index.get("metadata", {}), "total_size": total_size}
-        write_json_atomic(self.out / INDEX_NAME,
-                          {"metadata": meta, "weight_map": self.weight_map})
+        write_json_atomic(self.out / INDEX_NAME, {"metadata": meta, "weight_map": self.weight_map})
         small = self._small_files()
         _copy_file(self.build / "config.json", self.out / "config.json")
         for name in small:
             _copy_file(self.build / name, self.out / name)
-        _write_manifest(folder, self.placement, self.build,
-                        {f: folder.done[f] for f in self.files},
-                        [INDEX_NAME, "config.json", *small], time.perf_counter() - t0,
-                        sorted(self.split_layers))
+        _write_manifest(
+            folder,
+            self.placement,
+            self.build,
+            {f: folder.done[f] for f in self.files},
+            [INDEX_NAME, "config.json", *small],
+            time.perf_counter() - t0,
+            sorted(self.split_layers),
+        )
         return self.out
 
 
 # ----------------------------------------------------------------------------- source input
 
+
 class SourceSlicer:
     """Write a rank folder straight from a Moonshot-format source: the converter,
     unit by unit, with this rank's expert subset."""
 
-    def __init__(self, src: Path, out: Path, rank: int, size: int, placement: Placement,
-                 nonexpert_bits: int = 16, group_size: int = 64,
-                 attention: str | None = "replicated"):
+    def __init__(
+        self,
+        src: Path,
+        out: Path,
+        rank: int,
+        size: int,
+        placement: Placement,
+        nonexpert_bits: int = 16,
+        group_size: int = 64,
+        attention: str | None = "replicated",
+    ):
         check_rank(rank, size)
         if resolve_attention(attention, size) == "split":
-            raise CheckpointError(f"{src}: a Moonshot-format source slices with attention "
-                                  "replicated; to split attention across ranks convert it "
-                                  "first (python -m k3dist.build.convert) and slice the build, "
-                                  "or slice with --attention replicated")
+            raise CheckpointError(
+                f"{src}: a Moonshot-format source slices with attention "
+                "replicated; to split attention across ranks convert it "
+                "first (python -m k3dist.build.convert) and slice the build, "
+                "or slice with --attention replicated"
+            )
         self.src = Source(src)
         tc = self.src.text_config
         moe = set(layout.moe_layers(tc))
         _check_placement(placement, size, tc.get("num_experts") or 0, moe, str(src))
         self.placement, self.rank, self.out, self.size = placement, rank, out, size
-        self.conv = convert.Converter(self.src, out, nonexpert_bits, group_size,
-                                      experts=lambda layer: placement.experts_of(layer, rank))
+        self.conv = convert.Converter(
+            self.src,
+            out,
+            nonexpert_bits,
+            group_size,
+            experts=lambda layer: placement.experts_of(layer, rank),
+        )
         self.conv.preflight()  # every header and A_log tail before anything is written
         self.build_hash = convert.build_hash(self.conv.ident)
         self.ident = _identity(self.build_hash, rank, size, placement)
@@ -442,10 +543,16 @@ class SourceSlicer:
         folder = _folder(self.out, self.ident, "source")
         if folder.open():
             return self.out
-        groups = [g for g in self.conv.units()
-                  if g != "vision" or self.rank in vision_ranks(self.size)]
-        bar = tqdm(total=sum(self._unit_bytes(g) for g in groups), unit="B", unit_scale=True,
-                   disable=not progress, desc=f"rank {self.rank}")
+        groups = [
+            g for g in self.conv.units() if g != "vision" or self.rank in vision_ranks(self.size)
+        ]
+        bar = tqdm(
+            total=sum(self._unit_bytes(g) for g in groups),
+            unit="B",
+            unit_scale=True,
+            disable=not progress,
+            desc=f"rank {self.rank}",
+        )
         t0 = time.perf_counter()
         for g in groups:
             if folder.unit(g, lambda g=g: self.conv.convert_unit(g)):
@@ -454,18 +561,32 @@ class SourceSlicer:
         bar.close()
         done = folder.done
         copied = self.conv.write_metadata(done, groups)
-        _write_manifest(folder, self.placement, self.src.path,
-                        {done[g]["file"]: done[g] for g in groups},
-                        [INDEX_NAME, "config.json", *copied], time.perf_counter() - t0)
+        _write_manifest(
+            folder,
+            self.placement,
+            self.src.path,
+            {done[g]["file"]: done[g] for g in groups},
+            [INDEX_NAME, "config.json", *copied],
+            time.perf_counter() - t0,
+        )
         return self.out
 
 
 # ----------------------------------------------------------------------------- entry points
 
-def slice_rank(build: str | Path, out: str | Path, rank: int, size: int,
-               placement: Placement | None = None, progress: bool = True, *,
-               nonexpert_bits: int = 16, group_size: int = 64,
-               attention: str | None = None) -> Path:
+
+def slice_rank(
+    build: str | Path,
+    out: str | Path,
+    rank: int,
+    size: int,
+    placement: Placement | None = None,
+    progress: bool = True,
+    *,
+    nonexpert_bits: int = 16,
+    group_size: int = 64,
+    attention: str | None = None,
+) -> Path:
     """Write rank ``rank`` of ``size``'s folder from an MLX build or a Moonshot-format
     source (``nonexpert_bits``/``group_size``: source input only, as in convert).
     ``attention``: ``split`` (a build's default: each rank holds its share of every
@@ -476,27 +597,41 @@ def slice_rank(build: str | Path, out: str | Path, rank: int, size: int,
     build, out = Path(build), Path(out)
     check_rank(rank, size)
     if not build.is_dir():
-        raise CheckpointError(f"{build}: not a folder; --build names an MLX build (python -m "
-                              "k3dist.build.convert) or a Moonshot-format checkpoint")
+        raise CheckpointError(
+            f"{build}: not a folder; --build names an MLX build (python -m "
+            "k3dist.build.convert) or a Moonshot-format checkpoint"
+        )
     if out.resolve() == build.resolve():
         raise CheckpointError(f"{out}: is the input folder itself; choose another --out")
     if placement is None:
         placement = placement_for(build, size)
     if is_source(build):
-        slicer = SourceSlicer(build, out, rank, size, placement, nonexpert_bits, group_size,
-                              attention or "replicated")
+        slicer = SourceSlicer(
+            build, out, rank, size, placement, nonexpert_bits, group_size, attention or "replicated"
+        )
     else:
         slicer = BuildSlicer(build, out, rank, size, placement, attention)
     return slicer.run(progress)
 
 
-def slice_all(build: str | Path, out_pattern: str, size: int,
-              placement: Placement | None = None, progress: bool = True,
-              attention: str | None = None) -> list[Path]:
+def slice_all(
+    build: str | Path,
+    out_pattern: str,
+    size: int,
+    placement: Placement | None = None,
+    progress: bool = True,
+    attention: str | None = None,
+) -> list[Path]:
     """Every rank's folder; ``out_pattern`` holds ``{rank}``."""
     if size > 1 and "{rank}" not in out_pattern:
-        raise CheckpointError(f"--out {out_pattern!r} has no {{rank}}; every rank needs its "
-                              "own folder (e.g. runs/ranks/rank{rank})")
+        raise CheckpointError(
+            f"--out {out_pattern!r} has no {{rank}}; every rank needs its "
+            "own folder (e.g. runs/ranks/rank{rank})"
+        )
     placement = placement or placement_for(build, size)
-    return [slice_rank(build, out_pattern.format(rank=r), r, size, placement, progress,
-                       attention=attention) for r in range(size)]
+    return [
+        slice_rank(
+            build, out_pattern.format(rank=r), r, size, placement, progress, attention=attention
+        )
+        for r in range(size)
+    ]

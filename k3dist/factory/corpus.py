@@ -99,23 +99,33 @@ def collect(lib: Path | None = None) -> list[dict]:
     for path in sorted(lib.glob("*.py")):
         src = path.read_text(encoding="utf-8")
         name = path.name
-        docs.append(dict(id=f"code:{name}", group=f"module:{name}", domain="code",
-                         source=name, text=src))
+        docs.append(
+            dict(id=f"code:{name}", group=f"module:{name}", domain="code", source=name, text=src)
+        )
         prose = _docstrings(src)
         if prose:
-            docs.append(dict(id=f"prose:{name}", group=f"module:{name}", domain="prose",
-                             source=name, text=prose))
+            docs.append(
+                dict(
+                    id=f"prose:{name}",
+                    group=f"module:{name}",
+                    domain="prose",
+                    source=name,
+                    text=prose,
+                )
+            )
     for topic, text in sorted(_topics(lib).items()):
         src = f"pydoc_data/topics.py#{topic}"
-        docs.append(dict(id=f"prose:{src}", group=f"topic:{topic}", domain="prose",
-                         source=src, text=text))
+        docs.append(
+            dict(id=f"prose:{src}", group=f"topic:{topic}", domain="prose", source=src, text=text)
+        )
     if not docs:
         raise ValueError(f"{lib}: no *.py files; pass the interpreter's stdlib folder")
     return sorted(docs, key=lambda d: d["id"])
 
 
-def assign_splits(docs: list[dict], fractions: dict[str, float] = FRACTIONS,
-                  salt: str = SALT) -> list[Document]:
+def assign_splits(
+    docs: list[dict], fractions: dict[str, float] = FRACTIONS, salt: str = SALT
+) -> list[Document]:
     """Deal whole groups to eval, then calib, until each holds its byte share of every
     domain the group touches; everything else is train. Order: salted SHA-256 of the
     group name, so the outcome depends only on the group names and texts."""
@@ -162,7 +172,7 @@ def write(docs: list[Document], out: Path = CORPUS_DIR, lib: Path | None = None)
     lib = Path(lib) if lib is not None else stdlib_dir()
     manifest = {
         "source": f"CPython {sys.version.split()[0]} standard library: {lib.name}/*.py "
-                  "and pydoc_data/topics.py",
+        "and pydoc_data/topics.py",
         "licence": "PSF License Agreement for Python (LICENSE.PSF.txt)",
         "salt": SALT,
         "fractions": FRACTIONS,
@@ -191,8 +201,7 @@ def load(path: Path = CORPUS_DIR) -> list[Document]:
         return [Document(**json.loads(line)) for line in f]
 
 
-def load_split(split: str, domain: str | None = None,
-               path: Path = CORPUS_DIR) -> list[Document]:
+def load_split(split: str, domain: str | None = None, path: Path = CORPUS_DIR) -> list[Document]:
     """The documents of one split (and domain), in id order."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
@@ -220,8 +229,10 @@ def format_stats(st: dict) -> str:
             r = st[s][dom]
             tok = r.get("tokens")
             ratio = f"{r['bytes'] / tok:6.2f}" if tok else f"{'-':>6}"
-            lines.append(f"{s:<6} {dom:<6} {r['docs']:>5} {r['bytes']:>10,} "
-                         f"{tok if tok is not None else '-':>9} {ratio}")
+            lines.append(
+                f"{s:<6} {dom:<6} {r['docs']:>5} {r['bytes']:>10,} "
+                f"{tok if tok is not None else '-':>9} {ratio}"
+            )
     return "\n".join(lines)
 
 
@@ -236,8 +247,9 @@ def training_text(docs: list[Document]) -> str:
     return "\n\n".join(d.text for d in docs)
 
 
-def train_tokenizer(docs: list[Document], out_dir: Path = TOKENIZER_DIR,
-                    vocab_size: int = BASE_VOCAB) -> int:
+def train_tokenizer(
+    docs: list[Document], out_dir: Path = TOKENIZER_DIR, vocab_size: int = BASE_VOCAB
+) -> int:
     """BPE on the train documents, written in K3's layout; returns the full vocab size
     (base + 256 control tokens)."""
     ranks = bpe.train_bpe(training_text(docs), vocab_size)

@@ -39,8 +39,9 @@ def files_of(cfg: dict) -> dict[str, list[layout.TensorSpec]]:
     return by_file
 
 
-def write_source(out: str | Path, cfg: dict, data: Callable[[layout.TensorSpec], bytes],
-                 desc: str | None = None) -> Path:
+def write_source(
+    out: str | Path, cfg: dict, data: Callable[[layout.TensorSpec], bytes], desc: str | None = None
+) -> Path:
     """Write every tensor of ``cfg``'s source layout (``data(spec)``: its raw bytes, in
     the spec's dtype and shape), the index and ``config.json`` into ``out``; a progress
     bar titled ``desc`` when given. Tokenizer files are the caller's."""
@@ -48,8 +49,13 @@ def write_source(out: str | Path, cfg: dict, data: Callable[[layout.TensorSpec],
     out.mkdir(parents=True, exist_ok=True)
     by_file = files_of(cfg)
     weight_map, total = {}, 0
-    bar = tqdm(total=sum(s.nbytes for v in by_file.values() for s in v), unit="B",
-               unit_scale=True, desc=desc, disable=desc is None)
+    bar = tqdm(
+        total=sum(s.nbytes for v in by_file.values() for s in v),
+        unit="B",
+        unit_scale=True,
+        desc=desc,
+        disable=desc is None,
+    )
     for fname, specs in by_file.items():
         entries = [(s.name, s.dtype, s.shape) for s in specs]
         with StreamWriter(out / fname, entries, {"format": "pt"}) as w:

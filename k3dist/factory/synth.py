@@ -60,33 +60,90 @@ class Preset:
 
 PRESETS = {
     # Tests: seconds to write, convert and run; 16 experts split 2 or 4 ways.
-    "mini": Preset(hidden_size=64, num_layers=6, attn_res_block_size=2, kda_heads=4,
-                   kda_head_dim=16, mla_heads=4, q_lora_rank=32, kv_lora_rank=32,
-                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                   intermediate_size=128, num_experts=16, experts_per_token=4,
-                   moe_intermediate_size=32, latent_size=32, base_vocab=512),
+    "mini": Preset(
+        hidden_size=64,
+        num_layers=6,
+        attn_res_block_size=2,
+        kda_heads=4,
+        kda_head_dim=16,
+        mla_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=128,
+        num_experts=16,
+        experts_per_token=4,
+        moe_intermediate_size=32,
+        latent_size=32,
+        base_vocab=512,
+    ),
     # Tests of g64 / g128 lo banks: "mini" with routed experts and latent 128 wide.
-    "mini128": Preset(hidden_size=64, num_layers=6, attn_res_block_size=2, kda_heads=4,
-                      kda_head_dim=16, mla_heads=4, q_lora_rank=32, kv_lora_rank=32,
-                      qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                      intermediate_size=128, num_experts=16, experts_per_token=4,
-                      moe_intermediate_size=128, latent_size=128, base_vocab=512),
+    "mini128": Preset(
+        hidden_size=64,
+        num_layers=6,
+        attn_res_block_size=2,
+        kda_heads=4,
+        kda_head_dim=16,
+        mla_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=128,
+        num_experts=16,
+        experts_per_token=4,
+        moe_intermediate_size=128,
+        latent_size=128,
+        base_vocab=512,
+    ),
     # Benchmarks: routed experts are ~85% of ~450 MB, as they dominate the real model.
-    "bench": Preset(hidden_size=1024, num_layers=8, attn_res_block_size=4, kda_heads=8,
-                    kda_head_dim=128, mla_heads=8, q_lora_rank=256, kv_lora_rank=128,
-                    qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-                    intermediate_size=2048, num_experts=128, experts_per_token=8,
-                    moe_intermediate_size=512, latent_size=512, base_vocab=512),
+    "bench": Preset(
+        hidden_size=1024,
+        num_layers=8,
+        attn_res_block_size=4,
+        kda_heads=8,
+        kda_head_dim=128,
+        mla_heads=8,
+        q_lora_rank=256,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        intermediate_size=2048,
+        num_experts=128,
+        experts_per_token=8,
+        moe_intermediate_size=512,
+        latent_size=512,
+        base_vocab=512,
+    ),
     # The rehearsal (issue 26): every count of the real K3 (93 layers, 896 experts top-16,
     # 2 shared, 163,840-entry vocabulary, 27 vision blocks; the index is the real one key
     # for key and shard for shard), widths shrunk; expert widths multiples of 64 so the
     # 2-bit g64 lo bank of the real plan exists. ~1.0 GB on disk.
-    "k3counts": Preset(hidden_size=128, num_layers=93, attn_res_block_size=12, kda_heads=4,
-                       kda_head_dim=32, mla_heads=4, q_lora_rank=64, kv_lora_rank=64,
-                       qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-                       intermediate_size=256, num_experts=896, experts_per_token=16,
-                       moe_intermediate_size=64, latent_size=64, base_vocab=163584,
-                       vision_layers=27, real_counts=True),
+    "k3counts": Preset(
+        hidden_size=128,
+        num_layers=93,
+        attn_res_block_size=12,
+        kda_heads=4,
+        kda_head_dim=32,
+        mla_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        intermediate_size=256,
+        num_experts=896,
+        experts_per_token=16,
+        moe_intermediate_size=64,
+        latent_size=64,
+        base_vocab=163584,
+        vision_layers=27,
+        real_counts=True,
+    ),
 }
 
 
@@ -120,33 +177,55 @@ def make_config(p: Preset, vocab_size: int) -> dict:
     tc = cfg["text_config"]
     if p.real_counts:
         real_tc = real_config()["text_config"]
-        counts = {"num_hidden_layers": p.num_layers, "attn_res_block_size":
-                  p.attn_res_block_size, "num_experts": p.num_experts,
-                  "num_experts_per_token": p.experts_per_token, "vocab_size": vocab_size}
+        counts = {
+            "num_hidden_layers": p.num_layers,
+            "attn_res_block_size": p.attn_res_block_size,
+            "num_experts": p.num_experts,
+            "num_experts_per_token": p.experts_per_token,
+            "vocab_size": vocab_size,
+        }
         wrong = {k: (v, real_tc[k]) for k, v in counts.items() if real_tc[k] != v}
-        if wrong or (kda, full) != (real_tc["linear_attn_config"]["kda_layers"],
-                                    real_tc["linear_attn_config"]["full_attn_layers"]):
-            raise ValueError(f"a real-counts preset differs from the real config "
-                             f"(key: (preset, real)): {wrong}")
+        if wrong or (kda, full) != (
+            real_tc["linear_attn_config"]["kda_layers"],
+            real_tc["linear_attn_config"]["full_attn_layers"],
+        ):
+            raise ValueError(
+                f"a real-counts preset differs from the real config (key: (preset, real)): {wrong}"
+            )
     tc.update(
-        hidden_size=p.hidden_size, num_hidden_layers=p.num_layers,
-        attn_res_block_size=p.attn_res_block_size, num_attention_heads=p.mla_heads,
-        num_key_value_heads=p.mla_heads, q_lora_rank=p.q_lora_rank,
-        kv_lora_rank=p.kv_lora_rank, qk_nope_head_dim=p.qk_nope_head_dim,
-        qk_rope_head_dim=p.qk_rope_head_dim, v_head_dim=p.v_head_dim,
-        intermediate_size=p.intermediate_size, num_experts=p.num_experts,
+        hidden_size=p.hidden_size,
+        num_hidden_layers=p.num_layers,
+        attn_res_block_size=p.attn_res_block_size,
+        num_attention_heads=p.mla_heads,
+        num_key_value_heads=p.mla_heads,
+        q_lora_rank=p.q_lora_rank,
+        kv_lora_rank=p.kv_lora_rank,
+        qk_nope_head_dim=p.qk_nope_head_dim,
+        qk_rope_head_dim=p.qk_rope_head_dim,
+        v_head_dim=p.v_head_dim,
+        intermediate_size=p.intermediate_size,
+        num_experts=p.num_experts,
         num_experts_per_token=p.experts_per_token,
         moe_intermediate_size=p.moe_intermediate_size,
-        routed_expert_hidden_size=p.latent_size, vocab_size=vocab_size,
+        routed_expert_hidden_size=p.latent_size,
+        vocab_size=vocab_size,
         max_position_embeddings=4096,
     )
-    tc["linear_attn_config"].update(kda_layers=kda, full_attn_layers=full,
-                                    num_heads=p.kda_heads, head_dim=p.kda_head_dim)
+    tc["linear_attn_config"].update(
+        kda_layers=kda, full_attn_layers=full, num_heads=p.kda_heads, head_dim=p.kda_head_dim
+    )
     vc = cfg["vision_config"]
-    vc.update(vt_hidden_size=p.vision_hidden, mm_hidden_size=p.vision_hidden,
-              qkv_hidden_size=p.vision_hidden, vt_intermediate_size=2 * p.vision_hidden,
-              vt_num_attention_heads=2, vt_num_hidden_layers=p.vision_layers,
-              init_pos_emb_height=4, init_pos_emb_width=4, text_hidden_size=p.hidden_size)
+    vc.update(
+        vt_hidden_size=p.vision_hidden,
+        mm_hidden_size=p.vision_hidden,
+        qkv_hidden_size=p.vision_hidden,
+        vt_intermediate_size=2 * p.vision_hidden,
+        vt_num_attention_heads=2,
+        vt_num_hidden_layers=p.vision_layers,
+        init_pos_emb_height=4,
+        init_pos_emb_width=4,
+        text_hidden_size=p.hidden_size,
+    )
     return cfg
 
 
@@ -190,8 +269,7 @@ def tensor_bytes(spec: layout.TensorSpec, tc: dict, seed: int) -> bytes:
     return f32_to_bf16_bits(x).tobytes()
 
 
-def synthesize(out: str | Path, preset: str = "mini", seed: int = 0,
-               progress: bool = True) -> Path:
+def synthesize(out: str | Path, preset: str = "mini", seed: int = 0, progress: bool = True) -> Path:
     """Write a mini-K3 source checkpoint; returns its folder."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -206,8 +284,9 @@ def synthesize(out: str | Path, preset: str = "mini", seed: int = 0,
     vocab_size = tokenizer.write_tokenizer_files(out, ranks)
     cfg = make_config(p, vocab_size)
     tc = cfg["text_config"]
-    return moonshot.write_source(out, cfg, lambda s: tensor_bytes(s, tc, seed),
-                                 desc=f"synth {preset}" if progress else None)
+    return moonshot.write_source(
+        out, cfg, lambda s: tensor_bytes(s, tc, seed), desc=f"synth {preset}" if progress else None
+    )
 
 
 def main() -> None:

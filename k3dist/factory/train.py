@@ -73,42 +73,110 @@ from mlx_lm.models.switch_layers import SwitchGLU
 # q-LoRA and kv-LoRA, AttnRes blocks of 2-3 layers. Parameter counts: `describe(config)`.
 SIZES = {
     # 12.4M (4.1M active): 6 layers (MLA at 4 and 6), hidden 192, 64 experts top-4.
-    "s": synth.Preset(hidden_size=192, num_layers=6, attn_res_block_size=2, kda_heads=2,
-                      kda_head_dim=64, mla_heads=3, q_lora_rank=96, kv_lora_rank=64,
-                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-                      intermediate_size=512, num_experts=64, experts_per_token=4,
-                      moe_intermediate_size=96, latent_size=96, base_vocab=4096),
+    "s": synth.Preset(
+        hidden_size=192,
+        num_layers=6,
+        attn_res_block_size=2,
+        kda_heads=2,
+        kda_head_dim=64,
+        mla_heads=3,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        intermediate_size=512,
+        num_experts=64,
+        experts_per_token=4,
+        moe_intermediate_size=96,
+        latent_size=96,
+        base_vocab=4096,
+    ),
     # 31.9M (8.3M active): the issue's note (9 layers, hidden 256, 64 experts top-4;
     # MLA at 4, 8, 9).
     # KDA 2 heads x 64: the CPU training path loops over time steps on a
     # [batch, heads, 64, 64] state, so heads cost linearly (4 heads: ~2.3x slower KDA).
-    "m": synth.Preset(hidden_size=256, num_layers=9, attn_res_block_size=3, kda_heads=2,
-                      kda_head_dim=64, mla_heads=4, q_lora_rank=128, kv_lora_rank=64,
-                      qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-                      intermediate_size=768, num_experts=64, experts_per_token=4,
-                      moe_intermediate_size=128, latent_size=128, base_vocab=4096),
+    "m": synth.Preset(
+        hidden_size=256,
+        num_layers=9,
+        attn_res_block_size=3,
+        kda_heads=2,
+        kda_head_dim=64,
+        mla_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        intermediate_size=768,
+        num_experts=64,
+        experts_per_token=4,
+        moe_intermediate_size=128,
+        latent_size=128,
+        base_vocab=4096,
+    ),
     # Issue 27's second mini ("sparse"): expert and latent widths 128, so 2-bit g64/g128
     # and 3-bit g64 exist; 128 experts top-8 (6.25% active) and 2 shared experts; otherwise
     # `s` (6 layers, MLA at 4 and 6, hidden 192, KDA 2 x 64).
-    "sparse": synth.Preset(hidden_size=192, num_layers=6, attn_res_block_size=2,
-                           kda_heads=2, kda_head_dim=64, mla_heads=3, q_lora_rank=96,
-                           kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                           v_head_dim=32, intermediate_size=512, num_experts=128,
-                           experts_per_token=8, moe_intermediate_size=128, latent_size=128,
-                           base_vocab=4096),
+    "sparse": synth.Preset(
+        hidden_size=192,
+        num_layers=6,
+        attn_res_block_size=2,
+        kda_heads=2,
+        kda_head_dim=64,
+        mla_heads=3,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        intermediate_size=512,
+        num_experts=128,
+        experts_per_token=8,
+        moe_intermediate_size=128,
+        latent_size=128,
+        base_vocab=4096,
+    ),
     # The same with 256 experts top-8 (3.1% active, nearer K3's 1.8%).
-    "sparse256": synth.Preset(hidden_size=192, num_layers=6, attn_res_block_size=2,
-                              kda_heads=2, kda_head_dim=64, mla_heads=3, q_lora_rank=96,
-                              kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                              v_head_dim=32, intermediate_size=512, num_experts=256,
-                              experts_per_token=8, moe_intermediate_size=128,
-                              latent_size=128, base_vocab=4096),
+    "sparse256": synth.Preset(
+        hidden_size=192,
+        num_layers=6,
+        attn_res_block_size=2,
+        kda_heads=2,
+        kda_head_dim=64,
+        mla_heads=3,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        intermediate_size=512,
+        num_experts=256,
+        experts_per_token=8,
+        moe_intermediate_size=128,
+        latent_size=128,
+        base_vocab=4096,
+    ),
     # Tests: well under a second a step, still every K3 feature (MLA at 4, 5; 64 experts).
-    "tiny": synth.Preset(hidden_size=64, num_layers=5, attn_res_block_size=2, kda_heads=2,
-                         kda_head_dim=32, mla_heads=2, q_lora_rank=32, kv_lora_rank=32,
-                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                         intermediate_size=128, num_experts=64, experts_per_token=2,
-                         moe_intermediate_size=32, latent_size=32, base_vocab=4096),
+    "tiny": synth.Preset(
+        hidden_size=64,
+        num_layers=5,
+        attn_res_block_size=2,
+        kda_heads=2,
+        kda_head_dim=32,
+        mla_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=128,
+        num_experts=64,
+        experts_per_token=2,
+        moe_intermediate_size=32,
+        latent_size=32,
+        base_vocab=4096,
+    ),
 }
 MAX_EXPORT_BYTES = 30 * 1024 * 1024
 PRETRAINED_FILE = "pretrained.safetensors"  # the run's float weights at the freeze
@@ -129,9 +197,12 @@ def describe(config: dict) -> dict:
     n_expert = sum(math.prod(s.shape) * 2 for s in specs if s.name.endswith("weight_packed"))
     n_all = sum(math.prod(s.shape) for s in specs if s.family != "experts") + n_expert
     frac = tc["num_experts_per_token"] / tc["num_experts"]
-    return {"params": n_all, "expert_params": n_expert,
-            "active_params": int(n_all - n_expert * (1 - frac)),
-            "source_bytes": sum(s.nbytes for s in layout.source_specs(config))}
+    return {
+        "params": n_all,
+        "expert_params": n_expert,
+        "active_params": int(n_all - n_expert * (1 - frac)),
+        "source_bytes": sum(s.nbytes for s in layout.source_specs(config)),
+    }
 
 
 # ----------------------------------------------------------------------------- model
@@ -147,8 +218,7 @@ class CountingSwitchGLU(SwitchGLU):
 
 
 def moe_layers(model: nn.Module) -> list[kimi_k3.KimiK3SparseMoE]:
-    return [layer.mlp for layer in model.layers
-            if isinstance(layer.mlp, kimi_k3.KimiK3SparseMoE)]
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, kimi_k3.KimiK3SparseMoE)]
 
 
 def build_model(config: dict, seed: int = 0) -> kimi_k3.Model:
@@ -158,8 +228,12 @@ def build_model(config: dict, seed: int = 0) -> kimi_k3.Model:
     model = kimi_k3.Model(kimi_k3.ModelArgs.from_dict(config))
     for moe in moe_layers(model):
         old = moe.switch_mlp
-        new = CountingSwitchGLU(old.gate_proj.input_dims, old.gate_proj.output_dims,
-                                old.gate_proj.num_experts, activation=old.activation)
+        new = CountingSwitchGLU(
+            old.gate_proj.input_dims,
+            old.gate_proj.output_dims,
+            old.gate_proj.num_experts,
+            activation=old.activation,
+        )
         new.update(old.parameters())
         moe.switch_mlp = new
         moe.freeze(keys=["e_score_correction_bias"], recurse=False)
@@ -207,8 +281,10 @@ def init_from_source(model: nn.Module, config: dict, folder: str | Path) -> None
     folder = Path(folder)
     theirs = json.loads((folder / "config.json").read_text())
     if layout.text_config(theirs) != layout.text_config(config):
-        raise ValueError(f"{folder / 'config.json'}: its text config is not this run's "
-                         "size; pass the --size it was trained at (its training.json)")
+        raise ValueError(
+            f"{folder / 'config.json'}: its text config is not this run's "
+            "size; pass the --size it was trained at (its training.json)"
+        )
     src, _ = load_model(folder)
     flat = dict(tree_flatten(src.parameters()))
     weights = {}
@@ -244,7 +320,7 @@ def freeze_experts_mxfp4(model: nn.Module) -> dict:
             q.weight, q.scales = mxfp4.to_mlx(packed, scales)
             setattr(moe.switch_mlp, name, q)
             num += float(((mxfp4.decode(packed, scales) - w) ** 2).sum())
-            den += float((w ** 2).sum())
+            den += float((w**2).sum())
         errors[i] = math.sqrt(num / den)
     mx.eval(model.parameters())
     return errors
@@ -262,8 +338,9 @@ def token_stream(docs: list[corpus.Document], enc) -> np.ndarray:
     return np.concatenate(parts)
 
 
-def sample_batch(stream: np.ndarray, seed: int, step: int, batch: int, seq: int,
-                 rank: int = 0, size: int = 1) -> tuple[mx.array, mx.array]:
+def sample_batch(
+    stream: np.ndarray, seed: int, step: int, batch: int, seq: int, rank: int = 0, size: int = 1
+) -> tuple[mx.array, mx.array]:
     """``batch`` random windows of ``seq + 1`` tokens, a pure function of (seed, step),
     so a resumed run draws the batches it would have drawn; with ``size`` data-parallel
     ranks, this rank's equal share of that same global batch."""
@@ -272,15 +349,15 @@ def sample_batch(stream: np.ndarray, seed: int, step: int, batch: int, seq: int,
     rng = np.random.default_rng([seed, step])
     starts = rng.integers(0, len(stream) - seq - 1, size=batch)
     share = batch // size
-    starts = starts[rank * share:(rank + 1) * share]
-    w = np.stack([stream[s:s + seq + 1] for s in starts])
+    starts = starts[rank * share : (rank + 1) * share]
+    w = np.stack([stream[s : s + seq + 1] for s in starts])
     return mx.array(w[:, :-1]), mx.array(w[:, 1:])
 
 
 def fixed_windows(stream: np.ndarray, seq: int, n: int) -> tuple[mx.array, mx.array]:
     """The first n non-overlapping windows (deterministic evaluation batches)."""
     n = min(n, (len(stream) - 1) // seq)
-    w = np.stack([stream[i * seq:i * seq + seq + 1] for i in range(n)])
+    w = np.stack([stream[i * seq : i * seq + seq + 1] for i in range(n)])
     return mx.array(w[:, :-1]), mx.array(w[:, 1:])
 
 
@@ -291,10 +368,10 @@ def mean_nll(model: nn.Module, x: mx.array, y: mx.array, batch: int = 8) -> floa
     reset_caches(model)
     total, count = 0.0, 0
     for i in range(0, x.shape[0], batch):
-        logits = model(x[i:i + batch])
-        nll = nn.losses.cross_entropy(logits, y[i:i + batch], reduction="sum")
+        logits = model(x[i : i + batch])
+        nll = nn.losses.cross_entropy(logits, y[i : i + batch], reduction="sum")
         total += nll.item()
-        count += y[i:i + batch].size
+        count += y[i : i + batch].size
     reset_caches(model)
     model.train(was_training)
     return total / count
@@ -343,19 +420,26 @@ def lr_at(i: int, horizon: int | None, lr: float, warmup: int, min_ratio: float)
     if i >= warmup and horizon is None:
         raise ValueError(f"step {i} is past warm-up ({warmup}) but no horizon is set")
     schedule = optim.join_schedules(
-        [optim.linear_schedule(lr / warmup, lr, max(1, warmup - 1)),
-         optim.cosine_decay(lr, max(1, (horizon or warmup) - warmup), min_ratio * lr)],
-        [warmup])
+        [
+            optim.linear_schedule(lr / warmup, lr, max(1, warmup - 1)),
+            optim.cosine_decay(lr, max(1, (horizon or warmup) - warmup), min_ratio * lr),
+        ],
+        [warmup],
+    )
     return schedule(i).item()
 
 
 def make_optimizer(a: TrainArgs) -> optim.Optimizer:
     """AdamW; weight decay on matrices only (norm weights and A_log/dt_bias keep theirs)."""
     return optim.MultiOptimizer(
-        [optim.AdamW(learning_rate=a.lr, betas=[0.9, 0.95], eps=1e-8,
-                     weight_decay=a.weight_decay),
-         optim.AdamW(learning_rate=a.lr, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0)],
-        [lambda path, w: w.ndim >= 2])
+        [
+            optim.AdamW(
+                learning_rate=a.lr, betas=[0.9, 0.95], eps=1e-8, weight_decay=a.weight_decay
+            ),
+            optim.AdamW(learning_rate=a.lr, betas=[0.9, 0.95], eps=1e-8, weight_decay=0.0),
+        ],
+        [lambda path, w: w.ndim >= 2],
+    )
 
 
 def _loss(model: nn.Module, x: mx.array, y: mx.array):
@@ -364,9 +448,16 @@ def _loss(model: nn.Module, x: mx.array, y: mx.array):
     return loss, expert_loads(model)
 
 
-def train_step(model: nn.Module, optimizer: optim.Optimizer, grad_fn, x: mx.array,
-               y: mx.array, lr: float, a: TrainArgs,
-               group: mx.distributed.Group | None = None) -> tuple[mx.array, mx.array, mx.array]:
+def train_step(
+    model: nn.Module,
+    optimizer: optim.Optimizer,
+    grad_fn,
+    x: mx.array,
+    y: mx.array,
+    lr: float,
+    a: TrainArgs,
+    group: mx.distributed.Group | None = None,
+) -> tuple[mx.array, mx.array, mx.array]:
     """One AdamW step at ``lr`` (gradients clipped), then the router-bias update from
     this batch's load. ``grad_fn = nn.value_and_grad(model, _loss)``. Returns
     (loss, loads [moe_layers, experts], grad norm), evaluated. Data-parallel (``group``
@@ -394,9 +485,13 @@ def load_imbalance(loads: mx.array) -> float:
 class Trainer:
     """One run folder: model, optimizer, data RNG, log, checkpoints."""
 
-    def __init__(self, out: Path, overrides: dict | None = None,
-                 corpus_dir: Path = corpus.CORPUS_DIR,
-                 tokenizer_dir: Path = corpus.TOKENIZER_DIR):
+    def __init__(
+        self,
+        out: Path,
+        overrides: dict | None = None,
+        corpus_dir: Path = corpus.CORPUS_DIR,
+        tokenizer_dir: Path = corpus.TOKENIZER_DIR,
+    ):
         """A new run takes ``TrainArgs(**overrides)``; a resumed one its saved args, and
         refuses overrides that differ from them."""
         self.out = Path(out)
@@ -414,9 +509,11 @@ class Trainer:
             saved = self.state.args
             clash = {k: (saved.get(k), v) for k, v in overrides.items() if saved.get(k) != v}
             if clash:
-                raise ValueError(f"{self.out} holds a run with other settings "
-                                 f"(name: (saved, asked)) {clash}; drop them to resume, "
-                                 "or use another --out")
+                raise ValueError(
+                    f"{self.out} holds a run with other settings "
+                    f"(name: (saved, asked)) {clash}; drop them to resume, "
+                    "or use another --out"
+                )
             self.args = TrainArgs(**saved)
         else:
             self.args = TrainArgs(**overrides)
@@ -428,9 +525,13 @@ class Trainer:
         self.train_stream = token_stream(corpus.load_split("train", path=corpus_dir), self.enc)
         # Held-out loss is logged for the curve only; it never steers training.
         self.eval_batches = {
-            dom: fixed_windows(token_stream(corpus.load_split("eval", dom, corpus_dir),
-                                            self.enc), a.seq, a.eval_windows)
-            for dom in corpus.DOMAINS}
+            dom: fixed_windows(
+                token_stream(corpus.load_split("eval", dom, corpus_dir), self.enc),
+                a.seq,
+                a.eval_windows,
+            )
+            for dom in corpus.DOMAINS
+        }
         if self.state is None:
             if a.init is not None:
                 init_from_source(self.model, self.config, a.init)
@@ -464,10 +565,12 @@ class Trainer:
         tmp = self.out / "state.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        mx.save_safetensors(str(tmp / "model.safetensors"),
-                            dict(tree_flatten(self.model.parameters())))
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"),
-                            dict(tree_flatten(self.optimizer.state)))
+        mx.save_safetensors(
+            str(tmp / "model.safetensors"), dict(tree_flatten(self.model.parameters()))
+        )
+        mx.save_safetensors(
+            str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state))
+        )
         (tmp / "state.json").write_text(json.dumps(asdict(self.state), indent=2) + "\n")
         final, old = self.out / "state", self.out / "state.old"
         shutil.rmtree(old, ignore_errors=True)
@@ -488,8 +591,9 @@ class Trainer:
         """Mean NLL per domain on the fixed held-out windows (rank 0; others: {})."""
         if self.rank != 0:
             return {}
-        return {dom: round(mean_nll(self.model, x, y), 5)
-                for dom, (x, y) in self.eval_batches.items()}
+        return {
+            dom: round(mean_nll(self.model, x, y), 5) for dom, (x, y) in self.eval_batches.items()
+        }
 
     def freeze(self, lr: float | None = None) -> dict:
         """pretrain -> freeze: experts to MXFP4 (frozen), a fresh optimizer, a new
@@ -499,34 +603,42 @@ class Trainer:
         before = self.evaluate()
         # The float model the MXFP4 teacher is measured against (k3dist.factory.quality).
         if self.rank == 0:
-            mx.save_safetensors(str(self.out / PRETRAINED_FILE),
-                                dict(tree_flatten(self.model.parameters())))
+            mx.save_safetensors(
+                str(self.out / PRETRAINED_FILE), dict(tree_flatten(self.model.parameters()))
+            )
         errors = freeze_experts_mxfp4(self.model)
         after = self.evaluate()
         self.optimizer = make_optimizer(self.args)
         s = self.state
         s.phase, s.phase_start, s.horizon = "freeze", s.step, None
         s.peak_lr = lr if lr is not None else self.args.lr / 4
-        event = {"event": "freeze", "step": s.step, "rel_rms_error": errors,
-                 "eval_before": before, "eval_after": after}
+        event = {
+            "event": "freeze",
+            "step": s.step,
+            "rel_rms_error": errors,
+            "eval_before": before,
+            "eval_after": after,
+        }
         self.log(event)
         self.save()
         return event
 
-    def run(self, max_minutes: float | None = None, max_steps: int | None = None,
-            progress: bool = True) -> State:
+    def run(
+        self, max_minutes: float | None = None, max_steps: int | None = None, progress: bool = True
+    ) -> State:
         """Train the current phase until its horizon, ``max_steps`` more steps or the
         time budget; checkpoint every ``save_every_s``, at the end and on Ctrl-C/SIGTERM.
         Without a horizon, one is set from the median of the first steps' times."""
         a, s = self.args, self.state
         if s.horizon is None and max_minutes is None:
-            raise ValueError("no horizon: give --steps or a time budget (--max-minutes, "
-                             "--minutes)")
+            raise ValueError("no horizon: give --steps or a time budget (--max-minutes, --minutes)")
         budget = None if max_minutes is None else max_minutes * 60.0
         warmup = a.warmup if s.phase == "pretrain" else a.freeze_warmup
         if s.horizon is None and a.probe_steps + 1 > warmup:
-            raise ValueError(f"warm-up ({warmup} steps) must outlast the {a.probe_steps} "
-                             "timed steps that set the horizon")
+            raise ValueError(
+                f"warm-up ({warmup} steps) must outlast the {a.probe_steps} "
+                "timed steps that set the horizon"
+            )
         self.model.train()
         grad_fn = nn.value_and_grad(self.model, _loss)
         t_start = last_save = time.perf_counter()
@@ -534,9 +646,11 @@ class Trainer:
         done = 0
         progress = progress and self.rank == 0
         if progress:
-            print(f"{s.phase} from step {s.step}: {describe(self.config)}; BLAS "
-                  f"{blas_status().get('loaded') or 'reference'}; {self.size} rank(s)",
-                  flush=True)
+            print(
+                f"{s.phase} from step {s.step}: {describe(self.config)}; BLAS "
+                f"{blas_status().get('loaded') or 'reference'}; {self.size} rank(s)",
+                flush=True,
+            )
         self._signalled = None
         previous = self._catch_signals()
         try:
@@ -551,19 +665,28 @@ class Trainer:
                     break
                 t0 = time.perf_counter()
                 rate = lr_at(i, s.horizon, s.peak_lr, warmup, a.min_lr_ratio)
-                x, y = sample_batch(self.train_stream, a.seed, s.step, a.batch, a.seq,
-                                    self.rank, self.size)
-                loss, loads, gnorm = train_step(self.model, self.optimizer, grad_fn, x, y,
-                                                rate, a, self.group)
+                x, y = sample_batch(
+                    self.train_stream, a.seed, s.step, a.batch, a.seq, self.rank, self.size
+                )
+                loss, loads, gnorm = train_step(
+                    self.model, self.optimizer, grad_fn, x, y, rate, a, self.group
+                )
                 dt = time.perf_counter() - t0
                 s.step += 1
                 s.tokens += x.size * self.size
                 s.elapsed_s += dt
                 done += 1
-                rec = {"step": s.step, "phase": s.phase, "loss": round(loss.item(), 5),
-                       "lr": rate, "grad_norm": round(gnorm.item(), 4), "tokens": s.tokens,
-                       "step_s": round(dt, 3), "tok_s": round(x.size * self.size / dt, 1),
-                       "load_max_over_mean": round(load_imbalance(loads), 3)}
+                rec = {
+                    "step": s.step,
+                    "phase": s.phase,
+                    "loss": round(loss.item(), 5),
+                    "lr": rate,
+                    "grad_norm": round(gnorm.item(), 4),
+                    "tokens": s.tokens,
+                    "step_s": round(dt, 3),
+                    "tok_s": round(x.size * self.size / dt, 1),
+                    "load_max_over_mean": round(load_imbalance(loads), 3),
+                }
                 if done > 1 and len(probe) < a.probe_steps:
                     probe.append(dt)  # a process's first step pays for setup: not timed
                 if s.horizon is None and len(probe) == a.probe_steps:
@@ -572,15 +695,25 @@ class Trainer:
                     # Rank 0's horizon for all: every rank must run the same steps.
                     mine = max(warmup + 1, i + 1 + int(0.97 * left / per))
                     s.horizon = self._from_rank0(mine)
-                    self.log({"event": "horizon", "step": s.step, "phase": s.phase,
-                              "horizon": s.horizon, "step_s": per})
+                    self.log(
+                        {
+                            "event": "horizon",
+                            "step": s.step,
+                            "phase": s.phase,
+                            "horizon": s.horizon,
+                            "step_s": per,
+                        }
+                    )
                 if a.eval_every and s.step % a.eval_every == 0:
                     rec["eval"] = self.evaluate()
                     self.model.train()
                 self.log(rec)
                 if progress:
-                    print(f"step {s.step} loss {rec['loss']:.4f} lr {rate:.2e} "
-                          f"{rec['tok_s']:.0f} tok/s", flush=True)
+                    print(
+                        f"step {s.step} loss {rec['loss']:.4f} lr {rate:.2e} "
+                        f"{rec['tok_s']:.0f} tok/s",
+                        flush=True,
+                    )
                 if time.perf_counter() - last_save >= a.save_every_s:
                     self.save()
                     last_save = time.perf_counter()
@@ -588,8 +721,10 @@ class Trainer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         if self._signalled is not None and self.rank == 0:
-            print(f"stopped by {signal.Signals(self._signalled).name} at step {s.step}: "
-                  "saving", flush=True)
+            print(
+                f"stopped by {signal.Signals(self._signalled).name} at step {s.step}: saving",
+                flush=True,
+            )
         self.save()
         return s
 
@@ -637,8 +772,11 @@ def round_to_source(model: nn.Module, config: dict) -> None:
     in-memory model equals what ``export_source`` writes and ``load_model`` reads."""
     f32 = {_mlx_name(s.name) for s in layout.source_specs(config) if s.dtype == F32_SOURCE}
     flat = tree_flatten(model.parameters())
-    new = [(k, v.astype(mx.bfloat16).astype(mx.float32))
-           for k, v in flat if k not in f32 and mx.issubdtype(v.dtype, mx.floating)]
+    new = [
+        (k, v.astype(mx.bfloat16).astype(mx.float32))
+        for k, v in flat
+        if k not in f32 and mx.issubdtype(v.dtype, mx.floating)
+    ]
     model.update(tree_unflatten(new))
     mx.eval(model.parameters())
     reset_caches(model)
@@ -651,8 +789,10 @@ class _Exporter:
         self._experts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def _expert(self, layer: int, expert: int, w: str, kind: str) -> np.ndarray:
-        base = f"language_model.model.layers.{layer}.mlp.switch_mlp." + {
-            "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[w]
+        base = (
+            f"language_model.model.layers.{layer}.mlp.switch_mlp."
+            + {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[w]
+        )
         if base not in self._experts:
             weight = self.p[base + ".weight"]
             if base + ".scales" in self.p:
@@ -679,20 +819,25 @@ class _Exporter:
         for i, x in enumerate("qkv"):
             if f".self_attn.{x}_proj." in name:
                 P = v.shape[0] // 3
-                v = v[i * P:(i + 1) * P]
+                v = v[i * P : (i + 1) * P]
             elif f".self_attn.{x}_conv1d." in name:
                 P = v.shape[0] // 3
-                v = v[i * P:(i + 1) * P].moveaxis(1, 2)  # [P, ks, 1] -> [P, 1, ks]
+                v = v[i * P : (i + 1) * P].moveaxis(1, 2)  # [P, ks, 1] -> [P, 1, ks]
         v = np.array(v.astype(mx.float32))
         if name.endswith("A_log"):
             v = np.concatenate([v, np.zeros(spec.shape[0] - v.shape[0], np.float32)])
         return v
 
 
-def export_source(model: nn.Module, config: dict, out_dir: str | Path,
-                  tokenizer_dir: str | Path = corpus.TOKENIZER_DIR, seed: int = 0,
-                  provenance: dict | None = None,
-                  max_bytes: int | None = MAX_EXPORT_BYTES) -> Path:
+def export_source(
+    model: nn.Module,
+    config: dict,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path = corpus.TOKENIZER_DIR,
+    seed: int = 0,
+    provenance: dict | None = None,
+    max_bytes: int | None = MAX_EXPORT_BYTES,
+) -> Path:
     """Write the model as a Moonshot-format source checkpoint (``synth``'s layout): one
     shard per layer, experts MXFP4 per expert, BF16/F32 as K3, vision tower random
     (deterministic per seed; K3's format has one, this model has no vision)."""
@@ -700,8 +845,10 @@ def export_source(model: nn.Module, config: dict, out_dir: str | Path,
     specs = layout.source_specs(config)
     total = sum(s.nbytes for s in specs)
     if max_bytes is not None and total > max_bytes:
-        raise ValueError(f"this config exports {total:,} bytes, over the {max_bytes:,} "
-                         "budget; choose a smaller size (fewer experts or dimensions)")
+        raise ValueError(
+            f"this config exports {total:,} bytes, over the {max_bytes:,} "
+            "budget; choose a smaller size (fewer experts or dimensions)"
+        )
     tc = layout.text_config(config)
     ex = _Exporter(model, config)
 
@@ -728,9 +875,15 @@ def export_source(model: nn.Module, config: dict, out_dir: str | Path,
 # ----------------------------------------------------------------------------- speed
 
 
-def measure_speed(size: str, seq: int, batch: int, steps: int = 6, seed: int = 0,
-                  corpus_dir: Path = corpus.CORPUS_DIR,
-                  tokenizer_dir: Path = corpus.TOKENIZER_DIR) -> dict:
+def measure_speed(
+    size: str,
+    seq: int,
+    batch: int,
+    steps: int = 6,
+    seed: int = 0,
+    corpus_dir: Path = corpus.CORPUS_DIR,
+    tokenizer_dir: Path = corpus.TOKENIZER_DIR,
+) -> dict:
     """Training tokens/s of a size: ``steps`` full optimizer steps after one warm-up
     step (the first pays for setup), median step time."""
     enc = tokenizer.load_encoding(tokenizer_dir)
@@ -749,10 +902,17 @@ def measure_speed(size: str, seq: int, batch: int, steps: int = 6, seed: int = 0
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     med = sorted(times[1:])[len(times[1:]) // 2]
-    return {"size": size, "seq": seq, "batch": batch, **describe(config),
-            "first_step_s": round(times[0], 2), "median_step_s": round(med, 3),
-            "tok_s": round(batch * seq / med, 1), "losses": [round(v, 3) for v in losses],
-            "blas": blas_status().get("loaded") or "reference"}
+    return {
+        "size": size,
+        "seq": seq,
+        "batch": batch,
+        **describe(config),
+        "first_step_s": round(times[0], 2),
+        "median_step_s": round(med, 3),
+        "tok_s": round(batch * seq / med, 1),
+        "losses": [round(v, 3) for v in losses],
+        "blas": blas_status().get("loaded") or "reference",
+    }
 
 
 # ----------------------------------------------------------------------------- curve
@@ -784,12 +944,13 @@ def plot_log(log: str | Path, png: str | Path, smooth: int = 20) -> Path:
     mean = np.convolve(loss, np.ones(k) / k, mode="valid")
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     ax.plot(tok, loss, color="0.8", lw=0.8, label="train loss (batch)")
-    ax.plot(tok[k - 1:], mean, color="C0", lw=1.5, label=f"train loss (mean of {k})")
+    ax.plot(tok[k - 1 :], mean, color="C0", lw=1.5, label=f"train loss (mean of {k})")
     for i, dom in enumerate(corpus.DOMAINS):
         pts = [(r["tokens"] / 1e6, r["eval"][dom]) for r in steps if "eval" in r]
         if pts:
-            ax.plot(*zip(*pts, strict=True), "o-", ms=3, color=f"C{i + 1}",
-                    label=f"held-out {dom} NLL")
+            ax.plot(
+                *zip(*pts, strict=True), "o-", ms=3, color=f"C{i + 1}", label=f"held-out {dom} NLL"
+            )
     for e in events:
         if e["event"] == "freeze":
             at = next((r["tokens"] for r in steps if r["step"] == e["step"]), None)
@@ -830,8 +991,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=None, help="pretrain horizon (steps)")
     ap.add_argument("--freeze", action="store_true", help="MXFP4-freeze experts, fine-tune")
     ap.add_argument("--minutes", type=float, default=10.0, help="fine-tune time budget")
-    ap.add_argument("--freeze-lr", type=float, default=None, help="fine-tune peak LR "
-                    "(default: a quarter of --lr)")
+    ap.add_argument(
+        "--freeze-lr",
+        type=float,
+        default=None,
+        help="fine-tune peak LR (default: a quarter of --lr)",
+    )
     ap.add_argument("--export", type=Path, default=None, help="write the source checkpoint")
     ap.add_argument("--plot", type=Path, default=None, help="write the training curve PNG")
     ap.add_argument("--size", default=None, choices=sorted(SIZES), help="default m")
@@ -839,8 +1004,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=None, help="default 8")
     ap.add_argument("--lr", type=float, default=None, help="peak LR (default 2e-3)")
     ap.add_argument("--seed", type=int, default=None, help="default 0")
-    ap.add_argument("--init", default=None, help="a new run starts from this exported "
-                    "source folder (experts decoded from MXFP4 to float), not at random")
+    ap.add_argument(
+        "--init",
+        default=None,
+        help="a new run starts from this exported "
+        "source folder (experts decoded from MXFP4 to float), not at random",
+    )
     ap.add_argument("--corpus", type=Path, default=corpus.CORPUS_DIR)
     ap.add_argument("--tokenizer", type=Path, default=corpus.TOKENIZER_DIR)
     a = ap.parse_args(argv)
@@ -848,16 +1017,25 @@ def main(argv: list[str] | None = None) -> None:
     if a.plot is not None:
         print(f"wrote {plot_log(a.out / 'log.jsonl', a.plot)}")
         return
-    given = {k: getattr(a, k) for k in ("size", "seq", "batch", "lr", "seed", "steps", "init")
-             if getattr(a, k) is not None}
+    given = {
+        k: getattr(a, k)
+        for k in ("size", "seq", "batch", "lr", "seed", "steps", "init")
+        if getattr(a, k) is not None
+    }
     tr = Trainer(a.out, given, a.corpus, a.tokenizer)
     if a.export is not None:
         if tr.state.phase != "freeze":
             print("note: experts were never fine-tuned frozen (--freeze); encoding now")
         tr.model.eval()
         round_to_source(tr.model, tr.config)
-        path = export_source(tr.model, tr.config, a.export, a.tokenizer, tr.args.seed,
-                             provenance={"run": str(a.out), **asdict(tr.state)})
+        path = export_source(
+            tr.model,
+            tr.config,
+            a.export,
+            a.tokenizer,
+            tr.args.seed,
+            provenance={"run": str(a.out), **asdict(tr.state)},
+        )
         print(f"wrote {path}: {describe(tr.config)}")
         return
     if a.freeze:

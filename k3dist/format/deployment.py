@@ -46,123 +46,226 @@ class Deployment(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
     # -- the build and its rank folders --
-    build: str = _key("runs/mini-build", "MLX build folder (k3dist.build.convert output) or "
-                      "Moonshot-format source to slice", "build")
+    build: str = _key(
+        "runs/mini-build",
+        "MLX build folder (k3dist.build.convert output) or Moonshot-format source to slice",
+        "build",
+    )
     size: int = _key(2, "number of ranks", "build", ge=1)
-    placement_counts: str | None = _key(None, "routing counts (.npz / .json) for a load-aware "
-                                        "placement; none: contiguous", "build")
+    placement_counts: str | None = _key(
+        None, "routing counts (.npz / .json) for a load-aware placement; none: contiguous", "build"
+    )
     # -- one rank's model --
-    rank_dir: str = _key("runs/ranks/rank{rank}", "per-rank folders; {rank} is replaced by "
-                         "the rank", "rank")
-    dtype: Literal[DTYPES] = _key("float32", "compute dtype: float32 on CPU (bf16 matmuls are "
-                                  "~10x slower there), bfloat16 on Metal", "rank")
+    rank_dir: str = _key(
+        "runs/ranks/rank{rank}", "per-rank folders; {rank} is replaced by the rank", "rank"
+    )
+    dtype: Literal[DTYPES] = _key(
+        "float32",
+        "compute dtype: float32 on CPU (bf16 matmuls are ~10x slower there), bfloat16 on Metal",
+        "rank",
+    )
     moe_form: Literal[("auto", *MOE_FORMS)] = _key(
-        "auto", "how non-owned (token, expert) pairs are handled: placeholder (sync-free), "
+        "auto",
+        "how non-owned (token, expert) pairs are handled: placeholder (sync-free), "
         "local (one host sync per MoE layer, only owned pairs computed) or auto: placeholder "
-        "on Metal, local on CPU (benchmarks/moe_step.py measured it faster)", "rank")
+        "on Metal, local on CPU (benchmarks/moe_step.py measured it faster)",
+        "rank",
+    )
     attention: Literal[ATTENTION_MODES] = _key(
-        "split", "attention across ranks: split (each rank holds and computes its share of "
+        "split",
+        "attention across ranks: split (each rank holds and computes its share of "
         "the heads of every layer whose heads divide evenly, one all_sum per layer) or "
         "replicated (every rank all of it); one rank: always replicated; rank folders are "
-        "sliced for one mode", "rank")
-    blas_threads: int | None = _key(None, "OpenBLAS threads per rank (Linux CPU); none leaves "
-                                    "OpenBLAS's default (all cores), which oversubscribes a "
-                                    "box that runs several ranks", "rank", ge=1)
+        "sliced for one mode",
+        "rank",
+    )
+    blas_threads: int | None = _key(
+        None,
+        "OpenBLAS threads per rank (Linux CPU); none leaves "
+        "OpenBLAS's default (all cores), which oversubscribes a "
+        "box that runs several ranks",
+        "rank",
+        ge=1,
+    )
     verify: Literal[VERIFY_MODES] = _key(
-        "stamp", "rank-folder content check before loading (k3dist.format.verify): stamp "
+        "stamp",
+        "rank-folder content check before loading (k3dist.format.verify): stamp "
         "hashes only files whose stat changed since they last matched, full every file, "
-        "size none", "rank")
+        "size none",
+        "rank",
+    )
     # -- serving (launch/serve.py) --
     host: str = _key("127.0.0.1", "address the API listens on", "serving")
     port: int = _key(8080, "port the API listens on (rank 0)", "serving", ge=1, le=65535)
-    model_id: str = _key("kimi-k3", "the served model name (requests for another get 404)",
-                         "serving")
-    max_context: int = _key(4096, "prompt + completion tokens a request may use; longer "
-                            "prompts get a 400 at once", "serving", ge=1)
-    prefill_chunk: int = _key(256, "prefill runs in power-of-two chunks up to this; all of "
-                              "them are warmed up", "serving", ge=1)
-    max_tokens: int = _key(512, "completion tokens of a request that names none", "serving",
-                           ge=1)
-    max_batch: int = _key(8, "concurrent requests decoded together, in lockstep on every rank "
-                          "(mlx-lm's BatchGenerator); every batch size up to it is warmed up; "
-                          "more wait (up to max_queued_requests); 1: one at a time", "serving",
-                          ge=1, le=MAX_BATCH)
-    temperature: float = _key(0.0, "sampling temperature of a request that names none",
-                              "serving", ge=0)
+    model_id: str = _key(
+        "kimi-k3", "the served model name (requests for another get 404)", "serving"
+    )
+    max_context: int = _key(
+        4096,
+        "prompt + completion tokens a request may use; longer prompts get a 400 at once",
+        "serving",
+        ge=1,
+    )
+    prefill_chunk: int = _key(
+        256,
+        "prefill runs in power-of-two chunks up to this; all of them are warmed up",
+        "serving",
+        ge=1,
+    )
+    max_tokens: int = _key(512, "completion tokens of a request that names none", "serving", ge=1)
+    max_batch: int = _key(
+        8,
+        "concurrent requests decoded together, in lockstep on every rank "
+        "(mlx-lm's BatchGenerator); every batch size up to it is warmed up; "
+        "more wait (up to max_queued_requests); 1: one at a time",
+        "serving",
+        ge=1,
+        le=MAX_BATCH,
+    )
+    temperature: float = _key(
+        0.0, "sampling temperature of a request that names none", "serving", ge=0
+    )
     top_p: float = _key(1.0, "top-p of a request that names none", "serving", gt=0, le=1)
-    warmup: bool = _key(True, "warm up every prefill chunk and decode batch shape before "
-                        "serving (--no-warmup: tests only)", "serving")
-    token_log: str | None = _key(None, "per-rank JSONL of generated tokens ({rank} allowed); "
-                                 "none: off", "serving")
-    heartbeat_s: float = _key(5.0, "seconds between device keep-awake ops (side stream) "
-                              "while idle", "serving", gt=0)
-    watchdog_timeout_s: float = _key(10.0, "side-channel peer watchdog: a silent peer is "
-                                     "declared lost after this many seconds", "serving", gt=0)
-    stop_with_launcher: bool = _key(True, "stop every rank when this rank's launcher (its "
-                                    "parent process) exits: killing mlx.launch alone would "
-                                    "otherwise leave the ranks serving, orphaned", "serving")
-    watchdog_port: int | None = _key(None, "port of rank 0's watchdog listener; none: first "
-                                     "ring port + 1000", "serving", ge=1, le=65535)
+    warmup: bool = _key(
+        True,
+        "warm up every prefill chunk and decode batch shape before "
+        "serving (--no-warmup: tests only)",
+        "serving",
+    )
+    token_log: str | None = _key(
+        None, "per-rank JSONL of generated tokens ({rank} allowed); none: off", "serving"
+    )
+    heartbeat_s: float = _key(
+        5.0, "seconds between device keep-awake ops (side stream) while idle", "serving", gt=0
+    )
+    watchdog_timeout_s: float = _key(
+        10.0,
+        "side-channel peer watchdog: a silent peer is declared lost after this many seconds",
+        "serving",
+        gt=0,
+    )
+    stop_with_launcher: bool = _key(
+        True,
+        "stop every rank when this rank's launcher (its "
+        "parent process) exits: killing mlx.launch alone would "
+        "otherwise leave the ranks serving, orphaned",
+        "serving",
+    )
+    watchdog_port: int | None = _key(
+        None,
+        "port of rank 0's watchdog listener; none: first ring port + 1000",
+        "serving",
+        ge=1,
+        le=65535,
+    )
     # The K3 cache: 24 MLA layers keep 576 values x 2 B = 27,648 B/token (128K tokens:
     # 3.6 GB), 69 KDA layers a fixed 0.45 GB state (0.22 GB a rank, attention split); a
     # 256-token chunk at 128K: 10.0 GB a rank. deploy/tb5.yaml: 44 for 4 requests at 128K
     # (40.1 GB needed: the batch-join copy, 15.4 GB, outgrows its 256-token chunks). The
     # mini-K3 at these defaults needs 74 MB (float32).
     memory_headroom_gb: float = _key(
-        2.0, "GiB kept beside the weights: start only if the folder fits in free memory with "
+        2.0,
+        "GiB kept beside the weights: start only if the folder fits in free memory with "
         "this much to spare, and only if this holds the KV cache and state of max_batch "
         "requests at max_context tokens plus the prompt cache's bound and the larger of the "
         "activations of one prefill_chunk at max_context and the copy of the batch's caches a "
-        "joining prompt makes (k3dist.serve.preflight)", "serving", ge=0)
-    max_queued_requests: int = _key(64, "completions in flight (queued or generating); past "
-                                    "this a request gets 429 with Retry-After", "serving", ge=1)
-    max_connections: int = _key(2048, "HTTP handler threads; further connections wait in the "
-                                "listen backlog (1024)", "serving", ge=1)
-    cors_origins: list[str] = _key([], "an origin web pages may call the API from ('*': any); "
-                                   "repeatable; none: no CORS headers", "serving",
-                                   flag="--cors-origin")
+        "joining prompt makes (k3dist.serve.preflight)",
+        "serving",
+        ge=0,
+    )
+    max_queued_requests: int = _key(
+        64,
+        "completions in flight (queued or generating); past "
+        "this a request gets 429 with Retry-After",
+        "serving",
+        ge=1,
+    )
+    max_connections: int = _key(
+        2048,
+        "HTTP handler threads; further connections wait in the listen backlog (1024)",
+        "serving",
+        ge=1,
+    )
+    cors_origins: list[str] = _key(
+        [],
+        "an origin web pages may call the API from ('*': any); repeatable; none: no CORS headers",
+        "serving",
+        flag="--cors-origin",
+    )
     prompt_cache_tokens: int | None = _key(
-        None, "tokens the prompt cache may hold (reused across turns); none: 4 x max_context. "
-        "The newest entry is always kept, so it holds up to max(this, max_context)", "serving",
-        ge=1)
+        None,
+        "tokens the prompt cache may hold (reused across turns); none: 4 x max_context. "
+        "The newest entry is always kept, so it holds up to max(this, max_context)",
+        "serving",
+        ge=1,
+    )
     # -- images (k3dist.serve.vision; needs pip install 'k3dist[vision]') --
-    vision: bool = _key(False, "serve image_url parts of chat requests: the tower runs on "
-                        "rank 0 (pip install 'k3dist[vision]')", "images")
+    vision: bool = _key(
+        False,
+        "serve image_url parts of chat requests: the tower runs on "
+        "rank 0 (pip install 'k3dist[vision]')",
+        "images",
+    )
     max_images: int = _key(4, "images a request may hold", "images", ge=0)
     # The default keeps the vision tower's running peak within memory_headroom_gb (2 GB):
     # measured (benchmarks/vision_memory.py --activations) 1.48 GB at 64x64 patches with
     # the real tower's width on CPU float32, where attention's scores grow as patches^2
     # (48.5 B per patch pair); 1008x1008 px (5,184 patches) fits, 4096x4096 would take
     # ~219 GB
-    max_image_pixels: int = _key(1008 * 1008, "decoded pixels per image, checked from the "
-                                 "header before decoding", "images", ge=1)
-    image_dir: str | None = _key(None, "local image paths are read only under this "
-                                 "directory; none: data URLs only", "images")
+    max_image_pixels: int = _key(
+        1008 * 1008,
+        "decoded pixels per image, checked from the header before decoding",
+        "images",
+        ge=1,
+    )
+    image_dir: str | None = _key(
+        None, "local image paths are read only under this directory; none: data URLs only", "images"
+    )
     # -- access --
-    api_key: str | None = _key(None, "API key every endpoint but /health asks for "
-                               "(Authorization: Bearer / x-api-key); prefer api_key_file: a "
-                               "flag shows in ps and shell history", "access")
+    api_key: str | None = _key(
+        None,
+        "API key every endpoint but /health asks for "
+        "(Authorization: Bearer / x-api-key); prefer api_key_file: a "
+        "flag shows in ps and shell history",
+        "access",
+    )
     api_key_file: str | None = _key(None, "a file holding the API key (first line)", "access")
-    allow_no_api_key: bool = _key(False, "serve a non-loopback host with no API key anyway "
-                                  "(refused otherwise: anyone who can reach the port could "
-                                  "use the model); only on a trusted network", "access")
+    allow_no_api_key: bool = _key(
+        False,
+        "serve a non-loopback host with no API key anyway "
+        "(refused otherwise: anyone who can reach the port could "
+        "use the model); only on a trusted network",
+        "access",
+    )
     # -- prefix caches on disk (k3dist.serve.prefix_store): survive restarts --
     prefix_cache_dir: str | None = _key(
-        None, "folder of per-rank prefix caches (a chat's system prompt + tools, and each "
+        None,
+        "folder of per-rank prefix caches (a chat's system prompt + tools, and each "
         "prompt's snapshot), restored after a restart; none: memory only. On two boxes each "
-        "needs this path on its own disk", "prefix cache")
-    prefix_cache_gb: float = _key(20.0, "GB (1e9 B) each rank's prefix folder may hold "
-                                  "(least recently used entries go first)", "prefix cache",
-                                  gt=0)
-    prefix_cache_min_tokens: int = _key(1024, "shorter prefixes are not written (prefilling "
-                                        "them again is cheap)", "prefix cache", ge=1)
+        "needs this path on its own disk",
+        "prefix cache",
+    )
+    prefix_cache_gb: float = _key(
+        20.0,
+        "GB (1e9 B) each rank's prefix folder may hold (least recently used entries go first)",
+        "prefix cache",
+        gt=0,
+    )
+    prefix_cache_min_tokens: int = _key(
+        1024,
+        "shorter prefixes are not written (prefilling them again is cheap)",
+        "prefix cache",
+        ge=1,
+    )
 
     @field_validator("prefill_chunk")
     @classmethod
     def _power_of_two(cls, v: int) -> int:
         if v & (v - 1):
-            raise ValueError(f"must be a power of two (e.g. {1 << (v.bit_length() - 1)} or "
-                             f"{1 << v.bit_length()})")
+            raise ValueError(
+                f"must be a power of two (e.g. {1 << (v.bit_length() - 1)} or "
+                f"{1 << v.bit_length()})"
+            )
         return v
 
     @model_validator(mode="after")
@@ -183,8 +286,9 @@ FIELDS = Deployment.model_fields
 
 def keys(*sections: str) -> tuple[str, ...]:
     """The keys of these sections (all of them with none), in definition order."""
-    return tuple(k for k, f in FIELDS.items()
-                 if not sections or f.json_schema_extra["section"] in sections)
+    return tuple(
+        k for k, f in FIELDS.items() if not sections or f.json_schema_extra["section"] in sections
+    )
 
 
 def flag(key: str) -> str:
@@ -206,10 +310,18 @@ def allowed(key: str) -> str:
         elif isinstance(m, Le):
             bounds.append(f"at most {m.le}")
     kind = _scalar(f.annotation)
-    name = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-            list: "a list of strings"}[kind]
-    return name + (" " + " and ".join(bounds) if bounds else "") + (
-        ", or null" if _optional(f.annotation) else "")
+    name = {
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        bool: "true or false",
+        list: "a list of strings",
+    }[kind]
+    return (
+        name
+        + (" " + " and ".join(bounds) if bounds else "")
+        + (", or null" if _optional(f.annotation) else "")
+    )
 
 
 def _optional(annotation: Any) -> bool:
@@ -246,28 +358,38 @@ def _message(e: ValidationError, path: Path | None, flags: dict[str, Any]) -> st
             lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
         elif err["type"] == "extra_forbidden":
             near = difflib.get_close_matches(key, FIELDS, n=1)
-            lines.append(f"{path}: unknown setting {key!r}"
-                         + (f" (did you mean {near[0]!r}?)" if near else "")
-                         + f"; known: {', '.join(FIELDS)}")
+            lines.append(
+                f"{path}: unknown setting {key!r}"
+                + (f" (did you mean {near[0]!r}?)" if near else "")
+                + f"; known: {', '.join(FIELDS)}"
+            )
         elif key in flags:
-            lines.append(f"{flag(key)} {err['input']!r}: {key} must be {allowed(key)}, not "
-                         f"{err['input']!r}{why}; give {flag(key)} such a value")
+            lines.append(
+                f"{flag(key)} {err['input']!r}: {key} must be {allowed(key)}, not "
+                f"{err['input']!r}{why}; give {flag(key)} such a value"
+            )
         else:
-            lines.append(f"{path or 'the default deployment'}: {key} must be {allowed(key)}, "
-                         f"not {err['input']!r}{why}; set {key} in "
-                         f"{path or 'a deployment YAML'} to such a value, or give {flag(key)}")
+            lines.append(
+                f"{path or 'the default deployment'}: {key} must be {allowed(key)}, "
+                f"not {err['input']!r}{why}; set {key} in "
+                f"{path or 'a deployment YAML'} to such a value, or give {flag(key)}"
+            )
     return "\n".join(lines)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"deployment file {path} does not exist; give --config an "
-                                f"existing YAML (e.g. {DEFAULT_DEPLOYMENT})")
+        raise FileNotFoundError(
+            f"deployment file {path} does not exist; give --config an "
+            f"existing YAML (e.g. {DEFAULT_DEPLOYMENT})"
+        )
     values = yaml.safe_load(path.read_text()) or {}
     if not isinstance(values, dict):
-        raise DeploymentError(f"{path}: expected a mapping of settings (key: value lines), "
-                              f"got {type(values).__name__}")
+        raise DeploymentError(
+            f"{path}: expected a mapping of settings (key: value lines), "
+            f"got {type(values).__name__}"
+        )
     return values
 
 
@@ -286,24 +408,34 @@ def load_deployment(path: str | Path | None = None, **overrides: Any) -> Deploym
 # ----------------------------------------------------------------------------- flags
 
 
-def add_arguments(parser: argparse.ArgumentParser, keys_: tuple[str, ...] | None = None,
-                  names: dict[str, str] | None = None) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    keys_: tuple[str, ...] | None = None,
+    names: dict[str, str] | None = None,
+) -> None:
     """``--config`` and one flag per deployment key in ``keys_`` (all with None), with the
     key's type, choices and help; ``names`` renames a key's flag (``{"rank_dir":
     "--out"}``). Every flag defaults to None: an absent flag leaves the YAML's value."""
-    parser.add_argument("--config", help=f"deployment YAML (default {DEFAULT_DEPLOYMENT} "
-                        "if it exists); flags override its keys")
+    parser.add_argument(
+        "--config",
+        help=f"deployment YAML (default {DEFAULT_DEPLOYMENT} "
+        "if it exists); flags override its keys",
+    )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for key in keys_ or keys():
         f = FIELDS[key]
         section = f.json_schema_extra["section"]
         group = groups.get(section) or groups.setdefault(
-            section, parser.add_argument_group(f"deployment: {section}"))
+            section, parser.add_argument_group(f"deployment: {section}")
+        )
         notes = [allowed(key)] if f.metadata else []  # a range (choices show anyway)
         notes += [] if f.default in (None, []) else [f"default {f.default}"]
         suffix = f" ({'; '.join(notes)})" if notes else ""
-        kw: dict[str, Any] = {"dest": key, "default": None,
-                              "help": (f.description + suffix).replace("%", "%%")}
+        kw: dict[str, Any] = {
+            "dest": key,
+            "default": None,
+            "help": (f.description + suffix).replace("%", "%%"),
+        }
         kind = _scalar(f.annotation)
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
@@ -316,8 +448,9 @@ def add_arguments(parser: argparse.ArgumentParser, keys_: tuple[str, ...] | None
         group.add_argument((names or {}).get(key, flag(key)), **kw)
 
 
-def from_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
-              keys_: tuple[str, ...] | None = None) -> Deployment:
+def from_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, keys_: tuple[str, ...] | None = None
+) -> Deployment:
     """The deployment of ``--config`` (or deploy/local.yaml when it exists) with the
     flags in ``keys_`` on top; a bad value ends the command with the parser's error."""
     path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)

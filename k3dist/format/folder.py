@@ -39,8 +39,7 @@ def load_config(folder: str | Path) -> dict:
     config.json) and does not name the file when it is missing or broken."""
     path = Path(folder) / CONFIG_NAME
     if not path.exists():
-        raise CheckpointError(f"{path}: missing; a K3 checkpoint or build folder has "
-                              f"{CONFIG_NAME}")
+        raise CheckpointError(f"{path}: missing; a K3 checkpoint or build folder has {CONFIG_NAME}")
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -63,6 +62,8 @@ def weight_map(folder: str | Path) -> dict[str, str]:
         return read_index(folder / INDEX_NAME)["weight_map"]
     single = folder / SINGLE_FILE
     if not single.exists():
-        raise CheckpointError(f"{folder}: neither {INDEX_NAME} nor {SINGLE_FILE}; is this "
-                              "a checkpoint or build folder?")
+        raise CheckpointError(
+            f"{folder}: neither {INDEX_NAME} nor {SINGLE_FILE}; is this "
+            "a checkpoint or build folder?"
+        )
     return dict.fromkeys(read_header(single).tensors, SINGLE_FILE)

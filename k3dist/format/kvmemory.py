@@ -87,8 +87,9 @@ def kda_layer_state_bytes(tc: dict, act: int = 2) -> int:
     ``heads x head_dim^2`` + the conv state ``(kernel - 1) x 3 x heads x head_dim``."""
     lc = tc["linear_attn_config"]
     heads, dim = lc["num_heads"], lc["head_dim"]
-    return (STATE_BYTES * heads * dim * dim
-            + act * (lc["short_conv_kernel_size"] - 1) * 3 * heads * dim)
+    return (
+        STATE_BYTES * heads * dim * dim + act * (lc["short_conv_kernel_size"] - 1) * 3 * heads * dim
+    )
 
 
 def _split(layers: set[int], size: int, split_layers: list[int] | set[int] | None) -> set[int]:
@@ -98,8 +99,9 @@ def _split(layers: set[int], size: int, split_layers: list[int] | set[int] | Non
     return set(layers) if split_layers is None else set(layers) & set(split_layers)
 
 
-def kda_state_bytes(tc: dict, act: int = 2, size: int = 1,
-                    split_layers: list[int] | set[int] | None = None) -> int:
+def kda_state_bytes(
+    tc: dict, act: int = 2, size: int = 1, split_layers: list[int] | set[int] | None = None
+) -> int:
     """One request's KDA conv + recurrent state on one rank. ``size``: ranks the attention
     is split over (1: replicated); ``split_layers``: the layers whose heads are divided
     (None: every KDA layer when ``size`` > 1)."""
@@ -109,9 +111,15 @@ def kda_state_bytes(tc: dict, act: int = 2, size: int = 1,
     return sum(per_layer // size if i in split else per_layer for i in kda)
 
 
-def request_bytes(tc: dict, context: int, act: int = 2, *, size: int = 1,
-                  split_layers: list[int] | set[int] | None = None,
-                  step: int = CACHE_STEP) -> dict:
+def request_bytes(
+    tc: dict,
+    context: int,
+    act: int = 2,
+    *,
+    size: int = 1,
+    split_layers: list[int] | set[int] | None = None,
+    step: int = CACHE_STEP,
+) -> dict:
     """One request at ``context`` tokens on one rank: MLA latent cache (rounded up to
     the cache step) and KDA state."""
     ctx = -(-context // step) * step
@@ -127,10 +135,18 @@ def request_bytes(tc: dict, context: int, act: int = 2, *, size: int = 1,
     }
 
 
-def serving_bytes(tc: dict, *, context: int, batch: int, prompt_cache_tokens: int | None = None,
-                  act: int = 2, size: int = 1,
-                  split_layers: list[int] | set[int] | None = None,
-                  entries: int = PROMPT_CACHE_ENTRIES, step: int = CACHE_STEP) -> dict:
+def serving_bytes(
+    tc: dict,
+    *,
+    context: int,
+    batch: int,
+    prompt_cache_tokens: int | None = None,
+    act: int = 2,
+    size: int = 1,
+    split_layers: list[int] | set[int] | None = None,
+    entries: int = PROMPT_CACHE_ENTRIES,
+    step: int = CACHE_STEP,
+) -> dict:
     """What a server holds on one rank at most (module doc): ``batch`` requests at
     ``context`` tokens plus the prompt cache bound. ``prompt_cache_tokens`` None (or 0):
     4 x ``context``, the server's default. ``mla_latent_cache`` and ``kda_state`` are one
@@ -149,15 +165,27 @@ def serving_bytes(tc: dict, *, context: int, batch: int, prompt_cache_tokens: in
         "latent_bytes_per_token": per_token,
         "batch": batch,
         "requests": requests,
-        "prompt_cache": {"tokens": bound, "tokens_held_at_most": held, "entries_at_most": n,
-                         "mla_latent_cache": pc_latent, "kda_state": pc_state, "total": pc},
+        "prompt_cache": {
+            "tokens": bound,
+            "tokens_held_at_most": held,
+            "entries_at_most": n,
+            "mla_latent_cache": pc_latent,
+            "kda_state": pc_state,
+            "total": pc,
+        },
         "total": requests + pc,
     }
 
 
-def prefill_activation_bytes(tc: dict, *, context: int, chunk: int, act: int = 2,
-                             size: int = 1,
-                             split_layers: list[int] | set[int] | None = None) -> dict:
+def prefill_activation_bytes(
+    tc: dict,
+    *,
+    context: int,
+    chunk: int,
+    act: int = 2,
+    size: int = 1,
+    split_layers: list[int] | set[int] | None = None,
+) -> dict:
     """Peak transient bytes of one prefill chunk of ``chunk`` tokens at ``context`` tokens
     on one rank (module doc; a chunk longer than the context is a chunk of ``context``
     tokens). ``size``, ``split_layers``: as :func:`kda_state_bytes`; an MLA layer whose

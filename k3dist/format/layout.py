@@ -103,10 +103,26 @@ def expert_specs(tc: dict, layer: int, expert: int) -> list[TensorSpec]:
     p = f"{LAYER_PREFIX}{layer}.block_sparse_moe.experts.{expert}."
     out = []
     for w, (rows, cols) in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
-        out.append(TensorSpec(p + f"{w}.weight_packed", (rows, cols // 2), "U8", "experts",
-                              layer, f"layer.{layer}"))
-        out.append(TensorSpec(p + f"{w}.weight_scale", (rows, cols // 32), "U8", "experts",
-                              layer, f"layer.{layer}"))
+        out.append(
+            TensorSpec(
+                p + f"{w}.weight_packed",
+                (rows, cols // 2),
+                "U8",
+                "experts",
+                layer,
+                f"layer.{layer}",
+            )
+        )
+        out.append(
+            TensorSpec(
+                p + f"{w}.weight_scale",
+                (rows, cols // 32),
+                "U8",
+                "experts",
+                layer,
+                f"layer.{layer}",
+            )
+        )
     return out
 
 
@@ -199,10 +215,16 @@ def head_specs(tc: dict) -> list[TensorSpec]:
         TensorSpec(LM + "model.norm.weight", (H,), "BF16", "norm", None, "head"),
     ]
     if tc.get("attn_res_block_size") is not None:
-        specs.append(TensorSpec(LM + "model.output_attn_res_norm.weight", (H,), "BF16",
-                                "attn_res", None, "head"))
-        specs.append(TensorSpec(LM + "model.output_attn_res_proj.weight", (1, H), "BF16",
-                                "attn_res", None, "head"))
+        specs.append(
+            TensorSpec(
+                LM + "model.output_attn_res_norm.weight", (H,), "BF16", "attn_res", None, "head"
+            )
+        )
+        specs.append(
+            TensorSpec(
+                LM + "model.output_attn_res_proj.weight", (1, H), "BF16", "attn_res", None, "head"
+            )
+        )
     if not tc.get("tie_word_embeddings", False):
         specs.append(TensorSpec(LM + "lm_head.weight", (V, H), "BF16", "embed", None, "head"))
     return specs
@@ -221,8 +243,10 @@ def vision_specs(config: dict) -> list[TensorSpec]:
     mm = vc["mm_hidden_size"] * mk[0] * mk[1]
     shapes: list[tuple[str, tuple[int, ...]]] = [
         ("vision_tower.patch_embed.proj.weight", (vt, 3, ps, ps)),
-        ("vision_tower.patch_embed.pos_emb.weight",
-         (vc["init_pos_emb_height"], vc["init_pos_emb_width"], vt)),
+        (
+            "vision_tower.patch_embed.pos_emb.weight",
+            (vc["init_pos_emb_height"], vc["init_pos_emb_width"], vt),
+        ),
     ]
     for b in range(vc["vt_num_hidden_layers"]):
         p = f"vision_tower.encoder.blocks.{b}."
@@ -270,11 +294,25 @@ ATTENTION_MODES = ("split", "replicated")
 # tensor's path inside its layer (MLX build names): (axis, segments). Axis 0 splits
 # output rows (heads), -1 the input (o_proj, down_proj: their outputs are summed).
 # A quantized weight's ``scales``/``biases`` split with it.
-_SPLIT_KDA = {"qkv_proj": (0, 3), "qkv_conv.conv": (0, 3), "f_b_proj": (0, 1),
-              "g_proj": (0, 1), "g_b_proj": (0, 1), "b_proj": (0, 1), "o_proj": (-1, 1),
-              "A_log": (0, 1), "dt_bias": (0, 1)}
-_SPLIT_MLA = {"q_b_proj": (0, 1), "q_proj": (0, 1), "g_proj": (0, 1), "o_proj": (-1, 1),
-              "embed_q": (0, 1), "unembed_out": (0, 1)}
+_SPLIT_KDA = {
+    "qkv_proj": (0, 3),
+    "qkv_conv.conv": (0, 3),
+    "f_b_proj": (0, 1),
+    "g_proj": (0, 1),
+    "g_b_proj": (0, 1),
+    "b_proj": (0, 1),
+    "o_proj": (-1, 1),
+    "A_log": (0, 1),
+    "dt_bias": (0, 1),
+}
+_SPLIT_MLA = {
+    "q_b_proj": (0, 1),
+    "q_proj": (0, 1),
+    "g_proj": (0, 1),
+    "o_proj": (-1, 1),
+    "embed_q": (0, 1),
+    "unembed_out": (0, 1),
+}
 _SPLIT_DENSE = {"gate_proj": (0, 1), "up_proj": (0, 1), "down_proj": (-1, 1)}
 _PARTS = ("weight", "scales", "biases")
 
@@ -285,16 +323,18 @@ def split_rule(tc: dict, name: str) -> tuple[int, int] | None:
     layer = layer_of(name)
     if layer is None:
         return None
-    rest = name[len(f"{LAYER_PREFIX}{layer}."):]
-    for prefix, table in (("self_attn.", _SPLIT_KDA if layer in kda_layers(tc) else _SPLIT_MLA),
-                          ("mlp.", {} if is_moe_layer(tc, layer) else _SPLIT_DENSE)):
+    rest = name[len(f"{LAYER_PREFIX}{layer}.") :]
+    for prefix, table in (
+        ("self_attn.", _SPLIT_KDA if layer in kda_layers(tc) else _SPLIT_MLA),
+        ("mlp.", {} if is_moe_layer(tc, layer) else _SPLIT_DENSE),
+    ):
         if not rest.startswith(prefix):
             continue
-        module, _, part = rest[len(prefix):].rpartition(".")
+        module, _, part = rest[len(prefix) :].rpartition(".")
         if module and part in _PARTS and module in table:
             return table[module]
-        if rest[len(prefix):] in table:  # bare arrays: A_log, dt_bias
-            return table[rest[len(prefix):]]
+        if rest[len(prefix) :] in table:  # bare arrays: A_log, dt_bias
+            return table[rest[len(prefix) :]]
     return None
 
 
@@ -321,8 +361,9 @@ def split_layers(tc: dict, size: int, shapes: dict[str, tuple[int, ...]]) -> lis
     return [i for i, good in ok.items() if good]
 
 
-def split_slice(shape: tuple[int, ...], rule: tuple[int, int], rank: int, size: int
-                ) -> list[tuple[int, int]]:
+def split_slice(
+    shape: tuple[int, ...], rule: tuple[int, int], rank: int, size: int
+) -> list[tuple[int, int]]:
     """(start, stop) index ranges along the rule's axis that rank ``rank`` holds, in
     order (one per segment)."""
     axis, segments = rule

@@ -90,8 +90,7 @@ def slices_current_build(folder: str | Path, source: str | Path) -> bool:
             m["identity"].get("format_version") == RANK_FORMAT_VERSION
             and ident.get("format_version") == BUILD_FORMAT_VERSION
             and m["build_hash"] == b.get("build_hash")
-            and ident.get("source_index_sha256")
-            == sha256_file(src / INDEX_NAME)
+            and ident.get("source_index_sha256") == sha256_file(src / INDEX_NAME)
             and ident.get("source_config_sha256") == sha256_file(src / CONFIG_NAME)
         )
     except (CheckpointError, OSError, KeyError, ValueError):

@@ -40,17 +40,20 @@ class Placement:
             if len(own) != self.num_experts:
                 raise PlacementError(
                     f"placement layer {layer}: {len(own)} owners for {self.num_experts} "
-                    "experts; every expert needs exactly one owner")
+                    "experts; every expert needs exactly one owner"
+                )
             bad = [e for e, r in enumerate(own) if not 0 <= r < self.size]
             if bad:
                 raise PlacementError(
                     f"placement layer {layer}: experts {bad[:5]} have owners outside "
-                    f"0..{self.size - 1}")
+                    f"0..{self.size - 1}"
+                )
             counts = np.bincount(np.asarray(own), minlength=self.size)
             if (counts == 0).any():
                 raise PlacementError(
                     f"placement layer {layer}: ranks {np.flatnonzero(counts == 0).tolist()} "
-                    "own no expert; every rank needs at least one")
+                    "own no expert; every rank needs at least one"
+                )
 
     def experts_of(self, layer: int, rank: int) -> list[int]:
         """Global ids owned by ``rank`` in ``layer``, in local order."""
@@ -64,8 +67,12 @@ class Placement:
         return table
 
     def to_json(self) -> dict:
-        return {"size": self.size, "num_experts": self.num_experts, "kind": self.kind,
-                "owners": {str(k): list(v) for k, v in sorted(self.owners.items())}}
+        return {
+            "size": self.size,
+            "num_experts": self.num_experts,
+            "kind": self.kind,
+            "owners": {str(k): list(v) for k, v in sorted(self.owners.items())},
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> Placement:
@@ -89,8 +96,10 @@ class Placement:
 
 def contiguous(num_experts: int, size: int, moe_layers: list[int]) -> Placement:
     if num_experts % size:
-        raise PlacementError(f"{num_experts} experts do not split into {size} equal "
-                             "contiguous ranges; use a load-aware placement or another size")
+        raise PlacementError(
+            f"{num_experts} experts do not split into {size} equal "
+            "contiguous ranges; use a load-aware placement or another size"
+        )
     per = num_experts // size
     own = tuple(e // per for e in range(num_experts))
     return Placement(size, num_experts, {layer: own for layer in moe_layers}, "contiguous")
@@ -107,8 +116,10 @@ def load_aware(counts: dict[int, np.ndarray], size: int) -> Placement:
     for layer, c in counts.items():
         c = np.asarray(c, dtype=np.float64)
         if c.shape != (num_experts,) or (c < 0).any():
-            raise PlacementError(f"routing counts for layer {layer}: need {num_experts} "
-                                 f"non-negative values, got shape {c.shape}")
+            raise PlacementError(
+                f"routing counts for layer {layer}: need {num_experts} "
+                f"non-negative values, got shape {c.shape}"
+            )
         load = np.zeros(size)
         room = np.full(size, cap)
         own = np.empty(num_experts, dtype=np.int64)
@@ -131,14 +142,13 @@ def read_counts(path: str | Path) -> dict[int, np.ndarray]:
             for k in z.files:
                 if not k.startswith("layer_"):
                     raise PlacementError(f"{path}: array {k!r} is not named layer_<L>")
-                out[int(k[len("layer_"):])] = z[k]
+                out[int(k[len("layer_") :])] = z[k]
             return out
     d = json.loads(path.read_text())
     return {int(k): np.asarray(v) for k, v in d["layers"].items()}
 
 
-def for_config(text_config: dict, size: int, counts_path: str | Path | None = None
-               ) -> Placement:
+def for_config(text_config: dict, size: int, counts_path: str | Path | None = None) -> Placement:
     """The placement a deployment uses: load-aware when counts are given."""
     from k3dist.format import layout
 

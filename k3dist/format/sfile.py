@@ -20,20 +20,52 @@ from pathlib import Path
 import numpy as np
 
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
-    "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
 }
 # numpy has no bfloat16: BF16 travels as its uint16 bit pattern.
 NP_DTYPES = {
-    "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "F16": np.float16,
-    "BF16": np.uint16, "U32": np.uint32, "I32": np.int32, "F32": np.float32,
-    "U64": np.uint64, "I64": np.int64, "F64": np.float64, "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "F32": np.float32,
+    "U64": np.uint64,
+    "I64": np.int64,
+    "F64": np.float64,
+    "BOOL": np.bool_,
 }
 # safetensors dtype -> the MLX dtype holding the same bytes (``mx.<name>``)
 MLX_NAMES = {
-    "BOOL": "bool_", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16",
-    "F16": "float16", "BF16": "bfloat16", "U32": "uint32", "I32": "int32", "F32": "float32",
-    "U64": "uint64", "I64": "int64",
+    "BOOL": "bool_",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "U32": "uint32",
+    "I32": "int32",
+    "F32": "float32",
+    "U64": "uint64",
+    "I64": "int64",
 }
 # what a model may compute in (a deployment's ``dtype``), by MLX name
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -84,12 +116,16 @@ def read_header(path: str | Path) -> Header:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors "
-                                  "header; the file is truncated, copy it again")
+            raise CheckpointError(
+                f"{path}: {size} bytes, too short for a safetensors "
+                "header; the file is truncated, copy it again"
+            )
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}; "
-                                  "the file is truncated or not safetensors")
+            raise CheckpointError(
+                f"{path}: header length {n} exceeds the file size {size}; "
+                "the file is truncated or not safetensors"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -103,16 +139,21 @@ def read_header(path: str | Path) -> Header:
             dtype, shape = t["dtype"], tuple(int(d) for d in t["shape"])
             b, e = (int(x) for x in t["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry "
-                                  f"{t!r}") from None
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has a malformed header entry {t!r}"
+            ) from None
         if dtype not in DTYPE_BYTES:
             raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         if e - b != nbytes_of(dtype, shape):
-            raise CheckpointError(f"{path}: tensor {name!r} spans {e - b} bytes but "
-                                  f"{dtype}{list(shape)} needs {nbytes_of(dtype, shape)}")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} spans {e - b} bytes but "
+                f"{dtype}{list(shape)} needs {nbytes_of(dtype, shape)}"
+            )
         if data_offset + e > size:
-            raise CheckpointError(f"{path}: tensor {name!r} ends at byte {data_offset + e} but "
-                                  f"the file has {size}; the file is truncated, copy it again")
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ends at byte {data_offset + e} but "
+                f"the file has {size}; the file is truncated, copy it again"
+            )
         tensors[name] = TensorInfo(name, dtype, shape, data_offset + b, data_offset + e, path)
     return Header(path, tensors, metadata, data_offset, size)
 
@@ -124,8 +165,9 @@ def read_bytes(info: TensorInfo, start: int = 0, length: int | None = None) -> b
         f.seek(info.start + start)
         data = f.read(length)
     if len(data) != length:
-        raise CheckpointError(f"{info.path}: short read of tensor {info.name!r}; "
-                              "the file changed or is truncated")
+        raise CheckpointError(
+            f"{info.path}: short read of tensor {info.name!r}; the file changed or is truncated"
+        )
     return data
 
 
@@ -181,8 +223,12 @@ class StreamWriter:
     can be named: ``k3dist.format.verify``).
     """
 
-    def __init__(self, path: str | Path, entries: list[tuple[str, str, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        entries: list[tuple[str, str, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ):
         self.path = Path(path)
         self.partial = self.path.with_name(self.path.name + ".partial")
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
@@ -190,8 +236,11 @@ class StreamWriter:
         offset = 0
         for name, dtype, shape in entries:
             n = nbytes_of(dtype, shape)
-            header[name] = {"dtype": dtype, "shape": list(shape),
-                            "data_offsets": [offset, offset + n]}
+            header[name] = {
+                "dtype": dtype,
+                "shape": list(shape),
+                "data_offsets": [offset, offset + n],
+            }
             self._order.append((name, n))
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -220,14 +269,15 @@ class StreamWriter:
             self._emit(chunk)
             h.update(chunk)
         if got != expected:
-            raise RuntimeError(f"{self.path}: tensor {name!r} got {got} bytes, "
-                               f"header promised {expected}")
+            raise RuntimeError(
+                f"{self.path}: tensor {name!r} got {got} bytes, header promised {expected}"
+            )
         self.tensor_sha256[name] = h.hexdigest()
         self._next += 1
 
     def close(self) -> str:
         if self._next != len(self._order):
-            missing = [n for n, _ in self._order[self._next:]]
+            missing = [n for n, _ in self._order[self._next :]]
             raise RuntimeError(f"{self.path}: closed before writing {missing[:3]}...")
         self._f.flush()
         os.fsync(self._f.fileno())

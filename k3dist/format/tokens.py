@@ -201,14 +201,16 @@ def _control_entries(config: dict, base_vocab_size: int) -> list[dict]:
     entries = []
     for i in range(base_vocab_size, base_vocab_size + NUM_CONTROL_TOKENS):
         given = named.get(str(i), {})
-        entries.append({
-            "content": given.get("content", f"<|reserved_token_{i}|>"),
-            "lstrip": given.get("lstrip", False),
-            "normalized": given.get("normalized", False),
-            "rstrip": given.get("rstrip", False),
-            "single_word": given.get("single_word", False),
-            "special": given.get("special", True),
-        })
+        entries.append(
+            {
+                "content": given.get("content", f"<|reserved_token_{i}|>"),
+                "lstrip": given.get("lstrip", False),
+                "normalized": given.get("normalized", False),
+                "rstrip": given.get("rstrip", False),
+                "single_word": given.get("single_word", False),
+                "special": given.get("special", True),
+            }
+        )
     return entries
 
 
@@ -251,27 +253,45 @@ def tokenizer_backend(model_dir: Path, entries: list[dict]):
         def load_tiktoken_bpe(path: str) -> dict[bytes, int]:
             return read_ranks(Path(path))
 
-    backend = Converter(vocab_file=str(model_dir / "tiktoken.model"), pattern=K3_PAT_STR,
-                        extra_special_tokens=None).converted()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.FixedLength(_MAX_ENCODE_CHARS),
-        pre_tokenizers.Split(Regex(rf"\s{{{_MAX_RUN_CHARS}}}|\S{{{_MAX_RUN_CHARS}}}"),
-                             behavior="merged_with_previous"),
-        pre_tokenizers.Split(Regex(K3_PAT_STR), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    backend = Converter(
+        vocab_file=str(model_dir / "tiktoken.model"), pattern=K3_PAT_STR, extra_special_tokens=None
+    ).converted()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.FixedLength(_MAX_ENCODE_CHARS),
+            pre_tokenizers.Split(
+                Regex(rf"\s{{{_MAX_RUN_CHARS}}}|\S{{{_MAX_RUN_CHARS}}}"),
+                behavior="merged_with_previous",
+            ),
+            pre_tokenizers.Split(Regex(K3_PAT_STR), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     base = backend.get_vocab_size()
-    backend.add_tokens([
-        AddedToken(e["content"], single_word=e["single_word"], lstrip=e["lstrip"],
-                   rstrip=e["rstrip"], normalized=e["normalized"], special=e["special"])
-        for e in entries
-    ])
-    wrong = [(e["content"], base + i, backend.token_to_id(e["content"]))
-             for i, e in enumerate(entries) if backend.token_to_id(e["content"]) != base + i]
+    backend.add_tokens(
+        [
+            AddedToken(
+                e["content"],
+                single_word=e["single_word"],
+                lstrip=e["lstrip"],
+                rstrip=e["rstrip"],
+                normalized=e["normalized"],
+                special=e["special"],
+            )
+            for e in entries
+        ]
+    )
+    wrong = [
+        (e["content"], base + i, backend.token_to_id(e["content"]))
+        for i, e in enumerate(entries)
+        if backend.token_to_id(e["content"]) != base + i
+    ]
     if wrong or backend.get_vocab_size() != base + NUM_CONTROL_TOKENS:
-        raise ValueError(f"{model_dir}: control tokens did not land on ids {base}.."
-                         f"{base + NUM_CONTROL_TOKENS - 1} (name, wanted, got): {wrong[:5]}; "
-                         "is a control name also a BPE token, or named twice?")
+        raise ValueError(
+            f"{model_dir}: control tokens did not land on ids {base}.."
+            f"{base + NUM_CONTROL_TOKENS - 1} (name, wanted, got): {wrong[:5]}; "
+            "is a control name also a BPE token, or named twice?"
+        )
     return backend
 
 
@@ -288,8 +308,10 @@ def _eos_token(model_dir: Path, config: dict, entries: list[dict], base: int) ->
     if eos is None:
         return config.get("eos_token", EOS)
     if not base <= eos < base + NUM_CONTROL_TOKENS:
-        raise ValueError(f"{path}: eos_token_id {eos} is not a control token "
-                         f"({base}..{base + NUM_CONTROL_TOKENS - 1})")
+        raise ValueError(
+            f"{path}: eos_token_id {eos} is not a control token "
+            f"({base}..{base + NUM_CONTROL_TOKENS - 1})"
+        )
     return entries[eos - base]["content"]
 
 
@@ -300,8 +322,11 @@ def hf_tokenizer_config(model_dir: Path) -> dict:
     config = _read_config(model_dir)
     base = len(read_ranks(model_dir / "tiktoken.model"))
     entries = _control_entries(config, base)
-    out = {k: v for k, v in config.items()
-           if k not in ("auto_map", "tokenizer_class", "chat_template", "added_tokens_decoder")}
+    out = {
+        k: v
+        for k, v in config.items()
+        if k not in ("auto_map", "tokenizer_class", "chat_template", "added_tokens_decoder")
+    }
     out["added_tokens_decoder"] = {str(base + i): e for i, e in enumerate(entries)}
     out["eos_token"] = _eos_token(model_dir, config, entries, base)
     out["clean_up_tokenization_spaces"] = False  # decode must return the bytes as they are
@@ -323,8 +348,7 @@ def write_hf_tokenizer(src_dir: Path, out_dir: Path) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     if (out_dir / "tiktoken.model").resolve() != (src_dir / "tiktoken.model").resolve():
         shutil.copyfile(src_dir / "tiktoken.model", out_dir / "tiktoken.model")
-    (out_dir / "tokenizer.json").write_text(backend.to_str(pretty=True) + "\n",
-                                            encoding="utf-8")
+    (out_dir / "tokenizer.json").write_text(backend.to_str(pretty=True) + "\n", encoding="utf-8")
     text = json.dumps(config, indent=2, ensure_ascii=False)
     (out_dir / "tokenizer_config.json").write_text(text + "\n", encoding="utf-8")
     (out_dir / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE, encoding="utf-8")

@@ -24,8 +24,13 @@ class SumLinear(nn.Linear):
         x = super().__call__(x)
         return mx.distributed.all_sum(x, group=self.group) if self.collectives else x
 
-    def to_quantized(self, group_size: int | None = None, bits: int | None = None,
-                     mode: str = "affine", quantize_input: bool = False):
+    def to_quantized(
+        self,
+        group_size: int | None = None,
+        bits: int | None = None,
+        mode: str = "affine",
+        quantize_input: bool = False,
+    ):
         q = QuantizedSumLinear.from_linear(self, group_size, bits, mode)
         q.group, q.collectives = self.group, True
         return q
@@ -65,8 +70,11 @@ def split_attention(model: kimi_k3.Model, split: list[int], group: mx.distribute
     tm = model.language_model.model
     every = tm.layers
     chosen = [every[i] for i in split]
-    moes = [(m, m.switch_mlp, m.shared_experts) for m in (layer.mlp for layer in chosen)
-            if isinstance(m, kimi_k3.KimiK3SparseMoE)]
+    moes = [
+        (m, m.switch_mlp, m.shared_experts)
+        for m in (layer.mlp for layer in chosen)
+        if isinstance(m, kimi_k3.KimiK3SparseMoE)
+    ]
     for m, _, _ in moes:
         m.switch_mlp, m.shared_experts = _Whole(), None
     tm.layers = chosen  # shard() iterates self.layers

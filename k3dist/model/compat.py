@@ -14,42 +14,29 @@ from mlx_lm.models import kimi_k3
 
 # "module:Class.name" or "module:name" -> how k3dist uses it
 PRIVATE = {
-    "mlx_lm.server:ResponseGenerator._share_request":
-        "overridden (k3dist.serve.lockstep): wraps the shared request to log each rank's tokens",
-    "mlx_lm.server:ResponseGenerator._is_batchable":
-        "overridden (k3dist.serve.lockstep): batched only when max_batch > 1",
+    "mlx_lm.server:ResponseGenerator._share_request": "overridden (k3dist.serve.lockstep): wraps the shared request to log each rank's tokens",
+    "mlx_lm.server:ResponseGenerator._is_batchable": "overridden (k3dist.serve.lockstep): batched only when max_batch > 1",
     "mlx_lm.server:ResponseGenerator._rank": "read by holds_request",
     "mlx_lm.server:ResponseGenerator._is_distributed": "read by holds_request",
-    "mlx_lm.server:APIHandler._set_stream_headers":
-        "overridden (k3dist.serve.server): open SSE streams are tracked for abort_streams",
-    "mlx_lm.server:APIHandler._set_completion_headers":
-        "overridden (k3dist.serve.server): a failure after acceptance is 500/503, not 404",
-    "mlx_lm.server:GenerationContext._should_stop":
-        "set by stop_generation: the ranks stop a request together (client gone)",
-    "mlx_lm.server:ResponseGenerator._next_request":
-        "overridden (k3dist.serve.lockstep): idle ranks wait on the watchdog, not a collective",
+    "mlx_lm.server:APIHandler._set_stream_headers": "overridden (k3dist.serve.server): open SSE streams are tracked for abort_streams",
+    "mlx_lm.server:APIHandler._set_completion_headers": "overridden (k3dist.serve.server): a failure after acceptance is 500/503, not 404",
+    "mlx_lm.server:GenerationContext._should_stop": "set by stop_generation: the ranks stop a request together (client gone)",
+    "mlx_lm.server:ResponseGenerator._next_request": "overridden (k3dist.serve.lockstep): idle ranks wait on the watchdog, not a collective",
     "mlx_lm.server:ResponseGenerator._stop": "read by the idle wait (k3dist.serve.lockstep)",
-    "mlx_lm.server:ResponseGenerator._tokenize":
-        "called once per request by rank 0's handler (k3dist.serve.lockstep.tokenize) and "
-        "overridden: every rank takes the tokens the request carries",
+    "mlx_lm.server:ResponseGenerator._tokenize": "called once per request by rank 0's handler (k3dist.serve.lockstep.tokenize) and "
+    "overridden: every rank takes the tokens the request carries",
     "mlx_lm.server:_image_parts": "called by has_images",
-    "mlx_lm.server:ResponseGenerator._time_budget":
-        "replaced (k3dist.serve.lockstep): a stopped request ends the batch loop's pass",
+    "mlx_lm.server:ResponseGenerator._time_budget": "replaced (k3dist.serve.lockstep): a stopped request ends the batch loop's pass",
     "mlx_lm.models.kimi_k3:_group_expert_select": "called by group_expert_select",
     "mlx_lm.models.kimi_k3:_attn_res_mix": "called by attn_res_mix (k3dist.build.stream)",
-    "mlx_lm.server:APIHandler._set_cors_headers":
-        "overridden (k3dist.serve.server): CORS headers only for cors_origins",
-    "mlx_lm.models.cache:LRUPromptCache._trie":
-        "read by k3dist.serve.prompt_cache: the prefix copy is looked up in mlx-lm's trie",
-    "mlx_lm.models.cache:LRUPromptCache._lru":
-        "read by k3dist.serve.prompt_cache: tokens held, for the prompt_cache_tokens bound",
+    "mlx_lm.server:APIHandler._set_cors_headers": "overridden (k3dist.serve.server): CORS headers only for cors_origins",
+    "mlx_lm.models.cache:LRUPromptCache._trie": "read by k3dist.serve.prompt_cache: the prefix copy is looked up in mlx-lm's trie",
+    "mlx_lm.models.cache:LRUPromptCache._lru": "read by k3dist.serve.prompt_cache: tokens held, for the prompt_cache_tokens bound",
     "mlx_lm.models.cache:LRUPromptCache.CacheOrder._lrus": "read with _lru (tokens held)",
     "mlx_lm.server:_image_url": "called by k3dist.serve.vision: an image part's URL",
-    "mlx_lm.models.kimi_k3:KimiK3DeltaAttention._step":
-        "reset by k3dist.model.ep / k3dist.serve.introspect: the compiled KDA decode core "
-        "is dropped so warm-up and kernel counts start clean",
-    "mlx_lm.models.kimi_k3:KimiK3DecoderLayer._attn_res_w_eff":
-        "reset by k3dist.factory.train after an update (cached AttnRes weights)",
+    "mlx_lm.models.kimi_k3:KimiK3DeltaAttention._step": "reset by k3dist.model.ep / k3dist.serve.introspect: the compiled KDA decode core "
+    "is dropped so warm-up and kernel counts start clean",
+    "mlx_lm.models.kimi_k3:KimiK3DecoderLayer._attn_res_w_eff": "reset by k3dist.factory.train after an update (cached AttnRes weights)",
     "mlx_lm.models.kimi_k3:KimiK3DecoderLayer._mlp_res_w_eff": "reset with _attn_res_w_eff",
     "mlx_lm.models.kimi_k3:KimiK3TextModel._output_res_w_eff": "reset with _attn_res_w_eff",
 }

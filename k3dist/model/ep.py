@@ -26,9 +26,13 @@ class _Given(nn.Module):
         return self._h
 
 
-def make_model_class(placement: Placement, rank: int, group: mx.distributed.Group | None,
-                     form: str = "placeholder", split_layers: list[int] | tuple = ()
-                     ) -> type[kimi_k3.Model]:
+def make_model_class(
+    placement: Placement,
+    rank: int,
+    group: mx.distributed.Group | None,
+    form: str = "placeholder",
+    split_layers: list[int] | tuple = (),
+) -> type[kimi_k3.Model]:
     """A ``kimi_k3.Model`` subclass whose MoE layers hold only ``rank``'s experts and
     whose ``split_layers`` hold only its share of the attention heads (the rank
     folder's ``attention.split_layers``); pass it to ``mlx_lm.utils.load_model``
@@ -46,13 +50,13 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
                 if isinstance(layer.mlp, kimi_k3.KimiK3SparseMoE):
                     if i not in placement.owners:
                         raise ValueError(f"placement has no owners for MoE layer {i}")
-                    layer.mlp = ExpertParallelMoE(
-                        tc, placement.local_table(i, rank), group, form)
+                    layer.mlp = ExpertParallelMoE(tc, placement.local_table(i, rank), group, form)
             if split_layers and group is not None:
                 split_attention(self, list(split_layers), group)
 
-        def __call__(self, inputs: mx.array, cache=None,
-                     input_embeddings: mx.array | None = None) -> mx.array:
+        def __call__(
+            self, inputs: mx.array, cache=None, input_embeddings: mx.array | None = None
+        ) -> mx.array:
             # With a fixed list of chunk sizes, any length runs as a sum of them, so
             # only warmed-up shapes ever reach the compiled graph (k3dist.serve.warmup).
             # Every (batch, tokens) shape run is recorded in ``shapes_seen``.
@@ -63,8 +67,8 @@ def make_model_class(placement: Placement, rank: int, group: mx.distributed.Grou
             outs, start = [], 0
             for n in split_length(T, self.chunk_sizes):
                 self.shapes_seen.add((B, n))
-                emb = None if input_embeddings is None else input_embeddings[:, start:start + n]
-                outs.append(self._forward(inputs[:, start:start + n], cache, emb))
+                emb = None if input_embeddings is None else input_embeddings[:, start : start + n]
+                outs.append(self._forward(inputs[:, start : start + n], cache, emb))
                 start += n
             return mx.concatenate(outs, axis=1)
 

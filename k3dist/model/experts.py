@@ -49,9 +49,13 @@ class OwnedExperts(SwitchGLU):
         self_dim = args.routed_expert_hidden_size or args.hidden_size
         n_local = int((np.asarray(local_table) >= 0).sum())
         super().__init__(
-            self_dim, args.moe_intermediate_size, n_local,
-            activation=kimi_k3.SiTU(args.activation_situ_beta or 1.0,
-                                    args.activation_situ_linear_beta))
+            self_dim,
+            args.moe_intermediate_size,
+            n_local,
+            activation=kimi_k3.SiTU(
+                args.activation_situ_beta or 1.0, args.activation_situ_linear_beta
+            ),
+        )
         self.form = form
         # Underscored: kept out of parameters(). -1 marks another rank's expert.
         self._table_np = np.asarray(local_table, dtype=np.int32)
@@ -85,8 +89,13 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
     """mlx-lm's MoE with :class:`OwnedExperts` as ``switch_mlp`` and the EP group as
     ``sharding_group`` (module doc)."""
 
-    def __init__(self, args: kimi_k3.TextArgs, local_table: np.ndarray,
-                 group: mx.distributed.Group | None, form: str = "placeholder"):
+    def __init__(
+        self,
+        args: kimi_k3.TextArgs,
+        local_table: np.ndarray,
+        group: mx.distributed.Group | None,
+        form: str = "placeholder",
+    ):
         super().__init__(args)
         self.switch_mlp = OwnedExperts(args, local_table, form)
         self.form = form
@@ -106,8 +115,14 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
         the routing (calibration, DWQ, the two-bank forward, benchmarks)."""
         a = self.args
         return compat.group_expert_select(
-            self.gate(x), self.e_score_correction_bias, a.num_experts_per_token,
-            a.num_expert_group, a.topk_group, a.routed_scaling_factor, a.moe_renormalize)
+            self.gate(x),
+            self.e_score_correction_bias,
+            a.num_experts_per_token,
+            a.num_expert_group,
+            a.topk_group,
+            a.routed_scaling_factor,
+            a.moe_renormalize,
+        )
 
     def set_collectives(self, on: bool) -> None:
         """Off only during warm-up: shapes compile on each rank without a peer."""

@@ -84,10 +84,13 @@ class TwoBankMoE(ExpertParallelMoE):
         super().__init__(args, lo_table, group, form)
         # switch_mlp: this rank's lo rows, addressed by local row (the tables below)
         self.switch_mlp = SwitchGLU(
-            self.latent_size or args.hidden_size, args.moe_intermediate_size,
+            self.latent_size or args.hidden_size,
+            args.moe_intermediate_size,
             int((lo_table >= 0).sum()),
-            activation=kimi_k3.SiTU(args.activation_situ_beta or 1.0,
-                                    args.activation_situ_linear_beta))
+            activation=kimi_k3.SiTU(
+                args.activation_situ_beta or 1.0, args.activation_situ_linear_beta
+            ),
+        )
         self._table_np = lo_table
         self._table = mx.array(lo_table)
         self._hi_table_np = _table(promoted & (owners == rank))
@@ -166,8 +169,9 @@ class TwoBankMoE(ExpertParallelMoE):
         if self.sharding_group is not None:
             # one collective for routed + shared partial sums, as mlx-lm's
             if shared is not None:
-                both = mx.distributed.all_sum(mx.concatenate([y, shared], axis=-1),
-                                              group=self.sharding_group)
+                both = mx.distributed.all_sum(
+                    mx.concatenate([y, shared], axis=-1), group=self.sharding_group
+                )
                 y, shared = mx.split(both, [y.shape[-1]], axis=-1)
             else:
                 y = mx.distributed.all_sum(y, group=self.sharding_group)
@@ -233,7 +237,11 @@ def _table(mask: np.ndarray) -> np.ndarray:
 
 
 def make_model_class(
-    placement: Placement, rank: int, group: mx.distributed.Group | None, form: str, gmap: GradedMap,
+    placement: Placement,
+    rank: int,
+    group: mx.distributed.Group | None,
+    form: str,
+    gmap: GradedMap,
     split_layers: list[int] | tuple = (),
 ) -> type[kimi_k3.Model]:
     """``k3dist.model.ep.make_model_class`` with every MoE layer two-banked."""

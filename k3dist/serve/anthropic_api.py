@@ -23,9 +23,15 @@ from k3dist.serve.relay import BadRequest, Translator, sse, validation_message
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class _Model(BaseModel):
@@ -70,13 +76,16 @@ class ImageBlock(_Model):
 class ToolResultBlock(_Model):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] \
-        | None = None
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] | None = (
+        None
+    )
     is_error: bool | None = None
 
 
-Block = Annotated[TextBlock | ImageBlock | ThinkingBlock | RedactedThinkingBlock
-                  | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+Block = Annotated[
+    TextBlock | ImageBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock,
+    Field(discriminator="type"),
+]
 
 
 class Message(_Model):
@@ -133,10 +142,14 @@ def _tool_content(b: ToolResultBlock, where: str) -> str | list[dict]:
     """A tool_result's content as the tool message's: text, or (with images, as a
     client's Read of a screenshot sends) image parts then the text, as user content."""
     blocks = b.content if isinstance(b.content, list) else []
-    images = [_image_part(x, f"{where}.content.{k}") for k, x in enumerate(blocks)
-              if isinstance(x, ImageBlock)]
+    images = [
+        _image_part(x, f"{where}.content.{k}")
+        for k, x in enumerate(blocks)
+        if isinstance(x, ImageBlock)
+    ]
     text = ("Error: " if b.is_error else "") + _text(
-        [x for x in blocks if isinstance(x, TextBlock)] if blocks else b.content)
+        [x for x in blocks if isinstance(x, TextBlock)] if blocks else b.content
+    )
     if not images:
         return text
     return [*images, *([{"type": "text", "text": text}] if text else [])]
@@ -167,8 +180,16 @@ def _tools(tools: list[Tool], choice: ToolChoice | None) -> tuple[list[dict], st
             continue
         if t.input_schema is None:
             raise BadRequest(400, f"tools: tool {t.name!r} has no input_schema")
-        out.append({"type": "function", "function": {
-            "name": t.name, "description": t.description or "", "parameters": t.input_schema}})
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description or "",
+                    "parameters": t.input_schema,
+                },
+            }
+        )
     if choice is None or choice.type == "auto" or (not out and choice.type == "none"):
         return out, None
     if choice.type == "none":
@@ -176,8 +197,11 @@ def _tools(tools: list[Tool], choice: ToolChoice | None) -> tuple[list[dict], st
     if choice.type == "tool":
         named = [t for t in out if t["function"]["name"] == choice.name]
         if not named:
-            raise BadRequest(400, f"tool_choice: names tool {choice.name!r}, which is not "
-                             f"among the request's tools {[t['function']['name'] for t in out]}")
+            raise BadRequest(
+                400,
+                f"tool_choice: names tool {choice.name!r}, which is not "
+                f"among the request's tools {[t['function']['name'] for t in out]}",
+            )
         return named[:1], "required"
     if not out:
         raise BadRequest(400, f"tool_choice: {choice.type!r} needs at least one tool")
@@ -195,13 +219,15 @@ def to_chat(body: dict, *, count_only: bool = False) -> dict:
         messages.append({"role": "system", "content": _text(req.system)})
     calls: set[str] = set()  # tool_use ids of the latest assistant message
     for i, m in enumerate(req.messages):
-        blocks = [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) \
-            else m.content
+        blocks = (
+            [TextBlock(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        )
         if m.role == "system":
             bad = [b.type for b in blocks if not isinstance(b, TextBlock)]
             if bad:
-                raise BadRequest(400, f"messages.{i}: a system message holds text blocks "
-                                 f"only, not {bad[0]}")
+                raise BadRequest(
+                    400, f"messages.{i}: a system message holds text blocks only, not {bad[0]}"
+                )
             messages.append({"role": "system", "content": _text(blocks)})
             continue
         if m.role == "assistant":
@@ -210,15 +236,19 @@ def to_chat(body: dict, *, count_only: bool = False) -> dict:
             uses = [b for b in blocks if isinstance(b, ToolUseBlock)]
             bad = [b.type for b in blocks if isinstance(b, ToolResultBlock | ImageBlock)]
             if bad:
-                raise BadRequest(400, f"messages.{i}: {bad[0]} blocks belong in a user "
-                                 "message")
+                raise BadRequest(400, f"messages.{i}: {bad[0]} blocks belong in a user message")
             msg: dict = {"role": "assistant", "content": text}
             if thinking:
                 msg["reasoning_content"] = thinking
             if uses:
-                msg["tool_calls"] = [{"id": b.id, "type": "function",
-                                      "function": {"name": b.name, "arguments": b.input}}
-                                     for b in uses]
+                msg["tool_calls"] = [
+                    {
+                        "id": b.id,
+                        "type": "function",
+                        "function": {"name": b.name, "arguments": b.input},
+                    }
+                    for b in uses
+                ]
             calls = {b.id for b in uses}
             messages.append(msg)
             continue
@@ -227,27 +257,42 @@ def to_chat(body: dict, *, count_only: bool = False) -> dict:
         for j, b in enumerate(blocks):
             if isinstance(b, ToolResultBlock):
                 if b.tool_use_id not in calls:
-                    raise BadRequest(400, f"messages.{i}.content.{j}: tool_result block's "
-                                     f"tool_use_id {b.tool_use_id!r} answers no tool_use "
-                                     "block of the assistant message before it")
-                messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                                 "content": _tool_content(b, f"messages.{i}.content.{j}")})
+                    raise BadRequest(
+                        400,
+                        f"messages.{i}.content.{j}: tool_result block's "
+                        f"tool_use_id {b.tool_use_id!r} answers no tool_use "
+                        "block of the assistant message before it",
+                    )
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": b.tool_use_id,
+                        "content": _tool_content(b, f"messages.{i}.content.{j}"),
+                    }
+                )
             elif isinstance(b, TextBlock):
                 text.append(b.text)
             elif isinstance(b, ImageBlock):
                 images.append(_image_part(b, f"messages.{i}.content.{j}"))
             else:
-                raise BadRequest(400, f"messages.{i}.content.{j}: a {b.type} block belongs "
-                                 "in an assistant message")
+                raise BadRequest(
+                    400,
+                    f"messages.{i}.content.{j}: a {b.type} block belongs in an assistant message",
+                )
         if images:
-            messages.append({"role": "user", "content": [
-                *images, *({"type": "text", "text": t} for t in text)]})
+            messages.append(
+                {"role": "user", "content": [*images, *({"type": "text", "text": t} for t in text)]}
+            )
         elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
             messages.append({"role": "user", "content": "".join(text)})
         calls = set()
-    chat: dict = {"model": req.model, "messages": messages,
-                  "chat_template_kwargs": {"thinking": bool(
-                      req.thinking and req.thinking.type != "disabled")}}
+    chat: dict = {
+        "model": req.model,
+        "messages": messages,
+        "chat_template_kwargs": {
+            "thinking": bool(req.thinking and req.thinking.type != "disabled")
+        },
+    }
     tools, choice = _tools(req.tools or [], req.tool_choice)
     if tools:
         chat["tools"] = tools
@@ -265,8 +310,10 @@ def to_chat(body: dict, *, count_only: bool = False) -> dict:
 
 
 def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
-                                       "message": message}}
+    return {
+        "type": "error",
+        "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message},
+    }
 
 
 class MessagesTranslator(Translator):
@@ -276,15 +323,25 @@ class MessagesTranslator(Translator):
         self.id = f"msg_{uuid.uuid4().hex}"
 
     def _message(self, content: list) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
+        }
 
     def _usage(self) -> dict:
         o = self.outcome
-        return {"input_tokens": o.prompt_tokens - o.cached_tokens,
-                "output_tokens": o.completion_tokens,
-                "cache_read_input_tokens": o.cached_tokens, "cache_creation_input_tokens": 0}
+        return {
+            "input_tokens": o.prompt_tokens - o.cached_tokens,
+            "output_tokens": o.completion_tokens,
+            "cache_read_input_tokens": o.cached_tokens,
+            "cache_creation_input_tokens": 0,
+        }
 
     def _stop(self) -> tuple[str, str | None]:
         seq = self.stop_sequence()
@@ -295,8 +352,7 @@ class MessagesTranslator(Translator):
     @staticmethod
     def _block(block: dict, *, full: bool) -> dict:
         if block["kind"] == "reasoning":
-            return {"type": "thinking", "thinking": block["text"] if full else "",
-                    "signature": ""}
+            return {"type": "thinking", "thinking": block["text"] if full else "", "signature": ""}
         if block["kind"] == "text":
             return {"type": "text", "text": block["text"] if full else ""}
         try:
@@ -306,33 +362,68 @@ class MessagesTranslator(Translator):
         return {"type": "tool_use", "id": block["id"], "name": block["name"], "input": args}
 
     def start(self) -> list[bytes]:
-        return [sse("message_start", {"type": "message_start", "message": self._message([])}),
-                sse("ping", {"type": "ping"})]
+        return [
+            sse("message_start", {"type": "message_start", "message": self._message([])}),
+            sse("ping", {"type": "ping"}),
+        ]
 
     def open_block(self, index, block):
-        return [sse("content_block_start", {"type": "content_block_start", "index": index,
-                                            "content_block": self._block(block, full=False)})]
+        return [
+            sse(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": index,
+                    "content_block": self._block(block, full=False),
+                },
+            )
+        ]
 
     def delta(self, index, block, text):
-        kind = {"reasoning": ("thinking_delta", "thinking"), "text": ("text_delta", "text"),
-                "tool_call": ("input_json_delta", "partial_json")}[block["kind"]]
-        return [sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                            "delta": {"type": kind[0], kind[1]: text}})]
+        kind = {
+            "reasoning": ("thinking_delta", "thinking"),
+            "text": ("text_delta", "text"),
+            "tool_call": ("input_json_delta", "partial_json"),
+        }[block["kind"]]
+        return [
+            sse(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": kind[0], kind[1]: text},
+                },
+            )
+        ]
 
     def close_block(self, index, block):
         out = []
         if block["kind"] == "reasoning":
-            out.append(sse("content_block_delta", {
-                "type": "content_block_delta", "index": index,
-                "delta": {"type": "signature_delta", "signature": ""}}))
+            out.append(
+                sse(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": index,
+                        "delta": {"type": "signature_delta", "signature": ""},
+                    },
+                )
+            )
         return out + [sse("content_block_stop", {"type": "content_block_stop", "index": index})]
 
     def finish(self):
         reason, seq = self._stop()
-        return [sse("message_delta", {"type": "message_delta",
-                                      "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                      "usage": self._usage()}),
-                sse("message_stop", {"type": "message_stop"})]
+        return [
+            sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": seq},
+                    "usage": self._usage(),
+                },
+            ),
+            sse("message_stop", {"type": "message_stop"}),
+        ]
 
     def body(self) -> dict:
         msg = self._message([self._block(b, full=True) for b in self.blocks])

@@ -17,8 +17,10 @@ def load_key(key: str | None, key_file: str | None) -> str | None:
     if key_file:
         path = Path(key_file).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"api_key_file {path} does not exist; write the key to "
-                                    "it (one line) or drop the setting")
+            raise FileNotFoundError(
+                f"api_key_file {path} does not exist; write the key to "
+                "it (one line) or drop the setting"
+            )
         lines = path.read_text().strip().splitlines()
         key = lines[0].strip() if lines else ""
         if not key:
@@ -45,7 +47,8 @@ def check_exposure(host: str, key: str | None, allow_no_key: bool = False) -> No
             "`openssl rand -hex 24 > ~/.k3dist-key && chmod 600 ~/.k3dist-key`) and set "
             "api_key_file: ~/.k3dist-key in the deployment YAML (or --api-key-file); or bind "
             "127.0.0.1; or, on a network you trust, set allow_no_api_key: true "
-            "(--allow-no-api-key)")
+            "(--allow-no-api-key)"
+        )
 
 
 def presented(headers) -> str:

@@ -32,8 +32,9 @@ class DeviceHeartbeat:
         self._thread: threading.Thread | None = None
 
     def start(self) -> DeviceHeartbeat:
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="k3dist-device-heartbeat")
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name="k3dist-device-heartbeat"
+        )
         self._thread.start()
         return self
 

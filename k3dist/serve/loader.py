@@ -47,9 +47,12 @@ class PeerFailed(RuntimeError):
 _ROW = re.compile(r"[0-9A-Za-z_.-]+:[0-9A-Za-z_.-]+")
 
 
-def _peer_failed(ranks: list[int], why: str,
-                 peer_failure: Callable[[int], str | None] | None,
-                 wait_s: float = 1.0) -> PeerFailed:
+def _peer_failed(
+    ranks: list[int],
+    why: str,
+    peer_failure: Callable[[int], str | None] | None,
+    wait_s: float = 1.0,
+) -> PeerFailed:
     """The error for a rank (one of ``ranks``) that failed during start-up, with its
     own reason if its watchdog's FAIL arrives within ``wait_s`` (a failing rank sends
     it before it exits)."""
@@ -63,8 +66,9 @@ def _peer_failed(ranks: list[int], why: str,
             break
         time.sleep(0.05)
     who = f"rank {ranks[0]}" if len(ranks) == 1 else f"one of ranks {ranks}"
-    return PeerFailed(f"{who} failed during start-up: no reason received; its own error is in "
-                      f"its log ({why})")
+    return PeerFailed(
+        f"{who} failed during start-up: no reason received; its own error is in its log ({why})"
+    )
 
 
 def check_attention(folder: Path, m: dict, attention: str | None) -> None:
@@ -77,25 +81,32 @@ def check_attention(folder: Path, m: dict, attention: str | None) -> None:
     want = "replicated" if m["size"] <= 1 else attention
     have = manifest.attention_of(m)["mode"]
     if have != want:
-        raise RankMismatch(f"{folder}: sliced with attention {have} but the deployment asks "
-                           f"for {want}; slice again with --attention {want} (python "
-                           f"slicing/rank_split.py) or deploy with attention: {have}")
+        raise RankMismatch(
+            f"{folder}: sliced with attention {have} but the deployment asks "
+            f"for {want}; slice again with --attention {want} (python "
+            f"slicing/rank_split.py) or deploy with attention: {have}"
+        )
 
 
-def check_rank_folder(folder: str | Path, rank: int, size: int, verify: str = "stamp",
-                      attention: str | None = None) -> tuple[dict, Placement]:
+def check_rank_folder(
+    folder: str | Path, rank: int, size: int, verify: str = "stamp", attention: str | None = None
+) -> tuple[dict, Placement]:
     """Everything that can be checked without talking to the other ranks; last, the
     content against the manifest (``k3dist.format.verify``; report in ``manifest["verify"]``).
     ``attention``: the mode the deployment asks for (None: whatever the folder holds)."""
     folder = Path(folder)
     m = manifest.verify(folder, "rank")  # kind, every file's size
     if m["size"] != size:
-        raise RankMismatch(f"{folder}: sliced for {m['size']} ranks but the group has {size}; "
-                           f"launch with -n {m['size']} or slice again with --size {size}")
+        raise RankMismatch(
+            f"{folder}: sliced for {m['size']} ranks but the group has {size}; "
+            f"launch with -n {m['size']} or slice again with --size {size}"
+        )
     if m["rank"] != rank:
-        raise RankMismatch(f"{folder}: holds rank {m['rank']}'s experts but this process is "
-                           f"rank {rank} of {size}; give each rank its own folder "
-                           "(rank_dir with {rank})")
+        raise RankMismatch(
+            f"{folder}: holds rank {m['rank']}'s experts but this process is "
+            f"rank {rank} of {size}; give each rank its own folder "
+            "(rank_dir with {rank})"
+        )
     check_attention(folder, m, attention)
     placement = Placement.from_json(m["placement"])
     if placement.size != size:
@@ -116,23 +127,32 @@ def check_rank_folder(folder: str | Path, rank: int, size: int, verify: str = "s
             n_local = len(graded.local_rows(gmap, name, placement.num_experts, placement, rank))
             fname = index.get(name)
             if fname is None:
-                raise CheckpointError(f"{folder}: expert tensor {name!r} is missing from the "
-                                      "index; the rank folder is incomplete, slice it again")
+                raise CheckpointError(
+                    f"{folder}: expert tensor {name!r} is missing from the "
+                    "index; the rank folder is incomplete, slice it again"
+                )
             if fname not in headers:
                 headers[fname] = read_header(folder / fname)
             t = headers[fname].tensors.get(name)
             if t is None:
-                raise CheckpointError(f"{folder / fname}: expert tensor {name!r} is missing; "
-                                      "the rank folder is incomplete, slice it again")
+                raise CheckpointError(
+                    f"{folder / fname}: expert tensor {name!r} is missing; "
+                    "the rank folder is incomplete, slice it again"
+                )
             if t.shape[0] != n_local:
-                raise CheckpointError(f"{folder / fname}: {name!r} stacks {t.shape[0]} experts "
-                                      f"but the placement gives rank {rank} {n_local}")
+                raise CheckpointError(
+                    f"{folder / fname}: {name!r} stacks {t.shape[0]} experts "
+                    f"but the placement gives rank {rank} {n_local}"
+                )
     m["verify"] = verify_folder(folder, m, verify).to_json()
     return m, placement
 
 
-def _handshake(manifest: dict, group: mx.distributed.Group,
-               peer_failure: Callable[[int], str | None] | None = None) -> None:
+def _handshake(
+    manifest: dict,
+    group: mx.distributed.Group,
+    peer_failure: Callable[[int], str | None] | None = None,
+) -> None:
     """All ranks must run slices of one build with one placement. ``peer_failure``
     (rank -> the reason it failed, if known: the watchdog's) names why a peer that
     died before the handshake did."""
@@ -148,21 +168,33 @@ def _handshake(manifest: dict, group: mx.distributed.Group,
     seen = [bytes(row).decode(errors="replace").strip() for row in every]
     for r, s in enumerate(seen):
         if not _ROW.fullmatch(s):
-            raise _peer_failed([r], "what it sent in the handshake is not a build:placement "
-                               "pair: the ring returned garbage for a peer that is gone",
-                               peer_failure)
+            raise _peer_failed(
+                [r],
+                "what it sent in the handshake is not a build:placement "
+                "pair: the ring returned garbage for a peer that is gone",
+                peer_failure,
+            )
     if len(set(seen)) > 1:
-        desc = ", ".join(f"rank {r}: build {s.split(':')[0]} placement-attention "
-                         f"{s.split(':')[1]}" for r, s in enumerate(seen))
-        raise RankMismatch(f"rank folders come from different builds or placements or "
-                           f"attention modes ({desc}); slice every rank from the same build "
-                           "with the same placement and --attention")
+        desc = ", ".join(
+            f"rank {r}: build {s.split(':')[0]} placement-attention {s.split(':')[1]}"
+            for r, s in enumerate(seen)
+        )
+        raise RankMismatch(
+            f"rank folders come from different builds or placements or "
+            f"attention modes ({desc}); slice every rank from the same build "
+            "with the same placement and --attention"
+        )
 
 
-def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
-              dtype: str = "float32", form: str = "auto", verify: str = "stamp",
-              peer_failure: Callable[[int], str | None] | None = None,
-              attention: str | None = None):
+def load_rank(
+    folder: str | Path,
+    group: mx.distributed.Group | None = None,
+    dtype: str = "float32",
+    form: str = "auto",
+    verify: str = "stamp",
+    peer_failure: Callable[[int], str | None] | None = None,
+    attention: str | None = None,
+):
     """Load this rank's folder as an expert-parallel K3; returns (model, config, manifest).
     ``peer_failure``: see ``_handshake``; ``attention``: the mode the deployment asks
     for (``check_attention``; None: the folder's)."""
@@ -173,17 +205,26 @@ def load_rank(folder: str | Path, group: mx.distributed.Group | None = None,
         _handshake(manifest, group, peer_failure)
     gmap = graded.GradedMap.from_config(load_config(folder))
     split = mf.attention_of(manifest)["split_layers"]
-    cls = (make_model_class(placement, rank, group, resolve_form(form), split) if gmap is None
-           else two_bank.make_model_class(placement, rank, group, resolve_form(form), gmap, split))
+    cls = (
+        make_model_class(placement, rank, group, resolve_form(form), split)
+        if gmap is None
+        else two_bank.make_model_class(placement, rank, group, resolve_form(form), gmap, split)
+    )
     try:
-        model, config = load_model(Path(folder), lazy=True, strict=True,
-                                   get_model_classes=lambda config: (cls, kimi_k3.ModelArgs))
+        model, config = load_model(
+            Path(folder),
+            lazy=True,
+            strict=True,
+            get_model_classes=lambda config: (cls, kimi_k3.ModelArgs),
+        )
     except ValueError as e:
         if "shape" not in str(e):
             raise
-        raise CheckpointError(f"{folder}: its tensors do not fit the model built for attention "
-                              f"split over layers {split} on {size} ranks ({e}); slice the "
-                              "folder again") from None
+        raise CheckpointError(
+            f"{folder}: its tensors do not fit the model built for attention "
+            f"split over layers {split} on {size} ranks ({e}); slice the "
+            "folder again"
+        ) from None
     if dtype != "bfloat16":
         model.set_dtype(DTYPES[dtype])
     # Layer by layer, so transient full-size tensors (the shared experts before their

@@ -149,10 +149,19 @@ class _RequestQueue(Queue):
     the same token (in a batch, the others go on). It also logs the generated tokens
     when asked (``log``), so the tokens of every rank can be compared."""
 
-    def __init__(self, inner: Queue | None, rank: int, size: int, log: Path | None,
-                 request_no: int, on_progress=None, *, batched: bool = True,
-                 client_socket: socket.socket | None = None,
-                 budget: _CuttableBudget | None = None):
+    def __init__(
+        self,
+        inner: Queue | None,
+        rank: int,
+        size: int,
+        log: Path | None,
+        request_no: int,
+        on_progress=None,
+        *,
+        batched: bool = True,
+        client_socket: socket.socket | None = None,
+        budget: _CuttableBudget | None = None,
+    ):
         super().__init__()
         self.inner, self.rank, self.size = inner, rank, size
         self.on_progress = on_progress  # the prompt cache's prefill snapshot
@@ -200,11 +209,16 @@ class _RequestQueue(Queue):
             return False
         self.stopped = True
         compat.stop_generation(self.ctx)
-        where = (f"after {len(self.tokens)} generated tokens" if self.tokens else
-                 f"at prompt token {self.progress[0]} of {self.progress[1]}"
-                 if self.progress else "before its prefill")
+        where = (
+            f"after {len(self.tokens)} generated tokens"
+            if self.tokens
+            else f"at prompt token {self.progress[0]} of {self.progress[1]}"
+            if self.progress
+            else "before its prefill"
+        )
         (logging.warning if self.rank == 0 else logging.debug)(
-            "request %d: the client went away; stopped on every rank %s", self.no, where)
+            "request %d: the client went away; stopped on every rank %s", self.no, where
+        )
         self._write_log("client went away")
         if self.batched:
             if self.budget is not None:
@@ -219,8 +233,11 @@ class _RequestQueue(Queue):
         if self.stopped:
             # after the stop: the single path's own "stopped" error, or a last token
             # of the step in flight; the handler has had its ClientGone (batched)
-            if (self.inner is not None and not self.batched
-                    and (item is None or isinstance(item, Exception))):
+            if (
+                self.inner is not None
+                and not self.batched
+                and (item is None or isinstance(item, Exception))
+            ):
                 self.inner.put(ClientGone("the client went away"), block, timeout)
             return
         if isinstance(item, mlx_server.GenerationContext):
@@ -254,14 +271,21 @@ class _RequestQueue(Queue):
             return
         self.logged = True
         with open(self.log, "a") as f:
-            f.write(json.dumps({"request": self.no, "tokens": self.tokens,
-                                "cached": getattr(self.ctx, "prompt_cache_count", None),
-                                "error": error}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "request": self.no,
+                        "tokens": self.tokens,
+                        "cached": getattr(self.ctx, "prompt_cache_count", None),
+                        "error": error,
+                    }
+                )
+                + "\n"
+            )
 
 
 class K3ResponseGenerator(mlx_server.ResponseGenerator):
-    def __init__(self, model_provider, prompt_cache, token_log: Path | None = None,
-                 idle_gate=None):
+    def __init__(self, model_provider, prompt_cache, token_log: Path | None = None, idle_gate=None):
         self.token_log = token_log
         self._request_no = 0
         self.idle_gate = idle_gate  # k3dist.serve.watchdog.IdleGate (multi-rank)
@@ -269,8 +293,9 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
         self.requests = _Requests()
         self._time_budget = _CuttableBudget()
 
-    def tokenize(self, request: mlx_server.CompletionRequest,
-                 chat_template_kwargs: dict | None) -> Prompt:
+    def tokenize(
+        self, request: mlx_server.CompletionRequest, chat_template_kwargs: dict | None
+    ) -> Prompt:
         """Rank 0's handler: ``request`` rendered and tokenized once, by mlx-lm's own
         ``_tokenize`` (the template, the cache segments), ahead of the queue; the
         prompt's length is checked on these tokens and every rank generates from them."""
@@ -317,11 +342,17 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
         request, args = shared[1], shared[2]
         # mlx-lm's own choice of path (its _generate): batched unless images or a seed
         batched = self._is_batchable(args) and not compat.has_images(request)
-        return (_RequestQueue(rq, group.rank(), group.size(), self.token_log, self._request_no,
-                              getattr(self.prompt_cache, "prefill_progress", None),
-                              batched=batched,
-                              client_socket=getattr(rq, "client_socket", None),
-                              budget=self._time_budget),
-                *shared[1:])
-
-
+        return (
+            _RequestQueue(
+                rq,
+                group.rank(),
+                group.size(),
+                self.token_log,
+                self._request_no,
+                getattr(self.prompt_cache, "prefill_progress", None),
+                batched=batched,
+                client_socket=getattr(rq, "client_socket", None),
+                budget=self._time_budget,
+            ),
+            *shared[1:],
+        )

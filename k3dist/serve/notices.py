@@ -20,5 +20,9 @@ def dropped_tool(api: str, kind: str) -> None:
         if key in _seen:
             return
         _seen.add(key)
-    logging.warning("%s: tools of type %r are built into the hosted API and cannot run "
-                    "here; they are left out of the prompt (logged once)", api, key[1])
+    logging.warning(
+        "%s: tools of type %r are built into the hosted API and cannot run "
+        "here; they are left out of the prompt (logged once)",
+        api,
+        key[1],
+    )

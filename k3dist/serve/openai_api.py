@@ -34,10 +34,25 @@ MIN_TOP_P = 1e-30
 MAX_JSON_DEPTH = 64  # the request is pickled to the other ranks: no deep recursion
 MAX_JSON_VALUES = 100_000
 # Keys mlx-lm passes to apply_chat_template itself: a request may not override them.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "tokenize", "add_generation_prompt", "chat_template",
-    "return_dict", "return_tensors", "continue_final_message", "documents", "tokenizer_kwargs",
-    "return_assistant_tokens_mask", "padding", "truncation", "max_length"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "tokenize",
+        "add_generation_prompt",
+        "chat_template",
+        "return_dict",
+        "return_tensors",
+        "continue_final_message",
+        "documents",
+        "tokenizer_kwargs",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+    }
+)
 # OpenAI-style image parts (mlx-lm's reading of them)
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 # Fields mlx-lm reads that the expert-parallel server does not serve.
@@ -49,14 +64,21 @@ CHAT_ONLY = ("messages", "tools", "chat_template_kwargs", "role_mapping")
 class RequestError(ValueError):
     """A request refused before it is queued, in OpenAI's error shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": str(self), "type": "invalid_request_error",
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": str(self),
+                "type": "invalid_request_error",
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def _refuse(message: str) -> PydanticCustomError:
@@ -69,6 +91,7 @@ class _Model(BaseModel):
 
 class _Open(_Model):
     """A part of a message: its other keys go to the chat template as sent."""
+
     model_config = ConfigDict(extra="allow")
 
 
@@ -79,6 +102,7 @@ class TextPart(_Open):
 
 class ImagePart(_Open):
     """Checked by k3dist.serve.vision; accepted only where the deployment serves images."""
+
     type: Literal["image_url", "input_image", "image"]
 
 
@@ -113,17 +137,22 @@ class ToolCall(_Open):
 
 class Message(_Open):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None \
-        = None
+    content: str | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     tool_calls: list[ToolCall] | None = None
 
     def chars(self) -> int:
         c = self.content
-        n = len(c or "") if not isinstance(c, list) else sum(
-            len(p.text) for p in c if isinstance(p, TextPart))
+        n = (
+            len(c or "")
+            if not isinstance(c, list)
+            else sum(len(p.text) for p in c if isinstance(p, TextPart))
+        )
         if self.tool_calls is not None:  # rendered into the prompt
-            n += len(json.dumps([t.model_dump(exclude_unset=True) for t in self.tool_calls],
-                                ensure_ascii=False))
+            n += len(
+                json.dumps(
+                    [t.model_dump(exclude_unset=True) for t in self.tool_calls], ensure_ascii=False
+                )
+            )
         return n
 
 
@@ -138,6 +167,7 @@ class StreamOptions(_Model):
 
 class Sampling(_Model):
     """The fields both endpoints share: what mlx-lm's handler reads from a request."""
+
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -177,9 +207,11 @@ class Sampling(_Model):
     @classmethod
     def _top_p_floor(cls, v: float | None) -> float | None:
         if v is not None and 0 < v < MIN_TOP_P:
-            raise _refuse(f"top_p must be 0 or at least {MIN_TOP_P:g}, not {v!r} (in float32 "
-                          "it rounds to 0, and mlx-lm's top-p filter then reads past the "
-                          f"vocabulary); {MIN_TOP_P:g} already keeps only the top token")
+            raise _refuse(
+                f"top_p must be 0 or at least {MIN_TOP_P:g}, not {v!r} (in float32 "
+                "it rounds to 0, and mlx-lm's top-p filter then reads past the "
+                f"vocabulary); {MIN_TOP_P:g} already keeps only the top token"
+            )
         return v
 
     @field_validator("stop")
@@ -190,8 +222,9 @@ class Sampling(_Model):
             raise _refuse(f"stop has {len(stops)} sequences; at most {MAX_STOP}")
         for s in stops:
             if not 1 <= len(s) <= MAX_STOP_CHARS:
-                raise _refuse(f"each stop sequence must have 1 to {MAX_STOP_CHARS} "
-                              f"characters, not {len(s)}")
+                raise _refuse(
+                    f"each stop sequence must have 1 to {MAX_STOP_CHARS} characters, not {len(s)}"
+                )
         return v
 
     @field_validator("logit_bias")
@@ -236,15 +269,21 @@ class ChatRequest(Sampling):
         if kw is None:
             return kw
         if len(kw) > MAX_TEMPLATE_KWARGS:
-            raise _refuse("chat_template_kwargs must be an object of at most "
-                          f"{MAX_TEMPLATE_KWARGS} entries")
+            raise _refuse(
+                f"chat_template_kwargs must be an object of at most {MAX_TEMPLATE_KWARGS} entries"
+            )
         for k, v in kw.items():
             if not k.isidentifier() or k in RESERVED_TEMPLATE_KWARGS:
                 raise _refuse(f"chat_template_kwargs may not set {k[:32]!r}")
-            if not (v is None or isinstance(v, (bool, int, float))
-                    or (isinstance(v, str) and len(v) <= 256)):
-                raise _refuse(f"chat_template_kwargs[{k!r}] must be a number, a bool, null "
-                              "or a string of at most 256 characters")
+            if not (
+                v is None
+                or isinstance(v, (bool, int, float))
+                or (isinstance(v, str) and len(v) <= 256)
+            ):
+                raise _refuse(
+                    f"chat_template_kwargs[{k!r}] must be a number, a bool, null "
+                    "or a string of at most 256 characters"
+                )
         return kw
 
     @field_validator("role_mapping")
@@ -263,8 +302,10 @@ class ChatRequest(Sampling):
 
     def body(self) -> dict:
         """The request as mlx-lm's handler reads it (``self.body``)."""
-        return {"messages": [m.model_dump(exclude_unset=True) for m in self.messages],
-                "tools": self.tools}
+        return {
+            "messages": [m.model_dump(exclude_unset=True) for m in self.messages],
+            "tools": self.tools,
+        }
 
 
 class TextRequest(Sampling):
@@ -328,57 +369,82 @@ def _error(e: ValidationError) -> RequestError:
     where = _where(err["loc"])
     msg = err["msg"]
     if err["type"] == "union_tag_invalid" or "discriminator" in err["type"]:
-        msg = (f"has type {err.get('input', {}).get('type')!r}; this deployment serves "
-               "text only" if isinstance(err.get("input"), dict) else msg)
-    return RequestError(400, f"{where}: {msg}" if where and not msg.startswith(where)
-                        else msg, param)
+        msg = (
+            f"has type {err.get('input', {}).get('type')!r}; this deployment serves text only"
+            if isinstance(err.get("input"), dict)
+            else msg
+        )
+    return RequestError(
+        400, f"{where}: {msg}" if where and not msg.startswith(where) else msg, param
+    )
 
 
-def validate(path: str, body: Any, *, model_id: str, max_context: int, vocab_size: int,
-             images: bool = False) -> ChatRequest | TextRequest:
+def validate(
+    path: str, body: Any, *, model_id: str, max_context: int, vocab_size: int, images: bool = False
+) -> ChatRequest | TextRequest:
     """The request of ``path`` (a chat or a text completion), checked; RequestError
     (OpenAI's 4xx, naming the field) if it is refused."""
     if not isinstance(body, dict):
         raise RequestError(400, "request body must be a JSON object")
     depth, count = _json_shape(body)
     if depth > MAX_JSON_DEPTH or count > MAX_JSON_VALUES:
-        raise RequestError(400, f"request body is nested deeper than {MAX_JSON_DEPTH} or has "
-                           f"more than {MAX_JSON_VALUES} values")
+        raise RequestError(
+            400,
+            f"request body is nested deeper than {MAX_JSON_DEPTH} or has "
+            f"more than {MAX_JSON_VALUES} values",
+        )
     chat = path.endswith("chat/completions")
     if not chat:
         prompt = body.get("prompt")
-        if body.get("images") is not None or (isinstance(prompt, list) and any(
-                isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in prompt)):
-            raise RequestError(400, "images are accepted only as image_url parts of "
-                               "/v1/chat/completions messages", "prompt")
+        if body.get("images") is not None or (
+            isinstance(prompt, list)
+            and any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES for p in prompt)
+        ):
+            raise RequestError(
+                400,
+                "images are accepted only as image_url parts of /v1/chat/completions messages",
+                "prompt",
+            )
     try:
         req = (ChatRequest if chat else TextRequest).model_validate(body)
     except ValidationError as e:
         raise _error(e) from None
     model = req.model if req.model is not None else model_id
     if model not in (model_id, "default_model"):
-        raise RequestError(404, f"model {model!r} does not exist; this server serves "
-                           f"{model_id!r}", "model", "model_not_found")
+        raise RequestError(
+            404,
+            f"model {model!r} does not exist; this server serves {model_id!r}",
+            "model",
+            "model_not_found",
+        )
     if chat and not images:
         for i, m in enumerate(req.messages):
             for j, p in enumerate(m.content if isinstance(m.content, list) else []):
                 if isinstance(p, ImagePart):
-                    raise RequestError(400, f"messages[{i}].content[{j}] has type {p.type!r}; "
-                                       "this deployment serves text only", "messages")
+                    raise RequestError(
+                        400,
+                        f"messages[{i}].content[{j}] has type {p.type!r}; "
+                        "this deployment serves text only",
+                        "messages",
+                    )
     # the bounds that depend on the deployment
-    for key, hi in (("max_tokens", max_context), ("max_completion_tokens", max_context),
-                    ("repetition_context_size", max_context),
-                    ("presence_context_size", max_context),
-                    ("frequency_context_size", max_context),
-                    ("top_k", vocab_size - 1)):  # mlx-lm: k < vocab
+    for key, hi in (
+        ("max_tokens", max_context),
+        ("max_completion_tokens", max_context),
+        ("repetition_context_size", max_context),
+        ("presence_context_size", max_context),
+        ("frequency_context_size", max_context),
+        ("top_k", vocab_size - 1),
+    ):  # mlx-lm: k < vocab
         v = getattr(req, key)
         if v is not None and v > hi:
             lo = 1 if key.startswith("max") else 0
             raise RequestError(400, f"{key} must be an integer in [{lo}, {hi}], not {v!r}", key)
     for k in req.logit_bias or {}:
         if int(k) >= vocab_size:
-            raise RequestError(400, f"logit_bias key {k!r} is not a token id in "
-                               f"[0, {vocab_size})", "logit_bias")
+            raise RequestError(
+                400, f"logit_bias key {k!r} is not a token id in [0, {vocab_size})", "logit_bias"
+            )
     return req
 
 
@@ -388,12 +454,16 @@ def handler_fields(req: ChatRequest | TextRequest, cli_args) -> dict[str, Any]:
     pinned against its own in tests/test_compat.py): ``handle_completion`` reads these."""
     so = req.stream_options
     return {
-        "stream": bool(req.stream), "stream_options": so.model_dump() if so else None,
-        "requested_model": req.model or "default_model", "requested_draft_model":
-        "default_model", "num_draft_tokens": cli_args.num_draft_tokens, "adapter": None,
+        "stream": bool(req.stream),
+        "stream_options": so.model_dump() if so else None,
+        "requested_model": req.model or "default_model",
+        "requested_draft_model": "default_model",
+        "num_draft_tokens": cli_args.num_draft_tokens,
+        "adapter": None,
         "max_tokens": req.asked or cli_args.max_tokens,
         "temperature": _or(req.temperature, cli_args.temp),
-        "top_p": _or(req.top_p, cli_args.top_p), "top_k": _or(req.top_k, cli_args.top_k),
+        "top_p": _or(req.top_p, cli_args.top_p),
+        "top_k": _or(req.top_k, cli_args.top_k),
         "min_p": _or(req.min_p, cli_args.min_p),
         "repetition_penalty": _or(req.repetition_penalty, 0.0),
         "repetition_context_size": _or(req.repetition_context_size, 20),
@@ -403,9 +473,11 @@ def handler_fields(req: ChatRequest | TextRequest, cli_args) -> dict[str, Any]:
         "frequency_context_size": _or(req.frequency_context_size, 20),
         "xtc_probability": float(_or(req.xtc_probability, 0.0)),  # mlx-lm wants floats
         "xtc_threshold": float(_or(req.xtc_threshold, 0.1)),
-        "logit_bias": None if req.logit_bias is None else {
-            int(k): float(v) for k, v in req.logit_bias.items()},
-        "logprobs": bool(req.logprobs), "top_logprobs": _or(req.top_logprobs, -1),
+        "logit_bias": None
+        if req.logit_bias is None
+        else {int(k): float(v) for k, v in req.logit_bias.items()},
+        "logprobs": bool(req.logprobs),
+        "top_logprobs": _or(req.top_logprobs, -1),
         "seed": req.seed,
         "chat_template_kwargs": getattr(req, "chat_template_kwargs", None),
     }

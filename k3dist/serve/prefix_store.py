@@ -137,16 +137,18 @@ def snapshot(cache: list[Any]) -> list[Any]:
     out = []
     for c in cache:
         frozen = type(c).__new__(type(c))
-        frozen.state = tree_map(lambda x: mx.contiguous(x) if isinstance(x, mx.array) else x,
-                                c.state)
+        frozen.state = tree_map(
+            lambda x: mx.contiguous(x) if isinstance(x, mx.array) else x, c.state
+        )
         out.append(frozen)
     mx.eval([c.state for c in out])
     return out
 
 
 def _nbytes(cache: list[Any]) -> int:
-    return sum(x.nbytes for _, x in tree_flatten([c.state for c in cache])
-               if isinstance(x, mx.array))
+    return sum(
+        x.nbytes for _, x in tree_flatten([c.state for c in cache]) if isinstance(x, mx.array)
+    )
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -158,8 +160,14 @@ def _write_json(path: Path, obj: dict) -> None:
 class PrefixStore:
     """One rank's bounded folder of prefix caches (see the module's docstring)."""
 
-    def __init__(self, root: str | Path, ident: Identity, max_bytes: int,
-                 min_tokens: int = 1024, group: mx.distributed.Group | None = None):
+    def __init__(
+        self,
+        root: str | Path,
+        ident: Identity,
+        max_bytes: int,
+        min_tokens: int = 1024,
+        group: mx.distributed.Group | None = None,
+    ):
         if max_bytes <= 0:
             raise ValueError(f"prefix cache bound must be positive, not {max_bytes} bytes")
         self.root = Path(root)
@@ -169,14 +177,25 @@ class PrefixStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.entries: dict[str, Entry] = {}
         self.skipped: dict[str, str] = {}  # key -> why (stale, corrupt) at scan
-        self.stats = {"hits": 0, "misses": 0, "disagreed": 0, "saved": 0, "evicted": 0,
-                      "corrupt": 0, "dropped": 0, "write_failed": 0, "restore_s": [],
-                      "save_s": [], "write_s": []}
+        self.stats = {
+            "hits": 0,
+            "misses": 0,
+            "disagreed": 0,
+            "saved": 0,
+            "evicted": 0,
+            "corrupt": 0,
+            "dropped": 0,
+            "write_failed": 0,
+            "restore_s": [],
+            "save_s": [],
+            "write_s": [],
+        }
         # entries and their files are changed by the lockstep loop and the writer thread
         self._lock = threading.Lock()
         self._jobs: Queue[Callable[[], None] | None] = Queue(WRITE_QUEUE)
-        self._writer = threading.Thread(target=self._write_loop, daemon=True,
-                                        name=f"prefix-writer-rank{ident.rank}")
+        self._writer = threading.Thread(
+            target=self._write_loop, daemon=True, name=f"prefix-writer-rank{ident.rank}"
+        )
         self._scan()
         self._writer.start()
 
@@ -196,8 +215,14 @@ class PrefixStore:
                 self.skipped[key] = why
                 logging.warning("prefix cache %s: skipped (%s)", side, why)
                 continue
-            self.entries[key] = Entry(key, tuple(meta["tokens"]), meta["file_bytes"],
-                                      meta["sha256"], meta["bytes"], meta["used"])
+            self.entries[key] = Entry(
+                key,
+                tuple(meta["tokens"]),
+                meta["file_bytes"],
+                meta["sha256"],
+                meta["bytes"],
+                meta["used"],
+            )
         for f in self.dir.glob("*.safetensors"):  # data without a sidecar: never whole
             if f.stem not in self.entries and f.stem not in self.skipped:
                 f.unlink(missing_ok=True)
@@ -287,10 +312,18 @@ class PrefixStore:
             self._writer.join()
 
     def _write_sidecar(self, e: Entry) -> None:
-        _write_json(self.dir / f"{e.key}.json", {
-            "format": FORMAT, "identity": asdict(self.ident), "tokens": list(e.tokens),
-            "file_bytes": e.file_bytes, "sha256": e.sha256, "bytes": e.bytes,
-            "used": e.used})
+        _write_json(
+            self.dir / f"{e.key}.json",
+            {
+                "format": FORMAT,
+                "identity": asdict(self.ident),
+                "tokens": list(e.tokens),
+                "file_bytes": e.file_bytes,
+                "sha256": e.sha256,
+                "bytes": e.bytes,
+                "used": e.used,
+            },
+        )
 
     # ---------------------------------------------------------------- lockstep
 
@@ -308,10 +341,15 @@ class PrefixStore:
                 raise ValueError("size or SHA-256 differs from its sidecar")
             cache, meta = load_prompt_cache(str(path), return_metadata=True)
             held = {int(c.offset) for c in cache if hasattr(c, "offset")}
-            if int(meta.get("tokens", -1)) != len(e.tokens) or meta.get("key") != e.key or \
-                    held - {len(e.tokens)}:
-                raise ValueError(f"holds {meta.get('tokens')} tokens of {meta.get('key')} "
-                                 f"(KV offsets {sorted(held)}), not {len(e.tokens)}")
+            if (
+                int(meta.get("tokens", -1)) != len(e.tokens)
+                or meta.get("key") != e.key
+                or held - {len(e.tokens)}
+            ):
+                raise ValueError(
+                    f"holds {meta.get('tokens')} tokens of {meta.get('key')} "
+                    f"(KV offsets {sorted(held)}), not {len(e.tokens)}"
+                )
             mx.eval([c.state for c in cache])
             return cache
         except Exception as ex:  # noqa: BLE001 - any unreadable entry is skipped
@@ -327,10 +365,15 @@ class PrefixStore:
         t0 = time.perf_counter()
         with self._lock:  # only entries whose files are whole on this rank
             ready = [e for e in self.entries.values() if e.state == "ready"]
-        cands = sorted((e for e in ready
-                        if floor < len(e.tokens) < len(tokens)
-                        and tuple(tokens[:len(e.tokens)]) == e.tokens),
-                       key=lambda e: (-len(e.tokens), e.key))
+        cands = sorted(
+            (
+                e
+                for e in ready
+                if floor < len(e.tokens) < len(tokens)
+                and tuple(tokens[: len(e.tokens)]) == e.tokens
+            ),
+            key=lambda e: (-len(e.tokens), e.key),
+        )
         cache, entry = None, None
         for e in cands:
             cache = self._load(e)
@@ -342,16 +385,21 @@ class PrefixStore:
         if n == 0 or any(x != n for x in lengths):
             if any(lengths):
                 self.stats["disagreed"] += 1
-                logging.warning("prefix cache: ranks hold %s tokens of this prompt: not used",
-                                lengths)
+                logging.warning(
+                    "prefix cache: ranks hold %s tokens of this prompt: not used", lengths
+                )
             self.stats["misses"] += 1
             return None, 0
         self._touch(entry)
         self.stats["hits"] += 1
         took = time.perf_counter() - t0
         self.stats["restore_s"].append(round(took, 4))
-        print(f"k3dist: prefix cache hit: {n} tokens restored in {took:.3f} s (rank "
-              f"{self.ident.rank}, {entry.file_bytes:,} B)", file=sys.stderr, flush=True)
+        print(
+            f"k3dist: prefix cache hit: {n} tokens restored in {took:.3f} s (rank "
+            f"{self.ident.rank}, {entry.file_bytes:,} B)",
+            file=sys.stderr,
+            flush=True,
+        )
         return cache, n
 
     def save(self, tokens: list[int], cache: list[Any]) -> bool:
@@ -371,8 +419,9 @@ class PrefixStore:
             nbytes = had.bytes
         elif {int(c.offset) for c in cache if hasattr(c, "offset")} - {len(tokens)}:
             ok = 0  # not the state after these tokens: never written (the caller's bug)
-            logging.warning("prefix cache: a cache of other length offered for %d tokens",
-                            len(tokens))
+            logging.warning(
+                "prefix cache: a cache of other length offered for %d tokens", len(tokens)
+            )
         elif self._jobs.full():
             ok = 0  # the writer is behind: kept by no rank rather than waited for
         else:
@@ -387,8 +436,7 @@ class PrefixStore:
         if had is not None:  # the same object the writer may hold: updated in place
             e, e.bytes, e.used = had, size, self._clock()
         else:
-            e = Entry(key, tuple(int(t) for t in tokens), 0, "", size, self._clock(),
-                      "writing")
+            e = Entry(key, tuple(int(t) for t in tokens), 0, "", size, self._clock(), "writing")
         with self._lock:
             self.entries[key] = e
             if e.state == "ready":
@@ -418,13 +466,16 @@ class PrefixStore:
     def report(self) -> dict:
         restore = self.stats["restore_s"]
         save, write = self.stats["save_s"], self.stats["write_s"]
-        return {"folder": str(self.dir), "entries": len(self.entries),
-                "bytes": self.total_bytes(), "max_bytes": self.max_bytes,
-                "tokens": sum(len(e.tokens) for e in list(self.entries.values())),
-                "skipped_at_start": len(self.skipped),
-                "writing": sum(e.state == "writing" for e in list(self.entries.values())),
-                **{k: v for k, v in self.stats.items()
-                   if k not in ("restore_s", "save_s", "write_s")},
-                "last_restore_s": restore[-1] if restore else None,
-                "last_save_s": save[-1] if save else None,
-                "last_write_s": write[-1] if write else None}
+        return {
+            "folder": str(self.dir),
+            "entries": len(self.entries),
+            "bytes": self.total_bytes(),
+            "max_bytes": self.max_bytes,
+            "tokens": sum(len(e.tokens) for e in list(self.entries.values())),
+            "skipped_at_start": len(self.skipped),
+            "writing": sum(e.state == "writing" for e in list(self.entries.values())),
+            **{k: v for k, v in self.stats.items() if k not in ("restore_s", "save_s", "write_s")},
+            "last_restore_s": restore[-1] if restore else None,
+            "last_save_s": save[-1] if save else None,
+            "last_write_s": write[-1] if write else None,
+        }

@@ -41,8 +41,10 @@ def folder_weight_bytes(folder: str | Path) -> int:
     """Bytes of tensor data in the folder's safetensors files (what loading maps in)."""
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
-        raise PreflightError(f"{folder}: no *.safetensors files; pass a rank folder made by "
-                             "slicing/rank_split.py (or a build folder)")
+        raise PreflightError(
+            f"{folder}: no *.safetensors files; pass a rank folder made by "
+            "slicing/rank_split.py (or a build folder)"
+        )
     return sum(h.file_size - h.data_offset for h in map(read_header, files))
 
 
@@ -85,8 +87,7 @@ def free_memory() -> tuple[int, str]:
 
 def _sysctl_int(name: str) -> int | None:
     try:
-        out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True,
-                             timeout=5)
+        out = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5)
         return int(out.stdout.strip()) if out.returncode == 0 else None
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None
@@ -115,8 +116,10 @@ def _attention_layout(folder: Path) -> tuple[dict, int, list[int]]:
     try:
         tc = layout.text_config(load_config(folder))
     except (OSError, ValueError) as e:
-        raise PreflightError(f"{folder}: cannot read config.json ({e}); pass a rank folder made "
-                             "by slicing/rank_split.py (or a build folder)") from None
+        raise PreflightError(
+            f"{folder}: cannot read config.json ({e}); pass a rank folder made "
+            "by slicing/rank_split.py (or a build folder)"
+        ) from None
     size, split = 1, []
     try:
         m = json.loads((folder / manifest.MANIFEST).read_text())
@@ -127,8 +130,14 @@ def _attention_layout(folder: Path) -> tuple[dict, int, list[int]]:
     return tc, size, split
 
 
-def kv_need(folder: str | Path, *, max_batch: int, max_context: int,
-            prompt_cache_tokens: int | None = None, dtype: str = "bfloat16") -> dict:
+def kv_need(
+    folder: str | Path,
+    *,
+    max_batch: int,
+    max_context: int,
+    prompt_cache_tokens: int | None = None,
+    dtype: str = "bfloat16",
+) -> dict:
     """The KV cache and state serving keeps on this rank at most
     (``k3dist.format.kvmemory.serving_bytes``): ``max_batch`` requests at ``max_context``
     tokens and the prompt cache (``prompt_cache_tokens``; None: 4 x ``max_context``), in
@@ -138,18 +147,26 @@ def kv_need(folder: str | Path, *, max_batch: int, max_context: int,
     folder = Path(folder)
     tc, size, split = _attention_layout(folder)
     try:
-        kv = kvmemory.serving_bytes(tc, context=max_context, batch=max_batch,
-                                    prompt_cache_tokens=prompt_cache_tokens,
-                                    act=kvmemory.act_bytes(dtype), size=size,
-                                    split_layers=split)
+        kv = kvmemory.serving_bytes(
+            tc,
+            context=max_context,
+            batch=max_batch,
+            prompt_cache_tokens=prompt_cache_tokens,
+            act=kvmemory.act_bytes(dtype),
+            size=size,
+            split_layers=split,
+        )
     except (KeyError, TypeError) as e:
-        raise PreflightError(f"{folder}/config.json: no K3 attention settings ({e!r} missing); "
-                             "pass a rank folder made by slicing/rank_split.py") from None
+        raise PreflightError(
+            f"{folder}/config.json: no K3 attention settings ({e!r} missing); "
+            "pass a rank folder made by slicing/rank_split.py"
+        ) from None
     return {**kv, "dtype": dtype, "attention_ranks": size, "split_layers": len(split)}
 
 
-def activation_need(folder: str | Path, *, max_context: int, prefill_chunk: int,
-                    dtype: str = "bfloat16") -> dict:
+def activation_need(
+    folder: str | Path, *, max_context: int, prefill_chunk: int, dtype: str = "bfloat16"
+) -> dict:
     """The peak activations of one prefill chunk of ``prefill_chunk`` tokens at
     ``max_context`` on this rank (``k3dist.format.kvmemory.prefill_activation_bytes``), in
     the deployment's compute ``dtype``; a rank folder sliced with attention split holds
@@ -157,18 +174,32 @@ def activation_need(folder: str | Path, *, max_context: int, prefill_chunk: int,
     folder = Path(folder)
     tc, size, split = _attention_layout(folder)
     try:
-        act = kvmemory.prefill_activation_bytes(tc, context=max_context, chunk=prefill_chunk,
-                                                act=kvmemory.act_bytes(dtype), size=size,
-                                                split_layers=split)
+        act = kvmemory.prefill_activation_bytes(
+            tc,
+            context=max_context,
+            chunk=prefill_chunk,
+            act=kvmemory.act_bytes(dtype),
+            size=size,
+            split_layers=split,
+        )
     except (KeyError, TypeError) as e:
-        raise PreflightError(f"{folder}/config.json: no K3 model settings ({e!r} missing); "
-                             "pass a rank folder made by slicing/rank_split.py") from None
+        raise PreflightError(
+            f"{folder}/config.json: no K3 model settings ({e!r} missing); "
+            "pass a rank folder made by slicing/rank_split.py"
+        ) from None
     return {**act, "dtype": dtype, "attention_ranks": size}
 
 
-def check_memory(folder: str | Path, weights: int, headroom: int, free: int,
-                 free_source: str, metal: Mapping | None = None,
-                 kv: Mapping | None = None, act: Mapping | None = None) -> int:
+def check_memory(
+    folder: str | Path,
+    weights: int,
+    headroom: int,
+    free: int,
+    free_source: str,
+    metal: Mapping | None = None,
+    kv: Mapping | None = None,
+    act: Mapping | None = None,
+) -> int:
     """Refuse (PreflightError) unless the headroom holds ``kv`` (:func:`kv_need`) plus
     ``act`` (:func:`activation_need`; either None: not counted) and weights + headroom
     fit; returns the footprint.
@@ -188,53 +219,78 @@ def check_memory(folder: str | Path, weights: int, headroom: int, free: int,
                 f"state on this rank ({_gib(kv['per_request'])} a request, {kv['dtype']}), and "
                 f"the prompt cache up to {_gib(pc['total'])} (prompt_cache_tokens "
                 f"{pc['tokens']:,}: at most {pc['tokens_held_at_most']:,} tokens in "
-                f"{pc['entries_at_most']} entries): {_gib(kv_total)}")
+                f"{pc['entries_at_most']} entries): {_gib(kv_total)}"
+            )
         if act is not None:
             parts.append(
                 f"prefilling a prefill_chunk of {act['prefill_chunk']:,} tokens at "
                 f"{act['context']:,} tokens of context takes up to {_gib(act_total)} of "
                 f"activations ({act['attention_heads']} attention heads on this rank: MLA k/v "
                 f"{_gib(act['mla_kv_decompressed'])}, attention scores "
-                f"{_gib(act['attention_scores'])}, {act['dtype']})")
+                f"{_gib(act['attention_scores'])}, {act['dtype']})"
+            )
         if joining > act_total:
-            parts.append(f"a prompt joining the decode batch copies its caches: "
-                         f"{_gib(joining)} more for a moment")
+            parts.append(
+                f"a prompt joining the decode batch copies its caches: "
+                f"{_gib(joining)} more for a moment"
+            )
         only = "" if act is not None else ", which must also hold the prefill activations"
-        knobs = ("max_batch, max_context, prompt_cache_tokens or prefill_chunk"
-                 if act is not None else "max_batch, max_context or prompt_cache_tokens")
+        knobs = (
+            "max_batch, max_context, prompt_cache_tokens or prefill_chunk"
+            if act is not None
+            else "max_batch, max_context or prompt_cache_tokens"
+        )
         raise PreflightError(
             f"{folder}: {'; '.join(parts)}; {_gib(need)} in all, but "
             f"memory_headroom_gb is {headroom / GiB:g} ({_gib(headroom)}){only}; fix: lower "
             f"{knobs}, or raise memory_headroom_gb above "
             f"{math.ceil(need / GiB)} where the machine has the memory (a "
-            "smaller build leaves more)")
+            "smaller build leaves more)"
+        )
     footprint = weights + headroom
-    need = (f"{folder} needs {_gib(footprint)}: {_gib(weights)} of weights + "
-            f"{_gib(headroom)} headroom for KV cache and activations")
-    smaller = ("serve a smaller build (more experts in the 2-bit lo bank) or slice for more "
-               "ranks (slicing/rank_split.py --size N+1)")
+    need = (
+        f"{folder} needs {_gib(footprint)}: {_gib(weights)} of weights + "
+        f"{_gib(headroom)} headroom for KV cache and activations"
+    )
+    smaller = (
+        "serve a smaller build (more experts in the 2-bit lo bank) or slice for more "
+        "ranks (slicing/rank_split.py --size N+1)"
+    )
     if footprint > free:
-        raise PreflightError(f"{need}, but only {_gib(free)} is free ({free_source}); fix: "
-                             f"free {_gib(footprint - free)} (quit other programs), {smaller}")
+        raise PreflightError(
+            f"{need}, but only {_gib(free)} is free ({free_source}); fix: "
+            f"free {_gib(footprint - free)} (quit other programs), {smaller}"
+        )
     if metal is not None:
         ceiling = metal["max_recommended_working_set_bytes"]
         if footprint > ceiling:
             mb = math.ceil(footprint / MiB)
             # macOS itself needs a few GiB that are never wired.
             if mb * MiB > metal["memory_bytes"] - 4 * GiB:
-                raise PreflightError(f"{need}, more than this machine can wire "
-                                     f"({_gib(metal['memory_bytes'])} of memory); fix: {smaller}")
+                raise PreflightError(
+                    f"{need}, more than this machine can wire "
+                    f"({_gib(metal['memory_bytes'])} of memory); fix: {smaller}"
+                )
             raise PreflightError(
                 f"{need}, but Metal may wire only {_gib(ceiling)} (iogpu.wired_limit_mb="
                 f"{metal.get('iogpu_wired_limit_mb')}); fix: sudo sysctl iogpu.wired_limit_mb="
-                f"{mb} (resets at reboot), or {smaller}")
+                f"{mb} (resets at reboot), or {smaller}"
+            )
     return footprint
 
 
-def preflight(folder: str | Path, *, headroom_bytes: int, max_batch: int, max_context: int,
-              prefill_chunk: int, prompt_cache_tokens: int | None = None,
-              dtype: str = "bfloat16", free_bytes: int | None = None,
-              set_wired: bool = True) -> dict:
+def preflight(
+    folder: str | Path,
+    *,
+    headroom_bytes: int,
+    max_batch: int,
+    max_context: int,
+    prefill_chunk: int,
+    prompt_cache_tokens: int | None = None,
+    dtype: str = "bfloat16",
+    free_bytes: int | None = None,
+    set_wired: bool = True,
+) -> dict:
     """Check that this rank's folder and what serving keeps beside it (:func:`kv_need`
     for the deployment's ``max_batch``, ``max_context``, ``prompt_cache_tokens``,
     ``dtype``; :func:`activation_need` for its ``prefill_chunk``) fit before loading it;
@@ -244,33 +300,51 @@ def preflight(folder: str | Path, *, headroom_bytes: int, max_batch: int, max_co
     knows better). Returns the numbers, for serve to print as evidence.
     """
     weights = folder_weight_bytes(folder)
-    kv = kv_need(folder, max_batch=max_batch, max_context=max_context,
-                 prompt_cache_tokens=prompt_cache_tokens, dtype=dtype)
-    act = activation_need(folder, max_context=max_context, prefill_chunk=prefill_chunk,
-                          dtype=dtype)
+    kv = kv_need(
+        folder,
+        max_batch=max_batch,
+        max_context=max_context,
+        prompt_cache_tokens=prompt_cache_tokens,
+        dtype=dtype,
+    )
+    act = activation_need(folder, max_context=max_context, prefill_chunk=prefill_chunk, dtype=dtype)
     if free_bytes is None:
         free, source = free_memory()
     else:
         free, source = int(free_bytes), "given"
     metal = metal_limits()
     footprint = check_memory(folder, weights, headroom_bytes, free, source, metal, kv, act)
-    report = {"folder": str(folder), "weights_bytes": weights, "headroom_bytes": headroom_bytes,
-              "kv_need_bytes": kv["total"], "activations_bytes": act["total"],
-              "need_bytes": kvmemory.need_bytes(kv, act)["total"],
-              "kv": {k: kv[k] for k in ("batch", "context", "dtype", "per_request", "requests",
-                                        "attention_ranks")}
-              | {"prompt_cache_tokens": kv["prompt_cache"]["tokens"],
-                 "prompt_cache_bytes": kv["prompt_cache"]["total"]},
-              "footprint_bytes": footprint, "free_bytes": free, "free_source": source,
-              "metal": metal, "wired_limit_set_bytes": None, "previous_wired_limit_bytes": None}
+    report = {
+        "folder": str(folder),
+        "weights_bytes": weights,
+        "headroom_bytes": headroom_bytes,
+        "kv_need_bytes": kv["total"],
+        "activations_bytes": act["total"],
+        "need_bytes": kvmemory.need_bytes(kv, act)["total"],
+        "kv": {
+            k: kv[k]
+            for k in ("batch", "context", "dtype", "per_request", "requests", "attention_ranks")
+        }
+        | {
+            "prompt_cache_tokens": kv["prompt_cache"]["tokens"],
+            "prompt_cache_bytes": kv["prompt_cache"]["total"],
+        },
+        "footprint_bytes": footprint,
+        "free_bytes": free,
+        "free_source": source,
+        "metal": metal,
+        "wired_limit_set_bytes": None,
+        "previous_wired_limit_bytes": None,
+    }
     if metal is not None and set_wired:
         # Wiring keeps the weights resident: without it macOS may page expert banks
         # out between requests and the first token after an idle spell stalls.
         try:
             report["previous_wired_limit_bytes"] = mx.set_wired_limit(footprint)
         except (RuntimeError, ValueError) as e:
-            raise PreflightError(f"mx.set_wired_limit({footprint:,}) failed ({e}); fix: sudo "
-                                 f"sysctl iogpu.wired_limit_mb={math.ceil(footprint / MiB)}"
-                                 ) from None
+            raise PreflightError(
+                f"mx.set_wired_limit({footprint:,}) failed ({e}); fix: sudo "
+                f"sysctl iogpu.wired_limit_mb={math.ceil(footprint / MiB)}"
+            ) from None
         report["wired_limit_set_bytes"] = footprint
     return report

@@ -45,8 +45,9 @@ def cache_tokens(cache: list) -> int | None:
 
 
 class K3PromptCache(LRUPromptCache):
-    def __init__(self, max_size: int, make_cache: Callable[[], list], max_tokens: int,
-                 store: Any = None):
+    def __init__(
+        self, max_size: int, make_cache: Callable[[], list], max_tokens: int, store: Any = None
+    ):
         super().__init__(max_size)  # no byte bound: it would differ between ranks
         self.make_cache, self.max_tokens = make_cache, max_tokens
         self.store = store  # prefix caches on disk (PrefixStore) or None
@@ -74,10 +75,10 @@ class K3PromptCache(LRUPromptCache):
         result = self._trie.search(model, tokens[:-1])
         if result.exact is not None:
             entry = self._trie.get(result.model, result.exact)
-            return copy.deepcopy(entry.prompt_cache), tokens[len(result.exact):]
+            return copy.deepcopy(entry.prompt_cache), tokens[len(result.exact) :]
         if result.shorter:
             entry = self._trie.get(result.model, result.shorter)
-            return copy.deepcopy(entry.prompt_cache), tokens[len(result.shorter):]
+            return copy.deepcopy(entry.prompt_cache), tokens[len(result.shorter) :]
         return None, tokens
 
     def tokens(self) -> int:
@@ -107,8 +108,12 @@ class K3PromptCache(LRUPromptCache):
             # the request's cache object did not follow the prefill (seen on the batch
             # path: 4,044 tokens holding 4,014, or 0): kept under these tokens it would
             # serve a later prompt with tokens skipped
-            logging.warning("prompt cache: prefill copy of %d tokens holds %s: not kept",
-                            start + processed, held)
+            logging.warning(
+                "prompt cache: prefill copy of %d tokens holds %s: not kept",
+                start + processed,
+                held,
+            )
             return
-        self.insert_cache(model, tokens[:start + processed], copy.deepcopy(cache),
-                          cache_type="user")
+        self.insert_cache(
+            model, tokens[: start + processed], copy.deepcopy(cache), cache_type="user"
+        )

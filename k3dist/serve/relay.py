@@ -31,15 +31,18 @@ class BadRequest(ValueError):
 def validation_message(e) -> str:
     """A pydantic ValidationError in one line: where, and what is wrong."""
     err = max(e.errors(), key=lambda x: len(x["loc"]))  # the deepest: a union's member
-    where = ".".join(str(x) for x in err["loc"]
-                     if not (isinstance(x, str) and (x in ("str", "int", "float", "bool")
-                                                     or "[" in x)))
+    where = ".".join(
+        str(x)
+        for x in err["loc"]
+        if not (isinstance(x, str) and (x in ("str", "int", "float", "bool") or "[" in x))
+    )
     return f"{where}: {err['msg']}" if where else err["msg"]
 
 
 @dataclass
 class Outcome:
     """What the generation produced, as far as the relay has read it."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -78,6 +81,7 @@ class Tap:
 class Translator:
     """One request's events in another API. Subclasses write blocks: ``open_block``,
     ``delta``, ``close_block``, ``finish`` (streamed) and ``body`` (not streamed)."""
+
     model: str
     stream: bool
     prompt_tokens: int
@@ -106,8 +110,12 @@ class Translator:
     def on_tool_call(self, call: dict) -> list[bytes]:
         out = self._close()
         fn = call.get("function") or {}
-        block = {"kind": "tool_call", "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
-                 "name": fn.get("name", ""), "arguments": fn.get("arguments") or "{}"}
+        block = {
+            "kind": "tool_call",
+            "id": call.get("id") or f"call_{uuid.uuid4().hex[:24]}",
+            "name": fn.get("name", ""),
+            "arguments": fn.get("arguments") or "{}",
+        }
         self.blocks.append(block)
         i = len(self.blocks) - 1
         out += self.open_block(i, block)
@@ -128,7 +136,7 @@ class Translator:
         o = self.outcome
         if o.finish_reason != "stop" or o.last_token in self.eos_token_ids:
             return None
-        tail = o.raw_text[-4 * max((len(s) for s in self.stop_sequences), default=0) - 16:]
+        tail = o.raw_text[-4 * max((len(s) for s in self.stop_sequences), default=0) - 16 :]
         hits = [(tail.rfind(s), s) for s in self.stop_sequences if s in tail]
         return max(hits)[1] if hits else None
 
@@ -167,11 +175,9 @@ def sse(event: str | None, data: Any) -> bytes:
     return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-def head(status: int, content_type: str, length: int | None = None,
-         extra: bytes = b"") -> bytes:
+def head(status: int, content_type: str, length: int | None = None, extra: bytes = b"") -> bytes:
     """A response head; ``extra``: header lines as the handler wrote them (CORS)."""
-    lines = [f"HTTP/1.0 {status} {HTTPStatus(status).phrase}",
-             f"Content-Type: {content_type}"]
+    lines = [f"HTTP/1.0 {status} {HTTPStatus(status).phrase}", f"Content-Type: {content_type}"]
     if content_type == "text/event-stream":
         lines.append("Cache-Control: no-cache")
     if length is not None:
@@ -206,12 +212,12 @@ class Relay:
             else:
                 first = self.buf[:end].split(b"\r\n", 1)[0].split()
                 self.status = int(first[1]) if len(first) > 1 and first[1].isdigit() else 500
-                self.buf = self.buf[end + 4:]
+                self.buf = self.buf[end + 4 :]
             if self.status == 200:
                 self._send(self.t.start())
         if self.status == 200:
             while (end := self.buf.find(b"\n\n")) >= 0:
-                event, self.buf = self.buf[:end], self.buf[end + 2:]
+                event, self.buf = self.buf[:end], self.buf[end + 2 :]
                 if event.startswith(b"data: "):
                     self._chunk(event[6:].decode("utf-8", "replace"))
                 elif event.startswith(b": keepalive") and not self.done:
@@ -307,8 +313,7 @@ class Relay:
             return
         if "error" in chunk:  # the generation failed mid-way, or the group stopped
             err = chunk["error"]
-            return self._fail(err.get("message", "failed") if isinstance(err, dict) else
-                              str(err))
+            return self._fail(err.get("message", "failed") if isinstance(err, dict) else str(err))
         o = self.t.outcome
         if chunk.get("usage"):
             u = chunk["usage"]

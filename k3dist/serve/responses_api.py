@@ -54,6 +54,7 @@ class FunctionCallOutputItem(_Model):
 
 class CustomCallItem(_Model):
     """A call of a ``custom`` (freeform) tool: its input is plain text."""
+
     type: Literal["custom_tool_call"]
     call_id: str
     name: str
@@ -72,8 +73,15 @@ class ReasoningItem(_Model):
     content: list[TextPart] | None = None
 
 
-Item = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | CustomCallItem
-                 | CustomCallOutputItem | ReasoningItem, Field(discriminator="type")]
+Item = Annotated[
+    MessageItem
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | CustomCallItem
+    | CustomCallOutputItem
+    | ReasoningItem,
+    Field(discriminator="type"),
+]
 
 
 class FunctionTool(_Model):
@@ -139,21 +147,37 @@ def _flatten_tools(tools: Any) -> tuple[Any, dict[str, str], set[str]]:
             fmt = t.get("format")
             how = ""
             if isinstance(fmt, dict) and fmt.get("type") == "grammar":
-                how = (f"\n\nThe input must follow this {fmt.get('syntax', '')} grammar:\n"
-                       f"{fmt.get('definition', '')}")
+                how = (
+                    f"\n\nThe input must follow this {fmt.get('syntax', '')} grammar:\n"
+                    f"{fmt.get('definition', '')}"
+                )
             desc = t.get("description") if isinstance(t.get("description"), str) else ""
-            out.append({"type": "function", "name": t["name"], "description": desc + how,
-                        "parameters": {"type": "object", "properties": {CUSTOM_INPUT: {
-                            "type": "string", "description": "the tool's input, as text"}},
-                            "required": [CUSTOM_INPUT]}})
+            out.append(
+                {
+                    "type": "function",
+                    "name": t["name"],
+                    "description": desc + how,
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            CUSTOM_INPUT: {
+                                "type": "string",
+                                "description": "the tool's input, as text",
+                            }
+                        },
+                        "required": [CUSTOM_INPUT],
+                    },
+                }
+            )
             custom.add(t["name"])
         elif isinstance(kind, str) and kind not in ("function", "namespace"):
             dropped_tool("responses", kind)
         else:
             if ns and isinstance(t.get("name"), str):
                 namespaces[t["name"]] = ns
-            out.append(t if kind is not None or not isinstance(t, dict)
-                       else dict(t, type="function"))
+            out.append(
+                t if kind is not None or not isinstance(t, dict) else dict(t, type="function")
+            )
 
     for t in tools:
         add(t, None)
@@ -166,8 +190,12 @@ def _text(content: str | list[TextPart]) -> str:
 
 def _items(body: dict) -> list[dict]:
     if isinstance(body.get("input"), list):  # a message item may leave out its type
-        return [dict(x, type="message") if isinstance(x, dict) and "type" not in x
-                and "role" in x else x for x in body["input"]]
+        return [
+            dict(x, type="message")
+            if isinstance(x, dict) and "type" not in x and "role" in x
+            else x
+            for x in body["input"]
+        ]
     return body.get("input")
 
 
@@ -180,14 +208,18 @@ def to_chat(body: dict) -> tuple[dict, ResponsesRequest]:
         raise BadRequest(400, validation_message(e)) from None
     req._namespaces, req._custom = namespaces, custom
     if req.previous_response_id is not None:
-        raise BadRequest(400, "previous_response_id is not supported: this server keeps no "
-                         "responses; send the whole conversation in input",
-                         "previous_response_id")
+        raise BadRequest(
+            400,
+            "previous_response_id is not supported: this server keeps no "
+            "responses; send the whole conversation in input",
+            "previous_response_id",
+        )
     messages: list[dict] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
-    items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) \
-        else req.input
+    items = (
+        [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    )
     calls: set[str] = set()
     reasoning = ""
     for i, it in enumerate(items):
@@ -206,15 +238,24 @@ def to_chat(body: dict) -> tuple[dict, ResponsesRequest]:
                 except ValueError:
                     raise BadRequest(400, f"input.{i}.arguments is not JSON", "input") from None
             last.setdefault("tool_calls", []).append(
-                {"id": it.call_id, "type": "function",
-                 "function": {"name": it.name, "arguments": args}})
+                {
+                    "id": it.call_id,
+                    "type": "function",
+                    "function": {"name": it.name, "arguments": args},
+                }
+            )
             calls.add(it.call_id)
         elif isinstance(it, FunctionCallOutputItem | CustomCallOutputItem):
             if it.call_id not in calls:
-                raise BadRequest(400, f"input.{i}: function_call_output call_id "
-                                 f"{it.call_id!r} answers no function_call before it", "input")
-            messages.append({"role": "tool", "tool_call_id": it.call_id,
-                             "content": _text(it.output)})
+                raise BadRequest(
+                    400,
+                    f"input.{i}: function_call_output call_id "
+                    f"{it.call_id!r} answers no function_call before it",
+                    "input",
+                )
+            messages.append(
+                {"role": "tool", "tool_call_id": it.call_id, "content": _text(it.output)}
+            )
         else:
             role = "system" if it.role == "developer" else it.role
             messages.append({"role": role, "content": _text(it.content)})
@@ -234,15 +275,26 @@ def to_chat(body: dict) -> tuple[dict, ResponsesRequest]:
     if isinstance(req.tool_choice, NamedChoice):  # only the named tool, and it must be called
         tools = [t for t in tools if t.name == req.tool_choice.name][:1]
         if not tools:
-            raise BadRequest(400, f"tool_choice names tool {req.tool_choice.name!r}, which is "
-                             "not among the request's tools", "tool_choice")
+            raise BadRequest(
+                400,
+                f"tool_choice names tool {req.tool_choice.name!r}, which is "
+                "not among the request's tools",
+                "tool_choice",
+            )
     elif req.tool_choice == "required" and not tools:
         raise BadRequest(400, "tool_choice 'required' needs at least one tool", "tool_choice")
     if tools:
-        chat["tools"] = [{"type": "function", "function": {
-            "name": t.name, "description": t.description or "",
-            "parameters": t.parameters or {"type": "object", "properties": {}}}}
-            for t in tools]
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description or "",
+                    "parameters": t.parameters or {"type": "object", "properties": {}},
+                },
+            }
+            for t in tools
+        ]
         if req.tool_choice is not None and req.tool_choice != "auto":
             kwargs["tool_choice"] = "none" if req.tool_choice == "none" else "required"
     if req.max_output_tokens is not None:
@@ -278,27 +330,49 @@ class ResponsesTranslator(Translator):
         status = "completed" if done else "in_progress"
         item_id = block.setdefault("item_id", f"{block['kind'][:2]}_{self.id[5:]}_{index}")
         if block["kind"] == "reasoning":
-            return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
-                    "content": [{"type": "reasoning_text", "text": block["text"]}] if done
-                    else []}
+            return {
+                "type": "reasoning",
+                "id": item_id,
+                "summary": [],
+                "status": status,
+                "content": [{"type": "reasoning_text", "text": block["text"]}] if done else [],
+            }
         if block["kind"] == "text":
-            return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-                    "content": [self._part(block, done)] if done else []}
+            return {
+                "type": "message",
+                "id": item_id,
+                "role": "assistant",
+                "status": status,
+                "content": [self._part(block, done)] if done else [],
+            }
         if self._custom(block):
-            return {"type": "custom_tool_call", "id": item_id, "call_id": block["id"],
-                    "name": block["name"], "input": self._input(block) if done else "",
-                    "status": status}
-        item = {"type": "function_call", "id": item_id, "call_id": block["id"],
-                "name": block["name"], "arguments": block["arguments"] if done else "",
-                "status": status}
+            return {
+                "type": "custom_tool_call",
+                "id": item_id,
+                "call_id": block["id"],
+                "name": block["name"],
+                "input": self._input(block) if done else "",
+                "status": status,
+            }
+        item = {
+            "type": "function_call",
+            "id": item_id,
+            "call_id": block["id"],
+            "name": block["name"],
+            "arguments": block["arguments"] if done else "",
+            "status": status,
+        }
         ns = self.request._namespaces.get(block["name"]) if self.request else None
         if ns:
             item["namespace"] = ns
         return item
 
     def _custom(self, block: dict) -> bool:
-        return block["kind"] == "tool_call" and self.request is not None \
+        return (
+            block["kind"] == "tool_call"
+            and self.request is not None
             and block["name"] in self.request._custom
+        )
 
     @staticmethod
     def _input(block: dict) -> str:
@@ -314,35 +388,53 @@ class ResponsesTranslator(Translator):
     def _part(block: dict, done: bool) -> dict:
         if block["kind"] == "reasoning":
             return {"type": "reasoning_text", "text": block["text"] if done else ""}
-        return {"type": "output_text", "text": block["text"] if done else "",
-                "annotations": [], "logprobs": []}
+        return {
+            "type": "output_text",
+            "text": block["text"] if done else "",
+            "annotations": [],
+            "logprobs": [],
+        }
 
     def response(self, status: str) -> dict:
         o, req = self.outcome, self.request
         done = status != "in_progress"
         incomplete = status == "incomplete"
-        out = {"id": self.id, "object": "response", "created_at": self.created,
-               "status": status, "model": self.model, "error": None,
-               "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-               "instructions": req.instructions if req else None,
-               "max_output_tokens": req.max_output_tokens if req else None,
-               "output": [self._item(i, b, True) for i, b in enumerate(self.blocks)]
-               if done else [],
-               "parallel_tool_calls": True, "previous_response_id": None,
-               "reasoning": {"effort": req.reasoning.effort if req and req.reasoning else None,
-                             "summary": None},
-               "store": False, "temperature": req.temperature if req else None,
-               "top_p": req.top_p if req else None, "text": {"format": {"type": "text"}},
-               "tool_choice": "auto", "tools": [t.model_dump() for t in (req.tools or [])]
-               if req else [], "truncation": "disabled", "metadata": {}, "usage": None}
+        out = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": req.instructions if req else None,
+            "max_output_tokens": req.max_output_tokens if req else None,
+            "output": [self._item(i, b, True) for i, b in enumerate(self.blocks)] if done else [],
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "reasoning": {
+                "effort": req.reasoning.effort if req and req.reasoning else None,
+                "summary": None,
+            },
+            "store": False,
+            "temperature": req.temperature if req else None,
+            "top_p": req.top_p if req else None,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [t.model_dump() for t in (req.tools or [])] if req else [],
+            "truncation": "disabled",
+            "metadata": {},
+            "usage": None,
+        }
         if done:
             # reasoning_tokens: not counted apart (the relay sees text, not tokens)
-            out["usage"] = {"input_tokens": o.prompt_tokens,
-                            "input_tokens_details": {"cached_tokens": o.cached_tokens,
-                                                     "cache_write_tokens": 0},
-                            "output_tokens": o.completion_tokens,
-                            "output_tokens_details": {"reasoning_tokens": 0},
-                            "total_tokens": o.prompt_tokens + o.completion_tokens}
+            out["usage"] = {
+                "input_tokens": o.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": o.cached_tokens, "cache_write_tokens": 0},
+                "output_tokens": o.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": o.prompt_tokens + o.completion_tokens,
+            }
         return out
 
     def _status(self) -> str:
@@ -350,49 +442,103 @@ class ResponsesTranslator(Translator):
 
     def start(self):
         r = self.response("in_progress")
-        return [self._event("response.created", response=r),
-                self._event("response.in_progress", response=r)]
+        return [
+            self._event("response.created", response=r),
+            self._event("response.in_progress", response=r),
+        ]
 
     def open_block(self, index, block):
-        out = [self._event("response.output_item.added", output_index=index,
-                           item=self._item(index, block, False))]
+        out = [
+            self._event(
+                "response.output_item.added",
+                output_index=index,
+                item=self._item(index, block, False),
+            )
+        ]
         if block["kind"] != "tool_call":
-            out.append(self._event("response.content_part.added", output_index=index,
-                                   item_id=block["item_id"], content_index=0,
-                                   part=self._part(block, False)))
+            out.append(
+                self._event(
+                    "response.content_part.added",
+                    output_index=index,
+                    item_id=block["item_id"],
+                    content_index=0,
+                    part=self._part(block, False),
+                )
+            )
         return out
 
     def delta(self, index, block, text):
         if self._custom(block):
-            return [self._event("response.custom_tool_call_input.delta", output_index=index,
-                                item_id=block["item_id"], delta=self._input(block))]
-        kind = {"reasoning": "response.reasoning_text.delta",
-                "text": "response.output_text.delta",
-                "tool_call": "response.function_call_arguments.delta"}[block["kind"]]
+            return [
+                self._event(
+                    "response.custom_tool_call_input.delta",
+                    output_index=index,
+                    item_id=block["item_id"],
+                    delta=self._input(block),
+                )
+            ]
+        kind = {
+            "reasoning": "response.reasoning_text.delta",
+            "text": "response.output_text.delta",
+            "tool_call": "response.function_call_arguments.delta",
+        }[block["kind"]]
         extra = {} if block["kind"] == "tool_call" else {"content_index": 0}
         if block["kind"] == "text":
             extra["logprobs"] = []
-        return [self._event(kind, output_index=index, item_id=block["item_id"], delta=text,
-                            **extra)]
+        return [
+            self._event(kind, output_index=index, item_id=block["item_id"], delta=text, **extra)
+        ]
 
     def close_block(self, index, block):
         iid = block["item_id"]
         if self._custom(block):
-            out = [self._event("response.custom_tool_call_input.done", output_index=index,
-                               item_id=iid, input=self._input(block))]
+            out = [
+                self._event(
+                    "response.custom_tool_call_input.done",
+                    output_index=index,
+                    item_id=iid,
+                    input=self._input(block),
+                )
+            ]
         elif block["kind"] == "tool_call":
-            out = [self._event("response.function_call_arguments.done", output_index=index,
-                               item_id=iid, name=block["name"], arguments=block["arguments"])]
+            out = [
+                self._event(
+                    "response.function_call_arguments.done",
+                    output_index=index,
+                    item_id=iid,
+                    name=block["name"],
+                    arguments=block["arguments"],
+                )
+            ]
         else:
-            kind = ("response.reasoning_text.done" if block["kind"] == "reasoning"
-                    else "response.output_text.done")
+            kind = (
+                "response.reasoning_text.done"
+                if block["kind"] == "reasoning"
+                else "response.output_text.done"
+            )
             extra = {"logprobs": []} if block["kind"] == "text" else {}
-            out = [self._event(kind, output_index=index, item_id=iid, content_index=0,
-                               text=block["text"], **extra),
-                   self._event("response.content_part.done", output_index=index, item_id=iid,
-                               content_index=0, part=self._part(block, True))]
-        return out + [self._event("response.output_item.done", output_index=index,
-                                  item=self._item(index, block, True))]
+            out = [
+                self._event(
+                    kind,
+                    output_index=index,
+                    item_id=iid,
+                    content_index=0,
+                    text=block["text"],
+                    **extra,
+                ),
+                self._event(
+                    "response.content_part.done",
+                    output_index=index,
+                    item_id=iid,
+                    content_index=0,
+                    part=self._part(block, True),
+                ),
+            ]
+        return out + [
+            self._event(
+                "response.output_item.done", output_index=index, item=self._item(index, block, True)
+            )
+        ]
 
     def finish(self):
         status = self._status()
@@ -411,7 +557,12 @@ class ResponsesTranslator(Translator):
         return [self._event("response.in_progress", response=self.response("in_progress"))]
 
     def error_event(self, message):
-        return [self._event("error", code="server_error", message=message, param=None),
-                self._event("response.failed", response=dict(
-                    self.response("failed"),
-                    error={"code": "server_error", "message": message}))]
+        return [
+            self._event("error", code="server_error", message=message, param=None),
+            self._event(
+                "response.failed",
+                response=dict(
+                    self.response("failed"), error={"code": "server_error", "message": message}
+                ),
+            ),
+        ]

@@ -61,13 +61,25 @@ MAX_CHARS_PER_TOKEN = 16
 _OPEN: dict = {}  # handler -> "queued" (nothing sent) or "stream" (SSE headers sent)
 _OPEN_LOCK = threading.Lock()
 # What /v1/k3dist tells a caller that is not on this machine (no paths, no memory).
-PUBLIC_INFO = ("ranks", "build_hash", "placement", "placement_hash", "moe_form", "attention",
-               "dtype", "max_context", "prefill_chunks", "max_batch", "vocab_size")
+PUBLIC_INFO = (
+    "ranks",
+    "build_hash",
+    "placement",
+    "placement_hash",
+    "moe_form",
+    "attention",
+    "dtype",
+    "max_context",
+    "prefill_chunks",
+    "max_batch",
+    "vocab_size",
+)
 
 
 def _error_body(message: str, kind: str = "server_error", code: str | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": code}}).encode()
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    ).encode()
 
 
 def abort_streams(message: str) -> int:
@@ -77,8 +89,10 @@ def abort_streams(message: str) -> int:
     watchdog when a rank is lost or the group stops. Returns how many."""
     event = f"data: {_error_body(message).decode()}\n\n".encode()
     body = _error_body(message)
-    reply = (f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    reply = (
+        f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
     with _OPEN_LOCK:
         handlers = list(_OPEN.items())
         _OPEN.clear()
@@ -144,8 +158,10 @@ class K3APIHandler(mlx_server.APIHandler):
         else:
             return  # no cross-origin access configured: no CORS headers at all
         self.send_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
-        self.send_header("Access-Control-Allow-Headers", "Authorization, Content-Type, x-api-key, "
-                         "anthropic-version, anthropic-beta")
+        self.send_header(
+            "Access-Control-Allow-Headers",
+            "Authorization, Content-Type, x-api-key, anthropic-version, anthropic-beta",
+        )
 
     def _set_completion_headers(self, status_code: int = 200):
         if self._in_completion and status_code == 404:
@@ -186,8 +202,11 @@ class K3APIHandler(mlx_server.APIHandler):
             return
         alive = self.response_generator.generation_available()
         why = str(e) or type(e).__name__
-        message = f"generation failed: {why}" if alive else (
-            f"the generation loop has stopped ({why}); the server must be restarted")
+        message = (
+            f"generation failed: {why}"
+            if alive
+            else (f"the generation loop has stopped ({why}); the server must be restarted")
+        )
         try:
             if self.stream and getattr(self, "_headers_buffer", None) == []:
                 self.wfile.write(f"data: {_error_body(message).decode()}\n\n".encode())
@@ -203,8 +222,9 @@ class K3APIHandler(mlx_server.APIHandler):
             pass
 
     def _error(self, e: RequestError, headers: dict | None = None) -> None:
-        body = json.dumps(anthropic_api.error_body(e.status, str(e))
-                          if self._api is anthropic_api else e.body()).encode()
+        body = json.dumps(
+            anthropic_api.error_body(e.status, str(e)) if self._api is anthropic_api else e.body()
+        ).encode()
         self._set_completion_headers(e.status)
         for k, v in (headers or {}).items():
             self.send_header(k, v)
@@ -214,14 +234,12 @@ class K3APIHandler(mlx_server.APIHandler):
         if e.status == 413:
             self._linger()
 
-    def send_error(self, code: int, message: str | None = None,
-                   explain: str | None = None) -> None:
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """http.server's own refusals; a request line or header too long (414, 431) leaves
         the rest of the request unread: linger so the client reads the answer, not a
         reset."""
         super().send_error(code, message, explain)
-        if code in (HTTPStatus.REQUEST_URI_TOO_LONG,
-                    HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE):
+        if code in (HTTPStatus.REQUEST_URI_TOO_LONG, HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE):
             self._linger()
 
     def _linger(self, seconds: float = 5.0) -> None:
@@ -249,19 +267,27 @@ class K3APIHandler(mlx_server.APIHandler):
             return []
         from k3dist.serve import vision
 
-        parts = [(f"messages[{i}].content[{j}]", p) for i, m in enumerate(body["messages"])
-                 if isinstance(m.get("content"), list)
-                 for j, p in enumerate(m["content"]) if p.get("type") in IMAGE_PART_TYPES]
+        parts = [
+            (f"messages[{i}].content[{j}]", p)
+            for i, m in enumerate(body["messages"])
+            if isinstance(m.get("content"), list)
+            for j, p in enumerate(m["content"])
+            if p.get("type") in IMAGE_PART_TYPES
+        ]
         if len(parts) > self.vision_limits.max_images:
-            raise RequestError(400, f"{len(parts)} images in one request; at most "
-                               f"{self.vision_limits.max_images}", "messages")
+            raise RequestError(
+                400,
+                f"{len(parts)} images in one request; at most {self.vision_limits.max_images}",
+                "messages",
+            )
         try:
             return [vision.check_image_part(p, self.vision_limits, where) for where, p in parts]
         except vision.ImageError as e:
             raise RequestError(400, str(e), "messages") from None
 
-    def _prompt(self, req: openai_api.ChatRequest | openai_api.TextRequest
-                ) -> tuple[mlx_server.CompletionRequest, int]:
+    def _prompt(
+        self, req: openai_api.ChatRequest | openai_api.TextRequest
+    ) -> tuple[mlx_server.CompletionRequest, int]:
         """mlx-lm's request for ``req`` (its handler's own ``handle_*_completions``) and
         the prompt's token count. The prompt is rendered and tokenized here, once: the
         tokens travel with the request to every rank (``lockstep.Prompt``). A chat with
@@ -271,9 +297,12 @@ class K3APIHandler(mlx_server.APIHandler):
         chat = isinstance(req, openai_api.ChatRequest)
         images = self._check_images(self.body) if chat else []
         if req.chars() > MAX_CHARS_PER_TOKEN * self.max_context:
-            raise RequestError(400, f"prompt of {req.chars()} characters cannot fit the "
-                               f"context of {self.max_context} tokens",
-                               code="context_length_exceeded")
+            raise RequestError(
+                400,
+                f"prompt of {req.chars()} characters cannot fit the "
+                f"context of {self.max_context} tokens",
+                code="context_length_exceeded",
+            )
         request = self.handle_chat_completions() if chat else self.handle_text_completions()
         try:
             if not images:
@@ -282,9 +311,13 @@ class K3APIHandler(mlx_server.APIHandler):
             from k3dist.serve import vision
 
             tok = self.response_generator.model_provider.tokenizer
-            text = tok.apply_chat_template(self.body["messages"], tools=self.body["tools"],
-                                           add_generation_prompt=True, tokenize=False,
-                                           **(self.chat_template_kwargs or {}))
+            text = tok.apply_chat_template(
+                self.body["messages"],
+                tools=self.body["tools"],
+                add_generation_prompt=True,
+                tokenize=False,
+                **(self.chat_template_kwargs or {}),
+            )
             processor = self.response_generator.model_provider.processor
             return request, len(vision.prompt_tokens(tok, processor, text, images))
         except Exception as e:  # a template that cannot render these messages
@@ -299,12 +332,18 @@ class K3APIHandler(mlx_server.APIHandler):
         if length < 0:
             raise RequestError(411, "a Content-Length header with a length is required")
         if length > MAX_BODY_BYTES:
-            raise RequestError(413, f"request body of {length} bytes exceeds "
-                               f"{MAX_BODY_BYTES}", code="request_too_large")
+            raise RequestError(
+                413,
+                f"request body of {length} bytes exceeds {MAX_BODY_BYTES}",
+                code="request_too_large",
+            )
         raw = self.rfile.read(length)
         if not self.response_generator.generation_available():
-            raise RequestError(503, "the generation loop has stopped; the server must be "
-                               "restarted", code="generation_stopped")
+            raise RequestError(
+                503,
+                "the generation loop has stopped; the server must be restarted",
+                code="generation_stopped",
+            )
         try:
             return json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -312,16 +351,24 @@ class K3APIHandler(mlx_server.APIHandler):
         except json.JSONDecodeError as e:
             raise RequestError(400, f"request body is not valid JSON ({e})") from None
         except RecursionError:
-            raise RequestError(400, "request body is nested too deeply (at most "
-                               f"{openai_api.MAX_JSON_DEPTH} levels)") from None
+            raise RequestError(
+                400,
+                f"request body is nested too deeply (at most {openai_api.MAX_JSON_DEPTH} levels)",
+            ) from None
 
-    def _check(self, path: str, body: Any, **stream) -> openai_api.ChatRequest | \
-            openai_api.TextRequest:
+    def _check(
+        self, path: str, body: Any, **stream
+    ) -> openai_api.ChatRequest | openai_api.TextRequest:
         """``body`` checked by the OpenAI API module, and set on this handler as
         mlx-lm's ``do_POST`` would (``stream``: what an agent API's relay needs)."""
-        req = openai_api.validate(path, body, model_id=self.model_id,
-                                  max_context=self.max_context, vocab_size=self.vocab_size,
-                                  images=self.vision_limits is not None)
+        req = openai_api.validate(
+            path,
+            body,
+            model_id=self.model_id,
+            max_context=self.max_context,
+            vocab_size=self.vocab_size,
+            images=self.vision_limits is not None,
+        )
         fields = openai_api.handler_fields(req, self.response_generator.cli_args)
         for k, v in (fields | stream).items():
             setattr(self, k, v)
@@ -331,8 +378,13 @@ class K3APIHandler(mlx_server.APIHandler):
         """Refuse (401, in the API's shape) a request without the deployment's key."""
         if auth.allowed(self.headers, self.api_key):
             return True
-        self._error(RequestError(401, "a valid API key is required (Authorization: Bearer "
-                                 "<key> or x-api-key: <key>)", code="invalid_api_key"))
+        self._error(
+            RequestError(
+                401,
+                "a valid API key is required (Authorization: Bearer <key> or x-api-key: <key>)",
+                code="invalid_api_key",
+            )
+        )
         self._linger()  # the body was not read
         return False
 
@@ -351,8 +403,11 @@ class K3APIHandler(mlx_server.APIHandler):
         return path
 
     def _not_found(self) -> None:
-        self._error(RequestError(404, f"no such endpoint: {self.command} {self.path[:200]}",
-                                 code="not_found"))
+        self._error(
+            RequestError(
+                404, f"no such endpoint: {self.command} {self.path[:200]}", code="not_found"
+            )
+        )
         self._linger()  # a body, if any, was not read
 
     def do_POST(self):
@@ -369,19 +424,31 @@ class K3APIHandler(mlx_server.APIHandler):
             if self._api is not None:
                 agent, body = self._agent_body(body)
                 self.path = "/v1/chat/completions"  # what is run
-            req = self._check(self.path, body, **({} if agent is None else {
-                "stream": True, "stream_options": {"include_usage": True}}))
+            req = self._check(
+                self.path,
+                body,
+                **(
+                    {}
+                    if agent is None
+                    else {"stream": True, "stream_options": {"include_usage": True}}
+                ),
+            )
             prompt, n_prompt = self._prompt(req)
             if path == "/v1/messages/count_tokens":
                 return self._json(200, {"input_tokens": n_prompt})
             if n_prompt < 1:  # mlx-lm's batch loop dies on an empty prompt (every rank)
-                raise RequestError(400, "prompt is empty: it must have at least one token",
-                                   "prompt")
+                raise RequestError(
+                    400, "prompt is empty: it must have at least one token", "prompt"
+                )
             room = self.max_context - n_prompt
             if room < 1 or (req.asked is not None and req.asked > room):
-                raise RequestError(400, f"prompt of {n_prompt} tokens plus max_tokens "
-                                   f"{req.asked or 1} exceeds the context of "
-                                   f"{self.max_context} tokens", code="context_length_exceeded")
+                raise RequestError(
+                    400,
+                    f"prompt of {n_prompt} tokens plus max_tokens "
+                    f"{req.asked or 1} exceeds the context of "
+                    f"{self.max_context} tokens",
+                    code="context_length_exceeded",
+                )
             if req.asked is None:  # unasked: the server default, capped to what fits
                 self.max_tokens = min(self.response_generator.cli_args.max_tokens, room)
         except RequestError as e:
@@ -390,9 +457,13 @@ class K3APIHandler(mlx_server.APIHandler):
             return self._error(RequestError(e.status, str(e), e.param))
         if not self.admission.enter():
             return self._error(
-                RequestError(429, f"{self.admission.limit} requests are already in flight; "
-                             "retry later", code="too_many_requests"),
-                {"Retry-After": str(self.admission.retry_after())})
+                RequestError(
+                    429,
+                    f"{self.admission.limit} requests are already in flight; retry later",
+                    code="too_many_requests",
+                ),
+                {"Retry-After": str(self.admission.retry_after())},
+            )
         t0 = time.monotonic()
         sink = self._relay(agent, n_prompt, req.stop_words()) if agent is not None else None
         try:
@@ -412,15 +483,27 @@ class K3APIHandler(mlx_server.APIHandler):
         try:
             body = self._read_json()
             msgs = body.get("messages") if isinstance(body, dict) else None
-            if not (isinstance(msgs, list) and msgs and all(
-                    isinstance(m, dict) and m.get("role") in ("system", "developer")
-                    for m in msgs)):
-                raise RequestError(400, "messages must be a non-empty list of system (or "
-                                   "developer) messages: the prefix every session starts with",
-                                   "messages")
-            chat = {"model": self.model_id, "tools": body.get("tools"), "max_tokens": 1,
-                    "temperature": 0, "chat_template_kwargs": body.get("chat_template_kwargs"),
-                    "messages": [*msgs, {"role": "user", "content": "."}]}
+            if not (
+                isinstance(msgs, list)
+                and msgs
+                and all(
+                    isinstance(m, dict) and m.get("role") in ("system", "developer") for m in msgs
+                )
+            ):
+                raise RequestError(
+                    400,
+                    "messages must be a non-empty list of system (or "
+                    "developer) messages: the prefix every session starts with",
+                    "messages",
+                )
+            chat = {
+                "model": self.model_id,
+                "tools": body.get("tools"),
+                "max_tokens": 1,
+                "temperature": 0,
+                "chat_template_kwargs": body.get("chat_template_kwargs"),
+                "messages": [*msgs, {"role": "user", "content": "."}],
+            }
             self.path = "/v1/chat/completions"
             prompt, _ = self._prompt(self._check(self.path, chat))
             ids = prompt.tokens
@@ -428,16 +511,22 @@ class K3APIHandler(mlx_server.APIHandler):
             segments, kinds = prompt.tokenized[1], prompt.tokenized[2]
             n = len(segments[0]) if kinds[0] == "system" else 0
             if len(ids) + 1 > self.max_context:
-                raise RequestError(400, f"prefix of {len(ids)} tokens exceeds the context of "
-                                   f"{self.max_context}", code="context_length_exceeded")
+                raise RequestError(
+                    400,
+                    f"prefix of {len(ids)} tokens exceeds the context of {self.max_context}",
+                    code="context_length_exceeded",
+                )
         except RequestError as e:
             return self._error(e)
         except (ValueError, TypeError, AttributeError) as e:  # the template
             return self._error(RequestError(400, str(e)))
         if not self.admission.enter():
-            return self._error(RequestError(429, "too many requests in flight; retry later",
-                                            code="too_many_requests"),
-                               {"Retry-After": str(self.admission.retry_after())})
+            return self._error(
+                RequestError(
+                    429, "too many requests in flight; retry later", code="too_many_requests"
+                ),
+                {"Retry-After": str(self.admission.retry_after())},
+            )
         out, self.wfile = self.wfile, io.BytesIO()  # mlx-lm's answer is not the reply
         t0 = time.monotonic()
         try:
@@ -446,13 +535,23 @@ class K3APIHandler(mlx_server.APIHandler):
             self.admission.leave(time.monotonic() - t0)
             answered, self.wfile = self.wfile.getvalue(), out
         if b" 200 " not in answered.split(b"\r\n", 1)[0]:
-            return self._error(RequestError(500, "the prefix run failed: " + answered.decode(
-                "utf-8", "replace")[-300:]))
+            return self._error(
+                RequestError(
+                    500, "the prefix run failed: " + answered.decode("utf-8", "replace")[-300:]
+                )
+            )
         store = getattr(self.response_generator.prompt_cache, "store", None)
         stored = bool(store is not None and n and store.has(ids[:n]))
-        self._json(200, {"prefix_tokens": n, "seconds": round(time.monotonic() - t0, 3),
-                         "stored": stored, "key": store.key(ids[:n]) if stored else None,
-                         "prefix_cache": store.report() if store is not None else None})
+        self._json(
+            200,
+            {
+                "prefix_tokens": n,
+                "seconds": round(time.monotonic() - t0, 3),
+                "stored": stored,
+                "key": store.key(ids[:n]) if stored else None,
+                "prefix_cache": store.report() if store is not None else None,
+            },
+        )
 
     def _agent_body(self, body: Any) -> tuple[Any, dict]:
         """An agent API request (Responses: parsed; Anthropic: its body) and the
@@ -470,10 +569,17 @@ class K3APIHandler(mlx_server.APIHandler):
         Tap (the raw text tells which stop sequence ended generation)."""
         tok = self.response_generator.model_provider.tokenizer
         client_stream = agent.stream if self._api is responses_api else agent.get("stream")
-        t = (responses_api.ResponsesTranslator if self._api is responses_api
-             else anthropic_api.MessagesTranslator)(
-            model=self.model_id, stream=bool(client_stream), prompt_tokens=n_prompt,
-            stop_sequences=stops, eos_token_ids=tuple(tok.eos_token_ids))
+        t = (
+            responses_api.ResponsesTranslator
+            if self._api is responses_api
+            else anthropic_api.MessagesTranslator
+        )(
+            model=self.model_id,
+            stream=bool(client_stream),
+            prompt_tokens=n_prompt,
+            stop_sequences=stops,
+            eos_token_ids=tuple(tok.eos_token_ids),
+        )
         if self._api is responses_api:
             t.request = agent
         saved, self._headers_buffer = getattr(self, "_headers_buffer", []), []
@@ -510,9 +616,21 @@ class K3APIHandler(mlx_server.APIHandler):
         if self.path.startswith("/v1/models"):
             self._set_completion_headers(200)
             self.end_headers()
-            self.wfile.write(json.dumps({"object": "list", "data": [
-                {"id": self.model_id, "object": "model", "created": self.created,
-                 "owned_by": "k3dist"}]}).encode())
+            self.wfile.write(
+                json.dumps(
+                    {
+                        "object": "list",
+                        "data": [
+                            {
+                                "id": self.model_id,
+                                "object": "model",
+                                "created": self.created,
+                                "owned_by": "k3dist",
+                            }
+                        ],
+                    }
+                ).encode()
+            )
         elif self.path == "/v1/k3dist":
             self._set_completion_headers(200)
             self.end_headers()
@@ -520,11 +638,15 @@ class K3APIHandler(mlx_server.APIHandler):
                 model = self.response_generator.model_provider.model
                 loaded = warmup.jit_kernels_loaded()
                 warmed = set(self.info.get("warmup_kernels") or ())
-                info = dict(self.info, jit_kernels=warmup.jit_kernel_count(),
-                            jit_kernels_loaded=None if loaded is None else len(loaded),
-                            jit_kernels_after_warmup=None if loaded is None
-                            else sorted(set(loaded) - warmed),
-                            shapes_seen=sorted(getattr(model, "shapes_seen", set()).copy()))
+                info = dict(
+                    self.info,
+                    jit_kernels=warmup.jit_kernel_count(),
+                    jit_kernels_loaded=None if loaded is None else len(loaded),
+                    jit_kernels_after_warmup=None
+                    if loaded is None
+                    else sorted(set(loaded) - warmed),
+                    shapes_seen=sorted(getattr(model, "shapes_seen", set()).copy()),
+                )
             else:  # folders, free memory and library paths stay on this machine
                 info = {k: self.info[k] for k in PUBLIC_INFO if k in self.info}
             self.wfile.write(json.dumps(info).encode())
@@ -596,58 +718,115 @@ def fingerprint() -> str:
     return f"k3dist-{k3dist_version}-mlx-{mx.__version__}"
 
 
-def cli_args(*, model_id: str, max_tokens: int, temp: float, top_p: float,
-             prefill_step_size: int, cors_origins: list[str] | None = None,
-             max_batch: int = 1) -> argparse.Namespace:
+def cli_args(
+    *,
+    model_id: str,
+    max_tokens: int,
+    temp: float,
+    top_p: float,
+    prefill_step_size: int,
+    cors_origins: list[str] | None = None,
+    max_batch: int = 1,
+) -> argparse.Namespace:
     """The settings mlx_lm.server reads, with its defaults where we have no say.
     ``max_batch`` requests decode together; prompts are prefilled one at a time
     (``prompt_concurrency`` 1: prefill shapes stay batch 1, the warmed chunks)."""
     return argparse.Namespace(
-        model=model_id, adapter_path=None, draft_model=None, num_draft_tokens=3,
-        trust_remote_code=False, chat_template="", use_default_chat_template=False,
-        chat_template_args={}, allowed_origins=list(cors_origins or []), temp=temp,
-        top_p=top_p, top_k=0, min_p=0.0, max_tokens=max_tokens, decode_concurrency=max_batch,
-        prompt_concurrency=1, prefill_step_size=prefill_step_size, prompt_cache_size=8,
-        prompt_cache_bytes=None, kv_bits=None, kv_group_size=64, quantized_kv_start=5000,
-        pipeline=False)
+        model=model_id,
+        adapter_path=None,
+        draft_model=None,
+        num_draft_tokens=3,
+        trust_remote_code=False,
+        chat_template="",
+        use_default_chat_template=False,
+        chat_template_args={},
+        allowed_origins=list(cors_origins or []),
+        temp=temp,
+        top_p=top_p,
+        top_k=0,
+        min_p=0.0,
+        max_tokens=max_tokens,
+        decode_concurrency=max_batch,
+        prompt_concurrency=1,
+        prefill_step_size=prefill_step_size,
+        prompt_cache_size=8,
+        prompt_cache_bytes=None,
+        kv_bits=None,
+        kv_group_size=64,
+        quantized_kv_start=5000,
+        pipeline=False,
+    )
 
 
-def serve(host: str, port: int, provider: K3ModelProvider, *, max_context: int, info: dict,
-          vocab_size: int, max_queued_requests: int = 64, max_connections: int = 2048,
-          token_log: Path | None = None, vision_limits=None, api_key: str | None = None,
-          prompt_cache_tokens: int | None = None, prefix_store=None, idle_gate=None) -> None:
+def serve(
+    host: str,
+    port: int,
+    provider: K3ModelProvider,
+    *,
+    max_context: int,
+    info: dict,
+    vocab_size: int,
+    max_queued_requests: int = 64,
+    max_connections: int = 2048,
+    token_log: Path | None = None,
+    vision_limits=None,
+    api_key: str | None = None,
+    prompt_cache_tokens: int | None = None,
+    prefix_store=None,
+    idle_gate=None,
+) -> None:
     """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves.
     ``prefix_store``: prefix caches on disk (k3dist.serve.prefix_store) or None;
     ``idle_gate``: the watchdog (multi-rank): idle ranks wait on it, not in a collective."""
     group = mx.distributed.init()
-    prompt_cache = K3PromptCache(provider.cli_args.prompt_cache_size,
-                                 lambda: make_prompt_cache(provider.model),
-                                 prompt_cache_tokens or 4 * max_context, prefix_store)
+    prompt_cache = K3PromptCache(
+        provider.cli_args.prompt_cache_size,
+        lambda: make_prompt_cache(provider.model),
+        prompt_cache_tokens or 4 * max_context,
+        prefix_store,
+    )
     generator = K3ResponseGenerator(provider, prompt_cache, token_log, idle_gate)
     if group.rank() != 0:
         generator.join()
         if prefix_store is not None:
             prefix_store.close()  # queued entries reach the disk on a clean stop
         return
-    handler = type("Handler", (K3APIHandler,), {
-        "model_id": provider.served_id, "max_context": max_context, "info": info,
-        "vocab_size": vocab_size, "admission": Admission(max_queued_requests),
-        "vision_limits": vision_limits, "api_key": api_key})
+    handler = type(
+        "Handler",
+        (K3APIHandler,),
+        {
+            "model_id": provider.served_id,
+            "max_context": max_context,
+            "info": info,
+            "vocab_size": vocab_size,
+            "admission": Admission(max_queued_requests),
+            "vision_limits": vision_limits,
+            "api_key": api_key,
+        },
+    )
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, address = infos[0]
     server_class = type("Server", (K3HTTPServer,), {"address_family": family})
     fp = fingerprint()
-    httpd = server_class(address, lambda *a, **k: handler(generator, *a, system_fingerprint=fp,
-                                                          **k),
-                         max_connections=max_connections)
+    httpd = server_class(
+        address,
+        lambda *a, **k: handler(generator, *a, system_fingerprint=fp, **k),
+        max_connections=max_connections,
+    )
     logging.info("serving %s on http://%s:%d", provider.served_id, host, port)
     if api_key is None and not _loopback(host):
-        print(f"k3dist: WARNING: serving on {host} with no API key: anyone who can reach "
-              "this port can use it (set api_key_file)", flush=True)
-    print(f"k3dist: serving {provider.served_id} on http://{host}:{port} (at most "
-          f"{max_queued_requests} requests in flight, {max_connections} connections; CORS "
-          f"{provider.cli_args.allowed_origins or 'off'}; API key "
-          f"{'required' if api_key else 'off'})", flush=True)
+        print(
+            f"k3dist: WARNING: serving on {host} with no API key: anyone who can reach "
+            "this port can use it (set api_key_file)",
+            flush=True,
+        )
+    print(
+        f"k3dist: serving {provider.served_id} on http://{host}:{port} (at most "
+        f"{max_queued_requests} requests in flight, {max_connections} connections; CORS "
+        f"{provider.cli_args.allowed_origins or 'off'}; API key "
+        f"{'required' if api_key else 'off'})",
+        flush=True,
+    )
     try:
         httpd.serve_forever()
     finally:

@@ -45,14 +45,16 @@ def require():
     try:
         from mlx_vlm.models import kimi_k3
     except ImportError as e:
-        raise ImportError("vision needs mlx-vlm 0.7.10: pip install 'k3dist[vision]' "
-                          f"({e})") from None
+        raise ImportError(
+            f"vision needs mlx-vlm 0.7.10: pip install 'k3dist[vision]' ({e})"
+        ) from None
     return kimi_k3
 
 
 @dataclass(frozen=True)
 class VisionLimits:
     """What a request's images may be; checked before any rank works."""
+
     max_images: int = 4
     # decoded pixels per image, checked from the header before decoding (a
     # decompression bomb is a small file with huge dimensions); the deployment's
@@ -68,6 +70,7 @@ class ImageError(ValueError):
 
 # ---------------------------------------------------------------------------- request side
 
+
 def _open_checked(data: bytes, limits: VisionLimits, where: str):
     from PIL import Image
 
@@ -76,25 +79,29 @@ def _open_checked(data: bytes, limits: VisionLimits, where: str):
     try:
         img = Image.open(io.BytesIO(data))  # reads the header only
     except Image.DecompressionBombError as e:  # PIL's own cap, past ours
-        raise ImageError(f"{where}: the image's dimensions are too large; at most "
-                         f"{limits.max_pixels:,} pixels (refused before decoding: {e})"
-                         ) from None
+        raise ImageError(
+            f"{where}: the image's dimensions are too large; at most "
+            f"{limits.max_pixels:,} pixels (refused before decoding: {e})"
+        ) from None
     except Exception as e:
         raise ImageError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
     if img.format not in IMAGE_FORMATS:
-        raise ImageError(f"{where}: image format {img.format} is not supported; send one of "
-                         f"{', '.join(IMAGE_FORMATS)}")
+        raise ImageError(
+            f"{where}: image format {img.format} is not supported; send one of "
+            f"{', '.join(IMAGE_FORMATS)}"
+        )
     w, h = img.size
     if w < 1 or h < 1:
         raise ImageError(f"{where}: the image is {w}x{h} pixels (zero-size)")
     if w * h > limits.max_pixels:
-        raise ImageError(f"{where}: the image is {w}x{h} = {w * h:,} pixels; at most "
-                         f"{limits.max_pixels:,} (refused before decoding)")
+        raise ImageError(
+            f"{where}: the image is {w}x{h} = {w * h:,} pixels; at most "
+            f"{limits.max_pixels:,} (refused before decoding)"
+        )
     try:
         img.load()
     except Exception as e:
-        raise ImageError(f"{where}: the image data is corrupt ({type(e).__name__}: {e})"
-                         ) from None
+        raise ImageError(f"{where}: the image data is corrupt ({type(e).__name__}: {e})") from None
     return img
 
 
@@ -110,8 +117,10 @@ def _data_url_bytes(url: str, where: str) -> bytes:
 
 def _local_bytes(url: str, limits: VisionLimits, where: str) -> bytes:
     if limits.image_dir is None:
-        raise ImageError(f"{where}: local image paths are off in this deployment; send the "
-                         "image as a data URL (data:image/png;base64,...)")
+        raise ImageError(
+            f"{where}: local image paths are off in this deployment; send the "
+            "image as a data URL (data:image/png;base64,...)"
+        )
     root = Path(limits.image_dir).resolve()
     path = Path(url.removeprefix("file://")).resolve()
     if not path.is_relative_to(root):
@@ -135,30 +144,37 @@ def check_image_part(part: dict, limits: VisionLimits, where: str):
     if not isinstance(url, str) or not url:
         raise ImageError(f"{where}: an image part needs image_url.url (a data URL)")
     if url.startswith(("http://", "https://")):
-        raise ImageError(f"{where}: remote image URLs are refused (the server does not fetch "
-                         "for clients); send the image as a data URL "
-                         "(data:image/png;base64,...)")
+        raise ImageError(
+            f"{where}: remote image URLs are refused (the server does not fetch "
+            "for clients); send the image as a data URL "
+            "(data:image/png;base64,...)"
+        )
     if url.startswith("data:"):
         data = _data_url_bytes(url, where)
     elif "://" in url and not url.startswith("file://"):
-        raise ImageError(f"{where}: unsupported image URL scheme {url.split(':', 1)[0]!r}; "
-                         "send a data URL")
+        raise ImageError(
+            f"{where}: unsupported image URL scheme {url.split(':', 1)[0]!r}; send a data URL"
+        )
     else:
         data = _local_bytes(url, limits, where)
     img = _open_checked(data, limits, where)
     if not url.startswith("data:"):
         mime = f"image/{img.format.lower()}"
         part.clear()
-        part.update(type="image_url", image_url={
-            "url": f"data:{mime};base64,{base64.b64encode(data).decode()}"})
+        part.update(
+            type="image_url",
+            image_url={"url": f"data:{mime};base64,{base64.b64encode(data).decode()}"},
+        )
     return img
 
 
 # ---------------------------------------------------------------------------- processor
 
+
 @dataclass
 class Pixels:
     """One image as the tower takes it."""
+
     patches: mx.array  # [t*h*w, 3, p, p] float32
     grid: tuple[int, int, int]  # (t, h, w) patches
     tokens: int  # merged feature rows = pads in the prompt
@@ -174,8 +190,10 @@ class K3Processor:
 
     def __init__(self, vision_config: dict):
         kimi = require()
-        self.ip = kimi.ImageProcessor(patch_size=vision_config["patch_size"],
-                                      merge_kernel_size=list(vision_config["merge_kernel_size"]))
+        self.ip = kimi.ImageProcessor(
+            patch_size=vision_config["patch_size"],
+            merge_kernel_size=list(vision_config["merge_kernel_size"]),
+        )
         self.make_image_prompt = kimi.Processor.make_image_prompt.__get__(self)
         mk = self.ip.merge_kernel_size
         self.merge = mk[0] * mk[1]
@@ -191,22 +209,28 @@ class K3Processor:
         counts = [self.count(im) for im in images]
         if text.count(MEDIA_PAD):
             if IMAGE_PLACEHOLDER in text or text.count(MEDIA_PAD) != len(images):
-                raise ImageError(f"the prompt holds {text.count(MEDIA_PAD)} {MEDIA_PAD} for "
-                                 f"{len(images)} images; write none (the template adds them)")
+                raise ImageError(
+                    f"the prompt holds {text.count(MEDIA_PAD)} {MEDIA_PAD} for "
+                    f"{len(images)} images; write none (the template adds them)"
+                )
             parts = text.split(MEDIA_PAD)
-            out = parts[0] + "".join(MEDIA_PAD * n + s for n, s in zip(counts, parts[1:],
-                                                                        strict=True))
+            out = parts[0] + "".join(
+                MEDIA_PAD * n + s for n, s in zip(counts, parts[1:], strict=True)
+            )
         else:
             parts = text.split(IMAGE_PLACEHOLDER)
             if len(parts) - 1 != len(images):
-                raise ImageError(f"the prompt has {len(parts) - 1} image placeholders for "
-                                 f"{len(images)} images")
+                raise ImageError(
+                    f"the prompt has {len(parts) - 1} image placeholders for {len(images)} images"
+                )
             out = parts[0] + "".join(
                 self.make_image_prompt(*im.size, n) + s
-                for im, n, s in zip(images, counts, parts[1:], strict=True))
+                for im, n, s in zip(images, counts, parts[1:], strict=True)
+            )
         if out.count(MEDIA_PAD) != sum(counts):  # the expanded length, asserted
-            raise ImageError(f"expanded prompt has {out.count(MEDIA_PAD)} pads; the images "
-                             f"take {sum(counts)}")
+            raise ImageError(
+                f"expanded prompt has {out.count(MEDIA_PAD)} pads; the images take {sum(counts)}"
+            )
         return out
 
     def pixels(self, image) -> Pixels:
@@ -217,8 +241,9 @@ class K3Processor:
     def __call__(self, text: str, images: list) -> tuple[str, list[Pixels]]:
         from PIL import Image
 
-        pil = [im if isinstance(im, Image.Image) else Image.fromarray(np.asarray(im))
-               for im in images]
+        pil = [
+            im if isinstance(im, Image.Image) else Image.fromarray(np.asarray(im)) for im in images
+        ]
         return self.expand(text, pil), [self.pixels(im) for im in pil]
 
 
@@ -228,18 +253,25 @@ def prompt_tokens(tokenizer, processor: K3Processor, text: str, images: list) ->
     pad = tokenizer.convert_tokens_to_ids(MEDIA_PAD)
     want = sum(processor.count(im) for im in images)
     if ids.count(pad) != want:
-        raise ImageError(f"the tokenized prompt holds {ids.count(pad)} {MEDIA_PAD} ids; the "
-                         f"images take {want} (is {MEDIA_PAD} a single token here?)")
+        raise ImageError(
+            f"the tokenized prompt holds {ids.count(pad)} {MEDIA_PAD} ids; the "
+            f"images take {want} (is {MEDIA_PAD} a single token here?)"
+        )
     return ids
 
 
 # ---------------------------------------------------------------------------- tower
 
+
 def _model_config(config: dict):
     kimi = require()
-    return kimi.ModelConfig.from_dict({
-        **config, "text_config": kimi.TextConfig.from_dict(config["text_config"]),
-        "vision_config": kimi.VisionConfig.from_dict(config["vision_config"])})
+    return kimi.ModelConfig.from_dict(
+        {
+            **config,
+            "text_config": kimi.TextConfig.from_dict(config["text_config"]),
+            "vision_config": kimi.VisionConfig.from_dict(config["vision_config"]),
+        }
+    )
 
 
 class VisionTower(nn.Module):
@@ -258,8 +290,9 @@ class VisionTower(nn.Module):
         """[sum of tokens, hidden] features, as mlx-vlm's get_input_embeddings."""
         patches = mx.concatenate([p.patches for p in images])
         dtype = self.mm_projector.post_norm.weight.dtype
-        hidden = self.vision_tower(patches.transpose(0, 2, 3, 1).astype(dtype),
-                                   grid_thws=[list(p.grid) for p in images])
+        hidden = self.vision_tower(
+            patches.transpose(0, 2, 3, 1).astype(dtype), grid_thws=[list(p.grid) for p in images]
+        )
         return self.mm_projector(hidden)
 
 
@@ -274,9 +307,11 @@ def load_tower(folder: str | Path, config: dict, dtype: mx.Dtype = mx.float32) -
     """The tower from a build or rank folder's vision file."""
     path = Path(folder) / VISION_FILE
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no vision tensors in this folder; vision runs on a "
-                                "rank whose folder holds them (rank 0: k3dist.build.slicing."
-                                "vision_ranks), from a build converted with its vision tower")
+        raise FileNotFoundError(
+            f"{path}: no vision tensors in this folder; vision runs on a "
+            "rank whose folder holds them (rank 0: k3dist.build.slicing."
+            "vision_ranks), from a build converted with its vision tower"
+        )
     tower = VisionTower(config)
     weights = tower.vision_tower.sanitize(mx.load(str(path)))
     tower.load_weights(list(weights.items()), strict=True)
@@ -287,12 +322,12 @@ def load_tower(folder: str | Path, config: dict, dtype: mx.Dtype = mx.float32) -
 
 # ---------------------------------------------------------------------------- injection
 
+
 class Vision:
     """The EP model's image side on one rank: the tower where it lives (rank 0),
     the ``all_sum`` that gives every rank its features, the pad id."""
 
-    def __init__(self, tower: VisionTower | None, pad_id: int,
-                 group: mx.distributed.Group | None):
+    def __init__(self, tower: VisionTower | None, pad_id: int, group: mx.distributed.Group | None):
         self.tower, self.pad_id = tower, pad_id
         self.group = group if group is not None and group.size() > 1 else None
         if tower is None and self.group is None:
@@ -314,8 +349,10 @@ class Vision:
         pos = np.flatnonzero(ids == self.pad_id)
         n = sum(p.tokens for p in images)
         if len(pos) != n:
-            raise ValueError(f"{len(pos)} {MEDIA_PAD} tokens in the prompt for {n} image "
-                             "features; each image's pad block must be expanded in full")
+            raise ValueError(
+                f"{len(pos)} {MEDIA_PAD} tokens in the prompt for {n} image "
+                "features; each image's pad block must be expanded in full"
+            )
         feats = self.features(images, h.shape[-1], h.dtype)
         flat = h.reshape(-1, h.shape[-1])
         flat[mx.array(pos)] = feats
@@ -327,14 +364,21 @@ class Vision:
 TOWER_RANK = 0
 
 
-def attach(model, folder: str | Path, config: dict, tokenizer,
-           group: mx.distributed.Group | None, dtype: mx.Dtype = mx.float32) -> K3Processor:
+def attach(
+    model,
+    folder: str | Path,
+    config: dict,
+    tokenizer,
+    group: mx.distributed.Group | None,
+    dtype: mx.Dtype = mx.float32,
+) -> K3Processor:
     """Give a loaded EP model its image side: the tower is read from ``folder`` on
     ``TOWER_RANK`` only; every rank gets the processor (all ranks tokenize). Returns
     the processor for the server."""
     if not config.get("vision_config"):
-        raise ValueError(f"{folder}/config.json has no vision_config: this build has no "
-                         "vision tower")
+        raise ValueError(
+            f"{folder}/config.json has no vision_config: this build has no vision tower"
+        )
     rank = group.rank() if group is not None else 0
     tower = load_tower(folder, config, dtype) if rank == TOWER_RANK else None
     model.vision = Vision(tower, tokenizer.convert_tokens_to_ids(MEDIA_PAD), group)

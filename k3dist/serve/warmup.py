@@ -71,8 +71,14 @@ def jit_kernels_loaded() -> list[str] | None:
 # chain with its parameters as constants: a request with a temperature (or top_p,
 # min_p) value not warmed here compiles one small kernel, on every rank at the same
 # step (after that step's collectives), so the ranks stay in lockstep.
-SAMPLERS = ({"temp": 0.0}, {"temp": 0.7}, {"temp": 1.0}, {"temp": 0.7, "top_p": 0.9},
-            {"temp": 0.7, "top_k": 20}, {"temp": 0.7, "min_p": 0.05})
+SAMPLERS = (
+    {"temp": 0.0},
+    {"temp": 0.7},
+    {"temp": 1.0},
+    {"temp": 0.7, "top_p": 0.9},
+    {"temp": 0.7, "top_k": 20},
+    {"temp": 0.7, "min_p": 0.05},
+)
 
 
 def warm_batches(model, prefill_chunk: int, vocab_size: int, max_batch: int) -> None:
@@ -86,18 +92,26 @@ def warm_batches(model, prefill_chunk: int, vocab_size: int, max_batch: int) -> 
 
     ids = vocab_size - 256
     for t in chunk_sizes(prefill_chunk):
-        gen = BatchGenerator(model, completion_batch_size=max_batch, prefill_batch_size=1,
-                             prefill_step_size=t)
+        gen = BatchGenerator(
+            model, completion_batch_size=max_batch, prefill_batch_size=1, prefill_step_size=t
+        )
         # Two chunks of t: the second on a non-empty cache (other mask shapes).
         gen.insert([[j % ids for j in range(2 * t + 1)]], max_tokens=[2])
         _drain(gen)
     for samplers in (None, [make_sampler(temp=0.7) for _ in range(max_batch)]):
-        gen = BatchGenerator(model, completion_batch_size=max_batch, prefill_batch_size=1,
-                             prefill_step_size=prefill_chunk)
+        gen = BatchGenerator(
+            model,
+            completion_batch_size=max_batch,
+            prefill_batch_size=1,
+            prefill_step_size=prefill_chunk,
+        )
         # Prompts of 2..4 tokens (left padding in the merged caches); each joins about
         # two steps after the last, so the batch grows to max_batch before the first ends.
-        gen.insert([[(7 * i + j) % ids for j in range(2 + i % 3)] for i in range(max_batch)],
-                   max_tokens=[2 * max_batch + 2] * max_batch, samplers=samplers)
+        gen.insert(
+            [[(7 * i + j) % ids for j in range(2 + i % 3)] for i in range(max_batch)],
+            max_tokens=[2 * max_batch + 2] * max_batch,
+            samplers=samplers,
+        )
         _drain(gen)
 
 
@@ -107,8 +121,13 @@ def _drain(gen) -> None:
     gen.close()
 
 
-def warm_up(model, prefill_chunk: int, vocab_size: int,
-            samplers: tuple[dict, ...] = SAMPLERS, max_batch: int = 1) -> dict:
+def warm_up(
+    model,
+    prefill_chunk: int,
+    vocab_size: int,
+    samplers: tuple[dict, ...] = SAMPLERS,
+    max_batch: int = 1,
+) -> dict:
     """Run mlx-lm's own generation loops (what the server runs) over every prefill
     chunk shape and decode, with each default sampler, collectives bypassed on this
     rank (results are discarded); with ``max_batch`` > 1 also the batched loop at
@@ -128,12 +147,14 @@ def warm_up(model, prefill_chunk: int, vocab_size: int,
             # +1: generate_step prefills all but the last prompt token.
             prompt = mx.array([j % (vocab_size - 256) for j in range(2 * t + 1)])
             sampler = make_sampler(**samplers[i % len(samplers)])
-            for _ in generate_step(prompt, model, max_tokens=2, sampler=sampler,
-                                   prefill_step_size=t):
+            for _ in generate_step(
+                prompt, model, max_tokens=2, sampler=sampler, prefill_step_size=t
+            ):
                 pass
         for kw in samplers:
-            for _ in generate_step(mx.array([1, 2]), model, max_tokens=2,
-                                   sampler=make_sampler(**kw)):
+            for _ in generate_step(
+                mx.array([1, 2]), model, max_tokens=2, sampler=make_sampler(**kw)
+            ):
                 pass
         if max_batch > 1:
             warm_batches(model, prefill_chunk, vocab_size, max_batch)
@@ -146,11 +167,16 @@ def warm_up(model, prefill_chunk: int, vocab_size: int,
         model.shapes_seen.clear()  # from here on: the shapes served
     decode = sorted({b for b, t in seen if t == 1}) or [1]
     loaded = jit_kernels_loaded()
-    return {"prefill_chunks": sizes, "decode": decode, "shapes": sorted(seen),
-            "seconds": round(time.perf_counter() - t0, 2),
-            "jit_kernels_compiled": jit_kernel_count() - before,
-            "jit_kernels_total": jit_kernel_count(),
-            # this process's own: what warm-up loaded (compiled, or found compiled)
-            "jit_kernels_loaded": None if loaded is None else len(loaded),
-            "jit_kernels_loaded_by_warmup": None if loaded is None
-            else len(set(loaded) - set(loaded_before or ()))}
+    return {
+        "prefill_chunks": sizes,
+        "decode": decode,
+        "shapes": sorted(seen),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "jit_kernels_compiled": jit_kernel_count() - before,
+        "jit_kernels_total": jit_kernel_count(),
+        # this process's own: what warm-up loaded (compiled, or found compiled)
+        "jit_kernels_loaded": None if loaded is None else len(loaded),
+        "jit_kernels_loaded_by_warmup": None
+        if loaded is None
+        else len(set(loaded) - set(loaded_before or ())),
+    }

@@ -42,8 +42,12 @@ class WatchdogError(RuntimeError):
     """The side channel could not be formed; the message says where and the fix."""
 
 
-def coordinator_address(group: mx.distributed.Group | None = None, *, port: int | None = None,
-                        environ: Mapping[str, str] | None = None) -> tuple[str, int]:
+def coordinator_address(
+    group: mx.distributed.Group | None = None,
+    *,
+    port: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[str, int]:
     """Where rank 0's watchdog listens: (rank 0's IP, its first ring port + 1000).
 
     mlx.launch (ring backend) hands every rank ``MLX_HOSTFILE``: a file holding a JSON
@@ -62,12 +66,15 @@ def coordinator_address(group: mx.distributed.Group | None = None, *, port: int 
             host, ring_port = hosts[0][0].rsplit(":", 1)
             ring_port = int(ring_port)
         except (json.JSONDecodeError, IndexError, KeyError, TypeError, ValueError):
-            raise WatchdogError(f"MLX_HOSTFILE {path}: expected the ring backend's JSON list "
-                                f"of per-rank ['ip:port', ...] lists, got {text[:200]!r}; "
-                                "pass the watchdog host and port explicitly") from None
+            raise WatchdogError(
+                f"MLX_HOSTFILE {path}: expected the ring backend's JSON list "
+                f"of per-rank ['ip:port', ...] lists, got {text[:200]!r}; "
+                "pass the watchdog host and port explicitly"
+            ) from None
         if size is not None and len(hosts) != size:
-            raise WatchdogError(f"MLX_HOSTFILE {path} lists {len(hosts)} ranks but the group "
-                                f"has {size}")
+            raise WatchdogError(
+                f"MLX_HOSTFILE {path} lists {len(hosts)} ranks but the group has {size}"
+            )
     elif env.get("MLX_JACCL_COORDINATOR"):
         host, ring_port = env["MLX_JACCL_COORDINATOR"].rsplit(":", 1)
         ring_port = int(ring_port)
@@ -204,18 +211,30 @@ class Watchdog:
     ``hard_exit`` is for in-process tests only (record the code instead of exiting).
     """
 
-    def __init__(self, group_rank: int, group_size: int, coordinator_host: str, port: int, *,
-                 interval_s: float = 1.0, timeout_s: float = 10.0,
-                 connect_timeout_s: float = 60.0, stop_grace_s: float = 2.0,
-                 on_lost: Callable[[int, str], None] | None = None,
-                 on_stop: Callable[[str, int], None] | None = None,
-                 parent_pid: int | None = None, kill_silent_peers: bool = True,
-                 hard_exit: Callable[[int], None] = os._exit):
+    def __init__(
+        self,
+        group_rank: int,
+        group_size: int,
+        coordinator_host: str,
+        port: int,
+        *,
+        interval_s: float = 1.0,
+        timeout_s: float = 10.0,
+        connect_timeout_s: float = 60.0,
+        stop_grace_s: float = 2.0,
+        on_lost: Callable[[int, str], None] | None = None,
+        on_stop: Callable[[str, int], None] | None = None,
+        parent_pid: int | None = None,
+        kill_silent_peers: bool = True,
+        hard_exit: Callable[[int], None] = os._exit,
+    ):
         if not 0 <= group_rank < group_size:
             raise ValueError(f"rank {group_rank} is outside a group of {group_size}")
         if not 0 < interval_s < timeout_s:
-            raise ValueError(f"need 0 < interval_s ({interval_s}) < timeout_s ({timeout_s}): a "
-                             "peer must get several heartbeats in before it counts as silent")
+            raise ValueError(
+                f"need 0 < interval_s ({interval_s}) < timeout_s ({timeout_s}): a "
+                "peer must get several heartbeats in before it counts as silent"
+            )
         self.rank, self.size = group_rank, group_size
         self.host, self.port = coordinator_host, port
         self.interval_s, self.timeout_s = interval_s, timeout_s
@@ -251,9 +270,11 @@ class Watchdog:
                 s.bind((coordinator_host, port))
             except OSError as e:
                 s.close()
-                raise WatchdogError(f"rank 0 cannot listen on {coordinator_host}:{port} ({e}); "
-                                    "another run may hold the port: stop it, or pick another "
-                                    "watchdog port on every rank") from None
+                raise WatchdogError(
+                    f"rank 0 cannot listen on {coordinator_host}:{port} ({e}); "
+                    "another run may hold the port: stop it, or pick another "
+                    "watchdog port on every rank"
+                ) from None
             s.listen(max(8, self.size))
             self._listener = s
             self.port = s.getsockname()[1]
@@ -271,9 +292,12 @@ class Watchdog:
                 pass  # gone already: the loop will see it
         # k3dist.serve.supervise reads "pid N" from this line: the rank's process to end if
         # the group is torn down.
-        self._log(f"{self.size} rank(s) joined via {self.host}:{self.port} (heartbeat "
-                  f"{self.interval_s:g} s, lost after {self.timeout_s:g} s of silence; pid "
-                  f"{os.getpid()})", quiet=self.size == 1)
+        self._log(
+            f"{self.size} rank(s) joined via {self.host}:{self.port} (heartbeat "
+            f"{self.interval_s:g} s, lost after {self.timeout_s:g} s of silence; pid "
+            f"{os.getpid()})",
+            quiet=self.size == 1,
+        )
         self._thread = threading.Thread(target=self._run, daemon=True, name="k3dist-watchdog")
         self._thread.start()
         atexit.register(self._at_exit)
@@ -290,7 +314,8 @@ class Watchdog:
                     raise WatchdogError(
                         f"rank 0: ranks {missing} did not join the watchdog on {self.host}:"
                         f"{self.port} within {self.connect_timeout_s:g} s; check that they "
-                        "started and can reach this address (firewall, hostfile IPs)")
+                        "started and can reach this address (firewall, hostfile IPs)"
+                    )
                 self._listener.settimeout(left)
                 try:
                     sock, addr = self._listener.accept()
@@ -319,8 +344,9 @@ class Watchdog:
     def _check_hello(self, hello: str | None) -> tuple[int, str | None]:
         """(rank, None) for a valid newcomer, else (-1, what is wrong with it)."""
         parts = (hello or "").split()
-        if not (len(parts) == 3 and parts[0] == "HELLO" and parts[1].isdigit()
-                and parts[2].isdigit()):
+        if not (
+            len(parts) == 3 and parts[0] == "HELLO" and parts[1].isdigit() and parts[2].isdigit()
+        ):
             return -1, f"sent {hello!r}, not HELLO rank size"
         r, n = int(parts[1]), int(parts[2])
         if n != self.size:
@@ -342,7 +368,8 @@ class Watchdog:
                     f"{self.port} did not let this rank join within {self.connect_timeout_s:g}"
                     f" s (last: {last}); check that rank 0 is running and listening there, "
                     "that the port is free and reachable, or pass the same watchdog port "
-                    "to every rank")
+                    "to every rank"
+                )
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=min(left, 5.0))
             except OSError as e:
@@ -358,8 +385,10 @@ class Watchdog:
                 return
             sock.close()
             if reply is not None and reply.startswith("ERR "):
-                raise WatchdogError(f"rank {self.rank}: rank 0 refused this rank: it "
-                                    f"{reply[4:]}; launch every rank with the same group")
+                raise WatchdogError(
+                    f"rank {self.rank}: rank 0 refused this rank: it "
+                    f"{reply[4:]}; launch every rank with the same group"
+                )
             last = f"rank 0 closed before all ranks joined ({reply!r})"
 
     # ------------------------------------------------------------ requests
@@ -482,8 +511,10 @@ class Watchdog:
                         c.send(f"LOST {rank} {reason}")
                     except OSError:
                         pass
-        self._log(f"lost rank {rank} ({reason}); exiting with code {LOST_EXIT_CODE}: the "
-                  "group cannot continue without it")
+        self._log(
+            f"lost rank {rank} ({reason}); exiting with code {LOST_EXIT_CODE}: the "
+            "group cannot continue without it"
+        )
         t = _start_callback(self.on_lost, (rank, reason))
         deadline = time.monotonic() + self.stop_grace_s
         if silent is not None and self.kill_silent_peers:
@@ -516,8 +547,10 @@ class Watchdog:
             time.sleep(0.05)
         try:
             os.kill(c.pid, signal.SIGKILL)
-            self._log(f"rank {c.rank} (pid {c.pid}) did not end within {self.stop_grace_s:g}"
-                      " s of SIGTERM: sent SIGKILL")
+            self._log(
+                f"rank {c.rank} (pid {c.pid}) did not end within {self.stop_grace_s:g}"
+                " s of SIGTERM: sent SIGKILL"
+            )
         except OSError:
             pass
 
@@ -609,8 +642,10 @@ class Watchdog:
         del self.conns[c.rank]
         if c.left or c.acked or (self._stopping and self.rank != 0):
             return False  # finished, or stopping as asked: not a loss
-        self._lost(c.rank, "connection closed" + (" without acknowledging the stop"
-                                                  if self._stopping else ""))
+        self._lost(
+            c.rank,
+            "connection closed" + (" without acknowledging the stop" if self._stopping else ""),
+        )
         return True
 
     def _peer_closed(self, sel: selectors.BaseSelector) -> bool:
@@ -636,8 +671,10 @@ class Watchdog:
         try:
             self._loop()
         except Exception as e:  # noqa: BLE001 - an unwatched rank must not keep serving
-            self._log(f"watchdog failed ({type(e).__name__}: {e}); exiting with code "
-                      f"{LOST_EXIT_CODE} because peer loss can no longer be detected")
+            self._log(
+                f"watchdog failed ({type(e).__name__}: {e}); exiting with code "
+                f"{LOST_EXIT_CODE} because peer loss can no longer be detected"
+            )
             self._exit(LOST_EXIT_CODE)
         finally:
             self._close_sockets(clean=False)
@@ -678,12 +715,16 @@ class Watchdog:
                     return
             if self._stopping and (self._stop_done() or now >= self._stop_deadline):
                 if self.rank == 0 and self.conns and now >= self._stop_deadline:
-                    self._log(f"ranks {sorted(self.conns)} did not finish stopping within "
-                              f"{self.stop_grace_s:g} s; exiting anyway")
+                    self._log(
+                        f"ranks {sorted(self.conns)} did not finish stopping within "
+                        f"{self.stop_grace_s:g} s; exiting anyway"
+                    )
                 self._exit(0)
                 return
-            wake = min([next_beat, self._stop_deadline]
-                       + [c.last_seen + self.timeout_s for c in self.conns.values()])
+            wake = min(
+                [next_beat, self._stop_deadline]
+                + [c.last_seen + self.timeout_s for c in self.conns.values()]
+            )
             events = sel.select(max(0.0, min(wake - now, self.interval_s)) if judge else 0)
             # Sockets before requests: a peer that is already gone is a loss, even when
             # a stop (e.g. mlx.launch's SIGTERM after that very death) arrives with it.
@@ -726,8 +767,9 @@ class Watchdog:
                             return
 
 
-def install_signal_handlers(watchdog: Watchdog,
-                            signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+def install_signal_handlers(
+    watchdog: Watchdog, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+) -> None:
     """SIGTERM/SIGINT on this rank stop every rank (exit 0). Call from the main thread.
 
     A Python signal handler runs only when the main thread is back in Python, which
@@ -778,5 +820,3 @@ def _alive(pid: int) -> bool:
         except OSError:
             return False
     return True
-
-

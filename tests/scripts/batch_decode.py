@@ -16,8 +16,9 @@ import mlx.core as mx
 
 
 def host_syncs_per_step(model, batch: int) -> int:
-    layers = [layer.mlp.switch_mlp for layer in model.layers
-              if isinstance(layer.mlp, ExpertParallelMoE)]
+    layers = [
+        layer.mlp.switch_mlp for layer in model.layers if isinstance(layer.mlp, ExpertParallelMoE)
+    ]
     assert all(isinstance(m, OwnedExperts) for m in layers)
     calls = [0]
     for m in layers:
@@ -48,17 +49,22 @@ def main() -> None:
     prompts = json.loads(open(args.prompts).read())
     report = {}
     for form in ("placeholder", "local"):
-        model, _, _ = loader.load_rank(args.rank_dir.format(rank=group.rank()), group,
-                                       "float32", form, "size")
+        model, _, _ = loader.load_rank(
+            args.rank_dir.format(rank=group.rank()), group, "float32", form, "size"
+        )
         model.chunk_sizes = warmup.chunk_sizes(32)
         res = greedy.batch_decode(model, prompts, args.steps, prefill_step_size=32)
-        report[form] = {"tokens": [t[:args.steps] for t in res.tokens],
-                        "steps_timed": len(res.step_seconds)}
+        report[form] = {
+            "tokens": [t[: args.steps] for t in res.tokens],
+            "steps_timed": len(res.step_seconds),
+        }
         if form == "local":
-            report[form]["host_syncs"] = {b: host_syncs_per_step(model, b)
-                                          for b in (1, len(prompts))}
-            report["moe_layers"] = sum(isinstance(layer.mlp, ExpertParallelMoE)
-                                       for layer in model.layers)
+            report[form]["host_syncs"] = {
+                b: host_syncs_per_step(model, b) for b in (1, len(prompts))
+            }
+            report["moe_layers"] = sum(
+                isinstance(layer.mlp, ExpertParallelMoE) for layer in model.layers
+            )
     with open(args.out.format(rank=group.rank()), "w") as f:
         json.dump(report, f)
 

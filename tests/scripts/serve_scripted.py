@@ -65,16 +65,23 @@ class Script:
         if self.log and os.environ.get("MLX_RANK", "0") == "0":
             with open(self.log, "a") as f:
                 f.write(text + "\n<|end of prompt|>\n")
-        head = f"{THOUGHT}<|close|>think<|sep|><|open|>response<|sep|>" \
-            if text.endswith(THINK_OPEN) else ""
+        head = (
+            f"{THOUGHT}<|close|>think<|sep|><|open|>response<|sep|>"
+            if text.endswith(THINK_OPEN)
+            else ""
+        )
         call = next((c for name, c in self.calls.items() if f'"{name}"' in text), None)
         if call and "CALL_TOOL" in text and 'role="tool"' not in text:
-            body = ("<|close|>response<|sep|><|open|>tools<|sep|>" + call
-                    + "<|close|>tools<|sep|><|close|>message<|sep|>")
+            body = (
+                "<|close|>response<|sep|><|open|>tools<|sep|>"
+                + call
+                + "<|close|>tools<|sep|><|close|>message<|sep|>"
+            )
         else:
             body = ANSWER + END
-        return self.tok.encode(head + body, add_special_tokens=False) + \
-            [min(self.tok.eos_token_ids)]
+        return self.tok.encode(head + body, add_special_tokens=False) + [
+            min(self.tok.eos_token_ids)
+        ]
 
     def __call__(self, tokens, logits):
         t = self.ids[min(self.step, len(self.ids) - 1)]

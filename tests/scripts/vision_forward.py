@@ -49,9 +49,17 @@ def main() -> None:
         tokens = []
         emb = model.embed_inputs(mx.array(ids), pixel_values=pixels)
         mx.eval(emb)
-        for (t, _), _ in zip(generate_step(mx.array(ids), model, input_embeddings=emb,
-                                           max_tokens=args.steps, prefill_step_size=16),
-                             range(args.steps), strict=False):
+        for (t, _), _ in zip(
+            generate_step(
+                mx.array(ids),
+                model,
+                input_embeddings=emb,
+                max_tokens=args.steps,
+                prefill_step_size=16,
+            ),
+            range(args.steps),
+            strict=False,
+        ):
             tokens.append(int(t))
         out[f"ids{i}"] = np.array(ids)
         out[f"logits{i}"] = np.array(logits[0].astype(mx.float32))

@@ -35,8 +35,11 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=0.2)
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--stop-with-launcher", action="store_true")
-    ap.add_argument("--no-kill-silent", action="store_true",
-                    help="leave a silent peer to the launcher (as if on another machine)")
+    ap.add_argument(
+        "--no-kill-silent",
+        action="store_true",
+        help="leave a silent peer to the launcher (as if on another machine)",
+    )
     args = ap.parse_args()
 
     group = None
@@ -46,12 +49,18 @@ def main() -> None:
         host, port = watchdog.coordinator_address(group, port=args.port)
     else:
         rank, size, host, port = args.rank, args.size, args.host, args.port
-    wd = watchdog.Watchdog(rank, size, host, port, interval_s=args.interval,
-                          timeout_s=args.timeout, connect_timeout_s=20.0,
-                          parent_pid=os.getppid() if args.stop_with_launcher else None,
-                          kill_silent_peers=not args.no_kill_silent,
-                          on_stop=lambda reason, origin: print(f"on_stop rank {rank}",
-                                                               flush=True))
+    wd = watchdog.Watchdog(
+        rank,
+        size,
+        host,
+        port,
+        interval_s=args.interval,
+        timeout_s=args.timeout,
+        connect_timeout_s=20.0,
+        parent_pid=os.getppid() if args.stop_with_launcher else None,
+        kill_silent_peers=not args.no_kill_silent,
+        on_stop=lambda reason, origin: print(f"on_stop rank {rank}", flush=True),
+    )
     watchdog.install_signal_handlers(wd)
     _publish(Path(args.pid_dir) / f"rank{rank}.port", wd.port)  # rank 0: the bound port
     wd.start()
