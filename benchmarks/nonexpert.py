@@ -30,7 +30,7 @@ from pathlib import Path
 from k3dist.build import convert
 from k3dist.build.planner import DEFAULT_KL_TOLERANCE, DEFAULT_NONEXPERT, measured_nonexpert
 from k3dist.format.classes import CLASSES, module_class
-from k3dist.format.folder import weight_map
+from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX, weight_map
 from k3dist.format.layout import ATTENTION_MODES
 from k3dist.format.sfile import read_header
 
@@ -189,9 +189,9 @@ def main() -> None:
 
 K3 = (
     "--config",
-    "k3dist/data/kimi-k3-config.json",
+    str(REAL_K3_CONFIG),
     "--index",
-    "k3dist/data/kimi-k3-model.safetensors.index.json.gz",
+    str(REAL_K3_INDEX),
     "--ranks",
     "2",
     "--dry-run",

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from k3dist.bench import evaluate
 from k3dist.format import layout
+from k3dist.format.folder import load_config
 
 import numpy as np
 
@@ -145,7 +146,7 @@ def main() -> None:
     mxfp4 = runs / "mxfp4"
     if not (mxfp4 / "k3dist.json").exists():
         run("k3dist.build.convert", "--src", a.src, "--out", str(mxfp4))
-    config = json.loads((mxfp4 / "config.json").read_text())
+    config = load_config(mxfp4)
     tc = layout.text_config(config)
     E = tc["num_experts"]
     moe = layout.moe_layers(tc)

@@ -23,17 +23,16 @@ within the deployment's memory headroom, which sets the default cap.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import sys
-from importlib import resources
 from pathlib import Path
 
 import k3dist
 from k3dist.bench import record
 from k3dist.format import layout
-from k3dist.format.folder import load_config
+from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX, load_config, read_index
+from k3dist.format.kvmemory import GiB
 from k3dist.serve import vision
 
 import mlx.core as mx
@@ -128,7 +127,7 @@ def activations(real: dict, sides: list[int], headroom_gb: float) -> dict:
     p = ip.patch_size
     cap_default = Deployment().max_image_pixels
     largest = min(cap_default // (p * p), ip.in_patch_limit)
-    budget = headroom_gb * 2**30
+    budget = headroom_gb * GiB
     # the largest patch count whose peak fits the headroom (the fit is increasing)
     lo, hi = 1, ip.in_patch_limit
     while lo < hi:
@@ -177,14 +176,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     mini = load_config(k3dist.DATA_DIR / "mini-k3")
-    real = json.loads(resources.files("k3dist").joinpath("data/kimi-k3-config.json").read_text())
-    idx = json.loads(
-        gzip.decompress(
-            resources.files("k3dist")
-            .joinpath("data/kimi-k3-model.safetensors.index.json.gz")
-            .read_bytes()
-        )
-    )
+    real = json.loads(REAL_K3_CONFIG.read_text())
+    idx = read_index(REAL_K3_INDEX)
     names = {s.name for s in layout.vision_specs(real)}
     in_index = {n for n in idx["weight_map"] if n.startswith(layout.VISION_PREFIXES)}
     assert names == in_index, "the layout's vision tensors are not the reference index's"

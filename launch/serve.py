@@ -19,6 +19,7 @@ from pathlib import Path
 import k3dist
 from k3dist.format import deployment, manifest
 from k3dist.format.deployment import Deployment
+from k3dist.format.kvmemory import GiB
 from k3dist.format.verify import Report
 from k3dist.serve import auth, keepawake, loader, preflight, server, warmup, watchdog
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
     pre = preflight.preflight(
         folder,
-        headroom_bytes=int(dep.memory_headroom_gb * 2**30),
+        headroom_bytes=int(dep.memory_headroom_gb * GiB),
         max_batch=dep.max_batch,
         max_context=dep.max_context,
         prefill_chunk=dep.prefill_chunk,

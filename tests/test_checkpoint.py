@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from k3dist.build.audit import NO_SHARDS, audit, to_json
 from k3dist.build.checkpoint import format_table, main
 from k3dist.factory import synth
 from k3dist.format import layout
-from k3dist.format.folder import INDEX_NAME
+from k3dist.format.folder import INDEX_NAME, REAL_K3_CONFIG, REAL_K3_INDEX
 from k3dist.format.sfile import CheckpointError, read_header
 from k3dist.format.source import check_a_log_tail
 
@@ -27,8 +28,7 @@ import pytest
 
 # the real K3's config.json and tensor index, as the package ships them (copies of
 # ../shared/reference's)
-REF_CONFIG = Path(__file__).resolve().parents[1] / "k3dist" / "data" / "kimi-k3-config.json"
-REF_INDEX = REF_CONFIG.with_name("kimi-k3-model.safetensors.index.json.gz")
+REF_CONFIG, REF_INDEX = REAL_K3_CONFIG, REAL_K3_INDEX
 L = layout.LAYER_PREFIX
 HEADER_CHECKS = {"shard_headers", "index_vs_headers", "dtypes_shapes", "a_log_padding"}
 
@@ -186,7 +186,9 @@ def test_real_size_headers_in_seconds(tmp_path, gc_paused):
     (tmp_path / INDEX_NAME).write_bytes(raw_index)
     gc.enable()  # the audit runs as a user would run it
 
+    cpu = time.process_time()
     r = audit(tmp_path)
+    cpu = time.process_time() - cpu
     assert r.ok, format_table(r)
     assert r.bytes_from == "headers" and r.checks_skipped == {}
     assert r.tensors == 497_220 and r.expert_packed == 247_296
@@ -194,7 +196,9 @@ def test_real_size_headers_in_seconds(tmp_path, gc_paused):
     assert r.shard_bytes == {f: _data_size(tmp_path / f) for f in by_shard}
     assert r.family_bytes["experts"] == 92 * 896 * 17_547_264  # one MXFP4 expert: 17.5 MB
     assert len(r.a_log) == 69 and set(r.a_log.values()) == {"ok"}
-    assert r.seconds < 20, f"audit took {r.seconds:.1f} s"
+    # CPU seconds, not wall: a scaling guard (5 ms a tensor would be 41 min) that a busy
+    # machine cannot fail; the audit's wall time is benchmarks/rehearsal.py's to report.
+    assert cpu < 20, f"audit took {cpu:.1f} CPU s ({r.seconds:.1f} s wall)"
 
 
 # ------------------------------------------------------------------ clean mini-K3

@@ -11,7 +11,7 @@ from pathlib import Path
 from k3dist.build import accounting, plan, planner
 from k3dist.factory.synth import real_config
 from k3dist.format import kvmemory, layout, qformat
-from k3dist.format.folder import read_index
+from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX, read_index
 from k3dist.format.kvmemory import GiB
 
 import mlx.core as mx
@@ -19,7 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # the real K3's tensor index, as the package ships it (a copy of ../shared/reference's)
-REAL_INDEX = REPO / "k3dist" / "data" / "kimi-k3-model.safetensors.index.json.gz"
+REAL_INDEX = REAL_K3_INDEX
 
 
 @pytest.fixture(scope="module")
@@ -379,7 +379,7 @@ def test_real_k3_plan_with_measured_formats(tmp_path):
                 "-m",
                 "k3dist.build.plan",
                 "--config",
-                str(REPO / "k3dist/data/kimi-k3-config.json"),
+                str(REAL_K3_CONFIG),
                 "--index",
                 str(REAL_INDEX),
                 "--ranks",

@@ -5,12 +5,9 @@ function (what ``synthesize`` writes, file by file), not by writing the 0.7 GB."
 
 from __future__ import annotations
 
-import gzip
-import json
-from importlib import resources
-
 from k3dist.factory import bpe, moonshot, synth
 from k3dist.format import layout
+from k3dist.format.folder import REAL_K3_INDEX, read_index
 
 import numpy as np
 import pytest
@@ -19,8 +16,7 @@ PRESET = synth.PRESETS["k3counts"]
 
 
 def real_index() -> dict[str, str]:
-    raw = resources.files("k3dist").joinpath("data/kimi-k3-model.safetensors.index.json.gz")
-    return json.loads(gzip.decompress(raw.read_bytes()))["weight_map"]
+    return read_index(REAL_K3_INDEX)["weight_map"]
 
 
 @pytest.fixture(scope="module")

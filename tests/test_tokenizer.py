@@ -10,6 +10,7 @@ from pathlib import Path
 
 from k3dist.factory import bpe
 from k3dist.format import tokens as tk
+from k3dist.format.folder import REAL_K3_CONFIG
 
 import pytest
 import tiktoken
@@ -17,7 +18,7 @@ from fast_tokenizer import build_fast_tokenizer
 from tiktoken.load import load_tiktoken_bpe
 
 # the real K3's config.json, as the package ships it (k3dist.factory.synth.real_config)
-REFERENCE_CONFIG = Path(__file__).resolve().parents[1] / "k3dist" / "data" / "kimi-k3-config.json"
+REFERENCE_CONFIG = REAL_K3_CONFIG
 
 SAMPLES = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

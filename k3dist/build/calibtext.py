@@ -222,6 +222,7 @@ def load_tokenizer(src: str | Path):
     folder first (``k3dist.format.tokens.write_hf_tokenizer``, what the converter puts in
     every build), so no remote code runs."""
     from k3dist.format import tokens
+    from k3dist.format.folder import CONFIG_NAME
 
     from mlx_lm.utils import load_tokenizer as mlx_load
 
@@ -230,9 +231,8 @@ def load_tokenizer(src: str | Path):
         if (src / "tokenizer.json").exists() or not (src / "tiktoken.model").exists():
             return mlx_load(src, {"trust_remote_code": False})
         with tempfile.TemporaryDirectory(prefix="k3dist-tok-") as tmp:
-            for name in ("config.json",):
-                if (src / name).exists():
-                    shutil.copyfile(src / name, Path(tmp) / name)
+            if (src / CONFIG_NAME).exists():
+                shutil.copyfile(src / CONFIG_NAME, Path(tmp) / CONFIG_NAME)
             tokens.write_hf_tokenizer(src, Path(tmp))
             return mlx_load(Path(tmp), {"trust_remote_code": False})
     except Exception as e:  # transformers raises many kinds

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from k3dist import __version__
 from k3dist.format import layout
-from k3dist.format.folder import INDEX_NAME, load_config, weight_map
+from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, load_config, weight_map
 from k3dist.format.graded import GRADED_KEY, HI, LO, GradedMap, bank_of
 from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.manifest import JOURNAL, MANIFEST
@@ -252,14 +252,14 @@ class GradedBuilder:
         write_json_atomic(
             out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map}
         )
-        write_json_atomic(out / "config.json", self.config_out())
+        write_json_atomic(out / CONFIG_NAME, self.config_out())
         small = sorted(
             p.name
             for p in self.build.iterdir()
             if p.is_file()
             and not p.name.startswith(".")
             and p.suffix != ".safetensors"
-            and p.name not in (INDEX_NAME, MANIFEST, JOURNAL, "config.json")
+            and p.name not in (INDEX_NAME, MANIFEST, JOURNAL, CONFIG_NAME)
         )
         for name in small:
             shutil.copyfile(self.build / name, out / name)
@@ -267,7 +267,7 @@ class GradedBuilder:
             f: {"sha256": folder.done[f]["sha256"], "bytes": folder.done[f]["bytes"]}
             for f in self.files
         }
-        for name in (*small, INDEX_NAME, "config.json"):
+        for name in (*small, INDEX_NAME, CONFIG_NAME):
             files[name] = {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
         folder.finish(
             {

@@ -38,7 +38,7 @@ from pathlib import Path
 from k3dist import __version__
 from k3dist.build import convert
 from k3dist.format import graded, layout, manifest, verify
-from k3dist.format.folder import INDEX_NAME, load_config
+from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, load_config
 from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.manifest import JOURNAL, MANIFEST
 from k3dist.format.placement import Placement, PlacementError, for_config
@@ -302,7 +302,7 @@ class BuildSlicer:
         self.size = size
         self.build, self.out, self.rank = build, out, rank
         self.config = load_config(build)
-        self.config_bytes = (build / "config.json").read_bytes()
+        self.config_bytes = (build / CONFIG_NAME).read_bytes()
         if not (build / INDEX_NAME).exists():
             raise CheckpointError(
                 f"{build}: no {INDEX_NAME}; an MLX build folder has an "
@@ -443,7 +443,7 @@ class BuildSlicer:
 
     def _small_files(self) -> list[str]:
         """Tokenizer and other files to carry: not tensors, index, manifest or journal."""
-        skip = {INDEX_NAME, MANIFEST, JOURNAL, "config.json"}
+        skip = {INDEX_NAME, MANIFEST, JOURNAL, CONFIG_NAME}
         return sorted(
             p.name
             for p in self.build.iterdir()
@@ -470,7 +470,7 @@ class BuildSlicer:
         meta = {**self.index.get("metadata", {}), "total_size": total_size}
         write_json_atomic(self.out / INDEX_NAME, {"metadata": meta, "weight_map": self.weight_map})
         small = self._small_files()
-        _copy_file(self.build / "config.json", self.out / "config.json")
+        _copy_file(self.build / CONFIG_NAME, self.out / CONFIG_NAME)
         for name in small:
             _copy_file(self.build / name, self.out / name)
         _write_manifest(
@@ -478,7 +478,7 @@ class BuildSlicer:
             self.placement,
             self.build,
             {f: folder.done[f] for f in self.files},
-            [INDEX_NAME, "config.json", *small],
+            [INDEX_NAME, CONFIG_NAME, *small],
             time.perf_counter() - t0,
             sorted(self.split_layers),
         )
@@ -566,7 +566,7 @@ class SourceSlicer:
             self.placement,
             self.src.path,
             {done[g]["file"]: done[g] for g in groups},
-            [INDEX_NAME, "config.json", *copied],
+            [INDEX_NAME, CONFIG_NAME, *copied],
             time.perf_counter() - t0,
         )
         return self.out

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from k3dist.format import layout
+from k3dist.format.folder import CONFIG_NAME, INDEX_NAME
 from k3dist.format.sfile import StreamWriter
 
 from tqdm import tqdm
@@ -66,6 +67,6 @@ def write_source(
                 bar.update(s.nbytes)
     bar.close()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
     return out

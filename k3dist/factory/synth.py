@@ -18,12 +18,12 @@ import json
 import math
 import zlib
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from k3dist.factory import bpe, moonshot
 from k3dist.format import layout
 from k3dist.format import tokens as tokenizer
+from k3dist.format.folder import REAL_K3_CONFIG
 from k3dist.format.sfile import f32_to_bf16_bits
 
 import numpy as np
@@ -149,8 +149,7 @@ PRESETS = {
 
 def real_config() -> dict:
     """Moonshot's config.json for Kimi K3, unmodified."""
-    text = resources.files("k3dist").joinpath("data/kimi-k3-config.json").read_text()
-    return json.loads(text)
+    return json.loads(REAL_K3_CONFIG.read_text())
 
 
 def k3_layer_pattern(num_layers: int) -> tuple[list[int], list[int]]:

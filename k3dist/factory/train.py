@@ -57,6 +57,7 @@ from k3dist import blas_status, set_blas_threads
 from k3dist.factory import corpus, moonshot, synth
 from k3dist.format import layout, mxfp4
 from k3dist.format import tokens as tokenizer
+from k3dist.format.folder import CONFIG_NAME, load_config
 from k3dist.format.sfile import f32_to_bf16_bits
 
 import mlx.core as mx
@@ -279,10 +280,10 @@ def init_from_source(model: nn.Module, config: dict, folder: str | Path) -> None
     from mlx_lm.utils import load_model
 
     folder = Path(folder)
-    theirs = json.loads((folder / "config.json").read_text())
+    theirs = load_config(folder)
     if layout.text_config(theirs) != layout.text_config(config):
         raise ValueError(
-            f"{folder / 'config.json'}: its text config is not this run's "
+            f"{folder / CONFIG_NAME}: its text config is not this run's "
             "size; pass the --size it was trained at (its training.json)"
         )
     src, _ = load_model(folder)
@@ -310,7 +311,7 @@ def freeze_experts_mxfp4(model: nn.Module) -> dict:
         if not isinstance(moe, kimi_k3.KimiK3SparseMoE):
             continue
         num, den = 0.0, 0.0
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in layout.MLP_PROJS:
             lin = getattr(moe.switch_mlp, name)
             if not hasattr(lin, "to_quantized"):
                 raise ValueError(f"layer {i} {name} is already quantized")
@@ -520,7 +521,7 @@ class Trainer:
         a = self.args
         self.config = model_config(a.size, self.enc.n_vocab)
         if self.rank == 0:
-            (self.out / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
+            (self.out / CONFIG_NAME).write_text(json.dumps(self.config, indent=2) + "\n")
         self.model = build_model(self.config, a.seed)
         self.train_stream = token_stream(corpus.load_split("train", path=corpus_dir), self.enc)
         # Held-out loss is logged for the curve only; it never steers training.

@@ -18,6 +18,10 @@ CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"  # a folder without an index holds exactly this file
 
+# The real Kimi K3's config.json and index, shipped (no weights) for plans and rehearsals.
+REAL_K3_CONFIG = Path(__file__).resolve().parent.parent / "data" / "kimi-k3-config.json"
+REAL_K3_INDEX = REAL_K3_CONFIG.with_name("kimi-k3-model.safetensors.index.json.gz")
+
 
 def read_json(path: str | Path, what: str) -> tuple[object, bytes]:
     """A JSON file, gunzipped first when its name ends in ``.gz``: (value, raw bytes)."""
