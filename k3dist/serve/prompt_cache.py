@@ -70,6 +70,19 @@ class K3PromptCache(LRUPromptCache):
         self._current = (model, list(tokens), len(tokens) - len(rest), cache)
         return cache, rest
 
+    def preload(self, model: Any, max_bytes: int) -> int:
+        """Server start, every rank, before the first request: the store's most recently
+        used entries (at most ``max_bytes`` a rank, and within this cache's own entry and
+        token bounds, one entry left free for the next request) into memory as
+        ``system`` entries, so a restarted server's first matching turn is a memory hit
+        instead of a restore from disk. The store decides the same on every rank."""
+        if self.store is None:
+            return 0
+        got = self.store.preload(max_bytes, self.max_size - 1, self.max_tokens)
+        for tokens, cache in got:  # least recently used first
+            LRUPromptCache.insert_cache(self, model, tokens, cache, cache_type="system")
+        return len(got)
+
     def _shorter(self, model: Any, tokens: list[int]):
         """The longest entry strictly shorter than ``tokens`` that prefixes them."""
         result = self._trie.search(model, tokens[:-1])

@@ -773,10 +773,13 @@ def serve(
     api_key: str | None = None,
     prompt_cache_tokens: int | None = None,
     prefix_store=None,
+    prefix_preload_bytes: int = 0,
     idle_gate=None,
 ) -> None:
     """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves.
-    ``prefix_store``: prefix caches on disk (k3dist.serve.prefix_store) or None;
+    ``prefix_store``: prefix caches on disk (k3dist.serve.prefix_store) or None; its
+    most recently used entries, up to ``prefix_preload_bytes`` a rank, go into memory
+    before the first request (every rank, here, before the generation loop starts);
     ``idle_gate``: the watchdog (multi-rank): idle ranks wait on it, not in a collective."""
     group = mx.distributed.init()
     prompt_cache = K3PromptCache(
@@ -785,6 +788,8 @@ def serve(
         prompt_cache_tokens or 4 * max_context,
         prefix_store,
     )
+    if prefix_store is not None and prefix_preload_bytes > 0:
+        prompt_cache.preload(provider.model_key, prefix_preload_bytes)
     generator = K3ResponseGenerator(provider, prompt_cache, token_log, idle_gate)
     if group.rank() != 0:
         generator.join()
