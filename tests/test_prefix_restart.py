@@ -79,6 +79,15 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
         assert pa["key"] != pb["key"]
         # in memory already: the first session's first turn starts warm
         assert _turn(srv, a, "List the files.") >= pa["prefix_tokens"]
+        # its next turn (the reply, then a user turn) reuses all of the first turn's
+        # prompt but its last token: mlx-lm's own copy from the batch (the batch path
+        # takes no prefill copy of its own, which would be stale there and logged)
+        first = [*a, {"role": "user", "content": "List the files."}]
+        n1 = srv.client().chat.completions.create(messages=first, **KW).usage.prompt_tokens
+        nxt = [*first, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Ok"}]
+        r = srv.client().chat.completions.create(messages=nxt, **KW)
+        assert r.usage.prompt_tokens_details.cached_tokens >= n1 - 1, (n1, r.usage)
+        assert "prefill copy of" not in srv.output()
         status, raw = post_raw(
             srv.url + "/v1/k3dist/prefix",
             json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),

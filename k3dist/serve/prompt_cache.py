@@ -8,6 +8,16 @@ extends prompt + generated tokens exactly (the template renders the assistant tu
 its own way), so this cache also keeps a copy taken when the prefill reaches the
 prompt's last token but one: that prefix is what the next turn's prompt starts with.
 The last token is left out so that an identical prompt still has a token to prefill.
+That copy is taken on mlx-lm's single path (``stream_generate`` fills the request's own
+cache list); on the batch path mlx-lm keeps the same point itself (``insert_segments``
+splits off the last token, and the segment before it is extracted from the batch's
+cache), while the request's own list is never filled there, so no copy is taken
+(``k3dist.serve.lockstep``): before, every batched request logged "prefill copy of N
+tokens holds M: not kept". A turn that appends a second user message without an
+assistant turn between (``benchmarks/agent_clients.py``'s warm session) diverges from
+the previous prompt inside its generation header (``<|open|>response<|sep|>`` ...), so
+only the system segment is reused there; a real next turn (assistant reply, then user)
+extends the previous prompt and reuses all of it but its last token.
 
 Lockstep: every rank runs the same requests through the same cache, so each decision
 (hit, miss, what to evict) must depend only on the request stream. Eviction is by entry
