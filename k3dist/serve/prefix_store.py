@@ -205,6 +205,7 @@ class PrefixStore:
             "restore_s": [],
             "save_s": [],
             "write_s": [],
+            "writes": [],  # [wall-clock start, seconds] of each write (the last 64)
         }
         # entries and their files are changed by the lockstep loop and the writer thread
         self._lock = threading.Lock()
@@ -307,7 +308,7 @@ class PrefixStore:
     def _write(self, e: Entry, frozen: list[Any]) -> None:
         """The writer thread: ``frozen`` (a snapshot) to ``<key>.partial``, renamed into
         place, then the sidecar; an entry evicted meanwhile leaves no file."""
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         data = self.dir / f"{e.key}.safetensors"
         part = self.dir / f"{e.key}.partial.safetensors"
         try:
@@ -327,7 +328,9 @@ class PrefixStore:
             os.replace(part, data)
             e.file_bytes, e.sha256, e.state = size, digest, "ready"
             self._write_sidecar(e)
-            self.stats["write_s"].append(round(time.perf_counter() - t0, 4))
+            took = time.perf_counter() - t0
+            self.stats["write_s"].append(round(took, 4))
+            self.stats["writes"] = [*self.stats["writes"][-63:], [round(wall, 4), round(took, 4)]]
 
     def flush(self) -> None:
         """Wait until every queued entry is on disk (or failed)."""
@@ -604,7 +607,12 @@ class PrefixStore:
             "tokens": sum(len(e.tokens) for e in list(self.entries.values())),
             "skipped_at_start": len(self.skipped),
             "writing": sum(e.state == "writing" for e in list(self.entries.values())),
-            **{k: v for k, v in self.stats.items() if k not in ("restore_s", "save_s", "write_s")},
+            **{
+                k: v
+                for k, v in self.stats.items()
+                if k not in ("restore_s", "save_s", "write_s", "writes")
+            },
+            "recent_writes": list(self.stats["writes"]),
             "last_restore_s": restore[-1] if restore else None,
             "last_save_s": save[-1] if save else None,
             "last_write_s": write[-1] if write else None,

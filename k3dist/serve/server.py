@@ -647,6 +647,9 @@ class K3APIHandler(mlx_server.APIHandler):
                     else sorted(set(loaded) - warmed),
                     shapes_seen=sorted(getattr(model, "shapes_seen", set()).copy()),
                 )
+                store = getattr(self.response_generator.prompt_cache, "store", None)
+                if store is not None:  # now, not at start: its writes so far
+                    info["prefix_cache"] = store.report()
             else:  # folders, free memory and library paths stay on this machine
                 info = {k: self.info[k] for k in PUBLIC_INFO if k in self.info}
             self.wfile.write(json.dumps(info).encode())
