@@ -8,9 +8,13 @@ same size prefills beside it.
 
 Server 1 (empty ``--prefix-cache-dir``): session A's first turn (system prompt + a
 coding agent's tool list, ~4K tokens, then a user turn) is cold; session B (the same
-prefix, another user turn) is warm in memory. Server 2 (restarted on the same folder):
-session C is warm from disk. Then request D streams 200 tokens while E, a cold prompt
-of the same size (another system prompt), prefills: D's gaps between tokens while E
+prefix, another user turn) is warm in memory. Server 2 (restarted on the same folder,
+``--prefix-cache-preload-gb 0``): session C is warm from disk, restored at its turn.
+Server 3 (restarted on a copy of the folder as server 1 left it, the preload on: the
+entries are loaded into memory at start, before the first request): session C again, a
+memory hit; the preload's time is the server's start, reported apart. Then request D
+(on server 3) streams 200 tokens while E, a cold prompt of the same size (another system
+prompt), prefills: D's gaps between tokens while E
 prefills vs before. Reports each TTFT, the cached tokens (usage), the bytes per cached
 token per rank (the files), the restore time (the server's log) and the gap percentiles.
 """
@@ -21,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -110,22 +115,38 @@ def system(name: str, rules: int) -> str:
     )
 
 
+_NEXT_PORT: list[int] = []  # --port-base: ports handed out from there, in order
+
+
 def _port() -> int:
+    """A free port: the next of --port-base's range, else any the kernel picks."""
+    if _NEXT_PORT:
+        while True:
+            p = _NEXT_PORT[0]
+            _NEXT_PORT[0] += 1
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                    return p
+                except OSError:
+                    continue
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 class Srv:
-    def __init__(self, a, store: Path, tmp: Path, tag: str):
+    def __init__(self, a, store: Path, tmp: Path, tag: str, extra: tuple[str, ...] = ()):
         self.port = _port()
         self.log_path = tmp / f"server-{tag}.log"
+        ring = _port()
+        _port()  # rank 1's ring port
         cmd = [
             str(Path(sys.executable).with_name("mlx.launch")),
             "-n",
             "2",
             "-p",
-            str(_port()),
+            str(ring),
             "--python",
             sys.executable,
             str(REPO / "launch/serve.py"),
@@ -139,6 +160,9 @@ class Srv:
             "256",
             "--prefix-cache-dir",
             str(store),
+            "--watchdog-port",
+            str(_port()),
+            *extra,
         ]
         if a.rank_dir:
             cmd += ["--rank-dir", a.rank_dir]
@@ -267,8 +291,13 @@ def main() -> None:
         action="store_true",
         help="one server: only the running request's gaps (to compare chunks)",
     )
+    ap.add_argument(
+        "--port-base", type=int, help="take every port from here up (default: any free)"
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    if a.port_base:
+        _NEXT_PORT.append(a.port_base)
     tmp = Path(tempfile.mkdtemp(prefix="prefix-cache-"))
     store = tmp / "store"
     tl = tools(a.tools)
@@ -297,10 +326,12 @@ def main() -> None:
     sides = {
         r: [json.loads(p.with_suffix(".json").read_text()) for p in files[r]] for r in range(2)
     }
-    s2 = Srv(a, store, tmp, "2")
+    shutil.copytree(store, tmp / "store-copy")  # server 3 starts from what 1 left
+    user_c = "Open the README and fix its first typo."
+    s2 = Srv(a, store, tmp, "2", ("--prefix-cache-preload-gb", "0"))
     try:
         report["server_2_start_s"] = s2.start_s
-        disk = turn(s2, sys_a, tl, "Open the README and fix its first typo.")
+        disk = turn(s2, sys_a, tl, user_c)
         log = s2.log_path.read_text()
         restores = [
             float(x)
@@ -310,11 +341,27 @@ def main() -> None:
                 log,
             )
         ]
-        if not a.skip_gaps:
-            report["running_request_gaps"] = running_gaps(s2, system("Bob", a.rules), tl, _eos(a))
     finally:
         s2.stop()
-    for t in (cold, mem, disk):
+    s3 = Srv(a, tmp / "store-copy", tmp, "3")
+    try:
+        report["server_3_start_s"] = s3.start_s
+        pre = turn(s3, sys_a, tl, user_c)
+        log = s3.log_path.read_text()
+        preloads = [
+            {"entries": int(n), "tokens": int(t.replace(",", "")), "s": float(x)}
+            for n, t, x in re.findall(
+                r"prefix cache preload \(rank \d\): (\d+) of \d+ entries \(([0-9,]+) "
+                r"tokens\) into memory in ([0-9.]+) s",
+                log,
+            )
+        ]
+        pre["restored_at_turn"] = "prefix cache hit" in log
+        if not a.skip_gaps:
+            report["running_request_gaps"] = running_gaps(s3, system("Bob", a.rules), tl, _eos(a))
+    finally:
+        s3.stop()
+    for t in (cold, mem, disk, pre):
         t.pop("stamps")
     per_tok = {
         r: [round(s["file_bytes"] / len(s["tokens"]), 1) for s in sides[r]] for r in range(2)
@@ -326,6 +373,9 @@ def main() -> None:
             "turn_warm_after_restart": disk,
             "warm_memory_over_cold": round(mem["ttft_s"] / cold["ttft_s"], 4),
             "warm_restart_over_cold": round(disk["ttft_s"] / cold["ttft_s"], 4),
+            "turn_warm_after_restart_preloaded": pre,
+            "warm_restart_preloaded_over_cold": round(pre["ttft_s"] / cold["ttft_s"], 4),
+            "preload_at_start_per_rank_log": preloads,
             "entries_per_rank": {
                 r: [{"tokens": len(s["tokens"]), "file_bytes": s["file_bytes"]} for s in sides[r]]
                 for r in range(2)

@@ -80,6 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     group = mx.distributed.init()
     rank, size = group.rank(), group.size()
 
+    stores: list = []  # the prefix store, once made: a stop drains its writer
+
+    def on_stop(why: str, origin: int) -> None:
+        server.abort_streams(f"server stopping: {why} (from rank {origin})")
+        for store in stores:  # every rank, the same bound (prefix_cache_drain_s)
+            store.drain()
+
     wd = None
     if size > 1:
         host, port = watchdog.coordinator_address(group, port=dep.watchdog_port)
@@ -91,9 +98,8 @@ def main(argv: list[str] | None = None) -> None:
             timeout_s=dep.watchdog_timeout_s,
             parent_pid=os.getppid() if dep.stop_with_launcher else None,
             on_lost=lambda r, why: server.abort_streams(f"rank {r} was lost ({why})"),
-            on_stop=lambda why, origin: server.abort_streams(
-                f"server stopping: {why} (from rank {origin})"
-            ),
+            on_stop=on_stop,
+            stop_work_s=dep.prefix_cache_drain_s if dep.prefix_cache_dir else 0.0,
         )
         wd.start()
         watchdog.install_signal_handlers(wd)
@@ -211,7 +217,9 @@ def main(argv: list[str] | None = None) -> None:
             int(dep.prefix_cache_gb * 1e9),
             dep.prefix_cache_min_tokens,
             group,
+            dep.prefix_cache_drain_s,
         )
+        stores.append(store)
         info["prefix_cache"] = store.report()
         log(rank, f"prefix cache: {json.dumps(store.report())}")
     server.serve(
@@ -228,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         api_key=api_key,
         prompt_cache_tokens=dep.prompt_cache_tokens,
         prefix_store=store,
+        prefix_preload_bytes=int(dep.prefix_cache_preload_gb * 1e9),
         idle_gate=wd,
     )
 

@@ -55,6 +55,8 @@ BEFORE = {
         "--prefix-cache-dir",
         "--prefix-cache-gb",
         "--prefix-cache-min-tokens",
+        "--prefix-cache-preload-gb",
+        "--prefix-cache-drain-s",
         "--verify",
         "--cors-origin",
         "--no-warmup",

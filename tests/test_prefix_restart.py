@@ -2,16 +2,25 @@
 loopback): two agents' system prompts + tools pre-computed (POST /v1/k3dist/prefix),
 the server stopped and started again on the same folder; the first turn then restores
 its prefix from disk on both ranks and gives the tokens single-process mlx-lm gives with
-no cache; an entry corrupted on one rank only is skipped by both (a miss, same tokens)."""
+no cache; an entry corrupted on one rank only is skipped by both (a miss, same tokens). A SIGTERM
+stop right after an entry is stored drains the writers of both ranks (within the
+deployment's bound), so the restart is warm; a write past the bound is abandoned."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import time
 
 from k3dist.serve.prefix_store import file_sha256
 
 from serving import Server, post_raw, wait_logs
 from test_agent_api import TOOLS_C, _greedy
+from util import REPO
+
+SLOW_DISK = REPO / "tests/scripts/serve_slow_disk.py"
 
 KW = {
     "model": "kimi-k3",
@@ -59,6 +68,8 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
         str(store),
         "--prefix-cache-min-tokens",
         "64",
+        "--prefix-cache-preload-gb",
+        "0",  # restored from disk at the first turn (the preload is tested below)
     )
     a, b = _system("Ada"), _system("Bob")
     srv = Server(ranks, tmp_path / "first", extra)
@@ -68,6 +79,15 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
         assert pa["key"] != pb["key"]
         # in memory already: the first session's first turn starts warm
         assert _turn(srv, a, "List the files.") >= pa["prefix_tokens"]
+        # its next turn (the reply, then a user turn) reuses all of the first turn's
+        # prompt but its last token: mlx-lm's own copy from the batch (the batch path
+        # takes no prefill copy of its own, which would be stale there and logged)
+        first = [*a, {"role": "user", "content": "List the files."}]
+        n1 = srv.client().chat.completions.create(messages=first, **KW).usage.prompt_tokens
+        nxt = [*first, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Ok"}]
+        r = srv.client().chat.completions.create(messages=nxt, **KW)
+        assert r.usage.prompt_tokens_details.cached_tokens >= n1 - 1, (n1, r.usage)
+        assert "prefill copy of" not in srv.output()
         status, raw = post_raw(
             srv.url + "/v1/k3dist/prefix",
             json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
@@ -108,3 +128,99 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
     # stored it anew, whole (rank 0 kept its own)
     side = json.loads(bad.with_suffix(".json").read_text())
     assert bad.read_bytes() != bytes(raw) and file_sha256(bad) == side["sha256"]
+
+
+def _sigterm(srv, rank: int) -> float:
+    """SIGTERM to one rank (what a supervisor or launchd sends); seconds until mlx.launch
+    and both ranks are gone. The ranks' pids come from their watchdog lines."""
+    pids = {
+        int(r): int(p)
+        for r, p in re.findall(r"\[k3dist watchdog rank (\d)\] .*pid (\d+)\)", srv.output())
+    }
+    assert set(pids) == {0, 1}, srv.output()
+    t = time.perf_counter()
+    os.kill(pids[rank], signal.SIGTERM)
+    srv.proc.wait(timeout=120)
+    while any(os.path.exists(f"/proc/{p}") for p in pids.values()):
+        assert time.perf_counter() - t < 120, "a rank outlived its launcher"
+        time.sleep(0.05)
+    return time.perf_counter() - t
+
+
+def test_sigterm_drains_prefix_writes_on_both_ranks(ranks, tmp_path):
+    store = tmp_path / "prefixes"
+    extra = (
+        "--no-warmup",
+        "--max-context",
+        "1024",
+        "--prefix-cache-dir",
+        str(store),
+        "--prefix-cache-min-tokens",
+        "64",
+    )
+    a, b = _system("Ada"), _system("Bob")
+    # 1. each rank's write takes 4 s more (a slow disk); SIGTERM (to rank 1, relayed)
+    # right after the entry is queued: the stop waits for both writers, exit code 0
+    srv = Server(
+        ranks,
+        tmp_path / "first",
+        (*extra, "--write-delay-s", "4", "--prefix-cache-drain-s", "60"),
+        entry=SLOW_DISK,
+    )
+    try:
+        pa = _precompute(srv, a)
+        assert pa["stored"] and pa["prefix_tokens"] > 100, pa
+        took = _sigterm(srv, 1)
+    finally:
+        srv.stop()
+    log = srv.output()
+    drained = re.findall(r"prefix cache stop \(rank (\d)\): (\d+) queued entries written", log)
+    assert sorted(r for r, _ in drained) == ["0", "1"], log  # both ranks drained
+    n = int(drained[0][1])
+    assert n >= 1 and drained[0][1] == drained[1][1], drained  # the system entry, and more
+    assert "exited with code" not in log and "was killed" not in log, log
+    assert took < 60, took
+    # 2. a write that outlasts the bound (2 s) is abandoned on every rank: the stop still
+    # ends within the bound plus the watchdog's grace, exit code 0
+    srv = Server(
+        ranks,
+        tmp_path / "second",
+        (*extra, "--write-delay-s", "600", "--prefix-cache-drain-s", "2"),
+        entry=SLOW_DISK,
+    )
+    try:
+        pb = _precompute(srv, b)
+        assert pb["stored"], pb
+        bounded = _sigterm(srv, 0)
+    finally:
+        srv.stop()
+    log = srv.output()
+    abandoned = re.findall(
+        r"prefix cache stop \(rank (\d)\): abandoned (\d+) of (\d+) queued entries after 2 s",
+        log,
+    )
+    assert sorted(r for r, _, _ in abandoned) == ["0", "1"], log
+    assert all(a == q and int(a) >= 1 for _, a, q in abandoned), abandoned
+    assert "exited with code" not in log and "was killed" not in log, log
+    assert bounded < 2 + 2 + 10, bounded  # drain bound + watchdog grace + process exits
+    # 3. restarted: Ada's entry is whole on both ranks (a restart-warm hit), Bob's was
+    # never renamed into place and its partial file is swept
+    srv = Server(ranks, tmp_path / "third", extra)
+    try:
+        assert _turn(srv, a, "List the files.") >= pa["prefix_tokens"]
+        logs = wait_logs(srv, 0, 1)
+        assert logs[0] == logs[1]
+        out = srv.output()
+        assert out.count(f'"entries": {n},') == 2, out  # Ada's, whole; none of Bob's
+        for r in range(2):  # the preload (on by default) put them in memory before serving
+            assert f"prefix cache preload (rank {r}): {n} of {n} entries" in out, out
+        assert "prefix cache hit" not in out  # a memory hit: nothing read at the turn
+    finally:
+        srv.stop()
+    for r in range(2):
+        names = {f.name for f in store.glob(f"*/rank{r}-of-2/*")}
+        assert not any(".partial" in n or pb["key"] in n for n in names), names
+    print(
+        f"\nSIGTERM with a write in flight: stopped in {took:.2f} s (drained); "
+        f"past the 2 s bound: {bounded:.2f} s (abandoned)"
+    )

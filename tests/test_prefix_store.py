@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 
 from k3dist.serve.prefix_store import Identity, PrefixStore, prefix_key
 
@@ -171,6 +172,56 @@ def test_an_entry_still_being_written_is_a_miss_and_the_loop_does_not_wait(tmp_p
     assert len(list(s.dir.glob("*.safetensors"))) == 1
     s.close()
     assert not s._writer.is_alive()
+
+
+def test_a_stop_drains_the_writer_within_its_bound(tmp_path):
+    """``drain`` (a SIGTERM stop) waits for the queued entries, then they are on disk
+    for the next start; a writer stuck past the bound is abandoned at the bound (the
+    stop never hangs) and nothing half-written is served after a reopen. A stopping
+    store queues nothing new."""
+    s = PrefixStore(tmp_path, IDENT, 10**9, min_tokens=1)
+    hold = threading.Event()
+    s._jobs.put(hold.wait)  # the writer is busy (a slow disk)
+    assert s.save(list(range(6)), _cache(6, 0))
+    threading.Timer(0.3, hold.set).start()
+    got = s.drain(10.0)
+    assert got["queued"] == 1 and got["written"] == 1 and got["abandoned"] == 0, got
+    assert not s.save(list(range(7)), _cache(7, 1))  # stopping: not kept
+    assert PrefixStore(tmp_path, IDENT, 10**9, min_tokens=1).has(list(range(6)))
+    s.close()
+
+    s = PrefixStore(tmp_path / "stuck", IDENT, 10**9, min_tokens=1)
+    hold.clear()
+    s._jobs.put(hold.wait)
+    assert s.save(list(range(6)), _cache(6, 0))
+    t = time.monotonic()
+    got = s.drain(0.5)
+    took = time.monotonic() - t
+    assert got["abandoned"] == 1 and got["written"] == 0 and 0.5 <= took < 2.0, (got, took)
+    t = time.monotonic()
+    s.close(0.2)  # the clean stop's close is bounded too (the writer is still stuck)
+    assert time.monotonic() - t < 1.0
+    again = PrefixStore(tmp_path / "stuck", IDENT, 10**9, min_tokens=1)
+    assert not again.entries and again.lookup(list(range(8)), floor=0) == (None, 0)
+    hold.set()
+
+
+def test_preload_takes_the_most_recent_entries_within_its_bounds(tmp_path):
+    s = PrefixStore(tmp_path, IDENT, 10**9, min_tokens=1)
+    old, new = _cache(6, 0), _cache(10, 1)
+    s.save(list(range(6)), old)
+    s.save(list(range(10, 20)), new)
+    s.close()
+    s = PrefixStore(tmp_path, IDENT, 10**9, min_tokens=1)
+    size = max(e.bytes for e in s.entries.values())
+    assert s.preload(0, 4, 10**6) == []  # off
+    got = s.preload(size, 4, 10**6)  # room for one: the most recently used
+    assert [t for t, _ in got] == [list(range(10, 20))] and _same(got[0][1], new)
+    got = s.preload(10**9, 4, 12)  # by tokens: the 10-token one, not both
+    assert [len(t) for t, _ in got] == [10]
+    got = s.preload(10**9, 4, 10**6)  # all, least recently used first
+    assert [len(t) for t, _ in got] == [6, 10] and _same(got[0][1], old)
+    assert s.preload(10**9, 1, 10**6)[0][0] == list(range(10, 20))  # by entries
 
 
 def test_another_software_version_reads_another_folder():

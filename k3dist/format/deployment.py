@@ -257,6 +257,23 @@ class Deployment(BaseModel):
         "prefix cache",
         ge=1,
     )
+    prefix_cache_preload_gb: float = _key(
+        2.0,
+        "GB (1e9 B) of the most recently used prefix entries each rank loads into memory "
+        "at start, before the first request (a restarted server's first matching turn is "
+        "then a memory hit); 0: restored from disk at the first matching turn",
+        "prefix cache",
+        ge=0,
+    )
+    prefix_cache_drain_s: float = _key(
+        3.0,
+        "a stop (SIGTERM) waits at most this many seconds for each rank's queued prefix "
+        "writes, then exits anyway (what is unwritten is swept at the next start); keep "
+        "it under the supervisor's --grace-s",
+        "prefix cache",
+        ge=0,
+        le=300,
+    )
 
     @field_validator("prefill_chunk")
     @classmethod

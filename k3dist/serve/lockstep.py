@@ -349,7 +349,13 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
                 group.size(),
                 self.token_log,
                 self._request_no,
-                getattr(self.prompt_cache, "prefill_progress", None),
+                # the prompt cache's prefill copy: the single path only. On the batch
+                # path mlx-lm's BatchGenerator prefills a merged copy of the request's
+                # cache (the request's own list never follows it), and mlx-lm already
+                # keeps that point itself: insert_segments splits the prompt's last
+                # token off as its own segment and the segment before it is extracted
+                # from the batch and inserted ("user" for a chat ending in a user turn)
+                None if batched else getattr(self.prompt_cache, "prefill_progress", None),
                 batched=batched,
                 client_socket=getattr(rq, "client_socket", None),
                 budget=self._time_budget,

@@ -35,6 +35,15 @@ rank advances alike) evicts the same entries everywhere; an entry some rank coul
 queue is kept by none. A write that fails later (a full disk) leaves the entry accounted
 but unreadable on that rank: its lookups are misses on all ranks, and the next save of
 the same prefix writes it again there.
+
+A stop (``drain``: the watchdog's SIGTERM stop on every rank, and the server's clean
+stop) takes no new entry and waits at most ``drain_s`` for this rank's writer to finish
+the queued ones; what is not on disk by then is abandoned (its ``.partial`` file is
+swept at the next start) and the process exits anyway. Every rank applies the same rule
+with the same bound; an entry that one rank finished and another abandoned is whole on
+one rank only, which the next start's ``lookup`` treats as a miss on every rank (the
+verified lengths differ), and the next save of that prefix writes it again where it is
+missing.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from queue import Queue
+from queue import Full, Queue
 from typing import Any
 
 import k3dist
@@ -64,6 +73,9 @@ FORMAT = 2  # sidecar format (2: SHA-256 over 64 MiB pieces): another version is
 # Snapshots waiting for this rank's writer: each holds a whole entry in memory (0.79 GB a
 # rank for a real K3 20K-token prefix); past this, a new entry is not kept (on any rank).
 WRITE_QUEUE = 2
+# How long a stop waits for the writer by default (deployment ``prefix_cache_drain_s``):
+# two queued real K3 entries (2 x 0.79 GB) written at 5 GB/s and hashed take ~0.5 s.
+DRAIN_S = 3.0
 
 
 def software() -> str:
@@ -167,11 +179,15 @@ class PrefixStore:
         max_bytes: int,
         min_tokens: int = 1024,
         group: mx.distributed.Group | None = None,
+        drain_s: float = DRAIN_S,
     ):
         if max_bytes <= 0:
             raise ValueError(f"prefix cache bound must be positive, not {max_bytes} bytes")
+        if drain_s < 0:
+            raise ValueError(f"prefix cache drain bound must be >= 0 s, not {drain_s}")
         self.root = Path(root)
         self.ident, self.max_bytes, self.min_tokens = ident, max_bytes, min_tokens
+        self.drain_s = drain_s
         self.group = group
         self.dir = self.root / ident.folder()
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -189,10 +205,14 @@ class PrefixStore:
             "restore_s": [],
             "save_s": [],
             "write_s": [],
+            "writes": [],  # [wall-clock start, seconds] of each write (the last 64)
         }
         # entries and their files are changed by the lockstep loop and the writer thread
         self._lock = threading.Lock()
         self._jobs: Queue[Callable[[], None] | None] = Queue(WRITE_QUEUE)
+        self._pending = 0  # entries queued and not yet written (or failed)
+        self._idle = threading.Condition()  # notified as _pending falls
+        self._closing = False  # a stop began: no new entry is queued
         self._writer = threading.Thread(
             target=self._write_loop, daemon=True, name=f"prefix-writer-rank{ident.rank}"
         )
@@ -276,10 +296,19 @@ class PrefixStore:
                 job = None  # the snapshot's memory goes now, not at the next entry
                 self._jobs.task_done()
 
+    def _write_queued(self, e: Entry, frozen: list[Any]) -> None:
+        """The writer thread's job for one entry ``save`` queued (counted in _pending)."""
+        try:
+            self._write(e, frozen)
+        finally:
+            with self._idle:
+                self._pending -= 1
+                self._idle.notify_all()
+
     def _write(self, e: Entry, frozen: list[Any]) -> None:
         """The writer thread: ``frozen`` (a snapshot) to ``<key>.partial``, renamed into
         place, then the sidecar; an entry evicted meanwhile leaves no file."""
-        t0 = time.perf_counter()
+        t0, wall = time.perf_counter(), time.time()
         data = self.dir / f"{e.key}.safetensors"
         part = self.dir / f"{e.key}.partial.safetensors"
         try:
@@ -299,17 +328,55 @@ class PrefixStore:
             os.replace(part, data)
             e.file_bytes, e.sha256, e.state = size, digest, "ready"
             self._write_sidecar(e)
-            self.stats["write_s"].append(round(time.perf_counter() - t0, 4))
+            took = time.perf_counter() - t0
+            self.stats["write_s"].append(round(took, 4))
+            self.stats["writes"] = [*self.stats["writes"][-63:], [round(wall, 4), round(took, 4)]]
 
     def flush(self) -> None:
         """Wait until every queued entry is on disk (or failed)."""
         self._jobs.join()
 
-    def close(self) -> None:
-        """Finish the queued writes and stop the writer (the server's shutdown)."""
-        if self._writer.is_alive():
-            self._jobs.put(None)
-            self._writer.join()
+    def drain(self, timeout_s: float | None = None) -> dict:
+        """A stop: queue no new entry, then wait at most ``timeout_s`` (default
+        ``drain_s``) for the writer to finish the queued ones. Returns (and logs) how
+        many were written and how many abandoned; an abandoned write leaves only a
+        ``.partial`` file, which the next start sweeps. Never waits past the bound."""
+        bound = self.drain_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        self._closing = True
+        with self._idle:
+            before = self._pending
+            while self._pending and (left := t0 + bound - time.monotonic()) > 0:
+                self._idle.wait(left)
+            left_over = self._pending
+        took = time.monotonic() - t0
+        out = {"queued": before, "written": before - left_over, "abandoned": left_over}
+        out["s"] = round(took, 3)
+        if before:
+            what = (
+                f"abandoned {left_over} of {before} queued entries after {bound:g} s "
+                "(their partial files are swept at the next start)"
+                if left_over
+                else f"{before} queued entries written in {took:.3f} s"
+            )
+            print(
+                f"k3dist: prefix cache stop (rank {self.ident.rank}): {what}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return out
+
+    def close(self, timeout_s: float | None = None) -> dict:
+        """Finish the queued writes (within the drain bound) and stop the writer (the
+        server's clean shutdown)."""
+        out = self.drain(timeout_s)
+        if self._writer.is_alive() and not out["abandoned"]:
+            try:
+                self._jobs.put_nowait(None)
+            except Full:  # cannot be: nothing is pending; the daemon ends with us anyway
+                return out
+            self._writer.join(max(0.0, self.drain_s - out["s"]))
+        return out
 
     def _write_sidecar(self, e: Entry) -> None:
         _write_json(
@@ -402,6 +469,70 @@ class PrefixStore:
         )
         return cache, n
 
+    def preload(self, max_bytes: int, max_entries: int, max_tokens: int) -> list:
+        """At server start, before the first request: the most recently used entries
+        (by the use counter every rank advances alike), up to ``max_bytes`` accounted
+        bytes, ``max_entries`` entries and ``max_tokens`` tokens, loaded and checked as
+        ``lookup`` checks them, for the prompt cache's memory: a restarted server's
+        first matching turn is then a memory hit. The same entries on every rank or
+        none: rank 0's candidate keys are shared (all_gather), only those every rank
+        holds are loaded, and only those every rank verified are kept. Returns
+        [(tokens, cache)], least recently used first. Called by every rank."""
+        if max_bytes <= 0 or max_entries <= 0 or max_tokens <= 0:
+            return []  # off (the same deployment on every rank: no rank agrees anything)
+        t0 = time.perf_counter()
+        with self._lock:
+            ready = sorted(
+                (e for e in self.entries.values() if e.state == "ready"),
+                key=lambda e: (-e.used, e.key),
+            )
+        picked, nbytes, ntokens = [], 0, 0
+        for e in ready:
+            if len(picked) == max_entries:
+                break
+            if nbytes + e.bytes > max_bytes or ntokens + len(e.tokens) > max_tokens:
+                continue
+            picked.append(e)
+            nbytes, ntokens = nbytes + e.bytes, ntokens + len(e.tokens)
+        # every rank's picks, as 4 x 32-bit words a key, -1 for none (the same width on
+        # every rank); rank 0's order decides, a key some rank did not pick is left out
+        words = [int(e.key[i : i + 8], 16) for e in picked for i in range(0, 32, 8)]
+        rows = self._agree(words + [-1] * (4 * max_entries - len(words)))
+        picks = [
+            {"".join(f"{w:08x}" for w in r[i : i + 4]) for i in range(0, len(r), 4) if r[i] >= 0}
+            for r in rows
+        ]
+        keys = [
+            "".join(f"{w:08x}" for w in rows[0][i : i + 4])
+            for i in range(0, len(rows[0]), 4)
+            if rows[0][i] >= 0
+        ]
+        mine = {e.key: e for e in picked}
+        loaded = {}
+        for k in keys:
+            if all(k in p for p in picks):
+                cache = self._load(mine[k])
+                if cache is not None:
+                    loaded[k] = cache
+        verified = self._agree([int(k in loaded) for k in keys] or [0])
+        out = [
+            (list(mine[k].tokens), loaded[k])
+            for i, k in enumerate(keys)
+            if k in loaded and all(r[i] for r in verified)
+        ]
+        out.reverse()  # least recently used first: the prompt cache's LRU order
+        took = time.perf_counter() - t0
+        self.stats["preloaded"] = len(out)
+        self.stats["preload_s"] = round(took, 4)
+        print(
+            f"k3dist: prefix cache preload (rank {self.ident.rank}): {len(out)} of "
+            f"{len(ready)} entries ({sum(len(t) for t, _ in out):,} tokens) into memory in "
+            f"{took:.3f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        return out
+
     def save(self, tokens: list[int], cache: list[Any]) -> bool:
         """Queue ``cache`` (the state after ``tokens``) for this rank's writer unless it
         is shorter than ``min_tokens`` or already stored; evict least recently used
@@ -422,8 +553,8 @@ class PrefixStore:
             logging.warning(
                 "prefix cache: a cache of other length offered for %d tokens", len(tokens)
             )
-        elif self._jobs.full():
-            ok = 0  # the writer is behind: kept by no rank rather than waited for
+        elif self._jobs.full() or self._closing:
+            ok = 0  # the writer is behind, or stopping: kept by no rank, not waited for
         else:
             frozen = snapshot(cache)
             nbytes = _nbytes(frozen)
@@ -442,7 +573,9 @@ class PrefixStore:
             if e.state == "ready":
                 self._write_sidecar(e)
         if frozen is not None:
-            self._jobs.put_nowait(lambda: self._write(e, frozen))  # a free slot: checked
+            with self._idle:
+                self._pending += 1
+            self._jobs.put_nowait(lambda: self._write_queued(e, frozen))  # a free slot
         self._evict()
         if all(r[2] for r in rows):
             return False  # already stored everywhere: only its use was counted
@@ -474,7 +607,12 @@ class PrefixStore:
             "tokens": sum(len(e.tokens) for e in list(self.entries.values())),
             "skipped_at_start": len(self.skipped),
             "writing": sum(e.state == "writing" for e in list(self.entries.values())),
-            **{k: v for k, v in self.stats.items() if k not in ("restore_s", "save_s", "write_s")},
+            **{
+                k: v
+                for k, v in self.stats.items()
+                if k not in ("restore_s", "save_s", "write_s", "writes")
+            },
+            "recent_writes": list(self.stats["writes"]),
             "last_restore_s": restore[-1] if restore else None,
             "last_save_s": save[-1] if save else None,
             "last_write_s": write[-1] if write else None,

@@ -8,6 +8,16 @@ extends prompt + generated tokens exactly (the template renders the assistant tu
 its own way), so this cache also keeps a copy taken when the prefill reaches the
 prompt's last token but one: that prefix is what the next turn's prompt starts with.
 The last token is left out so that an identical prompt still has a token to prefill.
+That copy is taken on mlx-lm's single path (``stream_generate`` fills the request's own
+cache list); on the batch path mlx-lm keeps the same point itself (``insert_segments``
+splits off the last token, and the segment before it is extracted from the batch's
+cache), while the request's own list is never filled there, so no copy is taken
+(``k3dist.serve.lockstep``): before, every batched request logged "prefill copy of N
+tokens holds M: not kept". A turn that appends a second user message without an
+assistant turn between (``benchmarks/agent_clients.py``'s warm session) diverges from
+the previous prompt inside its generation header (``<|open|>response<|sep|>`` ...), so
+only the system segment is reused there; a real next turn (assistant reply, then user)
+extends the previous prompt and reuses all of it but its last token.
 
 Lockstep: every rank runs the same requests through the same cache, so each decision
 (hit, miss, what to evict) must depend only on the request stream. Eviction is by entry
@@ -69,6 +79,19 @@ class K3PromptCache(LRUPromptCache):
             cache = self.make_cache()
         self._current = (model, list(tokens), len(tokens) - len(rest), cache)
         return cache, rest
+
+    def preload(self, model: Any, max_bytes: int) -> int:
+        """Server start, every rank, before the first request: the store's most recently
+        used entries (at most ``max_bytes`` a rank, and within this cache's own entry and
+        token bounds, one entry left free for the next request) into memory as
+        ``system`` entries, so a restarted server's first matching turn is a memory hit
+        instead of a restore from disk. The store decides the same on every rank."""
+        if self.store is None:
+            return 0
+        got = self.store.preload(max_bytes, self.max_size - 1, self.max_tokens)
+        for tokens, cache in got:  # least recently used first
+            LRUPromptCache.insert_cache(self, model, tokens, cache, cache_type="system")
+        return len(got)
 
     def _shorter(self, model: Any, tokens: list[int]):
         """The longest entry strictly shorter than ``tokens`` that prefixes them."""

@@ -647,6 +647,9 @@ class K3APIHandler(mlx_server.APIHandler):
                     else sorted(set(loaded) - warmed),
                     shapes_seen=sorted(getattr(model, "shapes_seen", set()).copy()),
                 )
+                store = getattr(self.response_generator.prompt_cache, "store", None)
+                if store is not None:  # now, not at start: its writes so far
+                    info["prefix_cache"] = store.report()
             else:  # folders, free memory and library paths stay on this machine
                 info = {k: self.info[k] for k in PUBLIC_INFO if k in self.info}
             self.wfile.write(json.dumps(info).encode())
@@ -773,10 +776,13 @@ def serve(
     api_key: str | None = None,
     prompt_cache_tokens: int | None = None,
     prefix_store=None,
+    prefix_preload_bytes: int = 0,
     idle_gate=None,
 ) -> None:
     """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves.
-    ``prefix_store``: prefix caches on disk (k3dist.serve.prefix_store) or None;
+    ``prefix_store``: prefix caches on disk (k3dist.serve.prefix_store) or None; its
+    most recently used entries, up to ``prefix_preload_bytes`` a rank, go into memory
+    before the first request (every rank, here, before the generation loop starts);
     ``idle_gate``: the watchdog (multi-rank): idle ranks wait on it, not in a collective."""
     group = mx.distributed.init()
     prompt_cache = K3PromptCache(
@@ -785,6 +791,8 @@ def serve(
         prompt_cache_tokens or 4 * max_context,
         prefix_store,
     )
+    if prefix_store is not None and prefix_preload_bytes > 0:
+        prompt_cache.preload(provider.model_key, prefix_preload_bytes)
     generator = K3ResponseGenerator(provider, prompt_cache, token_log, idle_gate)
     if group.rank() != 0:
         generator.join()

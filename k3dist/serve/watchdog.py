@@ -177,7 +177,9 @@ class Watchdog:
     - ``broadcast_stop(reason)`` on any rank: the request goes to rank 0, which
       relays ``STOP origin reason`` to all; each rank logs
       ``stopping: reason (from rank origin)``, acknowledges, runs ``on_stop``
-      (at most ``stop_grace_s``) and exits with code 0; rank 0 waits (same bound)
+      (at most ``stop_work_s + stop_grace_s``: ``stop_work_s`` is what on_stop's own
+      bounded work may take, e.g. the prefix store's drain) and exits with code 0;
+      rank 0 waits (same bound)
       for the acknowledgements first, so it is the last to go. A peer whose socket
       closes without acknowledging was lost, not stopped: exit 3.
     - ``parent_pid`` (the launcher): once this process's parent is another, the
@@ -222,6 +224,7 @@ class Watchdog:
         timeout_s: float = 10.0,
         connect_timeout_s: float = 60.0,
         stop_grace_s: float = 2.0,
+        stop_work_s: float = 0.0,
         on_lost: Callable[[int, str], None] | None = None,
         on_stop: Callable[[str, int], None] | None = None,
         parent_pid: int | None = None,
@@ -239,6 +242,8 @@ class Watchdog:
         self.host, self.port = coordinator_host, port
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.connect_timeout_s, self.stop_grace_s = connect_timeout_s, stop_grace_s
+        # what on_stop may take beyond stop_grace_s (the prefix store's bounded drain)
+        self.stop_work_s = stop_work_s
         self.on_lost, self.on_stop, self._hard_exit = on_lost, on_stop, hard_exit
         # The launcher's pid: when it exits (SIGTERM/SIGKILL to mlx.launch kills only
         # the launcher), this rank is re-parented and stops instead of serving on orphaned.
@@ -497,7 +502,7 @@ class Watchdog:
         stopping = self._stopping or self._requested  # e.g. on_stop ended the server
         if self.exit_code is None and (uncaught or stopping):
             # The watchdog usually has seen the closed socket or finished the stop.
-            self._decided.wait(self.stop_grace_s + 1.0)
+            self._decided.wait(self.stop_work_s + self.stop_grace_s + 1.0)
         if self.exit_code is not None or uncaught or stopping:
             _flush_stdio(0.2)
             os._exit(self.exit_code if self.exit_code is not None else 1 if uncaught else 0)
@@ -587,7 +592,7 @@ class Watchdog:
             except OSError:
                 pass  # a peer that is gone shows up as a close without ACK
         self._stop_cb = _start_callback(self.on_stop, (reason, origin))
-        self._stop_deadline = time.monotonic() + self.stop_grace_s
+        self._stop_deadline = time.monotonic() + self.stop_work_s + self.stop_grace_s
 
     def _stop_done(self) -> bool:
         cb_done = self._stop_cb is None or not self._stop_cb.is_alive()
@@ -717,7 +722,7 @@ class Watchdog:
                 if self.rank == 0 and self.conns and now >= self._stop_deadline:
                     self._log(
                         f"ranks {sorted(self.conns)} did not finish stopping within "
-                        f"{self.stop_grace_s:g} s; exiting anyway"
+                        f"{self.stop_work_s + self.stop_grace_s:g} s; exiting anyway"
                     )
                 self._exit(0)
                 return
