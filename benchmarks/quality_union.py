@@ -3,12 +3,12 @@ on the same teacher and held-out windows (e.g. a run that adds DWQ rows to an ea
 
 The reports must agree on the teacher (perplexities, bytes, bpw; the build's path may
 differ: a rebuilt teacher in another runs folder) and on the windows (split, seq, windows
-and tokens per domain). A row present in several reports is kept once, and its numbers are
-compared: every field but ``path`` must be equal, or the row is listed under
-``disagreements`` with both values and the later report's row is kept (``--strict``
-refuses instead). Writes the JSON (rows, which report each came from, the reproduced rows),
-a markdown table with ``promoted``, ``k_hi`` drop and ``closes of REF`` (1 - KL / KL(REF))
-columns, and the KL-vs-bytes plot.
+and tokens per domain). A row present in several reports is kept once (``reports``: the
+reports it came from), and its numbers are compared: every field but ``path`` must be
+equal, or the row is listed under ``disagreements`` with both values and the later
+report's row is kept (``--strict`` refuses instead). Writes the JSON (rows, the reproduced
+rows, the disagreements), a markdown table with ``promoted``, ``k_hi`` drop and ``closes
+of REF`` (1 - KL / KL(REF)) columns, and the KL-vs-bytes plot.
 
     python benchmarks/quality_union.py benchmarks/results/quality-bits-2026-12-02-b.json \\
         benchmarks/results/quality-bits-2026-12-03.json --reference 2bit-g64 \\
@@ -43,7 +43,7 @@ def union(reports: list[dict], paths: list[str], strict: bool = False) -> dict:
     """The rows of ``reports`` (same teacher and windows), each build name once."""
     _check_same(reports, paths)
     rows: dict[str, dict] = {}
-    source: dict[str, str] = {}
+    source: dict[str, list[str]] = {}
     reproduced: list[str] = []
     disagreements: list[dict] = []
     for rep, path in zip(reports, paths, strict=True):
@@ -58,17 +58,18 @@ def union(reports: list[dict], paths: list[str], strict: bool = False) -> dict:
                 }
                 if not diff:
                     reproduced.append(name)
+                    source[name].append(path)
                     continue
                 if strict:
                     raise SystemExit(
-                        f"row {name}: {source[name]} and {path} differ: {json.dumps(diff)}"
+                        f"row {name}: {source[name][-1]} and {path} differ: {json.dumps(diff)}"
                     )
-                disagreements.append({"build": name, "reports": [source[name], path], **diff})
+                disagreements.append({"build": name, "reports": [source[name][-1], path], **diff})
             rows[name] = row
-            source[name] = path
+            source[name] = [path]
     return {
         **{k: reports[-1][k] for k in ("teacher", *WINDOWS, "batch")},
-        "rows": [{**r, "report": source[n]} for n, r in rows.items()],
+        "rows": [{**r, "reports": source[n]} for n, r in rows.items()],
         "reports": paths,
         "reproduced": reproduced,
         "disagreements": disagreements,
@@ -92,7 +93,7 @@ def markdown(rep: dict, reference: str) -> str:
     head = (
         "| build | score | expert bpw | expert bytes | mean KL | p95 KL | top-1 flip | "
         + " | ".join(f"{d} ppl" for d in doms)
-        + f" | promoted | k_hi drop | closes of {reference} | report |"
+        + f" | promoted | k_hi drop | closes of {reference} | in reports |"
     )
     lines = [
         f"Teacher (MXFP4 experts, {t['expert_bpw']:.3f} bpw, {t['bytes']:,} expert bytes); "
@@ -115,7 +116,8 @@ def markdown(rep: dict, reference: str) -> str:
             f"{r['kl']:.5f} | {r['kl_p95']:.5f} | {r['flip']:.4f} | "
             + " | ".join(f"{r['ppl'][d]:.3f}" for d in doms)
             + f" | {r['promoted_share']:.1%} | {drop} | {close[r['build']]:.0%} | "
-            f"`{Path(r['report']).name}` |"
+            + ", ".join(f"`{Path(p).stem}`" for p in r["reports"])
+            + " |"
         )
     return "\n".join(lines) + "\n"
 

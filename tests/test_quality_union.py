@@ -49,6 +49,8 @@ def test_union_of_reproducing_reports(tmp_path):
     assert [r["build"] for r in u["rows"]] == [r["build"] for r in base["rows"]]
     assert u["reproduced"] == [r["build"] for r in base["rows"][3:7]]
     assert u["disagreements"] == []
+    both = [str(tmp_path / "r0.json"), str(tmp_path / "r1.json")]
+    assert [r["reports"] for r in u["rows"]] == [both[:1]] * 3 + [both] * 4 + [both[1:]] * 3
     ref = next(r["kl"] for r in base["rows"] if r["build"] == "2bit-g64")
     for r in base["rows"]:
         assert abs(u["closes"][r["build"]] - (1 - r["kl"] / ref)) < 1e-4
@@ -69,7 +71,7 @@ def test_row_that_does_not_reproduce(tmp_path):
     assert d["build"] == "graded-2.5944-2bit-g64" and list(d) == ["build", "reports", "kl_p95"]
     assert d["kl_p95"][1] == d["kl_p95"][0] + 1e-6
     row = next(r for r in u["rows"] if r["build"] == "graded-2.5944-2bit-g64")
-    assert row["kl_p95"] == d["kl_p95"][1] and row["report"].endswith("r1.json")
+    assert row["kl_p95"] == d["kl_p95"][1] and row["reports"] == [str(tmp_path / "r1.json")]
     res = _run(tmp_path, [a, b], "--strict")
     assert res.returncode != 0 and "row graded-2.5944-2bit-g64" in res.stderr
 
