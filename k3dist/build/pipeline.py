@@ -98,9 +98,7 @@ class Args:
         return {
             "plan": Path(self.out) / "plan.json",
             "tokens": self.work / "tokens.npz",
-            "base": self.work / "base",
             "teacher": self.work / "teacher",
-            "student": self.work / "student",
             "calibrate": self.work / "calib",
             "graded": self.work / "graded",
             "dwq": self.work / "dwq",
@@ -115,16 +113,14 @@ class Args:
 
 
 def stages(a: Args) -> list[str]:
-    s = ["plan", "tokens", "base", "teacher", "student", "calibrate", "graded"]
+    s = ["plan", "tokens", "teacher", "calibrate", "graded"]
     return [*s, "dwq", "slice"] if a.dwq else [*s, "slice"]
 
 
 # scratch -> the stage after which nothing reads it any more
 def consumers_end(a: Args) -> dict[str, str]:
     return {
-        "student": "calibrate",
-        "base": "graded",
-        "teacher": "slice" if not a.dwq else "dwq",
+        "teacher": "dwq" if a.dwq else "calibrate",
         "graded": "dwq" if a.dwq else "slice",
         "dwq": "slice",
     }
@@ -146,9 +142,7 @@ def stage_params(a: Args, stage: str) -> dict:
             "windows": a.windows,
             "seq": a.seq,
         },
-        "base": {},
         "teacher": {"batch": a.batch, "top_k": a.top_k},
-        "student": {},
         "calibrate": {"batch": a.batch},
         "graded": {},
         "dwq": {"steps": a.dwq_steps, "batch": a.dwq_batch},
@@ -245,14 +239,9 @@ def calib_tokens(a: Args) -> int:
 def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
     """Bytes each stage writes, what is freed after it, the peak beside the source."""
     from k3dist.build import stream, teacher
-    from k3dist.format.qformat import MXFP4, QFormat
 
     tc = acc.tc
-    L, E = len(acc.moe_layers), acc.num_experts
-    ne = sum(v["bytes"] for v in plan["nonexpert"].values())
     vision = acc.classes.get("vision", {}).get("source_bytes", 0)
-    hi_b = acc.expert_bytes(MXFP4)
-    lo_b = acc.expert_bytes(QFormat.parse(plan["lo"]["format"]))
     ntok = calib_tokens(a)
     H, V = tc["hidden_size"], tc["vocab_size"]
     states = 0
@@ -268,9 +257,7 @@ def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
     writes = {
         "plan": 1 << 20,
         "tokens": ntok * 8 + (1 << 20),
-        "base": ne + vision + L * E * hi_b,
         "teacher": states + logits,
-        "student": ne + vision + L * E * lo_b,
         # the student's block-input states and their cotangents, deleted at the end
         "calibrate": 2 * stream.state_bytes(tc, ntok) * (len(teacher.boundaries(tc)) - 1),
         "graded": plan["build_bytes"],
@@ -382,11 +369,20 @@ def print_disk_plan(d: dict, free: int | None, already: int = 0) -> None:
 # ------------------------------------------------------------------------- stages
 
 
+def base_view(a: Args, plan: dict):
+    """The source read as the MXFP4 base build the plan implies (experts in their source
+    bytes, non-experts in the plan's formats), a layer at a time: never written."""
+    from k3dist.build.view import SourceView
+    from k3dist.format.classes import CLASSES
+
+    return SourceView(a.src, {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES})
+
+
 def _run_stage(a: Args, stage: str, plan: dict) -> dict:
     """The stage's work, in this (child) process. Returns facts for pipeline.json."""
-    from k3dist.build import calibrate, convert, grade, profiles, slicing, teacher
+    from k3dist.build import calibrate, profiles, slicing, teacher
 
-    base, tok = a.path("base"), a.path("tokens")
+    tok = a.path("tokens")
     if stage == "tokens":
         from k3dist.build import calibtext
 
@@ -415,29 +411,23 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
         for w in rec["warnings"]:
             print(f"warning: {w}", file=sys.stderr)
         return {"tokens": rec}
-    if stage == "base":
-        from k3dist.format.classes import CLASSES
-
-        ne = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
-        convert.convert(a.src, base, nonexpert=ne)
     elif stage == "teacher":
         from k3dist.build import stream
 
         teacher.run(
-            base,
+            base_view(a, plan),
             teacher.read_tokens(tok),
             a.path("teacher"),
             cap=stream.parse_bytes(a.cap),
             batch=a.batch,
             top_k=a.top_k,
         )
-    elif stage == "student":
-        grade.grade(base, a.path("student"), {}, 0, plan["lo"]["format"])
     elif stage == "calibrate":
-        from k3dist.build import stream
+        from k3dist.build import stream, view
 
+        base = base_view(a, plan)
         calibrate.calibrate(
-            a.path("student"),
+            view.LoView(base, plan["lo"]["format"]),  # the student, quantized a layer at a time
             base,
             a.path("teacher"),
             teacher.read_tokens(tok),
@@ -451,7 +441,7 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
             a.src,
             a.path("graded"),
             "graded",
-            mxfp4_dir=base,
+            base=base_view(a, plan),
             scores=cal / "scores-taylor.npz",
             routes=cal / "routes.npz",
             plan_kw=plan_kw(a),
@@ -461,7 +451,7 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
 
         cfg = dwq.DWQConfig(steps=a.dwq_steps, batch=a.dwq_batch)
         dwq.dwq(
-            base,
+            a.src,  # the teacher build's name only: DWQ reads the teacher's states
             a.path("teacher"),
             a.path("graded"),
             teacher.read_tokens(tok),
@@ -517,11 +507,9 @@ def reads(a: Args) -> dict[str, list[str]]:
     return {
         "plan": [],
         "tokens": [],
-        "base": [],
-        "teacher": ["base", "tokens"],
-        "student": ["base"],
-        "calibrate": ["student", "base", "teacher", "tokens"],
-        "graded": ["base", "calibrate"],
+        "teacher": ["tokens"],
+        "calibrate": ["teacher", "tokens"],
+        "graded": ["calibrate"],
         "dwq": ["teacher", "graded", "tokens"],
         "slice": ["dwq" if a.dwq else "graded"],
     }

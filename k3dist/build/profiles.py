@@ -159,6 +159,7 @@ def convert_profile(
     profile: str = "mxfp4",
     *,
     mxfp4_dir: str | Path | None = None,
+    base=None,
     nonexpert_bits: int = 16,
     group_size: int = 64,
     nonexpert: str | dict | None = None,
@@ -174,7 +175,9 @@ def convert_profile(
     on the highest ``scores`` over all layers (a multiple of the ranks per layer),
     ``per-layer`` takes the plan's count in every layer; ``k_hi`` per layer comes from
     calibration ``routes`` when given (observed maximum), else ``k_hi``, else uniform
-    routing at the plan's drop target."""
+    routing at the plan's drop target. ``base`` (a ``k3dist.build.view.SourceView``):
+    the MXFP4 base build read from the source a layer at a time instead of written to
+    ``mxfp4_dir``."""
     if profile not in PROFILES:
         raise ValueError(f"--profile {profile!r}: one of {', '.join(PROFILES)}")
     if profile == "mxfp4":
@@ -196,7 +199,18 @@ def convert_profile(
         plan = plan_graded(source, **kw)
         nonexpert = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
         nonexpert_bits = 16
-    build = Converter(source, stage, nonexpert_bits, group_size, nonexpert=nonexpert).run(progress)
+    if base is not None:  # the source read as its MXFP4 base build: nothing written
+        want = Converter(source, None, nonexpert_bits, group_size, nonexpert=nonexpert).ident
+        if want != base.manifest["identity"]:
+            raise ValueError(
+                f"{base}: a base build view of {base.manifest['identity']}, this profile "
+                f"reads {want}; make the view with the plan's non-expert formats"
+            )
+        build = base
+    else:
+        build = Converter(source, stage, nonexpert_bits, group_size, nonexpert=nonexpert).run(
+            progress
+        )
     E = tc["num_experts"]
     if profile == "graded":
         counts = {int(k): int(v) for k, v in plan["promoted_per_layer"].items()}
@@ -229,7 +243,7 @@ def convert_profile(
     m = json.loads((out / MANIFEST).read_text())
     m["convert_profile"] = {
         "profile": profile,
-        "mxfp4_build": str(build.resolve()),
+        "mxfp4_build": build.describe if base is not None else str(build.resolve()),
         "scores": str(scores) if scores else None,
     }
     write_json_atomic(out / MANIFEST, m)
