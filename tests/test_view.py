@@ -1,13 +1,26 @@
 """The base build read from the source and the calibration student quantized in memory
-(k3dist.build.view), against the builds they replace, written on data/mini-k3: every
-tensor's bytes, the teacher's states, calibration's scores and routes, and the graded
-build's files are the same."""
+(k3dist.build.view, k3dist.build.student), against the builds they replace, written on
+data/mini-k3: every tensor's bytes, the teacher's states, calibration's scores and routes,
+and the graded build's files are the same; the graded build written straight into rank
+folders (k3dist.build.direct) equals its slices."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from k3dist.build import calibrate, calibtext, convert, grade, pipeline, profiles, teacher, view
+from k3dist.build import (
+    calibrate,
+    calibtext,
+    convert,
+    grade,
+    pipeline,
+    profiles,
+    slicing,
+    student,
+    teacher,
+    view,
+)
 from k3dist.format.classes import CLASSES
 from k3dist.format.sfile import mx_to_bytes, read_bytes, sha256_file
 
@@ -31,11 +44,11 @@ def built(tmp_path_factory):
     assert any(f != "bf16" for f in ne.values())  # the plan quantizes non-experts
     base = convert.convert(MINI, tmp / "base", nonexpert=ne, progress=False)
     lo = plan["lo"]["format"]
-    student = grade.grade(base, tmp / "student", {}, 0, lo, progress=False)
+    written = grade.grade(base, tmp / "student", {}, 0, lo, progress=False)
     calibtext.make(MINI, tmp / "tokens.npz", None, 4, 32)
     tokens = teacher.read_tokens(tmp / "tokens.npz")
     teacher.run(base, tokens, tmp / "teacher", progress=False)
-    return tmp, a, plan, ne, base, student, tokens
+    return tmp, a, plan, ne, base, written, tokens
 
 
 def test_source_view_is_the_base_build_byte_for_byte(built):
@@ -68,27 +81,27 @@ def test_source_view_is_the_base_build_byte_for_byte(built):
 
 
 def test_lo_view_is_the_written_student(built):
-    _, _, plan, ne, _, student, _ = built
-    lv = view.LoView(view.SourceView(MINI, ne), plan["lo"]["format"])
-    s = view.BuildFolder(student)
+    _, _, plan, ne, _, written, _ = built
+    lv = student.LoView(view.SourceView(MINI, ne), plan["lo"]["format"])
+    s = view.BuildFolder(written)
     assert lv.config == s.config and set(lv.index) == set(s.index)
     assert lv.manifest["build_hash"] == s.manifest["build_hash"]
     arrays = lv.arrays("")
     assert set(arrays) == set(s.index)
     for name, f in s.index.items():
-        assert mx_to_bytes(arrays[name]) == mx_to_bytes(mx.load(str(student / f))[name]), name
+        assert mx_to_bytes(arrays[name]) == mx_to_bytes(mx.load(str(written / f))[name]), name
 
 
 def test_teacher_and_calibration_from_the_source_equal_the_written_builds(built):
-    tmp, _, plan, ne, base, student, tokens = built
+    tmp, _, plan, ne, base, written, tokens = built
     v = view.SourceView(MINI, ne)
     teacher.run(v, tokens, tmp / "teacher-view", progress=False)
     files = sorted(p.name for p in (tmp / "teacher").glob("*.safetensors"))
     assert files and files == sorted(p.name for p in (tmp / "teacher-view").glob("*.safetensors"))
     for name in files:
         assert sha256_file(tmp / "teacher" / name) == sha256_file(tmp / "teacher-view" / name)
-    calibrate.calibrate(student, base, tmp / "teacher", tokens, tmp / "cal", progress=False)
-    lv = view.LoView(v, plan["lo"]["format"])
+    calibrate.calibrate(written, base, tmp / "teacher", tokens, tmp / "cal", progress=False)
+    lv = student.LoView(v, plan["lo"]["format"])
     calibrate.calibrate(lv, v, tmp / "teacher", tokens, tmp / "cal-view", progress=False)
     names = sorted(p.name for p in (tmp / "cal").glob("*.npz"))
     assert "scores-taylor.npz" in names and "routes.npz" in names
@@ -99,7 +112,7 @@ def test_teacher_and_calibration_from_the_source_equal_the_written_builds(built)
             assert np.array_equal(x[k], y[k]), (name, k)  # same numbers, not close ones
 
 
-def test_graded_from_the_source_equals_graded_from_the_base_build(built):
+def test_graded_from_the_source_equals_graded_from_the_base_build_and_its_slices(built):
     tmp, a, _, ne, base, _, tokens = built
     cal = tmp / "cal-g"
     calibrate.calibrate(tmp / "student", base, tmp / "teacher", tokens, cal, progress=False)
@@ -117,3 +130,24 @@ def test_graded_from_the_source_equals_graded_from_the_base_build(built):
         assert sha256_file(g1 / name) == sha256_file(g2 / name), name
     with pytest.raises(ValueError, match="base build view"):
         profiles.convert_profile(MINI, tmp / "g3", "graded", base=view.SourceView(MINI), **kw)
+    # written straight into the rank folders (k3dist.build.direct): what slicing the
+    # written graded build gives, file for file; only k3dist.json names another input
+    sliced = slicing.slice_all(g1, str(tmp / "sliced" / "rank{rank}"), 2, progress=False)
+    direct = profiles.convert_profile(
+        MINI,
+        tmp / "scratch",
+        "graded",
+        base=view.SourceView(MINI, ne),
+        rank_pattern=str(tmp / "direct" / "rank{rank}"),
+        **kw,
+    )
+    assert not (tmp / "scratch").exists()  # its one graded file at a time, then deleted
+    for r, (x, y) in enumerate(zip(sliced, direct, strict=True)):
+        names = sorted(p.name for p in x.iterdir())
+        assert names == sorted(p.name for p in y.iterdir())
+        assert "model-layer-001.safetensors" in names
+        for name in names:
+            if name not in ("k3dist.json", ".k3dist-verified.json"):
+                assert sha256_file(x / name) == sha256_file(y / name), (r, name)
+        mx_, my = (json.loads((p / "k3dist.json").read_text()) for p in (x, y))
+        assert {k for k in mx_ if mx_[k] != my.get(k)} <= {"build", "seconds"}

@@ -53,7 +53,7 @@ import numpy as np
 from tqdm import tqdm
 
 
-def _identity(build_manifest: dict, gmap: GradedMap, lo: QFormat) -> dict:
+def identity(build_manifest: dict, gmap: GradedMap, lo: QFormat) -> dict:
     return {
         "kind": "graded",
         "from_build": build_manifest["build_hash"],
@@ -154,7 +154,7 @@ class GradedBuilder:
                         f"{lo.name} cannot store {n!r} ({mats} columns); "
                         "choose another lo group size"
                     )
-        self.ident = _identity(self.manifest, gmap, lo)
+        self.ident = identity(self.manifest, gmap, lo)
 
     # -- one file ---------------------------------------------------------------
     def _entries(self, h: Header):
@@ -238,6 +238,10 @@ class GradedBuilder:
         return {"file": fname, "bytes": wr.size, "sha256": wr.sha256, "tensors": len(entries)}
 
     # -- whole build ----------------------------------------------------------------
+    @property
+    def build_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.ident, sort_keys=True).encode()).hexdigest()[:16]
+
     def config_out(self) -> dict:
         return graded_config(self.config, self.gmap, self.lo)
 
@@ -268,9 +272,7 @@ class GradedBuilder:
                 "tool": f"k3dist {__version__}",
                 "kind": "build",
                 "identity": self.ident,
-                "build_hash": hashlib.sha256(
-                    json.dumps(self.ident, sort_keys=True).encode()
-                ).hexdigest()[:16],
+                "build_hash": self.build_hash,
                 "from_build": self.src.describe,
                 "profile": {
                     "experts": f"graded: hi mxfp4 (source bytes), lo {self.lo.name}",
@@ -298,6 +300,20 @@ def grade(
     """Write a graded build of an MXFP4 ``build``: ``promoted`` global expert ids per MoE
     layer keep their MXFP4 bytes (hi bank), the rest become ``lo``; resumable. ``plan``
     (k3dist.build.planner) is stored in the build manifest."""
+    return builder(build, out, promoted, k_hi, lo, lo_fallback, plan).run(progress)
+
+
+def builder(
+    build,
+    out: str | Path,
+    promoted: dict[int, list[int]],
+    k_hi: dict[int, int] | int,
+    lo: str | QFormat = "2bit-g64",
+    lo_fallback: bool = False,
+    plan: dict | None = None,
+) -> GradedBuilder:
+    """The :class:`GradedBuilder` :func:`grade` runs (``k3dist.build.direct`` writes its
+    files into rank folders instead)."""
     E = layout.text_config(as_build(build).config)["num_experts"]
     if isinstance(k_hi, int):
         k_hi = {layer: k_hi for layer in promoted}
@@ -309,7 +325,7 @@ def grade(
         QFormat.parse(lo).name if isinstance(lo, str) else lo.name,
     )
     lo = QFormat.parse(lo) if isinstance(lo, str) else lo
-    return GradedBuilder(build, out, gmap, lo, plan).run(progress)
+    return GradedBuilder(build, out, gmap, lo, plan)
 
 
 def promote_top(scores: dict[int, np.ndarray], counts: dict[int, int]) -> dict[int, list[int]]:

@@ -160,6 +160,8 @@ def convert_profile(
     *,
     mxfp4_dir: str | Path | None = None,
     base=None,
+    rank_pattern: str | None = None,
+    keep: bool = False,
     nonexpert_bits: int = 16,
     group_size: int = 64,
     nonexpert: str | dict | None = None,
@@ -177,7 +179,10 @@ def convert_profile(
     calibration ``routes`` when given (observed maximum), else ``k_hi``, else uniform
     routing at the plan's drop target. ``base`` (a ``k3dist.build.view.SourceView``):
     the MXFP4 base build read from the source a layer at a time instead of written to
-    ``mxfp4_dir``."""
+    ``mxfp4_dir``. ``rank_pattern`` (graded): the graded build written straight into the
+    rank folders ``rank_pattern.format(rank=r)`` of the plan's ranks, ``out`` holding one
+    graded file at a time (``k3dist.build.direct``; deleted unless ``keep``); returns the
+    rank folders."""
     if profile not in PROFILES:
         raise ValueError(f"--profile {profile!r}: one of {', '.join(PROFILES)}")
     if profile == "mxfp4":
@@ -233,7 +238,12 @@ def convert_profile(
                 i: max(1, planner.k_hi_uniform(E, tc["num_experts_per_token"], len(v), target))
                 for i, v in promoted.items()
             }
-        grader.grade(build, out, promoted, khi, plan["lo"]["format"], progress=progress, plan=plan)
+        gb = grader.builder(build, out, promoted, khi, plan["lo"]["format"], plan=plan)
+        if rank_pattern is not None:  # straight into rank folders: OUT is scratch
+            from k3dist.build import direct
+
+            return direct.grade_into_ranks(gb, rank_pattern, plan["ranks"], progress, keep)
+        gb.run(progress)
     elif profile in ("2bit", "3bit"):
         grader.grade(build, out, {}, 0, lo_format(tc, int(profile[0])), progress=progress)
     else:  # mixed2

@@ -15,15 +15,11 @@ swaps a layer's evaluated weights for fresh ones to release them), the whole mod
   ``build_hash`` is the written build's, so teacher and graded manifests name the same
   base either way (``tests/test_view.py``: every tensor equal to the written build's
   bytes).
-- :class:`LoView`: the uniform lo-bank student of a view (``grade`` with no promotions):
-  the experts re-quantized with ``grade.requantize`` (runs of ``CHUNK_BYTES`` of codes, as
-  ``grade`` writes them) when the layer's arrays are evaluated; the calibration student,
-  never written.
+- ``k3dist.build.student.LoView``: the uniform lo-bank student of either, in memory.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -31,12 +27,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from k3dist.format.folder import INDEX_NAME, load_config, weight_map
-from k3dist.format.graded import GRADED_KEY, LO, GradedMap, bank_of
+from k3dist.format.graded import GRADED_KEY
 from k3dist.format.manifest import JOURNAL, MANIFEST
-from k3dist.format.qformat import QFormat
 from k3dist.format.sfile import (
     CHUNK_BYTES,
-    CheckpointError,
     Header,
     TensorInfo,
     iter_chunks,
@@ -49,7 +43,6 @@ from k3dist.format.sfile import (
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import kimi_k3
 from mlx_lm.utils import load_model
 
 
@@ -138,7 +131,7 @@ class BuildFolder:
         return small
 
 
-def as_build(build) -> BuildFolder | SourceView | LoView:
+def as_build(build):
     """A path (a build folder) or a view, as a view."""
     return BuildFolder(build) if isinstance(build, (str, Path)) else build
 
@@ -283,74 +276,3 @@ class SourceView:
 
     def write_small(self, out: Path) -> list[str]:
         return sorted(self.conv.copy_tokenizer(out))
-
-
-class LoView:
-    """The uniform lo-bank build of ``base`` (every expert in ``lo``), never written: the
-    calibration student (module doc)."""
-
-    def __init__(self, base: SourceView | BuildFolder, lo: str | QFormat):
-        from k3dist.build.grade import _identity, graded_config
-
-        self.base, self.lo = base, QFormat.parse(lo) if isinstance(lo, str) else lo
-        tc = base.config.get("text_config", base.config)
-        self.gmap = GradedMap(tc["num_experts"], {}, {}, False, self.lo.name)
-        self.config = graded_config(base.config, self.gmap, self.lo)
-        ident = _identity(base.manifest, self.gmap, self.lo)
-        self.manifest = {
-            "kind": "build",
-            "identity": ident,
-            "build_hash": hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[
-                :16
-            ],
-            "view": "lo",
-        }
-        self.path = base.path
-        self.index = {}
-        for n, f in base.index.items():
-            b = bank_of(n)
-            if b is None:
-                self.index[n] = f
-            elif n.endswith(".weight"):
-                stem = n[: -len(".weight")]
-                for s in ("weight", "scales", "biases"):
-                    self.index[f"{stem}.{s}"] = f
-
-    def __str__(self) -> str:
-        return f"{self.base} as its uniform {self.lo.name} build"
-
-    def _lo(self, arrays: dict[str, mx.array]) -> dict[str, mx.array]:
-        """The expert stacks among ``arrays`` re-quantized to the lo bank, in runs of
-        experts as ``grade`` writes them (lazy)."""
-        from k3dist.build.grade import requantize
-
-        out = {}
-        for n, a in arrays.items():
-            b = bank_of(n)
-            if b is None:
-                out[n] = a
-            elif n.endswith(".weight") and b[1] == LO:
-                stem = n[: -len(".weight")]
-                w, s = a, arrays[f"{stem}.scales"]
-                E = w.shape[0]
-                run = max(1, CHUNK_BYTES // (w.nbytes // E))
-                parts = [
-                    requantize(w[e : e + run], s[e : e + run], self.lo) for e in range(0, E, run)
-                ]
-                for k, suffix in enumerate(("weight", "scales", "biases")):
-                    out[f"{stem}.{suffix}"] = mx.concatenate([p[k] for p in parts])
-            elif not n.endswith(".scales"):
-                raise CheckpointError(f"{self.base}: {n!r}: not an MXFP4 expert stack")
-        return out
-
-    def arrays(self, prefix: str) -> dict[str, mx.array]:
-        return self._lo(self.base.arrays(prefix))
-
-    def model(self, dtype: str = "float32") -> nn.Module:
-        from k3dist.model import two_bank
-
-        cls = two_bank.build_class(self.config)
-        weights = self._lo(
-            self.base.all_arrays() if isinstance(self.base, SourceView) else self.base.arrays("")
-        )
-        return model_from(self.config, weights, dtype, (cls, kimi_k3.ModelArgs))
