@@ -13,6 +13,7 @@ from k3dist.build import (
     calibrate,
     calibtext,
     convert,
+    direct,
     grade,
     pipeline,
     profiles,
@@ -112,10 +113,13 @@ def test_teacher_and_calibration_from_the_source_equal_the_written_builds(built)
             assert np.array_equal(x[k], y[k]), (name, k)  # same numbers, not close ones
 
 
-def test_graded_from_the_source_equals_graded_from_the_base_build_and_its_slices(built):
-    tmp, a, _, ne, base, _, tokens = built
+def _graded_inputs(built) -> tuple[dict, Path, list[Path]]:
+    """convert_profile's graded arguments (calibration from the written builds), the graded
+    build written from the base build and its slices (made once for this module)."""
+    tmp, a, _, _, base, _, tokens = built
     cal = tmp / "cal-g"
-    calibrate.calibrate(tmp / "student", base, tmp / "teacher", tokens, cal, progress=False)
+    if not (cal / "calibrate.json").exists():
+        calibrate.calibrate(tmp / "student", base, tmp / "teacher", tokens, cal, progress=False)
     kw = dict(
         scores=cal / "scores-taylor.npz",
         routes=cal / "routes.npz",
@@ -123,25 +127,12 @@ def test_graded_from_the_source_equals_graded_from_the_base_build_and_its_slices
         progress=False,
     )
     g1 = profiles.convert_profile(MINI, tmp / "g1", "graded", mxfp4_dir=base, **kw)
-    g2 = profiles.convert_profile(MINI, tmp / "g2", "graded", base=view.SourceView(MINI, ne), **kw)
-    f1 = sorted(p.name for p in Path(g1).iterdir() if p.name != "k3dist.json")
-    assert f1 == sorted(p.name for p in Path(g2).iterdir() if p.name != "k3dist.json")
-    for name in f1:
-        assert sha256_file(g1 / name) == sha256_file(g2 / name), name
-    with pytest.raises(ValueError, match="base build view"):
-        profiles.convert_profile(MINI, tmp / "g3", "graded", base=view.SourceView(MINI), **kw)
-    # written straight into the rank folders (k3dist.build.direct): what slicing the
-    # written graded build gives, file for file; only k3dist.json names another input
     sliced = slicing.slice_all(g1, str(tmp / "sliced" / "rank{rank}"), 2, progress=False)
-    direct = profiles.convert_profile(
-        MINI,
-        tmp / "scratch",
-        "graded",
-        base=view.SourceView(MINI, ne),
-        rank_pattern=str(tmp / "direct" / "rank{rank}"),
-        **kw,
-    )
-    assert not (tmp / "scratch").exists()  # its one graded file at a time, then deleted
+    return kw, g1, sliced
+
+
+def _same_rank_folders(sliced: list[Path], direct: list[Path]) -> None:
+    """File for file the same bytes; only k3dist.json names another input folder."""
     for r, (x, y) in enumerate(zip(sliced, direct, strict=True)):
         names = sorted(p.name for p in x.iterdir())
         assert names == sorted(p.name for p in y.iterdir())
@@ -151,3 +142,55 @@ def test_graded_from_the_source_equals_graded_from_the_base_build_and_its_slices
                 assert sha256_file(x / name) == sha256_file(y / name), (r, name)
         mx_, my = (json.loads((p / "k3dist.json").read_text()) for p in (x, y))
         assert {k for k in mx_ if mx_[k] != my.get(k)} <= {"build", "seconds"}
+
+
+def test_graded_from_the_source_equals_graded_from_the_base_build_and_its_slices(built):
+    tmp, _, _, ne, _, _, _ = built
+    kw, g1, sliced = _graded_inputs(built)
+    g2 = profiles.convert_profile(MINI, tmp / "g2", "graded", base=view.SourceView(MINI, ne), **kw)
+    f1 = sorted(p.name for p in Path(g1).iterdir() if p.name != "k3dist.json")
+    assert f1 == sorted(p.name for p in Path(g2).iterdir() if p.name != "k3dist.json")
+    for name in f1:
+        assert sha256_file(g1 / name) == sha256_file(g2 / name), name
+    with pytest.raises(ValueError, match="base build view"):
+        profiles.convert_profile(MINI, tmp / "g3", "graded", base=view.SourceView(MINI), **kw)
+    # written straight into the rank folders (k3dist.build.direct): what slicing the
+    # written graded build gives
+    direct = profiles.convert_profile(
+        MINI,
+        tmp / "scratch",
+        "graded",
+        base=view.SourceView(MINI, ne),
+        rank_pattern=str(tmp / "direct" / "rank{rank}"),
+        **kw,
+    )
+    assert not (tmp / "scratch").exists()  # its one graded file at a time, then deleted
+    _same_rank_folders(sliced, direct)
+
+
+def test_direct_rank_writes_resume_after_a_stop(built, monkeypatch):
+    tmp, _, _, ne, _, _, _ = built
+    kw, _, sliced = _graded_inputs(built)
+    made = []
+    drop = direct.GradedFiles.drop
+
+    def drop_then_stop(self):  # stop after the third graded file went into the ranks
+        if self.current is not None:
+            made.append(self.current)
+        drop(self)
+        if len(made) == 3:
+            raise RuntimeError("stopped")
+
+    monkeypatch.setattr(direct.GradedFiles, "drop", drop_then_stop)
+    args = (MINI, tmp / "scratch-r", "graded")
+    pattern = str(tmp / "resumed" / "rank{rank}")
+    with pytest.raises(RuntimeError, match="stopped"):
+        profiles.convert_profile(*args, base=view.SourceView(MINI, ne), rank_pattern=pattern, **kw)
+    monkeypatch.undo()
+    ranks = [tmp / "resumed" / f"rank{r}" for r in (0, 1)]
+    assert not any((r / "k3dist.json").exists() for r in ranks)  # unfinished
+    assert all((r / made[0]).exists() for r in ranks)  # sliced before the stop
+    resumed = profiles.convert_profile(
+        *args, base=view.SourceView(MINI, ne), rank_pattern=pattern, **kw
+    )
+    _same_rank_folders(sliced, resumed)
