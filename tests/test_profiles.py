@@ -255,7 +255,7 @@ def test_graded_cli_without_scores_names_calibrate(mini_src, tmp_path):
 def test_profile_resumes_both_stages(mini_src, profiles, tmp_path, monkeypatch):
     """Interrupted in the MXFP4 stage, then in the grade stage: each re-run resumes,
     and the result is byte for byte the uninterrupted build."""
-    from k3dist.build import grade
+    from k3dist.build import view
     from k3dist.format.manifest import JOURNAL
 
     out, stage = tmp_path / "2bit", tmp_path / "stage"
@@ -277,8 +277,9 @@ def test_profile_resumes_both_stages(mini_src, profiles, tmp_path, monkeypatch):
     assert (stage / JOURNAL).exists() and not (stage / "k3dist.json").exists()
     assert not out.exists()
     monkeypatch.undo()
-    # a full grade of the mini reads in 30 calls (runs of experts): stop half-way
-    monkeypatch.setattr(grade, "read_bytes", failing(grade.read_bytes, 15))
+    # a full grade of the mini reads its expert stacks in 30 calls (runs of experts, through
+    # the build's reader, k3dist.build.view.BuildFolder): stop half-way
+    monkeypatch.setattr(view, "read_bytes", failing(view.read_bytes, 15))
     with pytest.raises(KeyboardInterrupt):
         convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)
     assert (stage / "k3dist.json").exists()

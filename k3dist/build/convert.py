@@ -36,7 +36,8 @@ import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from k3dist import __version__
@@ -50,6 +51,7 @@ from k3dist.format.qformat import MXFP4, SOURCE, QFormat
 from k3dist.format.sfile import (
     CheckpointError,
     StreamWriter,
+    TensorInfo,
     iter_chunks,
     mx_dtype_name,
     mx_to_bytes,
@@ -79,6 +81,25 @@ def output_file(group: str) -> str:
     if group.startswith("layer."):
         return f"model-layer-{int(group.split('.')[1]):03d}.safetensors"
     return f"model-{group}.safetensors"
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """One stacked expert tensor of a unit: the bytes of ``parts`` (one source tensor
+    per expert) in order, stored as ``dtype`` ``shape``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    parts: tuple[TensorInfo, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.parts)
+
+    def chunks(self) -> Iterator[bytes]:
+        for t in self.parts:
+            yield from iter_chunks(t)
 
 
 def identity(
@@ -263,8 +284,9 @@ class Converter:
             weights = {prefix + k: params[k] for k in sorted(keep)}
         return sorted(weights.items()), qconfig
 
-    def _expert_entries(self, layer: int):
-        """(name, dtype, shape, chunk-iterator factory) of the stacked experts."""
+    def _expert_entries(self, layer: int) -> list[ExpertStack]:
+        """The stacked experts of ``layer``: name, dtype, shape and the source tensors
+        (one per expert, in order) whose bytes they are."""
         ids = self.expert_ids(layer)
         infos = {}
         for s in self.specs[f"layer.{layer}"]:
@@ -280,20 +302,29 @@ class Converter:
                 ("weight_packed", "U32", (len(ids), rows, pcols // 4), "weight"),
                 ("weight_scale", "U8", (len(ids), rows, s0.shape[1]), "scales"),
             ):
-                names = [f"{base}.block_sparse_moe.experts.{e}.{w}.{kind}" for e in ids]
-
-                def chunks(names=names):
-                    for n in names:
-                        yield from iter_chunks(infos[n])
-
-                out.append((f"{base}.mlp.switch_mlp.{dst}.{suffix}", dtype, shape, chunks))
+                parts = tuple(infos[f"{base}.block_sparse_moe.experts.{e}.{w}.{kind}"] for e in ids)
+                out.append(
+                    ExpertStack(f"{base}.mlp.switch_mlp.{dst}.{suffix}", dtype, shape, parts)
+                )
         return out
+
+    def unit(self, group: str) -> tuple[list[tuple[str, mx.array]], list[ExpertStack], dict]:
+        """What a decoder-layer or head unit holds, as its file stores it: the non-expert
+        tensors (lazy arrays: nothing is read until they are evaluated), the expert stacks
+        (source byte ranges) and the unit's quantization entries."""
+        dense, qconfig = self._dense(group)
+        experts = []
+        if group.startswith("layer.") and layout.is_moe_layer(self.tc, int(group.split(".")[1])):
+            experts = self._expert_entries(int(group.split(".")[1]))
+            for e in experts:
+                if e.name.endswith(".weight"):
+                    qconfig[e.name[: -len(".weight")]] = MXFP4.qconfig()
+        return dense, experts, qconfig
 
     def convert_unit(self, group: str) -> dict:
         path = self.out / output_file(group)
-        qconfig: dict = {}
         if group == "vision":
-            infos = [self.src.info(s.name) for s in self.specs[group]]
+            infos = self.vision_infos()
             entries = [(t.name, t.dtype, t.shape) for t in infos]
             with StreamWriter(path, entries, {"format": "mlx"}) as w:
                 for t in infos:
@@ -308,20 +339,14 @@ class Converter:
                 "tensor_sha256": w.tensor_sha256,
             }
 
-        dense, qconfig = self._dense(group)
-        experts = []
-        if group.startswith("layer.") and layout.is_moe_layer(self.tc, int(group.split(".")[1])):
-            experts = self._expert_entries(int(group.split(".")[1]))
-            for name, *_ in experts:
-                if name.endswith(".weight"):
-                    qconfig[name[: -len(".weight")]] = MXFP4.qconfig()
+        dense, experts, qconfig = self.unit(group)
         entries = [(n, mx_dtype_name(a), tuple(a.shape)) for n, a in dense]
-        entries += [(n, dt, shape) for n, dt, shape, _ in experts]
+        entries += [(e.name, e.dtype, e.shape) for e in experts]
         with StreamWriter(path, entries, {"format": "mlx"}) as w:
             for n, a in dense:
                 w.write(n, mx_to_bytes(a))
-            for n, _, _, chunks in experts:
-                w.write(n, chunks())
+            for e in experts:
+                w.write(e.name, e.chunks())
         return {
             "file": path.name,
             "bytes": w.size,
@@ -331,6 +356,10 @@ class Converter:
             "header_sha256": w.header_sha256,
             "tensor_sha256": w.tensor_sha256,
         }
+
+    def vision_infos(self) -> list[TensorInfo]:
+        """The vision tower's source tensors, carried through as they are."""
+        return [self.src.info(s.name) for s in self.specs["vision"]]
 
     def preflight(self) -> None:
         """Every header entry against the config, and the A_log tails, before any
@@ -393,6 +422,11 @@ class Converter:
             self.out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map}
         )
 
+        write_json_atomic(self.out / CONFIG_NAME, self.build_config([done[g] for g in groups]))
+        return self.copy_tokenizer(self.out)
+
+    def build_config(self, units: list[dict]) -> dict:
+        """config.json of the build whose units carry these ``quantization`` entries."""
         cfg = json.loads(json.dumps(self.src.config))
         # auto_map points at Moonshot's remote code: transformers would prompt for
         # trust_remote_code on load. mlx-lm needs none of it.
@@ -405,22 +439,24 @@ class Converter:
             if self.bits == 16
             else {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
         )
-        for g in groups:
-            quant.update(done[g].get("quantization", {}))
+        for u in units:
+            quant.update(u.get("quantization", {}))
         cfg["quantization"] = quant
-        write_json_atomic(self.out / CONFIG_NAME, cfg)
+        return cfg
 
+    def copy_tokenizer(self, out: Path) -> dict[str, str]:
+        """The tokenizer files into ``out``; returns {file: sha256}."""
         copied = {}
         for name in TOKENIZER_FILES:
             p = self.src.path / name
             if p.exists():
-                shutil.copyfile(p, self.out / name)
-                copied[name] = sha256_file(self.out / name)
+                shutil.copyfile(p, out / name)
+                copied[name] = sha256_file(out / name)
         # K3 ships tiktoken.model + a remote-code tokenizer_config.json: add tokenizer.json,
         # a plain tokenizer_config.json and the chat template, so serving needs nothing else.
         if "tiktoken.model" in copied and "tokenizer.json" not in copied:
-            for name in tokenizer.write_hf_tokenizer(self.src.path, self.out):
-                copied[name] = sha256_file(self.out / name)
+            for name in tokenizer.write_hf_tokenizer(self.src.path, out):
+                copied[name] = sha256_file(out / name)
         return copied
 
     def profile(self, done: dict, groups: list[str]) -> dict:

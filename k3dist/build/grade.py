@@ -25,16 +25,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import time
 from pathlib import Path
 
 from k3dist import __version__
+from k3dist.build.view import as_build
 from k3dist.format import layout
-from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, load_config, weight_map
+from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, load_config
 from k3dist.format.graded import GRADED_KEY, HI, LO, GradedMap, bank_of
 from k3dist.format.journal import JournaledFolder, write_json_atomic
-from k3dist.format.manifest import JOURNAL, MANIFEST
+from k3dist.format.manifest import MANIFEST
 from k3dist.format.placement import read_counts
 from k3dist.format.qformat import MXFP4, QFormat
 from k3dist.format.sfile import (
@@ -43,9 +43,7 @@ from k3dist.format.sfile import (
     Header,
     StreamWriter,
     TensorInfo,
-    iter_chunks,
     mx_to_bytes,
-    read_bytes,
     read_header,
     sha256_file,
 )
@@ -55,7 +53,7 @@ import numpy as np
 from tqdm import tqdm
 
 
-def _identity(build_manifest: dict, gmap: GradedMap, lo: QFormat) -> dict:
+def identity(build_manifest: dict, gmap: GradedMap, lo: QFormat) -> dict:
     return {
         "kind": "graded",
         "from_build": build_manifest["build_hash"],
@@ -64,6 +62,29 @@ def _identity(build_manifest: dict, gmap: GradedMap, lo: QFormat) -> dict:
             json.dumps(gmap.to_json(), sort_keys=True).encode()
         ).hexdigest(),
     }
+
+
+def requantize(wq: mx.array, sq: mx.array, lo: QFormat) -> tuple[mx.array, mx.array, mx.array]:
+    """MXFP4 expert codes and scales ``[n, rows, *]`` -> the lo bank's affine (codes,
+    scales, biases): decoded to bf16 and quantized with ``mx.quantize``, each group
+    alone (so any run of experts gives the same bytes)."""
+    dense = mx.dequantize(wq, sq, mode="mxfp4", group_size=32, bits=4, dtype=mx.bfloat16)
+    return mx.quantize(dense, group_size=lo.group_size, bits=lo.bits, mode="affine")
+
+
+def graded_config(config: dict, gmap: GradedMap, lo: QFormat) -> dict:
+    """config.json of the graded build of an MXFP4 build's ``config``."""
+    cfg = json.loads(json.dumps(config))
+    tc = layout.text_config(cfg)
+    quant = cfg["quantization"]
+    moe = [i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i)]
+    for layer in moe:
+        for proj in layout.MLP_PROJS:
+            quant[f"language_model.model.layers.{layer}.mlp.{LO}.{proj}"] = lo.qconfig()
+            if gmap.hi_ids(layer):
+                quant[f"language_model.model.layers.{layer}.mlp.{HI}.{proj}"] = MXFP4.qconfig()
+    cfg[GRADED_KEY] = gmap.to_json()
+    return cfg
 
 
 def expert_runs(ids: list[int], most: int) -> list[tuple[int, int]]:
@@ -86,16 +107,16 @@ class GradedBuilder:
         lo: QFormat,
         plan: dict | None = None,
     ):
-        self.build, self.out, self.gmap, self.lo = Path(build), Path(out), gmap, lo
+        self.src = as_build(build)
+        self.build, self.out, self.gmap, self.lo = self.src.path, Path(out), gmap, lo
         self.plan = plan
-        mp = self.build / MANIFEST
-        if not mp.exists():
+        if self.src.manifest is None:
             raise CheckpointError(
                 f"{self.build}: no {MANIFEST}; grade a finished MXFP4 "
                 "build (python -m k3dist.build.convert)"
             )
-        self.manifest = json.loads(mp.read_text())
-        self.config = load_config(self.build)
+        self.manifest = self.src.manifest
+        self.config = self.src.config
         if GRADED_KEY in self.config:
             raise CheckpointError(
                 f"{self.build}: already a graded build; grade the MXFP4 build it came from"
@@ -110,9 +131,8 @@ class GradedBuilder:
         bad = sorted(set(gmap.hi) - moe)
         if bad:
             raise ValueError(f"promoted experts for layers {bad}, which are not MoE layers")
-        index = weight_map(self.build)
-        self.files = list(dict.fromkeys(index.values()))
-        self.headers: dict[str, Header] = {f: read_header(self.build / f) for f in self.files}
+        self.files = self.src.files()
+        self.headers: dict[str, Header] = {f: self.src.header(f) for f in self.files}
         for h in self.headers.values():
             for n, t in h.tensors.items():
                 b = bank_of(n)
@@ -134,7 +154,7 @@ class GradedBuilder:
                         f"{lo.name} cannot store {n!r} ({mats} columns); "
                         "choose another lo group size"
                     )
-        self.ident = _identity(self.manifest, gmap, lo)
+        self.ident = identity(self.manifest, gmap, lo)
 
     # -- one file ---------------------------------------------------------------
     def _entries(self, h: Header):
@@ -144,7 +164,7 @@ class GradedBuilder:
         for t in sorted(h.tensors.values(), key=lambda t: t.start):
             b = bank_of(t.name)
             if b is None:
-                out.append((t.name, t.dtype, t.shape, lambda t=t: iter_chunks(t)))
+                out.append((t.name, t.dtype, t.shape, lambda t=t: self.src.chunks(t)))
                 continue
             proj = t.name.split(f".{LO}.")[1].split(".")[0]
             stacks.setdefault((b[0], proj), {})[t.name.rsplit(".", 1)[1]] = t
@@ -164,7 +184,7 @@ class GradedBuilder:
 
                 def copy(t=t, per=per):  # byte ranges of the promoted rows
                     for e in hi:
-                        yield read_bytes(t, e * per, per)
+                        yield self.src.read(t, e * per, per)
 
                 out.append((f"{base}.{HI}.{proj}.{suffix}", t.dtype, (len(hi), *t.shape[1:]), copy))
         q = self.lo
@@ -176,17 +196,9 @@ class GradedBuilder:
             # K3's 82,432 experts x 3 projections (measured on the k3counts preset).
             wper, sper = w.nbytes // E, s.nbytes // E
             for e, n in expert_runs(lo, max(1, CHUNK_BYTES // wper)):
-                wq = mx.array(np.frombuffer(read_bytes(w, e * wper, n * wper), np.uint32))
-                sq = mx.array(np.frombuffer(read_bytes(s, e * sper, n * sper), np.uint8))
-                dense = mx.dequantize(
-                    wq.reshape(n, rows, -1),
-                    sq.reshape(n, rows, -1),
-                    mode="mxfp4",
-                    group_size=32,
-                    bits=4,
-                    dtype=mx.bfloat16,
-                )
-                qw, qs, qb = mx.quantize(dense, group_size=q.group_size, bits=q.bits, mode="affine")
+                wq = mx.array(np.frombuffer(self.src.read(w, e * wper, n * wper), np.uint32))
+                sq = mx.array(np.frombuffer(self.src.read(s, e * sper, n * sper), np.uint8))
+                qw, qs, qb = requantize(wq.reshape(n, rows, -1), sq.reshape(n, rows, -1), q)
                 held["scales"].append(mx_to_bytes(qs))
                 held["biases"].append(mx_to_bytes(qb))
                 yield mx_to_bytes(qw)
@@ -226,17 +238,12 @@ class GradedBuilder:
         return {"file": fname, "bytes": wr.size, "sha256": wr.sha256, "tensors": len(entries)}
 
     # -- whole build ----------------------------------------------------------------
+    @property
+    def build_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.ident, sort_keys=True).encode()).hexdigest()[:16]
+
     def config_out(self) -> dict:
-        cfg = json.loads(json.dumps(self.config))
-        quant = cfg["quantization"]
-        moe = [i for i in range(self.tc["num_hidden_layers"]) if layout.is_moe_layer(self.tc, i)]
-        for layer in moe:
-            for proj in layout.MLP_PROJS:
-                quant[f"language_model.model.layers.{layer}.mlp.{LO}.{proj}"] = self.lo.qconfig()
-                if self.gmap.hi_ids(layer):
-                    quant[f"language_model.model.layers.{layer}.mlp.{HI}.{proj}"] = MXFP4.qconfig()
-        cfg[GRADED_KEY] = self.gmap.to_json()
-        return cfg
+        return graded_config(self.config, self.gmap, self.lo)
 
     def run(self, progress: bool = True) -> Path:
         out = self.out
@@ -253,16 +260,7 @@ class GradedBuilder:
             out / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map}
         )
         write_json_atomic(out / CONFIG_NAME, self.config_out())
-        small = sorted(
-            p.name
-            for p in self.build.iterdir()
-            if p.is_file()
-            and not p.name.startswith(".")
-            and p.suffix != ".safetensors"
-            and p.name not in (INDEX_NAME, MANIFEST, JOURNAL, CONFIG_NAME)
-        )
-        for name in small:
-            shutil.copyfile(self.build / name, out / name)
+        small = self.src.write_small(out)
         files = {
             f: {"sha256": folder.done[f]["sha256"], "bytes": folder.done[f]["bytes"]}
             for f in self.files
@@ -274,10 +272,8 @@ class GradedBuilder:
                 "tool": f"k3dist {__version__}",
                 "kind": "build",
                 "identity": self.ident,
-                "build_hash": hashlib.sha256(
-                    json.dumps(self.ident, sort_keys=True).encode()
-                ).hexdigest()[:16],
-                "from_build": str(self.build.resolve()),
+                "build_hash": self.build_hash,
+                "from_build": self.src.describe,
                 "profile": {
                     "experts": f"graded: hi mxfp4 (source bytes), lo {self.lo.name}",
                     "lo_fallback": self.gmap.lo_fallback,
@@ -304,8 +300,21 @@ def grade(
     """Write a graded build of an MXFP4 ``build``: ``promoted`` global expert ids per MoE
     layer keep their MXFP4 bytes (hi bank), the rest become ``lo``; resumable. ``plan``
     (k3dist.build.planner) is stored in the build manifest."""
-    cfg = load_config(build)
-    E = layout.text_config(cfg)["num_experts"]
+    return builder(build, out, promoted, k_hi, lo, lo_fallback, plan).run(progress)
+
+
+def builder(
+    build,
+    out: str | Path,
+    promoted: dict[int, list[int]],
+    k_hi: dict[int, int] | int,
+    lo: str | QFormat = "2bit-g64",
+    lo_fallback: bool = False,
+    plan: dict | None = None,
+) -> GradedBuilder:
+    """The :class:`GradedBuilder` :func:`grade` runs (``k3dist.build.direct`` writes its
+    files into rank folders instead)."""
+    E = layout.text_config(as_build(build).config)["num_experts"]
     if isinstance(k_hi, int):
         k_hi = {layer: k_hi for layer in promoted}
     gmap = GradedMap(
@@ -316,7 +325,7 @@ def grade(
         QFormat.parse(lo).name if isinstance(lo, str) else lo.name,
     )
     lo = QFormat.parse(lo) if isinstance(lo, str) else lo
-    return GradedBuilder(build, out, gmap, lo, plan).run(progress)
+    return GradedBuilder(build, out, gmap, lo, plan)
 
 
 def promote_top(scores: dict[int, np.ndarray], counts: dict[int, int]) -> dict[int, list[int]]:
@@ -362,7 +371,7 @@ def k_hi_calibrated(
     """k_hi per layer from calibration routes (``k3dist.build.calibrate``)."""
     from k3dist.build.calibrate import k_hi_from_routes
 
-    cfg = load_config(build)
+    cfg = build.config if hasattr(build, "config") else load_config(build)
     top_k = layout.text_config(cfg)["num_experts_per_token"]
     r = read_counts(routes)
     missing = sorted(set(promoted) - set(r))

@@ -11,22 +11,30 @@ Stages, in order (each one resumable, skipped when its output is current):
 2. ``tokens``: the calibration token set: ``--calib`` as given, or ``--calib-text``
    (default: the stdlib mix) through the SOURCE's own tokenizer
    (``k3dist.build.calibtext``); each source's share lands in ``pipeline.json``.
-3. ``base``: the MXFP4 build the rest reads (``k3dist.build.convert``): experts in
-   their source bytes, non-expert tensors in the PLAN's formats, so the graded stage
-   always accepts it (the README's old seven commands built a bf16 teacher the graded
-   profile then refused).
-4. ``teacher``: the token set streamed through ``base`` a layer at a time
-   (``k3dist.build.teacher``): boundary states and log-probabilities.
-5. ``student``: the uniform lo-bank build of ``base`` (``grade`` with no promotions),
-   the calibration student.
-6. ``calibrate``: per-expert scores and routes (``k3dist.build.calibrate``); then the
-   student is deleted.
-7. ``graded``: the graded build from ``base`` with the plan, the taylor scores (global
-   allocation) and ``k_hi`` from the routes (``profiles.convert_profile``); then ``base``
-   is deleted.
-8. ``dwq`` (``--dwq``): block-aligned DWQ of the graded build (``k3dist.build.dwq``).
-9. ``slice``: one folder per rank, ``OUT/rank{rank}`` (``k3dist.build.slicing``); then
-   the teacher states and the graded/DWQ build are deleted.
+3. ``teacher``: the token set streamed a layer at a time (``k3dist.build.teacher``)
+   through the SOURCE read as its MXFP4 base build (``k3dist.build.view.SourceView``:
+   experts in their source bytes, non-experts converted to the PLAN's formats per layer
+   in memory by the converter's own code; never written): boundary states and
+   log-probabilities.
+4. ``calibrate``: per-expert scores and routes (``k3dist.build.calibrate``) of the uniform
+   lo-bank student, quantized from the source a layer at a time in memory
+   (``student.LoView``, grade's own quantizer; never written), against the same base view;
+   then the teacher is deleted (kept for ``--dwq``).
+5. ``graded``: the graded build from the base view with the plan, the taylor scores
+   (global allocation) and ``k_hi`` from the routes (``profiles.convert_profile``),
+   written straight into one folder per rank, ``OUT/rank{rank}``
+   (``k3dist.build.direct``: one graded file at a time in scratch, sliced by
+   ``k3dist.build.slicing`` into every rank, deleted). With ``--dwq`` the graded build is
+   written whole instead, and two more stages follow:
+6. ``dwq`` (``--dwq``): block-aligned DWQ of the graded build (``k3dist.build.dwq``); then
+   the teacher and the graded build are deleted.
+7. ``slice`` (``--dwq``): one folder per rank from the DWQ build
+   (``k3dist.build.slicing``); then the DWQ build is deleted.
+
+Peak disk for the real K3 (``--real-k3 --budget 480e9 --dry-run``): 872.8 GB in OUT
+(the rank folders and one graded layer file), 2.434 TB with the source: the goal,
+source + 1.1 x rank folders = 2.511 TB, is met. With ``--dwq`` it is not (1.720 TB in
+OUT: the DWQ build and the rank folders beside it).
 
 Scratch lives in ``OUT/work``; ``--keep`` keeps it. Each stage runs in its own process
 (its memory goes back to the system when it ends; its peak RSS and I/O bytes are its
@@ -98,9 +106,7 @@ class Args:
         return {
             "plan": Path(self.out) / "plan.json",
             "tokens": self.work / "tokens.npz",
-            "base": self.work / "base",
             "teacher": self.work / "teacher",
-            "student": self.work / "student",
             "calibrate": self.work / "calib",
             "graded": self.work / "graded",
             "dwq": self.work / "dwq",
@@ -115,19 +121,20 @@ class Args:
 
 
 def stages(a: Args) -> list[str]:
-    s = ["plan", "tokens", "base", "teacher", "student", "calibrate", "graded"]
-    return [*s, "dwq", "slice"] if a.dwq else [*s, "slice"]
+    s = ["plan", "tokens", "teacher", "calibrate", "graded"]
+    return [*s, "dwq", "slice"] if a.dwq else s
+
+
+def writes_ranks(a: Args, stage: str) -> bool:
+    """The stage whose output is the rank folders: ``graded`` (written straight into
+    them, ``k3dist.build.direct``), or ``slice`` after DWQ."""
+    return stage == ("slice" if a.dwq else "graded")
 
 
 # scratch -> the stage after which nothing reads it any more
 def consumers_end(a: Args) -> dict[str, str]:
-    return {
-        "student": "calibrate",
-        "base": "graded",
-        "teacher": "slice" if not a.dwq else "dwq",
-        "graded": "dwq" if a.dwq else "slice",
-        "dwq": "slice",
-    }
+    out = {"teacher": "dwq" if a.dwq else "calibrate"}
+    return out | {"graded": "dwq", "dwq": "slice"} if a.dwq else out
 
 
 def stage_params(a: Args, stage: str) -> dict:
@@ -146,11 +153,9 @@ def stage_params(a: Args, stage: str) -> dict:
             "windows": a.windows,
             "seq": a.seq,
         },
-        "base": {},
         "teacher": {"batch": a.batch, "top_k": a.top_k},
-        "student": {},
         "calibrate": {"batch": a.batch},
-        "graded": {},
+        "graded": {"ranks": None if a.dwq else a.ranks},  # a build, or the rank folders
         "dwq": {"steps": a.dwq_steps, "batch": a.dwq_batch},
         "slice": {"ranks": a.ranks},
     }[stage]
@@ -242,17 +247,35 @@ def calib_tokens(a: Args) -> int:
     return a.windows * a.seq
 
 
+def largest_graded_file(acc, plan: dict) -> int:
+    """Bytes of the largest file of the graded build (one conversion unit: a decoder
+    layer, the head, the vision tower): its experts in the plan's banks, its non-expert
+    tensors at their class's planned bytes (a class's bytes shared by source size)."""
+    from k3dist.format.qformat import MXFP4, QFormat
+
+    hi_b = acc.expert_bytes(MXFP4)
+    lo_b = acc.expert_bytes(QFormat.parse(plan["lo"]["format"]))
+    unit: dict[str, float] = {}
+    for c, specs in acc.tensors.items():
+        if c == "experts":
+            continue
+        total = sum(t.nbytes for t in specs) or 1
+        planned = plan["nonexpert"].get(c, {}).get("bytes", total)
+        for t in specs:
+            unit[t.group] = unit.get(t.group, 0) + planned * t.nbytes / total
+    for layer in acc.moe_layers:
+        p = int(plan["promoted_per_layer"].get(str(layer), 0))
+        g = f"layer.{layer}"
+        unit[g] = unit.get(g, 0) + p * hi_b + (acc.num_experts - p) * lo_b
+    return int(max(unit.values())) + (1 << 20)  # + its header
+
+
 def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
     """Bytes each stage writes, what is freed after it, the peak beside the source."""
     from k3dist.build import stream, teacher
-    from k3dist.format.qformat import MXFP4, QFormat
 
     tc = acc.tc
-    L, E = len(acc.moe_layers), acc.num_experts
-    ne = sum(v["bytes"] for v in plan["nonexpert"].values())
     vision = acc.classes.get("vision", {}).get("source_bytes", 0)
-    hi_b = acc.expert_bytes(MXFP4)
-    lo_b = acc.expert_bytes(QFormat.parse(plan["lo"]["format"]))
     ntok = calib_tokens(a)
     H, V = tc["hidden_size"], tc["vocab_size"]
     states = 0
@@ -268,16 +291,17 @@ def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
     writes = {
         "plan": 1 << 20,
         "tokens": ntok * 8 + (1 << 20),
-        "base": ne + vision + L * E * hi_b,
         "teacher": states + logits,
-        "student": ne + vision + L * E * lo_b,
         # the student's block-input states and their cotangents, deleted at the end
         "calibrate": 2 * stream.state_bytes(tc, ntok) * (len(teacher.boundaries(tc)) - 1),
-        "graded": plan["build_bytes"],
+        # --dwq: the graded build; else the rank folders, plus one graded file of scratch
+        "graded": plan["build_bytes"] if a.dwq else sum(per_rank) + largest_graded_file(acc, plan),
         "dwq": plan["build_bytes"] + stream.state_bytes(tc, ntok),
         "slice": sum(per_rank),
     }
     keep_after = {"calibrate": 1 << 20}  # scores + routes stay; its work folder goes
+    if not a.dwq:
+        keep_after["graded"] = sum(per_rank)  # its graded file of scratch goes
     frees = consumers_end(a)
     rows, held, peak, peak_at = [], 0, 0, ""
     alive: dict[str, int] = {}
@@ -294,7 +318,12 @@ def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
                 if last == s and scratch in alive:
                     freed += alive.pop(scratch)
         rows.append(
-            {"stage": s, "writes": writes[s], "held_after": held - freed, "freed_after": freed}
+            {
+                "stage": s,
+                "writes": writes[s],
+                "held_after": sum(alive.values()),
+                "freed_after": freed,
+            }
         )
     ranks_total = sum(per_rank)
     goal = source_bytes + int(GOAL_FACTOR * ranks_total)
@@ -382,11 +411,20 @@ def print_disk_plan(d: dict, free: int | None, already: int = 0) -> None:
 # ------------------------------------------------------------------------- stages
 
 
+def base_view(a: Args, plan: dict):
+    """The source read as the MXFP4 base build the plan implies (experts in their source
+    bytes, non-experts in the plan's formats), a layer at a time: never written."""
+    from k3dist.build.view import SourceView
+    from k3dist.format.classes import CLASSES
+
+    return SourceView(a.src, {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES})
+
+
 def _run_stage(a: Args, stage: str, plan: dict) -> dict:
     """The stage's work, in this (child) process. Returns facts for pipeline.json."""
-    from k3dist.build import calibrate, convert, grade, profiles, slicing, teacher
+    from k3dist.build import calibrate, profiles, slicing, teacher
 
-    base, tok = a.path("base"), a.path("tokens")
+    tok = a.path("tokens")
     if stage == "tokens":
         from k3dist.build import calibtext
 
@@ -415,29 +453,23 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
         for w in rec["warnings"]:
             print(f"warning: {w}", file=sys.stderr)
         return {"tokens": rec}
-    if stage == "base":
-        from k3dist.format.classes import CLASSES
-
-        ne = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
-        convert.convert(a.src, base, nonexpert=ne)
     elif stage == "teacher":
         from k3dist.build import stream
 
         teacher.run(
-            base,
+            base_view(a, plan),
             teacher.read_tokens(tok),
             a.path("teacher"),
             cap=stream.parse_bytes(a.cap),
             batch=a.batch,
             top_k=a.top_k,
         )
-    elif stage == "student":
-        grade.grade(base, a.path("student"), {}, 0, plan["lo"]["format"])
     elif stage == "calibrate":
-        from k3dist.build import stream
+        from k3dist.build import stream, student
 
+        base = base_view(a, plan)
         calibrate.calibrate(
-            a.path("student"),
+            student.LoView(base, plan["lo"]["format"]),  # the student, quantized a layer at a time
             base,
             a.path("teacher"),
             teacher.read_tokens(tok),
@@ -449,19 +481,21 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
         cal = a.path("calibrate")
         profiles.convert_profile(
             a.src,
-            a.path("graded"),
+            a.path("graded"),  # with --dwq the graded build, else one graded file of scratch
             "graded",
-            mxfp4_dir=base,
+            base=base_view(a, plan),
             scores=cal / "scores-taylor.npz",
             routes=cal / "routes.npz",
             plan_kw=plan_kw(a),
+            rank_pattern=None if a.dwq else str(Path(a.out) / RANK_PATTERN),
+            keep=a.keep,
         )
     elif stage == "dwq":
         from k3dist.build import dwq, stream
 
         cfg = dwq.DWQConfig(steps=a.dwq_steps, batch=a.dwq_batch)
         dwq.dwq(
-            base,
+            a.src,  # the teacher build's name only: DWQ reads the teacher's states
             a.path("teacher"),
             a.path("graded"),
             teacher.read_tokens(tok),
@@ -517,11 +551,9 @@ def reads(a: Args) -> dict[str, list[str]]:
     return {
         "plan": [],
         "tokens": [],
-        "base": [],
-        "teacher": ["base", "tokens"],
-        "student": ["base"],
-        "calibrate": ["student", "base", "teacher", "tokens"],
-        "graded": ["base", "calibrate"],
+        "teacher": ["tokens"],
+        "calibrate": ["teacher", "tokens"],
+        "graded": ["calibrate"],
         "dwq": ["teacher", "graded", "tokens"],
         "slice": ["dwq" if a.dwq else "graded"],
     }
@@ -553,7 +585,7 @@ def _done(a: Args, state: dict, stage: str, key: str) -> bool:
     if rec.get("deleted"):
         return True
     p = a.path(stage)
-    if stage == "slice":
+    if writes_ranks(a, stage):
         return all((r / MANIFEST).exists() for r in a.rank_dirs())
     if stage == "calibrate":
         return (p / "calibrate.json").exists()
@@ -691,11 +723,13 @@ def _run_stages(
         rec = state["stages"].get(stage)
         if rec and rec.get("deleted"):
             rec.pop("deleted")
-        if rec and rec.get("key") != key and stage != "slice":
+        if rec and rec.get("key") != key:
             _delete(a.path(stage))  # made from other inputs: the tool would refuse it
-        elif rec and rec.get("key") != key:
-            for r in a.rank_dirs():
+        if writes_ranks(a, stage) and state.get("ranks_by") != [stage, key]:
+            for r in a.rank_dirs():  # rank folders of another run: the slicer would refuse
                 _delete(r)
+            state["ranks_by"] = [stage, key]
+            write_json_atomic(sp, state)
         print(f"[{n}/{len(order)}] {stage} ...", flush=True)
         t0 = time.perf_counter()
         if stage == "plan":
@@ -725,7 +759,7 @@ def _run_stages(
                 )
             stats = json.loads(stats_path.read_text())
             stats_path.unlink()
-        outb = sum(_du(r) for r in a.rank_dirs()) if stage == "slice" else _du(a.path(stage))
+        outb = sum(_du(r) for r in a.rank_dirs()) if writes_ranks(a, stage) else _du(a.path(stage))
         rec = {
             "key": key,
             "done": True,

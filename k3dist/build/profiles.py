@@ -159,6 +159,9 @@ def convert_profile(
     profile: str = "mxfp4",
     *,
     mxfp4_dir: str | Path | None = None,
+    base=None,
+    rank_pattern: str | None = None,
+    keep: bool = False,
     nonexpert_bits: int = 16,
     group_size: int = 64,
     nonexpert: str | dict | None = None,
@@ -174,7 +177,12 @@ def convert_profile(
     on the highest ``scores`` over all layers (a multiple of the ranks per layer),
     ``per-layer`` takes the plan's count in every layer; ``k_hi`` per layer comes from
     calibration ``routes`` when given (observed maximum), else ``k_hi``, else uniform
-    routing at the plan's drop target."""
+    routing at the plan's drop target. ``base`` (a ``k3dist.build.view.SourceView``):
+    the MXFP4 base build read from the source a layer at a time instead of written to
+    ``mxfp4_dir``. ``rank_pattern`` (graded): the graded build written straight into the
+    rank folders ``rank_pattern.format(rank=r)`` of the plan's ranks, ``out`` holding one
+    graded file at a time (``k3dist.build.direct``; deleted unless ``keep``); returns the
+    rank folders."""
     if profile not in PROFILES:
         raise ValueError(f"--profile {profile!r}: one of {', '.join(PROFILES)}")
     if profile == "mxfp4":
@@ -196,7 +204,18 @@ def convert_profile(
         plan = plan_graded(source, **kw)
         nonexpert = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
         nonexpert_bits = 16
-    build = Converter(source, stage, nonexpert_bits, group_size, nonexpert=nonexpert).run(progress)
+    if base is not None:  # the source read as its MXFP4 base build: nothing written
+        want = Converter(source, None, nonexpert_bits, group_size, nonexpert=nonexpert).ident
+        if want != base.manifest["identity"]:
+            raise ValueError(
+                f"{base}: a base build view of {base.manifest['identity']}, this profile "
+                f"reads {want}; make the view with the plan's non-expert formats"
+            )
+        build = base
+    else:
+        build = Converter(source, stage, nonexpert_bits, group_size, nonexpert=nonexpert).run(
+            progress
+        )
     E = tc["num_experts"]
     if profile == "graded":
         counts = {int(k): int(v) for k, v in plan["promoted_per_layer"].items()}
@@ -219,7 +238,12 @@ def convert_profile(
                 i: max(1, planner.k_hi_uniform(E, tc["num_experts_per_token"], len(v), target))
                 for i, v in promoted.items()
             }
-        grader.grade(build, out, promoted, khi, plan["lo"]["format"], progress=progress, plan=plan)
+        gb = grader.builder(build, out, promoted, khi, plan["lo"]["format"], plan=plan)
+        if rank_pattern is not None:  # straight into rank folders: OUT is scratch
+            from k3dist.build import direct
+
+            return direct.grade_into_ranks(gb, rank_pattern, plan["ranks"], progress, keep)
+        gb.run(progress)
     elif profile in ("2bit", "3bit"):
         grader.grade(build, out, {}, 0, lo_format(tc, int(profile[0])), progress=progress)
     else:  # mixed2
@@ -229,7 +253,7 @@ def convert_profile(
     m = json.loads((out / MANIFEST).read_text())
     m["convert_profile"] = {
         "profile": profile,
-        "mxfp4_build": str(build.resolve()),
+        "mxfp4_build": build.describe if base is not None else str(build.resolve()),
         "scores": str(scores) if scores else None,
     }
     write_json_atomic(out / MANIFEST, m)

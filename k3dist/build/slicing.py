@@ -297,8 +297,13 @@ class BuildSlicer:
         size: int,
         placement: Placement,
         attention: str | None = None,
+        tensors=None,
     ):
+        """``tensors``: where the build's safetensors are read (``header(f)``,
+        ``read(t, start, length)``); default the files in ``build``
+        (``k3dist.build.direct`` passes graded files made one at a time)."""
         check_rank(rank, size)
+        self.tensors = tensors
         self.size = size
         self.build, self.out, self.rank = build, out, rank
         self.config = load_config(build)
@@ -322,7 +327,9 @@ class BuildSlicer:
             else hashlib.sha256(self.index_bytes + self.config_bytes).hexdigest()[:16]
         )
         self.files = list(dict.fromkeys(self.weight_map.values()))
-        self.headers = {f: read_header(build / f) for f in self.files}
+        self.headers = {
+            f: read_header(build / f) if tensors is None else tensors.header(f) for f in self.files
+        }
         self._check_index()
         tc = layout.text_config(self.config)
         E = tc.get("num_experts")
@@ -422,7 +429,11 @@ class BuildSlicer:
 
         def chunks(t: TensorInfo, ranges) -> Iterator[bytes]:
             for start, length, cols in ranges:
-                data = read_bytes(t, start, length)
+                data = (
+                    read_bytes(t, start, length)
+                    if self.tensors is None
+                    else self.tensors.read(t, start, length)
+                )
                 bar.update(len(data))
                 if cols is not None:
                     row, a, b = cols
@@ -454,18 +465,35 @@ class BuildSlicer:
         )
 
     def run(self, progress: bool = True) -> Path:
-        folder = _folder(self.out, self.ident, "build")
-        if folder.open():
+        if self.open():
             return self.out
         total = sum(sum(r[1] for r in ranges) for f in self.files for _, _, ranges in self._plan(f))
         bar = tqdm(
             total=total, unit="B", unit_scale=True, disable=not progress, desc=f"rank {self.rank}"
         )
-        t0 = time.perf_counter()
         for f in self.files:
-            if not folder.unit(f, lambda f=f: self._slice_file(f, bar)):
-                bar.update(sum(x[1] for _, _, r in self._plan(f) for x in r))
+            self.slice(f, bar)
         bar.close()
+        return self.finish()
+
+    def open(self) -> bool:
+        """Open (or resume) the rank folder; True when it is already complete."""
+        self.folder = _folder(self.out, self.ident, "build")
+        self.t0 = time.perf_counter()
+        return self.folder.open()
+
+    def pending(self, fname: str) -> bool:
+        return fname not in self.folder.done
+
+    def slice(self, fname: str, bar: tqdm | None = None) -> None:
+        """One file of the build into the rank folder (skipped when journaled done)."""
+        bar = bar or tqdm(disable=True)
+        if not self.folder.unit(fname, lambda: self._slice_file(fname, bar)):
+            bar.update(sum(x[1] for _, _, r in self._plan(fname) for x in r))
+
+    def finish(self) -> Path:
+        """Index, config, small files and the manifest, once every file is sliced."""
+        folder, t0 = self.folder, self.t0
         total_size = sum(folder.done[f]["bytes"] for f in self.files)
         meta = {**self.index.get("metadata", {}), "total_size": total_size}
         write_json_atomic(self.out / INDEX_NAME, {"metadata": meta, "weight_map": self.weight_map})

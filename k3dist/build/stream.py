@@ -31,11 +31,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3dist.build.view import BuildFolder, load_lazy  # noqa: F401 (load_lazy: users)
 from k3dist.format import layout
-from k3dist.format.folder import INDEX_NAME, load_config, weight_map
-from k3dist.format.graded import GRADED_KEY
+from k3dist.format.folder import INDEX_NAME
 from k3dist.format.kvmemory import GiB
-from k3dist.format.sfile import mx_dtype
 from k3dist.model import compat
 
 import mlx.core as mx
@@ -43,7 +42,6 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import kimi_k3
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
-from mlx_lm.utils import load_model
 
 
 class StreamError(ValueError):
@@ -130,33 +128,23 @@ def check_cap(tc: dict, tokens: int, cap: int, copies: int = 1, what: str = "sta
     return need
 
 
-def load_lazy(path: str | Path, dtype: str = "float32") -> nn.Module:
-    """Any k3dist build (MXFP4 or graded) with nothing read yet; eval mode."""
-    path = Path(path)
-    config = load_config(path)
-    if GRADED_KEY in config:
-        from k3dist.model import two_bank
-
-        model, _ = two_bank.load_build(path, dtype, lazy=True)
-    else:
-        model, _ = load_model(path, lazy=True)
-        model.set_dtype(mx_dtype(dtype))
-    model.eval()
-    return model
-
-
 class LayerStream:
     """One build, loaded lazily, run a layer at a time (module doc)."""
 
-    def __init__(self, path: str | Path, dtype: str = "float32"):
-        self.path = Path(path)
-        self.config = load_config(self.path)
+    def __init__(self, build, dtype: str = "float32"):
+        """``build``: a build folder, or a view of one (``k3dist.build.view``: the
+        source read as its MXFP4 base build, a uniform lo-bank student in memory)."""
+        if isinstance(build, (str, Path)):
+            index = Path(build) / INDEX_NAME
+            if not index.exists():
+                raise StreamError(f"{index}: missing; stream a k3dist build (k3dist.build.convert)")
+            build = BuildFolder(build)
+        self.build = build
+        self.path = build.path
+        self.config = build.config
         self.tc = layout.text_config(self.config)
-        index = self.path / INDEX_NAME
-        if not index.exists():
-            raise StreamError(f"{index}: missing; stream a k3dist build (k3dist.build.convert)")
-        self.weight_map: dict[str, str] = weight_map(self.path)
-        self.model = load_lazy(self.path, dtype)
+        self.weight_map: dict[str, str] = build.index
+        self.model = build.model(dtype)
         self.text = self.model.language_model.model
         self.args: kimi_k3.TextArgs = self.text.args
         self.num_layers = len(self.text.layers)
@@ -168,15 +156,12 @@ class LayerStream:
     def release(self, module: nn.Module, prefix: str) -> None:
         """Swap ``module``'s (evaluated) weights for fresh lazy ones from the files:
         the memory goes back, and the next use reads them again."""
-        files = sorted({f for n, f in self.weight_map.items() if n.startswith(prefix)})
         current = dict(_flatten(module.parameters()))
         fresh = []
-        for f in files:
-            for n, a in mx.load(str(self.path / f)).items():
-                if n.startswith(prefix):
-                    key = n[len(prefix) :]
-                    if key in current:
-                        fresh.append((key, a.astype(current[key].dtype)))
+        for n, a in self.build.arrays(prefix).items():
+            key = n[len(prefix) :]
+            if key in current:
+                fresh.append((key, a.astype(current[key].dtype)))
         module.load_weights(fresh, strict=False)
 
     def release_layer(self, i: int) -> None:

@@ -89,7 +89,7 @@ def log_softmax(logits: mx.array) -> mx.array:
 
 
 def run(
-    build: str | Path,
+    build,
     tokens: np.ndarray,
     out: str | Path,
     *,
@@ -99,15 +99,16 @@ def run(
     targets: np.ndarray | None = None,
     progress: bool = True,
 ) -> Path:
-    """Stream ``tokens`` [N, L] through ``build``; write boundary states and logits to
-    ``out`` (module doc). With ``targets`` [N, L], each batch also keeps the teacher's
+    """Stream ``tokens`` [N, L] through ``build`` (a folder, or a ``k3dist.build.view``
+    of one: the source read as its MXFP4 base build); write boundary states and logits
+    to ``out`` (module doc). With ``targets`` [N, L], each batch also keeps the teacher's
     log-probability of its targets (``target_logp``: perplexity). Resumes from the last
     saved boundary."""
-    build, out = Path(build), Path(out)
+    out = Path(out)
     t0 = time.perf_counter()
     st = stream.LayerStream(build)
     stream.check_cap(st.tc, tokens.size, cap)
-    bmf = json.loads((build / MANIFEST).read_text()) if (build / MANIFEST).exists() else {}
+    bmf = st.build.manifest or {}
     ident = {
         "build_hash": bmf.get("build_hash"),
         "tokens_sha256": hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest(),
@@ -168,7 +169,7 @@ def run(
             "tool": f"k3dist {__version__}",
             "kind": KIND,
             "identity": ident,
-            "build": str(build.resolve()),
+            "build": st.build.describe,
             "boundaries": saved,
             "batches": [[r.start, r.stop] for r in rows],
             "vocab_size": st.args.vocab_size,

@@ -294,22 +294,26 @@ def make_model_class(
     return GradedK3
 
 
+def build_class(config: dict, form: str = "placeholder", where: str = "config"):
+    """The one-process model class of a graded build's ``config`` (every expert local)."""
+    gmap = GradedMap.from_config(config)
+    if gmap is None:
+        raise GradedError(
+            f"{where}: no {GRADED_KEY!r} block; not a graded build "
+            "(python -m k3dist.build.grade makes one)"
+        )
+    moe = layout.moe_layers(layout.text_config(config))
+    placement = contiguous(gmap.num_experts, 1, moe)
+    return make_model_class(placement, 0, None, form, gmap)
+
+
 def load_build(
     path: str | Path, dtype: str = "float32", form: str = "placeholder", lazy: bool = False
 ):
     """A graded build in one process (every expert local): (model, config); ``lazy``:
     nothing is read until used (k3dist.build.stream runs it a layer at a time)."""
     path = Path(path)
-    config = load_config(path)
-    gmap = GradedMap.from_config(config)
-    if gmap is None:
-        raise GradedError(
-            f"{path}/config.json: no {GRADED_KEY!r} block; not a graded build "
-            "(python -m k3dist.build.grade makes one)"
-        )
-    moe = layout.moe_layers(layout.text_config(config))
-    placement = contiguous(gmap.num_experts, 1, moe)
-    cls = make_model_class(placement, 0, None, form, gmap)
+    cls = build_class(load_config(path), form, where=f"{path}/config.json")
     model, config = load_model(
         path, lazy=True, strict=True, get_model_classes=lambda config: (cls, kimi_k3.ModelArgs)
     )
