@@ -53,8 +53,25 @@ def _scope_of(path: str) -> str:
 # first, so the two workers do not end on one long file while the other idles. A file
 # not listed runs after these, in collection order; a stale number only costs time.
 SLOW = {
-    "shared server text": 300,
-    "shared server vision": 200,
+    "shared server text": 400,
+    "tests/test_pipeline.py": 330,
+    "tests/test_ep_parity.py": 300,
+    "tests/test_server_faults.py": 240,
+    "shared server vision": 210,
+    "tests/test_bench.py": 185,
+    "tests/test_mini_k3.py": 170,
+    "tests/test_loader.py": 160,
+    "tests/test_lo_banks_128.py": 150,
+    "tests/test_batch.py": 150,
+    "tests/test_prefix_restart.py": 140,
+    "tests/test_train.py": 140,
+    "tests/test_costmodel.py": 130,
+    "tests/test_banks.py": 120,
+    "tests/test_server_abandon.py": 120,
+    "tests/test_launch.py": 120,
+    "tests/test_deployment.py": 85,
+    "tests/test_vision.py": 85,
+    "tests/test_server_batch.py": 80,
 }
 
 
