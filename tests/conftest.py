@@ -24,3 +24,78 @@ def ranks(mini_build, tmp_path_factory):
     from serving import rank_folders
 
     return rank_folders(mini_build, tmp_path_factory.mktemp("serve-ranks"))
+
+
+@pytest.fixture(scope="session")
+def shared(ranks, tmp_path_factory):
+    """serving.SHARED's servers for this process, each started by the first file that
+    reads it (see serving.SharedServers)."""
+    from serving import SharedServers
+
+    pool = SharedServers(ranks, tmp_path_factory)
+    yield pool
+    pool.stop()
+
+
+def _scope_of(path: str) -> str:
+    """The xdist work unit of a test file: the files that read one shared server are
+    one unit (one worker, one start of it), any other file is its own."""
+    from serving import SHARED
+
+    name = path.rsplit("/", 1)[-1]
+    for key, (_, readers) in SHARED.items():
+        if name in readers:
+            return f"shared server {key}"
+    return path
+
+
+# The files that took longest (seconds, setup + calls, at load ~17 on 2 cores): run
+# first, so the two workers do not end on one long file while the other idles. A file
+# not listed runs after these, in collection order; a stale number only costs time.
+SLOW = {
+    "shared server text": 400,
+    "tests/test_pipeline.py": 330,
+    "tests/test_ep_parity.py": 300,
+    "tests/test_server_faults.py": 240,
+    "shared server vision": 210,
+    "tests/test_bench.py": 185,
+    "tests/test_mini_k3.py": 170,
+    "tests/test_loader.py": 160,
+    "tests/test_lo_banks_128.py": 150,
+    "tests/test_batch.py": 150,
+    "tests/test_prefix_restart.py": 140,
+    "tests/test_train.py": 140,
+    "tests/test_costmodel.py": 130,
+    "tests/test_banks.py": 120,
+    "tests/test_server_abandon.py": 120,
+    "tests/test_launch.py": 120,
+    "tests/test_deployment.py": 85,
+    "tests/test_vision.py": 85,
+    "tests/test_server_batch.py": 80,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow work units first (SLOW), each unit's tests together and in their order."""
+    weight = {}
+    for item in items:
+        scope = _scope_of(item.nodeid.split("::", 1)[0])
+        weight.setdefault(scope, (-SLOW.get(scope, 0), len(weight)))
+    items.sort(key=lambda item: weight[_scope_of(item.nodeid.split("::", 1)[0])])
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (pyproject's addopts), with a shared server's readers kept together
+    and the work units handed out in collection order (slow first: see SLOW)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False  # xdist's default: most tests first
+
+    class SharedServerScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope_of(super()._split_scope(nodeid))
+
+    return SharedServerScheduling(config, log)

@@ -1,6 +1,9 @@
-"""The 2-rank server under mlx.launch on loopback, and what the server tests send it:
-shared by the server test files (test_server, test_server_faults, test_server_batch,
-test_agent_api, test_vision_server), each of which starts the servers it needs."""
+"""The 2-rank server under mlx.launch on loopback, and what the server tests send it.
+
+Files that only send requests and check the answers read one server per pytest process
+(``SHARED``: conftest's session-scoped ``shared`` fixture starts each once, and its
+xdist scheduler runs the files that read one in the same worker); files whose tests
+kill, fault or restart a server, or need flags of their own, start their own."""
 
 from __future__ import annotations
 
@@ -25,7 +28,32 @@ from mlx_lm.utils import load_model, load_tokenizer
 from util import REPO, free_base_port
 
 CHAT = "/v1/chat/completions"
-MAX_CONTEXT = 512
+MAX_CONTEXT = 512  # a Server's --max-context unless its flags say otherwise
+
+# Servers that several files only read from: name -> (flags, the files that read it).
+# A reader sends requests and checks answers; it must not kill, fault, restart or
+# reconfigure the server, nor rely on what another file sent it (count token-log
+# entries from its own start, not from 0, and expect any prompt-cache state).
+SHARED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # tool declarations and K3's system messages take a few hundred tokens of the mini
+    # tokenizer: more context than 512 (the later flag wins)
+    "text": (("--max-context", "2048"), ("test_server.py", "test_agent_api.py")),
+    "vision": (
+        (
+            "--vision",
+            "--max-images",
+            "2",
+            "--max-image-pixels",
+            str(64 * 64),
+            "--max-tokens",
+            "3",  # k3dist.bench.fuzz.SMALL_TOKENS: a fuzzed request that names none
+            "--max-batch",
+            "2",
+        ),
+        ("test_fuzz.py", "test_vision_server.py"),
+    ),
+}
+TEXT_CONTEXT = 2048  # SHARED["text"]'s --max-context
 
 
 def free_port() -> int:
@@ -100,7 +128,9 @@ class Server:
             stdin=subprocess.PIPE,
             start_new_session=True,
         )
-        deadline = time.time() + 240
+        # warm-up compiles every shape first: 240 s was too short on 2 shared cores at
+        # load ~17 (test_server's server, loaded, still warming up when it was stopped)
+        deadline = time.time() + 600
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.output()}")
@@ -153,6 +183,38 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.log.close()
+
+
+def check_alive(srv: Server, who: str) -> None:
+    """The server still runs with both ranks: a shared one checked when a file takes it
+    and when it is done with it, so a file that broke it fails itself, not the next."""
+    if srv.proc.poll() is not None or set(srv.rank_pids()) != {0, 1}:
+        raise AssertionError(
+            f"shared server {srv.url} is not running on both ranks ({who}); "
+            f"its log {srv.tmp / 'server.log'}:\n{srv.output()[-4000:]}"
+        )
+    status, _ = get_json(srv.url + "/health", 10)
+    assert status == 200, (who, status)
+
+
+class SharedServers:
+    """The ``SHARED`` servers of one pytest process, each started on first use."""
+
+    def __init__(self, ranks: str, tmp_path_factory):
+        self.ranks, self.tmp_path_factory = ranks, tmp_path_factory
+        self.up: dict[str, Server] = {}
+
+    def get(self, name: str, who: str) -> Server:
+        if name not in self.up:
+            tmp = self.tmp_path_factory.mktemp(f"shared-{name}")
+            self.up[name] = Server(self.ranks, tmp, SHARED[name][0])
+        srv = self.up[name]
+        check_alive(srv, f"taken by {who}")
+        return srv
+
+    def stop(self) -> None:
+        for srv in self.up.values():
+            srv.stop()
 
 
 def rank_folders(build: Path, out: Path) -> str:

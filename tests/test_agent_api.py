@@ -24,7 +24,7 @@ import pytest
 from mlx_lm.server import ToolCallFormatter
 from mlx_lm.tool_parsers.kimi_k3 import parse_tool_call
 from mlx_lm.utils import load_tokenizer
-from serving import Server, token_log, wait_logs
+from serving import Server, check_alive, token_log, wait_logs
 from util import load_f32
 
 anthropic = pytest.importorskip("anthropic")
@@ -294,12 +294,10 @@ def test_api_key_file_and_headers(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def srv(ranks, tmp_path_factory):
-    # tool declarations and K3's system messages take a few hundred tokens of the mini
-    # tokenizer: more context than test_server's 512 (the later flag wins)
-    s = Server(ranks, tmp_path_factory.mktemp("agent-serve"), ("--max-context", "2048"))
+def srv(shared):
+    s = shared.get("text", __name__)  # read also by test_server (serving.SHARED)
     yield s
-    s.stop()
+    check_alive(s, f"after {__name__}")
 
 
 def _anthropic(srv, key: str = "none"):

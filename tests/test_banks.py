@@ -292,30 +292,83 @@ def graded_oracle(graded):
     return prompt, tokens, logits, model.route_stats()
 
 
+def _uneven_promotion(mini_build):
+    """A global budget that promotes unevenly: one layer nearly all (k_hi = top-k), one
+    none (a single bank), the rest a few with their own k_hi."""
+    tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
+    moe = layout.moe_layers(tc)
+    E, k = tc["num_experts"], tc["num_experts_per_token"]
+    rng = np.random.default_rng(1)
+    scores = {i: rng.random(E) * (100 if i == moe[0] else 1) for i in moe}
+    scores[moe[1]] = np.zeros(E) - 1.0  # never chosen before the others run out
+    promoted = grade.promote_global(scores, E + 4, 2)
+    k_hi = {i: (k if i == moe[0] else 1) for i in moe}
+    return moe, E, promoted, k_hi
+
+
+@pytest.fixture(scope="module")
+def uneven(mini_build, tmp_path_factory):
+    """The graded build of ``_uneven_promotion`` and its single-process greedy run."""
+    _, _, promoted, k_hi = _uneven_promotion(mini_build)
+    out = tmp_path_factory.mktemp("uneven")
+    build = grade.grade(mini_build, out / "g", promoted, k_hi, "2bit-g32", progress=False)
+    model, config = two_bank.load_build(build)
+    vocab = config["text_config"]["vocab_size"]
+    prompt = np.random.default_rng(0).integers(0, vocab - 256, size=40).tolist()
+    tokens, logits = greedy(model, prompt, 16)
+    return build, prompt, tokens, logits
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(graded, graded_oracle, uneven, tmp_path_factory):
+    """The 2-rank EP runs of this file in one mlx.launch start-up
+    (tests/scripts/parity_runs.py: each run as launch/generate.py runs one): the graded
+    build with each MoE form, and the uneven build with the default form. Returns the
+    launch's result and, by name, each run's index and dump pattern."""
+    tmp = tmp_path_factory.mktemp("banks-ep")
+    for name, build in (("graded", graded), ("uneven", uneven[0])):
+        slicing.slice_all(build, str(tmp / name / "rank{rank}"), 2, progress=False)
+    plan = [
+        ("placeholder", "graded", "placeholder", graded_oracle[0], 32),
+        ("local", "graded", "local", graded_oracle[0], 32),
+        ("uneven", "uneven", None, uneven[1], 16),
+    ]
+    runs, where = [], {}
+    for name, folder, form, prompt, steps in plan:
+        where[name] = (len(runs), str(tmp / "out" / name / "rank{rank}.npz"))
+        runs.append(
+            {
+                "rank_dir": str(tmp / folder / "rank{rank}"),
+                "moe_form": form,
+                "prompt": prompt,
+                "max_tokens": steps,
+                "dump": where[name][1],
+            }
+        )
+    (tmp / "runs.json").write_text(json.dumps(runs))
+    r = mlx_launch(2, "tests/scripts/parity_runs.py", str(tmp / "runs.json"), timeout=600)
+    return r, where
+
+
+def _rank_dumps(two_rank_runs, name: str) -> list:
+    r, where = two_rank_runs
+    assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
+    run, dump = where[name]
+    done = [json.loads(x) for x in r.stdout.splitlines() if x.startswith('{"run"')]
+    done = [x for x in done if x["run"] == run]
+    assert sorted(x["rank"] for x in done) == [0, 1], r.stdout[-2000:]
+    return [np.load(dump.format(rank=i)) for i in range(2)]
+
+
 @pytest.mark.parametrize("form", ["placeholder", "local"])
-def test_two_rank_ep_equals_single_process(graded, graded_oracle, tmp_path, form):
+def test_two_rank_ep_equals_single_process(graded_oracle, two_rank_runs, form):
     prompt, tokens, logits, stats = graded_oracle
     assert stats["dropped_routes"] > 0  # k_hi = 1: drops are part of what must agree
-    slicing.slice_all(graded, str(tmp_path / "ranks" / "rank{rank}"), 2, progress=False)
-    r = mlx_launch(
-        2,
-        "launch/generate.py",
-        "--rank-dir",
-        str(tmp_path / "ranks" / "rank{rank}"),
-        "--moe-form",
-        form,
-        "--prompt-ids",
-        ",".join(map(str, prompt)),
-        "--max-tokens",
-        "32",
-        "--dump",
-        str(tmp_path / "out" / "rank{rank}.npz"),
-    )
-    assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
-    runs = [np.load(tmp_path / "out" / f"rank{i}.npz") for i in range(2)]
+    runs = _rank_dumps(two_rank_runs, form)
     diff = max(float(np.abs(x["logits"] - logits).max()) for x in runs)
     print(f"\ngraded 2-rank {form}: max |logit - single-process| = {diff:.3g}")
     for x in runs:
+        assert x["prompt"].tolist() == prompt
         assert x["tokens"].tolist() == tokens
         assert np.array_equal(x["logits"], runs[0]["logits"])
     assert diff < 1e-4
@@ -442,41 +495,16 @@ def test_plan_then_grade(mini_build, tmp_path):
     assert greedy(model, [5, 6, 7], 2)[0]
 
 
-def test_two_rank_ep_of_an_uneven_global_promotion(mini_build, tmp_path):
+def test_two_rank_ep_of_an_uneven_global_promotion(mini_build, uneven, two_rank_runs):
     """A global budget promotes unevenly: one layer nearly all (k_hi = top-k), one none
     (a single bank), the rest a few with their own k_hi; 2-rank EP still equals single
     process."""
-    tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
-    moe = layout.moe_layers(tc)
-    E, k = tc["num_experts"], tc["num_experts_per_token"]
-    rng = np.random.default_rng(1)
-    scores = {i: rng.random(E) * (100 if i == moe[0] else 1) for i in moe}
-    scores[moe[1]] = np.zeros(E) - 1.0  # never chosen before the others run out
-    promoted = grade.promote_global(scores, E + 4, 2)
+    moe, E, promoted, _ = _uneven_promotion(mini_build)
     assert len(promoted[moe[0]]) == E - 2 and not promoted[moe[1]]
     assert all(len(v) % 2 == 0 for v in promoted.values())
-    k_hi = {i: (k if i == moe[0] else 1) for i in moe}
-    build = grade.grade(mini_build, tmp_path / "g", promoted, k_hi, "2bit-g32", progress=False)
-    model, config = two_bank.load_build(build)
-    vocab = config["text_config"]["vocab_size"]
-    prompt = np.random.default_rng(0).integers(0, vocab - 256, size=40).tolist()
-    tokens, logits = greedy(model, prompt, 16)
-    slicing.slice_all(build, str(tmp_path / "ranks" / "rank{rank}"), 2, progress=False)
-    r = mlx_launch(
-        2,
-        "launch/generate.py",
-        "--rank-dir",
-        str(tmp_path / "ranks" / "rank{rank}"),
-        "--prompt-ids",
-        ",".join(map(str, prompt)),
-        "--max-tokens",
-        "16",
-        "--dump",
-        str(tmp_path / "out" / "rank{rank}.npz"),
-    )
-    assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
-    for i in range(2):
-        x = np.load(tmp_path / "out" / f"rank{i}.npz")
+    _, prompt, tokens, logits = uneven
+    for x in _rank_dumps(two_rank_runs, "uneven"):
+        assert x["prompt"].tolist() == prompt
         assert x["tokens"].tolist() == tokens
         assert float(np.abs(x["logits"] - logits).max()) < 1e-4
 

@@ -13,7 +13,7 @@ import json
 from k3dist.bench import fuzz
 
 import pytest
-from serving import Server, post_conn, token_log, wait_logs
+from serving import SHARED, check_alive, post_conn, token_log, wait_logs
 
 pytest.importorskip(
     "mlx_vlm", reason="vision tests need the extra: pip install 'k3dist[vision]' (CI installs it)"
@@ -23,24 +23,13 @@ N_REQUESTS = 100  # ~20 per endpoint
 
 
 @pytest.fixture(scope="module")
-def srv(ranks, tmp_path_factory):
-    s = Server(
-        ranks,
-        tmp_path_factory.mktemp("fuzz-serve"),
-        (
-            "--max-tokens",
-            str(fuzz.SMALL_TOKENS),
-            "--vision",
-            "--max-images",
-            "2",
-            "--max-image-pixels",
-            str(64 * 64),
-            "--max-batch",
-            "2",
-        ),
-    )
+def srv(shared):
+    # read also by test_vision_server; --max-tokens is fuzz.SMALL_TOKENS (serving.SHARED)
+    flags = SHARED["vision"][0]
+    assert flags[flags.index("--max-tokens") + 1] == str(fuzz.SMALL_TOKENS)
+    s = shared.get("vision", __name__)
     yield s
-    s.stop()
+    check_alive(s, f"after {__name__}")
 
 
 def test_generated_requests_get_2xx_or_4xx_in_shape_and_ranks_stay_in_lockstep(srv):

@@ -15,7 +15,8 @@ Issue 10 (hardening): every request field mlx-lm's server reads, out of range
 strings; JSON nested 100k deep; bursts of 32 and 128 clients (none reset, identical
 greedy tokens, 429 + Retry-After when the queue is full); a client that hangs up
 mid-stream (both ranks stop at the same token); /v1/k3dist detail; 50 MB bodies, huge
-headers, 1,000 idle and slowloris connections. All on one shared server; the tests that
+headers, 1,000 idle and slowloris connections. All on one server, shared with
+test_agent_api (serving.SHARED: --max-context 2048); the tests that
 need a server of their own (lost ranks, SIGTERM, CORS and queue settings) are in
 test_server_faults.py, batched decode on the trained mini-K3 in test_server_batch.py.
 """
@@ -38,10 +39,10 @@ from serving import (
     CHAT,
     COMPL,
     HI,
-    MAX_CONTEXT,
     MESSAGES,
-    Server,
+    TEXT_CONTEXT,
     burst,
+    check_alive,
     check_burst,
     get_json,
     post_conn,
@@ -55,10 +56,10 @@ from serving import (
 
 
 @pytest.fixture(scope="module")
-def srv(ranks, tmp_path_factory):
-    s = Server(ranks, tmp_path_factory.mktemp("serve"))
+def srv(shared):
+    s = shared.get("text", __name__)  # read also by test_agent_api (serving.SHARED)
     yield s
-    s.stop()
+    check_alive(s, f"after {__name__}")
 
 
 def test_chat_streamed_and_not_equal_single_process(srv, mini_build):
@@ -189,13 +190,13 @@ MALFORMED = {
     "tools a string": (CHAT, {**OK, "tools": "calc"}, 400),
     "completion without prompt": ("/v1/completions", {"model": "kimi-k3"}, 400),
     "numeric prompt": ("/v1/completions", {"prompt": 7}, 400),
-    "prompt over the context": ("/v1/completions", {"prompt": "word " * 600}, 400),
+    "prompt over the context": ("/v1/completions", {"prompt": "word " * TEXT_CONTEXT}, 400),
     "chat over the context": (
         CHAT,
-        {"messages": [{"role": "user", "content": "word " * 600}]},
+        {"messages": [{"role": "user", "content": "word " * TEXT_CONTEXT}]},
         400,
     ),
-    "max_tokens past the context": (CHAT, {**OK, "max_tokens": MAX_CONTEXT}, 400),
+    "max_tokens past the context": (CHAT, {**OK, "max_tokens": TEXT_CONTEXT}, 400),
 }
 
 
@@ -208,12 +209,13 @@ def test_malformed_requests_get_4xx_and_server_keeps_serving(srv):
         assert isinstance(err["message"], str) and err["type"] == "invalid_request_error", name
     got, raw = post_raw(srv.url + CHAT, json.dumps(OK).encode())
     assert got == 200, raw[:300]
-    # no max_tokens: the server default (512) is capped to what fits the context (512)
-    long = {"messages": [{"role": "user", "content": "word " * 100}]}  # ~440 tokens
-    got, raw = post_raw(srv.url + CHAT, json.dumps(long).encode(), 120)
+    # no max_tokens: the server default (512) is capped to what fits the context (2048)
+    long = {"messages": [{"role": "user", "content": "word " * 770}]}  # ~1,950 tokens
+    got, raw = post_raw(srv.url + CHAT, json.dumps(long).encode(), 180)
     assert got == 200, raw[:300]
     usage = json.loads(raw)["usage"]
-    assert usage["prompt_tokens"] + usage["completion_tokens"] <= MAX_CONTEXT
+    assert usage["prompt_tokens"] + 512 > TEXT_CONTEXT, usage  # the cap is what applies
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= TEXT_CONTEXT
 
 
 def test_six_million_token_prompt_refused_at_once(srv):
@@ -439,9 +441,9 @@ def test_edge_values_are_served(srv):
             "presence_penalty": -2,
             "frequency_penalty": 2,
             "repetition_penalty": 10,
-            "repetition_context_size": MAX_CONTEXT,
+            "repetition_context_size": TEXT_CONTEXT,
             "presence_context_size": 0,
-            "frequency_context_size": MAX_CONTEXT,
+            "frequency_context_size": TEXT_CONTEXT,
         },
         {"xtc_probability": 1, "xtc_threshold": 0.5, "temperature": 1, "seed": 0},
         {"stop": ["x" * 256] * 4, "stream": True, "stream_options": {}},

@@ -56,6 +56,19 @@ def _send(port: int, path: str, body: dict) -> socket.socket:
     return s
 
 
+def _logged(server, n: int, timeout: float = 30.0) -> list[str]:
+    """The server's "client went away" lines once there are ``n`` (or at the deadline):
+    mlx.launch relays rank 0's output with a lag, and under load (~15 on 2 cores) the
+    second line was not there yet when both ranks' token logs already held both."""
+    deadline = time.time() + timeout
+    while True:
+        out = server.output()
+        lines = [x for x in out.splitlines() if "the client went away; stopped on every rank" in x]
+        if len(lines) >= n or time.time() > deadline:
+            return lines
+        time.sleep(0.2)
+
+
 def test_hang_up_during_prefill_stops_it_on_every_rank(server, ranks):
     prompt = _long_prompt(ranks, CONTEXT - 400)
     seen = len(token_log(server, 0))
@@ -89,8 +102,8 @@ def test_hang_up_during_prefill_stops_it_on_every_rank(server, ranks):
     short = time.perf_counter() - t
     full = len(prompt) and (CONTEXT - 400) / rate  # one whole prefill at the seen rate
     logs = wait_logs(server, seen, 3)
+    lines = _logged(server, 2)
     out = server.output()
-    lines = [x for x in out.splitlines() if "the client went away; stopped on every rank" in x]
     print(
         f"\nprefill ~{rate:.0f} tok/s (a whole prompt ~{full:.1f}s); short request after "
         f"two hang-ups: {short:.2f}s; logged: {lines}"

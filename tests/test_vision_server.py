@@ -24,9 +24,10 @@ from mlx_lm.utils import load_tokenizer  # noqa: E402
 from mlx_vlm.models.kimi_k3 import Processor  # noqa: E402
 from mlx_vlm.utils import load_model as vlm_load_model  # noqa: E402
 from PIL import Image  # noqa: E402
-from serving import CHAT, Server, post_raw, token_log  # noqa: E402
+from serving import CHAT, SHARED, check_alive, post_raw, token_log  # noqa: E402
 
-MAX_PIXELS = 1_000_000
+_FLAGS = SHARED["vision"][0]
+MAX_PIXELS = int(_FLAGS[_FLAGS.index("--max-image-pixels") + 1])  # the served cap
 
 
 def _data_url(data: bytes, mime: str = "image/png") -> str:
@@ -69,14 +70,10 @@ def _chat(*urls: str, text: str = "What is this?") -> dict:
 
 
 @pytest.fixture(scope="module")
-def vsrv(ranks, tmp_path_factory):
-    s = Server(
-        ranks,
-        tmp_path_factory.mktemp("vision-serve"),
-        ("--vision", "--max-images", "2", "--max-image-pixels", str(MAX_PIXELS), "--no-warmup"),
-    )
+def vsrv(shared):
+    s = shared.get("vision", __name__)  # read also by test_fuzz (serving.SHARED)
     yield s
-    s.stop()
+    check_alive(s, f"after {__name__}")
 
 
 def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_src, mini_build):
@@ -116,6 +113,7 @@ def test_images_served_and_bad_images_refused_before_any_rank(vsrv, mini_src, mi
 
     truncated = good[: len(good) // 2]
     black = Image.new("L", (1200, 1200))  # 1.44 M pixels in a ~5 kB PNG
+    assert img.width * img.height <= MAX_PIXELS < black.width * black.height
     bad = {
         "corrupt bytes": (
             CHAT,
