@@ -18,6 +18,7 @@ from pathlib import Path
 from k3dist.bench.greedy import greedy
 from k3dist.build import calibtext, mlxbuild, pipeline, slicing
 from k3dist.format import tokens
+from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX
 from k3dist.format.sfile import CheckpointError
 from k3dist.serve import auth
 
@@ -122,8 +123,8 @@ def test_real_k3_disk_plan_from_config_and_index():
         src=None,
         out="/nonexistent-k3dist-out",
         budget=480e9,
-        config=str(pipeline.REAL_CONFIG),
-        index=str(pipeline.REAL_INDEX),
+        config=str(REAL_K3_CONFIG),
+        index=str(REAL_K3_INDEX),
     )
     d = pipeline.run(a, dry_run=True)["disk_plan"]
     writes = {s["stage"]: s["writes"] for s in d["stages"]}
@@ -146,11 +147,11 @@ def test_real_k3_disk_plan_from_config_and_index():
 def test_refuses_with_the_numbers_when_the_disk_is_too_small(tmp_path):
     src = tmp_path / "k3"  # the real K3's config + index, no weights
     src.mkdir()
-    shutil.copyfile(pipeline.REAL_CONFIG, src / "config.json")
+    shutil.copyfile(REAL_K3_CONFIG, src / "config.json")
     with open(src / "model.safetensors.index.json", "wb") as f:
         import gzip
 
-        f.write(gzip.decompress(pipeline.REAL_INDEX.read_bytes()))
+        f.write(gzip.decompress(REAL_K3_INDEX.read_bytes()))
     if shutil.disk_usage(tmp_path).free > 900_000_000_000:
         pytest.skip("this filesystem holds the real K3's peak")
     a = pipeline.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9, dwq=True)

@@ -63,6 +63,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX
 from k3dist.format.journal import write_json_atomic
 from k3dist.format.manifest import MANIFEST
 from k3dist.format.sfile import CheckpointError
@@ -70,9 +71,6 @@ from k3dist.format.sfile import CheckpointError
 STATE = "pipeline.json"
 SUMMARY = "summary.json"
 RANK_PATTERN = "rank{rank}"
-DATA = Path(__file__).resolve().parent.parent / "data"
-REAL_CONFIG = DATA / "kimi-k3-config.json"
-REAL_INDEX = DATA / "kimi-k3-model.safetensors.index.json.gz"
 GOAL_FACTOR = 1.1  # peak disk <= source + 1.1 x rank folders
 
 
@@ -851,7 +849,7 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     if ns._stage:
         return Args(**json.loads(ns._args)), ns
     if ns.real_k3:
-        ns.config, ns.index = str(REAL_CONFIG), str(REAL_INDEX)
+        ns.config, ns.index = str(REAL_K3_CONFIG), str(REAL_K3_INDEX)
     if ns.src and (ns.config or ns.index):
         ap.error("--src or --config/--index, not both")
     if not ns.src and not ns.dry_run:

@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from k3dist.format.folder import INDEX_NAME, load_config, weight_map
+from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, load_config, weight_map
 from k3dist.format.graded import GRADED_KEY
 from k3dist.format.manifest import JOURNAL, MANIFEST
 from k3dist.format.sfile import (
@@ -67,7 +67,7 @@ def model_from(config: dict, weights: dict[str, mx.array], dtype: str, classes=N
     quantized module has its own ``quantization`` entry in k3dist builds), then takes the
     weights through its own ``sanitize`` as ``load_model`` would, strictly."""
     with tempfile.TemporaryDirectory(prefix="k3dist-view-") as d:
-        (Path(d) / "config.json").write_text(json.dumps(config))
+        (Path(d) / CONFIG_NAME).write_text(json.dumps(config))
         kw = {} if classes is None else {"get_model_classes": lambda config: classes}
         model, _ = load_model(Path(d), lazy=True, strict=False, **kw)
     if hasattr(model, "sanitize"):
@@ -124,7 +124,7 @@ class BuildFolder:
             if p.is_file()
             and not p.name.startswith(".")
             and p.suffix != ".safetensors"
-            and p.name not in (INDEX_NAME, MANIFEST, JOURNAL, "config.json")
+            and p.name not in (INDEX_NAME, MANIFEST, JOURNAL, CONFIG_NAME)
         )
         for name in small:
             shutil.copyfile(self.path / name, out / name)
