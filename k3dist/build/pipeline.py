@@ -683,9 +683,12 @@ def _run_stages(
                         k: rec.get(k)
                         for k in (
                             "seconds",
+                            "cpu_s",
                             "peak_rss",
                             "read_bytes",
                             "written_bytes",
+                            "rchar",
+                            "wchar",
                             "output_bytes",
                         )
                     },
