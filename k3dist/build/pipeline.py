@@ -533,10 +533,14 @@ def child(a: Args, stage: str, stats: Path) -> None:
         facts = _run_stage(a, stage, plan)
     except (CheckpointError, StreamError, ValueError) as e:
         raise SystemExit(f"error: stage {stage}: {e}") from None
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
     write_json_atomic(
         stats,
         {
             "seconds": round(time.perf_counter() - t0, 2),
+            "cpu_s": round(ru.ru_utime + ru.ru_stime, 2),
             "peak_rss": peak_rss(),
             "io": _io(),
             "facts": facts,
@@ -709,9 +713,12 @@ def _run_stages(
                         k: rec.get(k)
                         for k in (
                             "seconds",
+                            "cpu_s",
                             "peak_rss",
                             "read_bytes",
                             "written_bytes",
+                            "rchar",
+                            "wchar",
                             "output_bytes",
                         )
                     },
@@ -765,6 +772,9 @@ def _run_stages(
             "peak_rss": stats["peak_rss"],
             "read_bytes": stats["io"].get("read"),
             "written_bytes": stats["io"].get("written"),
+            "rchar": stats["io"].get("rchar"),
+            "wchar": stats["io"].get("wchar"),
+            "cpu_s": stats.get("cpu_s"),
             "output_bytes": outb,
             **stats["facts"],
         }
@@ -781,7 +791,16 @@ def _run_stages(
                 "skipped": False,
                 **{
                     k: rec.get(k)
-                    for k in ("seconds", "peak_rss", "read_bytes", "written_bytes", "output_bytes")
+                    for k in (
+                        "seconds",
+                        "cpu_s",
+                        "peak_rss",
+                        "read_bytes",
+                        "written_bytes",
+                        "rchar",
+                        "wchar",
+                        "output_bytes",
+                    )
                 },
             }
         )
