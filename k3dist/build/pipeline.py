@@ -70,6 +70,17 @@ from k3dist.format.sfile import CheckpointError
 
 STATE = "pipeline.json"
 SUMMARY = "summary.json"
+# what summary.json keeps of each stage's record, run or skipped
+STAGE_FACTS = (
+    "seconds",
+    "cpu_s",
+    "peak_rss",
+    "read_bytes",
+    "written_bytes",
+    "rchar",
+    "wchar",
+    "output_bytes",
+)
 RANK_PATTERN = "rank{rank}"
 GOAL_FACTOR = 1.1  # peak disk <= source + 1.1 x rank folders
 
@@ -709,19 +720,7 @@ def _run_stages(
                 {
                     "stage": stage,
                     "skipped": True,
-                    **{
-                        k: rec.get(k)
-                        for k in (
-                            "seconds",
-                            "cpu_s",
-                            "peak_rss",
-                            "read_bytes",
-                            "written_bytes",
-                            "rchar",
-                            "wchar",
-                            "output_bytes",
-                        )
-                    },
+                    **{k: rec.get(k) for k in STAGE_FACTS},
                 }
             )
             continue
@@ -789,19 +788,7 @@ def _run_stages(
             {
                 "stage": stage,
                 "skipped": False,
-                **{
-                    k: rec.get(k)
-                    for k in (
-                        "seconds",
-                        "cpu_s",
-                        "peak_rss",
-                        "read_bytes",
-                        "written_bytes",
-                        "rchar",
-                        "wchar",
-                        "output_bytes",
-                    )
-                },
+                **{k: rec.get(k) for k in STAGE_FACTS},
             }
         )
 
