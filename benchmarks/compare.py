@@ -29,9 +29,8 @@ import k3dist
 from k3dist.bench import builds, compare, record
 from k3dist.factory import synth
 from k3dist.model.forms import MOE_FORMS
+from k3dist.model.group import join
 from k3dist.serve import loader
-
-import mlx.core as mx
 
 
 def plot(report: dict, path: Path) -> None:
@@ -183,7 +182,7 @@ def main() -> None:
     args = ap.parse_args()
 
     k3dist.set_blas_threads(args.blas_threads)
-    group = mx.distributed.init()
+    group = join()
     launcher = record.nice_launcher() if args.nice_launcher else record.launcher()
     if group.size() < 2:
         raise SystemExit("compare.py needs at least 2 ranks: run it under mlx.launch -n 2")

@@ -23,9 +23,8 @@ from k3dist.bench import builds, decode, record
 from k3dist.build import slicing
 from k3dist.factory import synth
 from k3dist.model.forms import MOE_FORMS
+from k3dist.model.group import join
 from k3dist.serve import loader
-
-import mlx.core as mx
 
 
 def main() -> None:
@@ -71,7 +70,7 @@ def main() -> None:
     args = ap.parse_args()
 
     k3dist.set_blas_threads(args.blas_threads)
-    group = mx.distributed.init()
+    group = join()
     rank, size = group.rank(), group.size()
     launcher = record.nice_launcher() if args.nice_launcher else record.launcher()
     if args.size is not None and args.size != size:

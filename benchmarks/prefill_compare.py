@@ -25,6 +25,7 @@ from pathlib import Path
 import k3dist
 from k3dist.bench import baselines, builds, collectives, record, stepping
 from k3dist.format import layout, placement
+from k3dist.model.group import join
 from k3dist.serve import loader
 
 import mlx.core as mx
@@ -50,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
     k3dist.set_blas_threads(1)
-    group = mx.distributed.init()
+    group = join()
     if group.size() < 2:
         raise SystemExit("run under mlx.launch -n 2")
     rank = group.rank()

@@ -18,9 +18,9 @@ from pathlib import Path
 import k3dist
 from k3dist.bench import greedy
 from k3dist.format import deployment
+from k3dist.model.group import join
 from k3dist.serve import loader
 
-import mlx.core as mx
 import numpy as np
 
 # what one rank's model takes of the deployment
@@ -45,7 +45,7 @@ def main() -> None:
     dep = deployment.from_args(ap, args, KEYS)
     if dep.blas_threads:
         k3dist.set_blas_threads(dep.blas_threads)
-    group = mx.distributed.init()
+    group = join(dep.ring_connect_s)
     rank = group.rank()
     t0 = time.perf_counter()
     model, config, manifest = loader.load_rank(

@@ -21,9 +21,9 @@ from k3dist.format import deployment, manifest
 from k3dist.format.deployment import Deployment
 from k3dist.format.kvmemory import GiB
 from k3dist.format.verify import Report
+from k3dist.model.group import join
 from k3dist.serve import auth, keepawake, loader, preflight, server, warmup, watchdog
 
-import mlx.core as mx
 from mlx_lm.utils import load_tokenizer
 
 # what serving takes of the deployment (the build's own keys are slicing/rank_split.py's)
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"launch/serve.py: refusing to start: {e}") from None
     if dep.blas_threads:
         k3dist.set_blas_threads(dep.blas_threads)
-    group = mx.distributed.init()
+    group = join(dep.ring_connect_s)
     rank, size = group.rank(), group.size()
 
     stores: list = []  # the prefix store, once made: a stop drains its writer

@@ -46,6 +46,7 @@ SERVING = {
     "k3dist.model.ep",
     "k3dist.model.experts",
     "k3dist.model.forms",
+    "k3dist.model.group",
     "k3dist.model.two_bank",
     "k3dist.serve",
     "k3dist.serve.anthropic_api",

@@ -59,6 +59,7 @@ from k3dist.format import layout, mxfp4
 from k3dist.format import tokens as tokenizer
 from k3dist.format.folder import CONFIG_NAME, load_config
 from k3dist.format.sfile import f32_to_bf16_bits
+from k3dist.model.group import join
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -498,7 +499,7 @@ class Trainer:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         # Under mlx.launch: data-parallel ranks (rank 0 logs, evaluates and saves).
-        self.group = mx.distributed.init()
+        self.group = join()
         self.rank, self.size = self.group.rank(), self.group.size()
         if self.size > 1:
             set_blas_threads(1)  # the ranks share the machine's cores

@@ -87,6 +87,14 @@ class Deployment(BaseModel):
         "rank",
         ge=1,
     )
+    ring_connect_s: float = _key(
+        120.0,
+        "how long a rank keeps trying to join the group: MLX's ring backend gives up on "
+        "a peer that is not yet listening after ~30 s, and a rank that starts late (a "
+        "loaded machine, a second Mac slower to start) is tried again up to this bound",
+        "rank",
+        ge=0,
+    )
     verify: Literal[VERIFY_MODES] = _key(
         "stamp",
         "rank-folder content check before loading (k3dist.format.verify): stamp "

@@ -10,6 +10,7 @@ import json
 
 from k3dist.bench import greedy
 from k3dist.model.experts import ExpertParallelMoE, OwnedExperts
+from k3dist.model.group import join
 from k3dist.serve import loader, warmup
 
 import mlx.core as mx
@@ -45,7 +46,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", required=True, help="JSON report ({rank} allowed)")
     args = ap.parse_args()
-    group = mx.distributed.init()
+    group = join()
     prompts = json.loads(open(args.prompts).read())
     report = {}
     for form in ("placeholder", "local"):

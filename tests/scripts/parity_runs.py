@@ -20,6 +20,7 @@ from pathlib import Path
 
 from k3dist.bench import greedy
 from k3dist.format import deployment
+from k3dist.model.group import join
 from k3dist.serve import introspect, loader
 
 import mlx.core as mx
@@ -28,7 +29,7 @@ import numpy as np
 
 def main() -> None:
     runs = json.loads(Path(sys.argv[1]).read_text())
-    group = mx.distributed.init()
+    group = join()
     rank = group.rank()
     base = deployment.DEFAULT_DEPLOYMENT if deployment.DEFAULT_DEPLOYMENT.exists() else None
     for i, run in enumerate(runs):

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 import k3dist  # noqa: F401  (OpenBLAS preload before mlx)
+from k3dist.model.group import join
 from k3dist.serve import loader, vision
 
 import mlx.core as mx
@@ -30,7 +31,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
 
-    group = mx.distributed.init()
+    group = join()
     rank = group.rank()
     folder = Path(args.rank_dir.format(rank=rank))
     model, config, _ = loader.load_rank(folder, group, "float32", "local")

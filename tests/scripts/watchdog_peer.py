@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+from k3dist.model.group import join
 from k3dist.serve import watchdog
 
 import mlx.core as mx
@@ -44,7 +45,7 @@ def main() -> None:
 
     group = None
     if args.launch:
-        group = mx.distributed.init()
+        group = join()
         rank, size = group.rank(), group.size()
         host, port = watchdog.coordinator_address(group, port=args.port)
     else:
