@@ -107,6 +107,49 @@ def test_adding_dwq_later_remakes_the_deleted_scratch_it_reads(readme_run):
     assert pipeline.stages(a)[first] == "teacher"
 
 
+def test_dwq_rewrites_the_rank_folders_in_place(tmp_path):
+    """--dwq on the mini: the graded build goes into the rank folders and DWQ rewrites
+    them there (k3dist.build.dwq, ranks=): no whole build is written; the same command
+    again skips every stage; without --dwq the graded rank folders come back."""
+    from k3dist.format import manifest, verify
+
+    argv = shlex.split(readme_pipeline_block().split("k3dist.build.pipeline", 1)[1])
+    i = argv.index("--out")
+    argv[i + 1] = str(tmp_path / "out")
+    cmd = [sys.executable, "-m", "k3dist.build.pipeline", *argv, "--dwq", "--dwq-steps", "2"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "out"
+    summary = json.loads((out / pipeline.SUMMARY).read_text())
+    stages = ["plan", "tokens", "teacher", "calibrate", "graded", "dwq"]  # no slice stage
+    assert [s["stage"] for s in summary["stages"]] == stages
+    ranks = [out / f"rank{r_}" for r_ in (0, 1)]
+    hashes = set()
+    for rank in ranks:
+        m = manifest.verify(rank, "rank")
+        verify.verify_folder(rank, m, "full")
+        hashes.add(m["build_hash"])
+    state = json.loads((out / pipeline.STATE).read_text())
+    assert [s for s, _ in state["ranks_by"]] == ["graded", "dwq"]
+    assert state["stages"]["dwq"]["dwq_blocks"]
+    # scratch gone: no graded build, no DWQ build, no teacher
+    assert sorted(p.name for p in (out / "work").iterdir()) == ["calib", "tokens.npz"]
+    folders = sum(pipeline._du(r_) for r_ in ranks)
+    teacher_b = state["stages"]["teacher"]["output_bytes"]
+    # the measured peak: the rank folders, the teacher DWQ reads, a few files of scratch
+    # (a whole build beside them would be another ~folders)
+    assert summary["peak_disk_in_out_measured"] < folders + teacher_b + 3 * 2**20
+    assert summary["peak_disk_in_out_measured"] <= summary["disk_plan"]["peak_out"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.count("current, skipped") == 6, r.stdout
+    # without --dwq: the graded build again (only its stage runs)
+    r = subprocess.run(cmd[:-3], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("current, skipped") == 4, r.stdout
+    graded = {manifest.verify(r_, "rank")["build_hash"] for r_ in ranks}
+    assert len(graded) == 1 and graded != hashes
+
+
 def test_pipeline_rank_folders_serve_on_two_ranks(readme_run):
     tmp, out, _, _, _ = readme_run
     srv = Server(str(out / "rank{rank}"), tmp / "srv", ("--no-warmup",))
@@ -140,11 +183,18 @@ def test_real_k3_disk_plan_from_config_and_index():
     assert (d["peak_out"], d["peak_stage"]) == (872_777_606_656, "graded")
     assert d["goal_bytes"] == 1_560_860_324_864 + int(1.1 * 863_469_838_336)
     assert d["peak_with_source"] == 2_433_637_931_520 and d["goal_met"]
-    # --dwq: the graded and DWQ builds are still written whole, then sliced: not met
+    # --dwq: DWQ rewrites the rank folders in place, one rank file at a time (at most the
+    # largest graded file), beside the teacher and the propagated state: met too
     a.dwq = True
     d = pipeline.run(a, dry_run=True)["disk_plan"]
-    assert (d["peak_out"], d["peak_stage"]) == (1_719_504_018_432, "slice")
-    assert not d["goal_met"]
+    writes = {s["stage"]: s["writes"] for s in d["stages"]}
+    assert list(writes) == ["plan", "tokens", "teacher", "calibrate", "graded", "dwq"]
+    assert writes["graded"] == 863_469_838_336 + 9_304_589_824
+    teacher_b = writes["teacher"]
+    assert writes["dwq"] == 9_304_589_824 + 1_057_095_680 + (1 << 20)  # + states + small
+    assert (d["peak_out"], d["peak_stage"]) == (881_805_518_336, "dwq")
+    assert d["peak_out"] == 863_469_838_336 + teacher_b + writes["dwq"] + (1 << 20) + 2_129_920
+    assert d["peak_with_source"] == 2_442_665_843_200 and d["goal_met"]
 
 
 def test_refuses_with_the_numbers_when_the_disk_is_too_small(tmp_path):

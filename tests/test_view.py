@@ -14,6 +14,7 @@ from k3dist.build import (
     calibtext,
     convert,
     direct,
+    dwq,
     grade,
     pipeline,
     profiles,
@@ -22,6 +23,7 @@ from k3dist.build import (
     teacher,
     view,
 )
+from k3dist.format import manifest, verify
 from k3dist.format.classes import CLASSES
 from k3dist.format.sfile import mx_to_bytes, read_bytes, sha256_file
 
@@ -194,3 +196,91 @@ def test_direct_rank_writes_resume_after_a_stop(built, monkeypatch):
         *args, base=view.SourceView(MINI, ne), rank_pattern=pattern, **kw
     )
     _same_rank_folders(sliced, resumed)
+
+
+DWQ_CFG = dwq.DWQConfig(steps=4, lr=1e-4, batch=2, valid_windows=2, eval_every=2)
+
+
+def _dwq_sliced(built) -> list[Path]:
+    """Today's path for ``--dwq``: the written graded build, DWQ'd into a written build,
+    sliced (made once for this module)."""
+    tmp, _, _, _, base, _, tokens = built
+    out = tmp / "dwq-sliced"
+    if not (out / "rank1" / "k3dist.json").exists():
+        _, g1, _ = _graded_inputs(built)
+        d = dwq.dwq(base, tmp / "teacher", g1, tokens, tmp / "dwq-build", DWQ_CFG, progress=False)
+        slicing.slice_all(d, str(out / "rank{rank}"), 2, progress=False)
+    return [out / f"rank{r}" for r in (0, 1)]
+
+
+def _direct_ranks(built, name: str) -> list[Path]:
+    """The graded build written straight into rank folders ``tmp/name/rank{rank}``."""
+    tmp, _, _, ne, _, _, _ = built
+    kw, _, _ = _graded_inputs(built)
+    pattern = str(tmp / name / "rank{rank}")
+    return profiles.convert_profile(
+        MINI,
+        tmp / f"{name}-scratch",
+        "graded",
+        base=view.SourceView(MINI, ne),
+        rank_pattern=pattern,
+        **kw,
+    )
+
+
+def _dwq_into(built, ranks: list[Path], scratch: str) -> Path:
+    tmp, _, _, ne, _, _, tokens = built
+    student_ = dwq.graded_view(view.SourceView(MINI, ne), ranks)
+    return dwq.dwq(
+        MINI,
+        tmp / "teacher",
+        student_,
+        tokens,
+        tmp / scratch,
+        DWQ_CFG,
+        progress=False,
+        ranks=ranks,
+    )
+
+
+def test_dwq_into_the_rank_folders_equals_slicing_the_dwq_build(built):
+    sliced = _dwq_sliced(built)
+    ranks = _direct_ranks(built, "dwq-direct")
+    before = {r: sha256_file(r / "model-layer-001.safetensors") for r in ranks}
+    out = _dwq_into(built, ranks, "dwq-scratch")
+    # the student read from the source (graded_view) and the rank files rewritten in place
+    # are the rank folders slicing the written DWQ build gives, byte for byte
+    _same_rank_folders(sliced, ranks)
+    assert all(sha256_file(r / "model-layer-001.safetensors") != before[r] for r in ranks)
+    blocks = json.loads((out / "k3dist.json").read_text())["dwq"]["blocks"]
+    assert blocks and all(b["valid_after"] < b["valid_before"] for b in blocks)  # trained
+    for r in ranks:  # what a serving rank checks first: stamped as written, and every hash
+        m = manifest.verify(r, "rank")
+        assert verify.verify_folder(r, m).hashed == []
+        verify.verify_folder(r, m, "full")
+        assert not (r / ".k3dist-progress.json").exists()
+    # run again: every rank folder is the DWQ build's, nothing to do
+    assert _dwq_into(built, ranks, "dwq-scratch") == out
+
+
+def test_dwq_rank_rewrites_resume_after_a_stop(built, monkeypatch):
+    sliced = _dwq_sliced(built)
+    ranks = _direct_ranks(built, "dwq-resumed")
+    done = []
+    reslice = slicing.BuildSlicer.reslice
+
+    def reslice_then_stop(self, fname, new):  # stop with block 1's file in rank 0 only
+        reslice(self, fname, new)
+        done.append((self.rank, fname))
+        if len(done) == 3:
+            raise RuntimeError("stopped")
+
+    monkeypatch.setattr(slicing.BuildSlicer, "reslice", reslice_then_stop)
+    with pytest.raises(RuntimeError, match="stopped"):
+        _dwq_into(built, ranks, "dwq-scratch-r")
+    monkeypatch.undo()
+    assert done[2][0] == 0 and done[2][1] != done[0][1]
+    assert not any((r / "k3dist.json").exists() for r in ranks)  # journals of the DWQ build
+    resumed = _dwq_into(built, ranks, "dwq-scratch-r")
+    _same_rank_folders(sliced, ranks)
+    assert (resumed / "k3dist.json").exists()

@@ -33,6 +33,19 @@ Output: a normal build (the student's files, trained tensors rewritten in bf16),
 by block (a journal per block's files plus the propagated student state), its manifest
 recording the run (token hash, steps, lr, per-block validation before/after).
 
+Or, with ``ranks`` (the pipeline's ``--dwq``), no build: the student is the graded build
+that went straight into those rank folders (``k3dist.build.direct``), read as a
+``student.GradedView`` of the source (``graded_view``: its graded map from the folders'
+config), and each block's files are rewritten in every rank folder in place
+(``slicing.BuildSlicer.reslice``: the trained tensors' parts from the new bytes, every
+other tensor's part copied from the file as it is, one file of one rank at a time; the
+other files kept), each rank folder's manifest becoming a journal of the DWQ build first
+and the DWQ build's manifest last. ``out`` is then scratch: the journal of blocks, the
+propagated state, and the DWQ build's small files the slicers read (``out/build``). The
+rank folders are the ones slicing the written DWQ build gives (``tests/test_dwq.py``:
+every file's sha256), and resume like it. Disk: the rank folders, one rank file being
+rewritten, the state.
+
     python -m k3dist.build.dwq --teacher-build runs/mxfp4 --teacher runs/teacher \\
         --student runs/graded --tokens calib.npz --out runs/graded-dwq
 """
@@ -53,7 +66,7 @@ from k3dist.build import stream
 from k3dist.build.calibrate import RoutedProbe, kl_sum
 from k3dist.build.rss import peak_rss
 from k3dist.build.teacher import TeacherOutput, read_tokens
-from k3dist.format.folder import INDEX_NAME
+from k3dist.format.folder import INDEX_NAME, load_config
 from k3dist.format.graded import GradedMap
 from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.kvmemory import GiB
@@ -129,7 +142,11 @@ class DWQ:
         *,
         cap: int = 2 * GiB,
         progress: bool = True,
+        ranks: list[str | Path] | None = None,
     ):
+        """``student``: a low-bit build folder, or a view of one (``student.GradedView``);
+        ``ranks``: rewrite these rank folders of the student instead of writing a build
+        to ``out`` (module doc)."""
         self.cfg = cfg or DWQConfig()
         if self.cfg.input not in ("student", "teacher"):
             raise ValueError(f"--input {self.cfg.input!r}: student or teacher")
@@ -137,7 +154,11 @@ class DWQ:
             raise ValueError(f"--state {self.cfg.state!r}: one of {sorted(STATE_DTYPES)}")
         self.t0 = time.perf_counter()
         self.progress = progress
-        self.student = Path(student)
+        self.view = None if isinstance(student, (str, Path)) else student
+        self.student = Path(student) if self.view is None else Path(str(self.view.path))
+        self.ranks = None if ranks is None else [Path(r) for r in ranks]
+        if self.ranks is not None and self.view is None:
+            raise ValueError("DWQ into rank folders reads its student as a view (graded_view)")
         self.out = Path(out)
         self.S = stream.LayerStream(student)
         if GradedMap.from_config(self.S.config) is None:
@@ -303,8 +324,18 @@ class DWQ:
         return entry
 
     # -- whole build -------------------------------------------------------------------
+    def _student_manifest(self) -> dict:
+        if self.view is not None:
+            return self.view.manifest
+        return json.loads((self.student / MANIFEST).read_text())
+
+    def _student_index(self) -> dict[str, str]:
+        if self.view is not None:
+            return self.view.index
+        return json.loads((self.student / INDEX_NAME).read_text())["weight_map"]
+
     def run(self) -> Path:
-        smf = json.loads((self.student / MANIFEST).read_text())
+        smf = self._student_manifest()
         ident = {
             "kind": "dwq",
             "from_build": smf.get("build_hash"),
@@ -314,9 +345,13 @@ class DWQ:
         folder = JournaledFolder(self.out, "build", ident)
         if folder.open():
             return self.out
-        index = json.loads((self.student / INDEX_NAME).read_text())["weight_map"]
+        index = self._student_index()
         files = list(dict.fromkeys(index.values()))
         self.report = list(folder.journal.setdefault("blocks", []))
+        write_json_atomic(self.out / JOURNAL, folder.journal)
+        sink = None if self.ranks is None else _RankSink(self, ident)
+        if sink is not None and sink.complete():
+            return self.out  # every rank folder is this DWQ build's already
         s_in = None
         if self.cfg.input == "student" and self.report:
             last = self.ends[len(self.report) - 1]
@@ -336,7 +371,10 @@ class DWQ:
                 f"layers {a}..{c - 1}: valid {entry['valid_before']} -> {entry['valid_after']}"
             )
             for f in block_files:
-                folder.unit(f, lambda f=f, a=a, c=c: self._write_file(f, a, c))
+                if sink is None:
+                    folder.unit(f, lambda f=f, a=a, c=c: self._write_file(f, a, c))
+                else:
+                    sink.rewrite(f, self._trained_bytes(sink.header(f), a, c))
             if self.cfg.input == "student" and c < self.S.num_layers:
                 s_in = self._propagate(a, c, s_in)
                 mx.save_safetensors(
@@ -349,6 +387,11 @@ class DWQ:
             self.report.append(entry)
             folder.journal["blocks"] = self.report
             write_json_atomic(self.out / JOURNAL, folder.journal)
+            if a > 0:  # a resume needs only the last block's output state
+                (self.out / f".dwq-states-L{a}.safetensors").unlink(missing_ok=True)
+        if sink is not None:
+            sink.finish(files)
+            return self._finish_scratch(folder, ident, smf)
         for f in files:  # head, vision: copied
             folder.unit(f, lambda f=f: self._copy_file(f))
         write_json_atomic(
@@ -379,19 +422,11 @@ class DWQ:
                 "tool": f"k3dist {__version__}",
                 "kind": "build",
                 "identity": ident,
-                "build_hash": hashlib.sha256(
-                    json.dumps(ident, sort_keys=True).encode()
-                ).hexdigest()[:16],
+                "build_hash": _hash(ident),
                 "from_build": str(self.student.resolve()),
                 "profile": {**smf.get("profile", {}), "dwq": True},
                 "plan": smf.get("plan"),
-                "dwq": {
-                    "tokens_sha256": self.teacher.manifest["identity"]["tokens_sha256"],
-                    "windows": {"train": len(self.train_idx), "valid": len(self.valid_idx)},
-                    "config": asdict(self.cfg),
-                    "blocks": self.report,
-                    "peak_rss": peak_rss(),
-                },
+                "dwq": self._record(),
                 "files": out_files,
                 "seconds": round(time.perf_counter() - self.t0, 2),
             }
@@ -406,13 +441,53 @@ class DWQ:
             outs.append(o)
         return _cat(outs)
 
-    def _write_file(self, fname: str, a: int, c: int) -> dict:
-        """The student's file with this block's trained tensors in the file's dtype."""
-        h = read_header(self.student / fname)
+    def _trained(self, a: int, c: int) -> dict[str, mx.array]:
+        """The block's trained tensors by their names in the build's files."""
         new = {}
         for i in range(a, c):
             for n, v in trainable(self.S.layer(i)).items():
                 new[f"language_model.model.layers.{i}.{n}"] = v
+        return new
+
+    def _trained_bytes(self, h, a: int, c: int) -> dict[str, bytes]:
+        """The trained tensors file ``h`` holds, as its bytes (in the file's dtype)."""
+        return {
+            n: mx_to_bytes(v.astype(mx_dtype(h.tensors[n].dtype)))
+            for n, v in self._trained(a, c).items()
+            if n in h.tensors
+        }
+
+    def _finish_scratch(self, folder: JournaledFolder, ident: dict, smf: dict) -> Path:
+        """The scratch's manifest (``ranks``): the run's record; the state goes."""
+        for p in self.out.glob(".dwq-states-*"):
+            p.unlink()
+        folder.finish(
+            {
+                "tool": f"k3dist {__version__}",
+                "kind": "build",
+                "identity": ident,
+                "build_hash": _hash(ident),
+                "ranks": [str(r.resolve()) for r in self.ranks],
+                "dwq": self._record(),
+                "files": {},
+                "seconds": round(time.perf_counter() - self.t0, 2),
+            }
+        )
+        return self.out
+
+    def _record(self) -> dict:
+        return {
+            "tokens_sha256": self.teacher.manifest["identity"]["tokens_sha256"],
+            "windows": {"train": len(self.train_idx), "valid": len(self.valid_idx)},
+            "config": asdict(self.cfg),
+            "blocks": self.report,
+            "peak_rss": peak_rss(),
+        }
+
+    def _write_file(self, fname: str, a: int, c: int) -> dict:
+        """The student's file with this block's trained tensors in the file's dtype."""
+        h = read_header(self.student / fname)
+        new = self._trained(a, c)
         entries = sorted(h.tensors.values(), key=lambda t: t.start)
         with StreamWriter(
             self.out / fname, [(t.name, t.dtype, t.shape) for t in entries], h.metadata or None
@@ -431,6 +506,79 @@ class DWQ:
 
 
 STATE_DTYPES = {"float32": mx.float32, "bf16": mx.bfloat16}
+
+
+def _hash(ident: dict) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _RankSink:
+    """Where DWQ's files go with ``ranks``: each rank folder of the student rewritten
+    as the DWQ build (module doc). The DWQ build's small files (the student's, and a
+    manifest naming the DWQ build) are written to ``out/build`` for the slicers."""
+
+    def __init__(self, d: DWQ, ident: dict):
+        from k3dist.build import direct, grade, slicing
+
+        view = d.view
+        small = d.out / "build"
+        gb = grade.GradedBuilder(view.base, small, view.gmap, view.lo)
+        if gb.build_hash != view.manifest["build_hash"]:
+            raise CheckpointError(f"{view}: not the graded build grade writes of its base")
+        direct.write_small(gb)  # the student's small files, as its rank folders have them
+        m = json.loads((small / MANIFEST).read_text())
+        m |= {"identity": ident, "build_hash": _hash(ident), "from_build": gb.build_hash}
+        m["direct"] = "DWQ: the student's rank folders rewritten in place"
+        write_json_atomic(small / MANIFEST, m)
+        self.files = direct.GradedFiles(gb)  # the build's headers (nothing is made)
+        placement = slicing.placement_for(small, len(d.ranks))
+        self.slicers = [
+            slicing.BuildSlicer(small, out, r, len(d.ranks), placement, tensors=self.files)
+            for r, out in enumerate(d.ranks)
+        ]
+        self.student_hash = gb.build_hash
+        self.todo = [s for s in self.slicers if not s.reopen(self.student_hash)]
+
+    def complete(self) -> bool:
+        return not self.todo
+
+    def header(self, fname: str):
+        return self.files.header(fname)
+
+    def rewrite(self, fname: str, new: dict[str, bytes]) -> None:
+        for s in self.todo:
+            s.reslice(fname, new)
+
+    def finish(self, files: list[str]) -> None:
+        for s in self.todo:
+            for f in files:
+                if f in s.files:
+                    s.keep(f)  # head, vision: unchanged
+            s.finish()
+
+
+def graded_view(base, ranks: list[str | Path]):
+    """DWQ's student for ``ranks``: the graded build those rank folders were sliced from
+    (``k3dist.build.direct``), read from ``base`` (a ``view.SourceView``) with the graded
+    map of their config (``student.GradedView``); refused when the folders are not a
+    graded build of ``base``."""
+    from k3dist.build.student import GradedView
+    from k3dist.format.qformat import QFormat
+
+    config = load_config(ranks[0])
+    gmap = GradedMap.from_config(config)
+    if gmap is None:
+        raise CheckpointError(
+            f"{ranks[0]}: not a graded build's rank folder (no graded block in its config); "
+            "DWQ trains a graded build's lo bank"
+        )
+    v = GradedView(base, gmap, QFormat.parse(gmap.lo))
+    if v.config != config:
+        raise CheckpointError(
+            f"{ranks[0]}/config.json: not the graded build of {base} (its config differs "
+            "from the one grading the base with its graded map gives); grade it again"
+        )
+    return v
 
 
 def _copy(params: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
@@ -493,7 +641,8 @@ def _load_states(path: Path) -> list[stream.State]:
 
 
 def dwq(teacher_build, teacher, student, tokens, out, cfg: DWQConfig | None = None, **kw) -> Path:
-    """Distil ``student``'s low-bit scales/biases against the teacher (module doc)."""
+    """Distil ``student``'s low-bit scales/biases against the teacher (module doc);
+    ``ranks=[...]``: into the student's rank folders."""
     return DWQ(teacher_build, teacher, student, tokens, out, cfg, **kw).run()
 
 

@@ -24,17 +24,19 @@ Stages, in order (each one resumable, skipped when its output is current):
    (global allocation) and ``k_hi`` from the routes (``profiles.convert_profile``),
    written straight into one folder per rank, ``OUT/rank{rank}``
    (``k3dist.build.direct``: one graded file at a time in scratch, sliced by
-   ``k3dist.build.slicing`` into every rank, deleted). With ``--dwq`` the graded build is
-   written whole instead, and two more stages follow:
-6. ``dwq`` (``--dwq``): block-aligned DWQ of the graded build (``k3dist.build.dwq``); then
-   the teacher and the graded build are deleted.
-7. ``slice`` (``--dwq``): one folder per rank from the DWQ build
-   (``k3dist.build.slicing``); then the DWQ build is deleted.
+   ``k3dist.build.slicing`` into every rank, deleted).
+6. ``dwq`` (``--dwq``): block-aligned DWQ (``k3dist.build.dwq``) of the graded build in
+   the rank folders, its student read from the source (``dwq.graded_view``: the graded
+   map of the folders' config); each block's files rewritten in every rank folder in
+   place, one rank file at a time (``slicing.BuildSlicer.reslice``): the rank folders
+   slicing the written DWQ build would give. Then the teacher and the DWQ scratch (its
+   journal, state and small files) are deleted.
 
 Peak disk for the real K3 (``--real-k3 --budget 480e9 --dry-run``): 872.8 GB in OUT
 (the rank folders and one graded layer file), 2.434 TB with the source: the goal,
-source + 1.1 x rank folders = 2.511 TB, is met. With ``--dwq`` it is not (1.720 TB in
-OUT: the DWQ build and the rank folders beside it).
+source + 1.1 x rank folders = 2.511 TB, is met. With ``--dwq``: 881.8 GB in OUT (during
+dwq: the rank folders, the teacher, one rank file being rewritten, the state), 2.443 TB
+with the source: met too.
 
 Scratch lives in ``OUT/work``; ``--keep`` keeps it. Each stage runs in its own process
 (its memory goes back to the system when it ends; its peak RSS and I/O bytes are its
@@ -82,6 +84,7 @@ STAGE_FACTS = (
     "output_bytes",
 )
 RANK_PATTERN = "rank{rank}"
+DWQ_FACTS = ("layers", "valid_before", "valid_after", "steps")  # per block, in pipeline.json
 GOAL_FACTOR = 1.1  # peak disk <= source + 1.1 x rank folders
 
 
@@ -119,11 +122,7 @@ class Args:
             "calibrate": self.work / "calib",
             "graded": self.work / "graded",
             "dwq": self.work / "dwq",
-            "slice": Path(self.out),
         }[stage]
-
-    def final_build(self) -> Path:
-        return self.path("dwq" if self.dwq else "graded")
 
     def rank_dirs(self) -> list[Path]:
         return [Path(self.out) / RANK_PATTERN.format(rank=r) for r in range(self.ranks)]
@@ -131,19 +130,25 @@ class Args:
 
 def stages(a: Args) -> list[str]:
     s = ["plan", "tokens", "teacher", "calibrate", "graded"]
-    return [*s, "dwq", "slice"] if a.dwq else s
+    return [*s, "dwq"] if a.dwq else s
 
 
 def writes_ranks(a: Args, stage: str) -> bool:
-    """The stage whose output is the rank folders: ``graded`` (written straight into
-    them, ``k3dist.build.direct``), or ``slice`` after DWQ."""
-    return stage == ("slice" if a.dwq else "graded")
+    """The stages whose output is the rank folders: ``graded`` (written straight into
+    them, ``k3dist.build.direct``) and ``dwq`` (rewrites them in place)."""
+    return stage in ("graded", "dwq")
+
+
+def ranks_by(a: Args, ks: dict[str, str], upto: str) -> list[list[str]]:
+    """What state["ranks_by"] holds once ``upto`` has written the rank folders: the
+    stages that wrote them, in order, with their keys."""
+    return [[s, ks[s]] for s in ("graded", "dwq")[: 1 + (upto == "dwq")]]
 
 
 # scratch -> the stage after which nothing reads it any more
 def consumers_end(a: Args) -> dict[str, str]:
     out = {"teacher": "dwq" if a.dwq else "calibrate"}
-    return out | {"graded": "dwq", "dwq": "slice"} if a.dwq else out
+    return out | {"dwq": "dwq"} if a.dwq else out
 
 
 def stage_params(a: Args, stage: str) -> dict:
@@ -164,9 +169,8 @@ def stage_params(a: Args, stage: str) -> dict:
         },
         "teacher": {"batch": a.batch, "top_k": a.top_k},
         "calibrate": {"batch": a.batch},
-        "graded": {"ranks": None if a.dwq else a.ranks},  # a build, or the rank folders
+        "graded": {"ranks": a.ranks},  # the rank folders
         "dwq": {"steps": a.dwq_steps, "batch": a.dwq_batch},
-        "slice": {"ranks": a.ranks},
     }[stage]
 
 
@@ -303,14 +307,15 @@ def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
         "teacher": states + logits,
         # the student's block-input states and their cotangents, deleted at the end
         "calibrate": 2 * stream.state_bytes(tc, ntok) * (len(teacher.boundaries(tc)) - 1),
-        # --dwq: the graded build; else the rank folders, plus one graded file of scratch
-        "graded": plan["build_bytes"] if a.dwq else sum(per_rank) + largest_graded_file(acc, plan),
-        "dwq": plan["build_bytes"] + stream.state_bytes(tc, ntok),
-        "slice": sum(per_rank),
+        # the rank folders, plus one graded file of scratch
+        "graded": sum(per_rank) + largest_graded_file(acc, plan),
+        # rank files rewritten in place: one at a time beside its old self (at most a
+        # graded file), the propagated state, the DWQ build's small files
+        "dwq": largest_graded_file(acc, plan) + stream.state_bytes(tc, ntok) + (1 << 20),
     }
     keep_after = {"calibrate": 1 << 20}  # scores + routes stay; its work folder goes
-    if not a.dwq:
-        keep_after["graded"] = sum(per_rank)  # its graded file of scratch goes
+    keep_after["graded"] = sum(per_rank)  # its graded file of scratch goes
+    keep_after["dwq"] = 1 << 20  # the rewritten file replaced its old self
     frees = consumers_end(a)
     rows, held, peak, peak_at = [], 0, 0, ""
     alive: dict[str, int] = {}
@@ -431,7 +436,7 @@ def base_view(a: Args, plan: dict):
 
 def _run_stage(a: Args, stage: str, plan: dict) -> dict:
     """The stage's work, in this (child) process. Returns facts for pipeline.json."""
-    from k3dist.build import calibrate, profiles, slicing, teacher
+    from k3dist.build import calibrate, profiles, teacher
 
     tok = a.path("tokens")
     if stage == "tokens":
@@ -490,30 +495,33 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
         cal = a.path("calibrate")
         profiles.convert_profile(
             a.src,
-            a.path("graded"),  # with --dwq the graded build, else one graded file of scratch
+            a.path("graded"),  # one graded file of scratch
             "graded",
             base=base_view(a, plan),
             scores=cal / "scores-taylor.npz",
             routes=cal / "routes.npz",
             plan_kw=plan_kw(a),
-            rank_pattern=None if a.dwq else str(Path(a.out) / RANK_PATTERN),
+            rank_pattern=str(Path(a.out) / RANK_PATTERN),
             keep=a.keep,
         )
     elif stage == "dwq":
         from k3dist.build import dwq, stream
 
         cfg = dwq.DWQConfig(steps=a.dwq_steps, batch=a.dwq_batch)
-        dwq.dwq(
+        out = dwq.dwq(
             a.src,  # the teacher build's name only: DWQ reads the teacher's states
             a.path("teacher"),
-            a.path("graded"),
+            dwq.graded_view(base_view(a, plan), a.rank_dirs()),  # the rank folders' build
             teacher.read_tokens(tok),
-            a.path("dwq"),
+            a.path("dwq"),  # scratch: the rank folders are rewritten in place
             cfg,
             cap=stream.parse_bytes(a.cap),
+            ranks=a.rank_dirs(),
         )
-    elif stage == "slice":
-        slicing.slice_all(a.final_build(), str(Path(a.out) / RANK_PATTERN), a.ranks)
+        m = out / MANIFEST
+        if m.exists():
+            blocks = json.loads(m.read_text())["dwq"]["blocks"]
+            return {"dwq_blocks": [{k: b.get(k) for k in DWQ_FACTS} for b in blocks]}
     return {}
 
 
@@ -568,7 +576,6 @@ def reads(a: Args) -> dict[str, list[str]]:
         "calibrate": ["teacher", "tokens"],
         "graded": ["calibrate"],
         "dwq": ["teacher", "graded", "tokens"],
-        "slice": ["dwq" if a.dwq else "graded"],
     }
 
 
@@ -595,11 +602,16 @@ def _done(a: Args, state: dict, stage: str, key: str) -> bool:
     rec = state["stages"].get(stage)
     if not rec or rec.get("key") != key or not rec.get("done"):
         return False
+    if writes_ranks(a, stage):
+        ks, by = keys(a), state.get("ranks_by")
+        # graded's folders stay current under this run's DWQ (done or partly)
+        current = by == ranks_by(a, ks, stage) or (
+            stage == "graded" and a.dwq and by == ranks_by(a, ks, "dwq")
+        )
+        return current and all((r / MANIFEST).exists() for r in a.rank_dirs())
     if rec.get("deleted"):
         return True
     p = a.path(stage)
-    if writes_ranks(a, stage):
-        return all((r / MANIFEST).exists() for r in a.rank_dirs())
     if stage == "calibrate":
         return (p / "calibrate.json").exists()
     if p.is_dir():
@@ -729,10 +741,17 @@ def _run_stages(
             rec.pop("deleted")
         if rec and rec.get("key") != key:
             _delete(a.path(stage))  # made from other inputs: the tool would refuse it
-        if writes_ranks(a, stage) and state.get("ranks_by") != [stage, key]:
+        want, by = ranks_by(a, ks, stage), state.get("ranks_by")
+        if stage == "graded" and by != want:
             for r in a.rank_dirs():  # rank folders of another run: the slicer would refuse
                 _delete(r)
-            state["ranks_by"] = [stage, key]
+        elif stage == "dwq" and by not in (want, ranks_by(a, ks, "graded")):
+            raise CheckpointError(  # graded ran or was current just before
+                f"{out}: the rank folders are not this run's graded build ({by}); delete "
+                f"them and run again"
+            )
+        if writes_ranks(a, stage):  # dwq: rewrites the graded rank folders in place
+            state["ranks_by"] = want
             write_json_atomic(sp, state)
         print(f"[{n}/{len(order)}] {stage} ...", flush=True)
         t0 = time.perf_counter()

@@ -48,6 +48,7 @@ from k3dist.format.sfile import (
     Header,
     StreamWriter,
     TensorInfo,
+    iter_chunks,
     read_bytes,
     read_header,
     sha256_file,
@@ -423,17 +424,22 @@ class BuildSlicer:
                 )
         return plan
 
-    def _slice_file(self, fname: str, bar: tqdm) -> dict:
+    def _slice_file(self, fname: str, bar: tqdm, new: dict[str, bytes] | None = None) -> dict:
+        """The rank's part of the build's file ``fname``. ``new`` (:meth:`reslice`): the
+        build's bytes of some of its tensors; every other tensor's part is the one this
+        rank folder's ``fname`` already holds."""
         plan = self._plan(fname)
         entries = [(t.name, t.dtype, shape) for t, shape, _ in plan]
+        held = None if new is None else self._held(fname, entries)
 
         def chunks(t: TensorInfo, ranges) -> Iterator[bytes]:
             for start, length, cols in ranges:
-                data = (
-                    read_bytes(t, start, length)
-                    if self.tensors is None
-                    else self.tensors.read(t, start, length)
-                )
+                if new is not None:
+                    data = new[t.name][start : start + length]
+                elif self.tensors is None:
+                    data = read_bytes(t, start, length)
+                else:
+                    data = self.tensors.read(t, start, length)
                 bar.update(len(data))
                 if cols is not None:
                     row, a, b = cols
@@ -442,7 +448,10 @@ class BuildSlicer:
 
         with StreamWriter(self.out / fname, entries, self.headers[fname].metadata or None) as w:
             for t, _, ranges in plan:
-                w.write(t.name, chunks(t, ranges))
+                if held is not None and t.name not in new:
+                    w.write(t.name, iter_chunks(held.tensors[t.name]))
+                else:
+                    w.write(t.name, chunks(t, ranges))
         return {
             "file": fname,
             "bytes": w.size,
@@ -451,6 +460,99 @@ class BuildSlicer:
             "header_sha256": w.header_sha256,
             "tensor_sha256": w.tensor_sha256,
         }
+
+    def _held(self, fname: str, entries: list[tuple[str, str, tuple]]) -> Header:
+        """This rank folder's ``fname`` as it is now, checked to hold this rank's part of
+        every tensor of the build's file (the layout a rewrite keeps)."""
+        p = self.out / fname
+        if not p.exists():
+            raise CheckpointError(
+                f"{p}: missing; a rewrite replaces tensors in a sliced rank folder (slice "
+                "the build again into a new folder)"
+            )
+        h = read_header(p)
+        order = sorted(h.tensors.values(), key=lambda t: t.start)
+        got = [(t.name, t.dtype, tuple(t.shape)) for t in order]
+        if got != [(n, d, tuple(s)) for n, d, s in entries]:
+            raise CheckpointError(
+                f"{p}: its tensors are not rank {self.rank}'s part of {self.build / fname} "
+                "(another build or slicing); slice the build again into a new folder"
+            )
+        return h
+
+    # -- rewriting a finished rank folder as another build of the same layout ----------
+    def reopen(self, previous: str) -> bool:
+        """Open this rank folder to rewrite it: it holds the finished rank folder of the
+        build ``previous`` (its build hash) with this one's files, layout and placement
+        (``k3dist.build.dwq``: the same build with some tensors' bytes new). Its manifest
+        becomes a journal of this build naming the files as they were (:meth:`keep`
+        takes one unchanged, :meth:`reslice` writes one with new tensors); resumes such
+        a journal; True when the folder is already this build's, complete."""
+        mp, old = self.out / MANIFEST, None
+        if mp.exists():
+            old = json.loads(mp.read_text())
+            same = {k: v for k, v in self.ident.items() if k != "build_hash"}
+            prev = old.get("identity", {})
+            if prev != self.ident and (
+                prev.get("build_hash") != previous
+                or {k: v for k, v in prev.items() if k != "build_hash"} != same
+            ):
+                want = _describe({**self.ident, "build_hash": previous})
+                raise CheckpointError(
+                    f"{self.out}: holds {_describe(prev)}, not {want} to rewrite as build "
+                    f"{self.build_hash}; slice the build it came from again into it, or "
+                    "choose that build's rank folder"
+                )
+            if prev != self.ident:
+                journal = {
+                    "kind": "rank",
+                    "identity": self.ident,
+                    "done": {},
+                    "input": "build",
+                    "previous": {
+                        n: {
+                            "file": n,
+                            "bytes": e["bytes"],
+                            "sha256": e["sha256"],
+                            "header_sha256": e["header_sha256"],
+                            "tensor_sha256": e["tensors"],
+                        }
+                        for n, e in old["files"].items()
+                        if n.endswith(".safetensors")
+                    },
+                }
+                write_json_atomic(self.out / JOURNAL, journal)
+                (self.out / verify.STAMP).unlink(missing_ok=True)
+                mp.unlink()  # the journal first: a stop between the two resumes from it
+        if not self.open():
+            if "previous" not in self.folder.journal:
+                raise CheckpointError(
+                    f"{self.out}: a journal of build {self.build_hash} that is not a "
+                    "rewrite of a finished rank folder; delete the folder and slice again"
+                )
+            return False
+        return True
+
+    def keep(self, fname: str) -> None:
+        """File ``fname`` is this build's as it is (unchanged by the rewrite)."""
+        if fname in self.folder.done:
+            return
+        e = self.folder.journal["previous"][fname]
+        p = self.out / fname
+        if not p.exists() or p.stat().st_size != e["bytes"]:
+            raise CheckpointError(
+                f"{p}: missing or not the {e['bytes']:,} bytes its manifest had; delete "
+                "the folder and slice again"
+            )
+        self.folder.done[fname] = e
+        write_json_atomic(self.out / JOURNAL, self.folder.journal)
+
+    def reslice(self, fname: str, new: dict[str, bytes]) -> None:
+        """File ``fname`` again, the tensors in ``new`` (name -> the build's bytes of the
+        whole tensor) replaced by their part for this rank, every other tensor's bytes
+        copied from the file as it is (skipped when journaled done)."""
+        bar = tqdm(disable=True)
+        self.folder.unit(fname, lambda: self._slice_file(fname, bar, new))
 
     def _small_files(self) -> list[str]:
         """Tokenizer and other files to carry: not tensors, index, manifest or journal."""

@@ -1,12 +1,18 @@
-"""The calibration student never written: the uniform lo-bank build of a base build.
+"""Graded builds never written: the calibration student and DWQ's student.
 
-:class:`LoView` reads like a build (``k3dist.build.view``'s interface: config, manifest,
-index, lazy arrays per prefix, the lazy model) over a base build on disk or the source's
-view (``view.SourceView``): ``grade`` with no promotions, in memory. Each expert stack is
-re-quantized with ``grade.requantize`` (runs of ``CHUNK_BYTES`` of codes, as ``grade``
-writes them) when the layer's arrays are evaluated, a layer at a time as the stream runs;
-config and ``build_hash`` are the written student's (``tests/test_view.py``: every tensor
-equal to the written student's bytes, calibration's scores and routes equal).
+:class:`GradedView` reads like a build (``k3dist.build.view``'s interface: config,
+manifest, index, lazy arrays per prefix, the lazy model) over a base build on disk or the
+source's view (``view.SourceView``): ``grade`` in memory. The promoted experts' MXFP4 rows
+are taken as they are (hi bank), every other expert is re-quantized with
+``grade.requantize`` (runs of consecutive lo experts of up to ``CHUNK_BYTES`` of codes, as
+``grade`` writes them) when the layer's arrays are evaluated, a layer at a time as the
+stream runs; config and ``build_hash`` are the written graded build's.
+
+- :class:`LoView`: no promotions, the uniform lo-bank build: calibration's student
+  (``tests/test_view.py``: every tensor equal to the written student's bytes,
+  calibration's scores and routes equal).
+- a :class:`GradedView` of the graded map in the rank folders' config: DWQ's student
+  when the graded build went straight into rank folders (``k3dist.build.dwq``).
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 
-from k3dist.build.grade import graded_config, identity, requantize
+from k3dist.build.grade import expert_runs, graded_config, identity, requantize
 from k3dist.build.view import BuildFolder, SourceView, model_from
-from k3dist.format.graded import LO, GradedMap, bank_of
+from k3dist.format.graded import HI, LO, GradedMap, bank_of
 from k3dist.format.qformat import QFormat
 from k3dist.format.sfile import CHUNK_BYTES, CheckpointError
 
@@ -25,14 +31,13 @@ import mlx.nn as nn
 from mlx_lm.models import kimi_k3
 
 
-class LoView:
-    """The uniform lo-bank build of ``base`` (every expert in ``lo``), never written: the
-    calibration student (module doc)."""
+class GradedView:
+    """The graded build of ``base`` for ``gmap`` with its lo bank in ``lo``, never written
+    (module doc)."""
 
-    def __init__(self, base: SourceView | BuildFolder, lo: str | QFormat):
+    def __init__(self, base: SourceView | BuildFolder, gmap: GradedMap, lo: str | QFormat):
         self.base, self.lo = base, QFormat.parse(lo) if isinstance(lo, str) else lo
-        tc = base.config.get("text_config", base.config)
-        self.gmap = GradedMap(tc["num_experts"], {}, {}, False, self.lo.name)
+        self.gmap = gmap
         self.config = graded_config(base.config, self.gmap, self.lo)
         ident = identity(base.manifest, self.gmap, self.lo)
         self.manifest = {
@@ -41,7 +46,7 @@ class LoView:
             "build_hash": hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[
                 :16
             ],
-            "view": "lo",
+            "view": "graded",
         }
         self.path = base.path
         self.index = {}
@@ -53,13 +58,18 @@ class LoView:
                 stem = n[: -len(".weight")]
                 for s in ("weight", "scales", "biases"):
                     self.index[f"{stem}.{s}"] = f
+                if self.gmap.hi_ids(b[0]):
+                    hi = stem.replace(f".{LO}.", f".{HI}.")
+                    for s in ("weight", "scales"):
+                        self.index[f"{hi}.{s}"] = f
 
     def __str__(self) -> str:
-        return f"{self.base} as its uniform {self.lo.name} build"
+        return f"{self.base} as its graded build (lo {self.lo.name})"
 
     def _lo(self, arrays: dict[str, mx.array]) -> dict[str, mx.array]:
-        """The expert stacks among ``arrays`` re-quantized to the lo bank, in runs of
-        experts as ``grade`` writes them (lazy)."""
+        """The expert stacks among ``arrays`` split into the banks: the promoted rows as
+        they are, the rest re-quantized to the lo bank in runs of experts as ``grade``
+        writes them (lazy)."""
         out = {}
         for n, a in arrays.items():
             b = bank_of(n)
@@ -69,10 +79,13 @@ class LoView:
                 stem = n[: -len(".weight")]
                 w, s = a, arrays[f"{stem}.scales"]
                 E = w.shape[0]
-                run = max(1, CHUNK_BYTES // (w.nbytes // E))
-                parts = [
-                    requantize(w[e : e + run], s[e : e + run], self.lo) for e in range(0, E, run)
-                ]
+                hi, lo = self.gmap.hi_ids(b[0]), self.gmap.lo_ids(b[0])
+                if hi:
+                    rows = mx.array(hi)
+                    stem_hi = stem.replace(f".{LO}.", f".{HI}.")
+                    out[f"{stem_hi}.weight"], out[f"{stem_hi}.scales"] = w[rows], s[rows]
+                runs = expert_runs(lo, max(1, CHUNK_BYTES // (w.nbytes // E)))
+                parts = [requantize(w[e : e + k], s[e : e + k], self.lo) for e, k in runs]
                 for k, suffix in enumerate(("weight", "scales", "biases")):
                     out[f"{stem}.{suffix}"] = mx.concatenate([p[k] for p in parts])
             elif not n.endswith(".scales"):
@@ -90,3 +103,17 @@ class LoView:
             self.base.all_arrays() if isinstance(self.base, SourceView) else self.base.arrays("")
         )
         return model_from(self.config, weights, dtype, (cls, kimi_k3.ModelArgs))
+
+
+class LoView(GradedView):
+    """The uniform lo-bank build of ``base`` (every expert in ``lo``), never written: the
+    calibration student (module doc)."""
+
+    def __init__(self, base: SourceView | BuildFolder, lo: str | QFormat):
+        lo = QFormat.parse(lo) if isinstance(lo, str) else lo
+        tc = base.config.get("text_config", base.config)
+        super().__init__(base, GradedMap(tc["num_experts"], {}, {}, False, lo.name), lo)
+        self.manifest["view"] = "lo"
+
+    def __str__(self) -> str:
+        return f"{self.base} as its uniform {self.lo.name} build"
