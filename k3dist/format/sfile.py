@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import struct
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,6 +214,54 @@ def mx_to_bytes(a) -> bytes:
     return np.asarray(a).tobytes()
 
 
+class _Digests(threading.Thread):
+    """SHA-256 digests on their own thread: ``feed`` queues a batch of tensor-data items
+    (bytes, or ``_END`` + a name closing that tensor), the thread hashes them in order
+    (hashlib releases the GIL over buffers of 2 KiB and more, so it runs beside the
+    writer and the other digest). ``tensors``: one digest per tensor, each ended by its
+    marker; else the running digest of everything fed, seeded with ``seed``."""
+
+    def __init__(self, tensors: bool, seed: bytes = b""):
+        super().__init__(daemon=True)
+        self.per_tensor = tensors
+        self._q: queue.Queue = queue.Queue(maxsize=1)  # the batch being hashed + one
+        self._h = hashlib.sha256(seed)
+        self.digests: dict[str, str] = {}
+        self.error: BaseException | None = None
+        self.start()
+
+    def feed(self, batch: list | None) -> None:
+        self._q.put(batch)
+
+    def run(self) -> None:
+        h = self._h
+        try:
+            while (batch := self._q.get()) is not None:
+                for item in batch:
+                    if type(item) is tuple:  # (_END, name)
+                        if self.per_tensor:
+                            self.digests[item[1]] = h.hexdigest()
+                            h = hashlib.sha256()
+                    else:
+                        h.update(item)
+        except BaseException as e:  # re-raised by the writer's close
+            self.error = e
+            while self._q.get() is not None:  # drain: the writer never blocks on a dead thread
+                pass
+        self._h = h
+
+    def finish(self):  # -> the digest object
+        self.feed(None)
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self._h
+
+
+_END = "end"
+_BATCH_BYTES = 1 << 20  # small chunks go to the digest threads in batches of ~1 MiB
+
+
 class StreamWriter:
     """Write a safetensors file whose tensor list is known before the data is.
 
@@ -220,7 +270,10 @@ class StreamWriter:
     The file appears under its final name only after ``close()`` checks that every
     byte arrived; ``sha256`` is the digest of the final file, ``header_sha256`` that of
     its header bytes and ``tensor_sha256`` each tensor's (so a damaged file's tensor
-    can be named: ``k3dist.format.verify``).
+    can be named: ``k3dist.format.verify``). The file digest and the tensor digests are
+    computed on two threads of their own (:class:`_Digests`) while this one writes;
+    ``digests=False`` computes none (scratch that is deleted unread by anything that
+    checks it: ``sha256`` and ``tensor_sha256`` stay empty).
     """
 
     def __init__(
@@ -228,6 +281,7 @@ class StreamWriter:
         path: str | Path,
         entries: list[tuple[str, str, tuple[int, ...]]],
         metadata: dict[str, str] | None = None,
+        digests: bool = True,
     ):
         self.path = Path(path)
         self.partial = self.path.with_name(self.path.name + ".partial")
@@ -245,48 +299,71 @@ class StreamWriter:
             offset += n
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
-        self._hash = hashlib.sha256()
+        head = struct.pack("<Q", len(raw)) + raw
         self._f = open(self.partial, "wb")
-        self._emit(struct.pack("<Q", len(raw)) + raw)
-        self.header_sha256 = hashlib.sha256(struct.pack("<Q", len(raw)) + raw).hexdigest()
+        self._f.write(head)
+        self.header_sha256 = hashlib.sha256(head).hexdigest()
+        self._threads = (_Digests(False, head), _Digests(True)) if digests else ()
+        self._batch: list = []
+        self._batched = 0
         self.tensor_sha256: dict[str, str] = {}
         self._next = 0
         self.size = 8 + len(raw) + offset
         self.sha256: str | None = None
 
-    def _emit(self, b: bytes) -> None:
-        self._f.write(b)
-        self._hash.update(b)
+    def _flush(self) -> None:
+        if self._batch:
+            for t in self._threads:
+                t.feed(self._batch)
+            self._batch, self._batched = [], 0
 
     def write(self, name: str, data: bytes | Iterable[bytes]) -> None:
         if self._next >= len(self._order) or self._order[self._next][0] != name:
             want = self._order[self._next][0] if self._next < len(self._order) else None
             raise RuntimeError(f"{self.path}: wrote {name!r}, expected {want!r} next")
         expected = self._order[self._next][1]
-        got, h = 0, hashlib.sha256()
+        got = 0
+        hashed = bool(self._threads)
         for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
             got += len(chunk)
-            self._emit(chunk)
-            h.update(chunk)
+            self._f.write(chunk)
+            if hashed:
+                if type(chunk) is not bytes:  # the threads hash it later: freeze it
+                    chunk = bytes(chunk)
+                self._batch.append(chunk)
+                self._batched += len(chunk)
+                if self._batched >= _BATCH_BYTES:
+                    self._flush()
         if got != expected:
             raise RuntimeError(
                 f"{self.path}: tensor {name!r} got {got} bytes, header promised {expected}"
             )
-        self.tensor_sha256[name] = h.hexdigest()
+        if hashed:
+            self._batch.append((_END, name))
         self._next += 1
 
-    def close(self) -> str:
+    def _digests(self) -> None:
+        self._flush()
+        file_t, tensor_t = self._threads
+        self.sha256 = file_t.finish().hexdigest()
+        tensor_t.finish()
+        self.tensor_sha256 = tensor_t.digests
+
+    def close(self) -> str | None:
         if self._next != len(self._order):
             missing = [n for n, _ in self._order[self._next :]]
             raise RuntimeError(f"{self.path}: closed before writing {missing[:3]}...")
+        if self._threads:
+            self._digests()
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
         os.replace(self.partial, self.path)
-        self.sha256 = self._hash.hexdigest()
         return self.sha256
 
     def abort(self) -> None:
+        for t in self._threads:
+            t.feed(None)
         if not self._f.closed:
             self._f.close()
         self.partial.unlink(missing_ok=True)
