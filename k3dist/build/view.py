@@ -136,10 +136,13 @@ def as_build(build):
     return BuildFolder(build) if isinstance(build, (str, Path)) else build
 
 
-def stack_array(parts: tuple[TensorInfo, ...], dtype: str) -> mx.array:
+def stack_array(
+    parts: tuple[TensorInfo, ...], dtype: str, files: dict[Path, dict[str, mx.array]]
+) -> mx.array:
     """The per-expert source tensors ``parts`` stacked, their bytes read as ``dtype``
-    (``U32``: MXFP4 codes, 8 to a word; ``U8``: scales): lazy, read when evaluated."""
-    files: dict[Path, dict[str, mx.array]] = {}
+    (``U32``: MXFP4 codes, 8 to a word; ``U8``: scales): lazy, read when evaluated.
+    ``files``: the shards already opened, shared by a unit's stacks (opening a K3-sized
+    shard's header costs ~0.08 s at 5,404 tensors, and a layer has 6 stacks)."""
     out = []
     for t in parts:
         if t.path not in files:
@@ -255,7 +258,8 @@ class SourceView:
                 for t in (self._backing[n] for n in self._headers[self.file_of[g]].tensors)
             }
         dense, experts, _ = self.conv.unit(g)
-        return dict(dense) | {e.name: stack_array(e.parts, e.dtype) for e in experts}
+        files: dict[Path, dict[str, mx.array]] = {}
+        return dict(dense) | {e.name: stack_array(e.parts, e.dtype, files) for e in experts}
 
     def arrays(self, prefix: str) -> dict[str, mx.array]:
         out = {}
