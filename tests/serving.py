@@ -25,7 +25,7 @@ import openai
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
-from util import REPO, free_base_port
+from util import REPO, feed_stdin, free_base_port
 
 CHAT = "/v1/chat/completions"
 MAX_CONTEXT = 512  # a Server's --max-context unless its flags say otherwise
@@ -116,9 +116,9 @@ class Server:
             "15",
             *extra,
         ]
-        # stdin a pipe, written once the ranks run: mlx.launch spins on a stdin at EOF,
-        # and on each rank's stdin pipe until a write to it fails (the ranks close theirs;
-        # k3dist.serve.supervise does the same)
+        # stdin a pipe of ours, kept open and filled: mlx.launch spins on a stdin at EOF
+        # and on each rank's stdin pipe until it is full or a write to it fails (the
+        # ranks close theirs): util.feed_stdin
         self.proc = subprocess.Popen(
             cmd,
             cwd=REPO,
@@ -128,6 +128,7 @@ class Server:
             stdin=subprocess.PIPE,
             start_new_session=True,
         )
+        feed_stdin(self.proc.stdin)
         # warm-up compiles every shape first: 240 s was too short on 2 shared cores at
         # load ~17 (test_server's server, loaded, still warming up when it was stopped)
         deadline = time.time() + 600
@@ -136,11 +137,6 @@ class Server:
                 raise RuntimeError(f"server exited early:\n{self.output()}")
             try:
                 if get_json(self.url + "/health", 2)[0] == 200:
-                    try:
-                        self.proc.stdin.write(b"\n")
-                        self.proc.stdin.flush()
-                    except OSError:
-                        pass
                     return
             except OSError:
                 pass

@@ -24,7 +24,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from util import REPO, failed_ranks, load_f32, mlx_launch
+from util import REPO, failed_ranks, feed_stdin, load_f32, mlx_launch
 
 VOCAB = corpus.BASE_VOCAB + tk.NUM_CONTROL_TOKENS
 
@@ -311,8 +311,14 @@ def test_sigterm_finishes_the_step_and_saves(tmp_path):
         "10000",
     ]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
+    feed_stdin(proc.stdin)
     log = out / "log.jsonl"
     deadline = time.time() + 60
     while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 2):

@@ -224,7 +224,7 @@ def test_server_never_serves_a_corrupted_rank1(ranks2, tmp_path):
     import sys
     import urllib.request
 
-    from util import REPO, free_base_port
+    from util import REPO, feed_stdin, free_base_port
 
     for r in range(2):
         shutil.copytree(ranks2 / f"rank{r}", tmp_path / f"rank{r}")
@@ -255,10 +255,12 @@ def test_server_never_serves_a_corrupted_rank1(ranks2, tmp_path):
         proc = subprocess.Popen(
             cmd,
             cwd=REPO,
+            stdin=subprocess.PIPE,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=dict(os.environ, HOME=str(tmp_path)),
         )
+        feed_stdin(proc.stdin)
         served = False
         while proc.poll() is None and time.perf_counter() - t0 < 120:
             try:

@@ -20,7 +20,7 @@ from k3dist.serve import watchdog
 from k3dist.serve.watchdog import Watchdog, WatchdogError
 
 import pytest
-from util import REPO, failed_ranks, free_base_port
+from util import REPO, failed_ranks, feed_stdin, free_base_port
 
 PEER = REPO / "tests" / "scripts" / "watchdog_peer.py"
 # The scripts' watchdog: heartbeat 0.2 s, silent after 3 s. A killed process closes
@@ -292,7 +292,10 @@ def test_mlx_launch_peer_death_and_stop(tmp_path, sig):
         str(tmp_path),
     ]
     out = open(tmp_path / "launch.log", "w")
-    launch = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    launch = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+    )
+    feed_stdin(launch.stdin)
     try:
         pids = [int(_wait_file(tmp_path / f"rank{r}.pid", launch, 30)) for r in range(2)]
         time.sleep(1.0)  # both ranks in their all_sum loop
@@ -345,7 +348,10 @@ def test_ranks_stop_when_mlx_launch_is_killed(tmp_path):
         str(tmp_path),
         "--stop-with-launcher",
     ]
-    launch = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    launch = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO
+    )
+    feed_stdin(launch.stdin)
     pids = []
     try:
         pids = [int(_wait_file(tmp_path / f"rank{r}.pid", launch, 30)) for r in range(2)]

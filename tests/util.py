@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -45,6 +47,33 @@ def free_base_port(n: int = 4) -> int:
     raise RuntimeError("no free port range for the ring")
 
 
+# mlx.launch (mlx 0.32) relays its stdin to every rank, and two of its loops spin a core
+# while the ranks run: its main loop on a stdin at EOF (pytest's /dev/null), and each
+# rank's forwarding thread on that rank's stdin pipe, which select reports writable until
+# it is full or a write to it fails. So a launch here gets a stdin pipe of its own, kept
+# open and written once with more than a rank's pipe holds: the main loop then waits on
+# an empty pipe and each thread on a full one (or drops it at a rank that closed its
+# stdin, as launch/serve.py does). None of the ranks here read their stdin.
+STDIN_FILL = b"\n" * (1 << 18)
+
+
+def feed_stdin(stream) -> threading.Thread:
+    """Write STDIN_FILL to ``stream`` (mlx.launch's stdin) from a thread; leave it open."""
+
+    stream = getattr(stream, "buffer", stream)  # a text-mode Popen's stdin
+
+    def write() -> None:
+        try:
+            stream.write(STDIN_FILL)
+            stream.flush()
+        except (OSError, ValueError):  # mlx.launch already gone, or the pipe closed
+            pass
+
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    return t
+
+
 def mlx_launch(n: int, script: str, *args: str, timeout: float = 240):
     """Run ``script`` on ``n`` ranks over loopback (ring backend) via mlx.launch."""
     import subprocess
@@ -62,7 +91,24 @@ def mlx_launch(n: int, script: str, *args: str, timeout: float = 240):
         str(REPO / script),
         *args,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    # subprocess.run's communicate() would close a stdin pipe: give it our own
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            cmd, stdin=r, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+        )
+    finally:
+        os.close(r)
+    with open(w, "wb") as stdin, proc:
+        feeder = feed_stdin(stdin)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        feeder.join(5)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def failed_ranks(res) -> set[int]:
