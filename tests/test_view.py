@@ -115,6 +115,53 @@ def test_teacher_and_calibration_from_the_source_equal_the_written_builds(built)
             assert np.array_equal(x[k], y[k]), (name, k)  # same numbers, not close ones
 
 
+class _CountingView:
+    """A view that counts which prefixes a layer stream asks it for."""
+
+    def __init__(self, v):
+        self.v, self.asked = v, []
+
+    def __getattr__(self, name):
+        return getattr(self.v, name)
+
+    def arrays(self, prefix: str) -> dict[str, mx.array]:
+        self.asked.append(prefix)
+        return self.v.arrays(prefix)
+
+
+def test_a_stream_reads_each_unit_once_a_use_and_a_released_one_is_nan(built):
+    """The teacher makes each unit of a view once (at K3's counts a unit costs ~0.1 s
+    and there are 94): not when the stream starts, not when a layer is released. A
+    released layer's weights are NaN until read again, so a use that skipped the read
+    cannot look right."""
+    from k3dist.build import stream
+
+    tmp, _, _, ne, _, _, tokens = built
+    cv = _CountingView(view.SourceView(MINI, ne))
+    teacher.run(cv, tokens, tmp / "teacher-count", progress=False)
+    layers = [p for p in cv.asked if ".layers." in p]
+    n = len(layers)
+    assert n >= 4 and sorted(layers) == sorted(set(layers))  # each layer once
+    assert len(cv.asked) == len(set(cv.asked))  # and nothing else twice
+    for name in sorted(p.name for p in (tmp / "teacher").glob("*.safetensors")):
+        assert sha256_file(tmp / "teacher" / name) == sha256_file(tmp / "teacher-count" / name)
+
+    st = stream.LayerStream(view.SourceView(MINI, ne))
+    before = {k: np.array(v) for k, v in _params(st.layer(1))}
+    st.release_layer(1)
+    floats = [v for k, v in _params(st.text.layers[1]) if mx.issubdtype(v.dtype, mx.floating)]
+    assert floats and all(bool(mx.isnan(v).all()) for v in floats)
+    after = {k: np.array(v) for k, v in _params(st.layer(1))}
+    assert before.keys() == after.keys()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def _params(module):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(module.parameters())
+
+
 def _graded_inputs(built) -> tuple[dict, Path, list[Path]]:
     """convert_profile's graded arguments (calibration from the written builds), the graded
     build written from the base build and its slices (made once for this module)."""

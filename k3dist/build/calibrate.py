@@ -143,7 +143,7 @@ class Calibration:
         self.work = Path(work)
         self.work.mkdir(parents=True, exist_ok=True)
         self.moe = [i for i, layer in enumerate(self.S.text.layers) if hasattr(layer.mlp, "_route")]
-        self.hooks = {i: RoutedProbe(self.S.layer(i).mlp) for i in self.moe}
+        self.hooks = {i: RoutedProbe(self.S.text.layers[i].mlp) for i in self.moe}
         E = self.S.args.num_experts
         self.sums = {s: {i: np.zeros(E) for i in self.moe} for s in scores if s != "random"}
         self.routes: dict[int, list[np.ndarray]] = {i: [] for i in self.moe}

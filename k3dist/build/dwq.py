@@ -189,7 +189,7 @@ class DWQ:
         self.starts = list(range(0, self.S.num_layers, size))
         self.ends = [*self.starts[1:], self.S.num_layers]
         self.moe = [i for i, layer in enumerate(self.S.text.layers) if hasattr(layer.mlp, "_route")]
-        self.hooks = {i: RoutedProbe(self.S.layer(i).mlp) for i in self.moe}
+        self.hooks = {i: RoutedProbe(self.S.text.layers[i].mlp) for i in self.moe}
         self.eps = self.S.args.rms_norm_eps
         self.report: list[dict] = []
 

@@ -227,11 +227,16 @@ class GradedBuilder:
         )
         return out
 
-    def grade_file(self, fname: str) -> dict:
+    def grade_file(self, fname: str, digests: bool = True) -> dict:
+        """Write graded file ``fname``; ``digests`` False: scratch, read once and deleted
+        (``k3dist.build.direct``), so no SHA-256 (its ``sha256`` is None)."""
         h = self.headers[fname]
         entries = self._entries(h)
         with StreamWriter(
-            self.out / fname, [(n, d, s) for n, d, s, _ in entries], h.metadata or None
+            self.out / fname,
+            [(n, d, s) for n, d, s, _ in entries],
+            h.metadata or None,
+            digests=digests,
         ) as wr:
             for n, _, _, chunks in entries:
                 wr.write(n, chunks())

@@ -144,32 +144,66 @@ class LayerStream:
         self.config = build.config
         self.tc = layout.text_config(self.config)
         self.weight_map: dict[str, str] = build.index
-        self.model = build.model(dtype)
+        # weights are read when a module is first used (``_load``), not here: a view
+        # makes its arrays a unit at a time (~0.2 s a K3 layer), once per use
+        self.model = build.model(dtype, weights=False)
         self.text = self.model.language_model.model
         self.args: kimi_k3.TextArgs = self.text.args
         self.num_layers = len(self.text.layers)
+        self._loaded: set[str] = set()
 
     # -- weights ------------------------------------------------------------------
+    def _load(self, module: nn.Module, prefix: str) -> nn.Module:
+        """``module`` with the build's weights (lazy arrays, read when evaluated)."""
+        if prefix not in self._loaded:
+            current = dict(_flatten(module.parameters()))
+            fresh = []
+            for n, a in self.build.arrays(prefix).items():
+                key = n[len(prefix) :]
+                if key in current:
+                    fresh.append((key, a.astype(current[key].dtype)))
+            module.load_weights(fresh, strict=False)
+            self._loaded.add(prefix)
+        return module
+
     def layer(self, i: int) -> nn.Module:
-        return self.text.layers[i]
+        """Decoder layer ``i``, its weights the build's."""
+        return self._load(self.text.layers[i], f"language_model.model.layers.{i}.")
 
     def release(self, module: nn.Module, prefix: str) -> None:
-        """Swap ``module``'s (evaluated) weights for fresh lazy ones from the files:
-        the memory goes back, and the next use reads them again."""
-        current = dict(_flatten(module.parameters()))
-        fresh = []
-        for n, a in self.build.arrays(prefix).items():
-            key = n[len(prefix) :]
-            if key in current:
-                fresh.append((key, a.astype(current[key].dtype)))
-        module.load_weights(fresh, strict=False)
+        """Swap ``module``'s (evaluated) weights for stand-ins: the memory goes back,
+        and the next use reads them again. Floating stand-ins are NaN, so a use that
+        skipped ``_load`` cannot pass for a right answer; nothing is read or allocated
+        until that next use."""
+        stand_in = [
+            (
+                k,
+                mx.full(a.shape, math.nan, a.dtype)
+                if mx.issubdtype(a.dtype, mx.floating)
+                else mx.zeros(a.shape, a.dtype),
+            )
+            for k, a in _flatten(module.parameters())
+        ]
+        module.load_weights(stand_in, strict=False)
+        self._loaded.discard(prefix)
 
     def release_layer(self, i: int) -> None:
-        self.release(self.layer(i), f"language_model.model.layers.{i}.")
+        self.release(self.text.layers[i], f"language_model.model.layers.{i}.")
+
+    def _head_modules(self) -> Iterator[tuple[nn.Module, str]]:
+        """What ``head`` uses: the embedding only when it is the output projection."""
+        tied = self.model.language_model.lm_head is None
+        for name in ("embed_tokens", "norm", "output_attn_res_norm", "output_attn_res_proj"):
+            m = getattr(self.text, name, None)
+            if m is not None and (name != "embed_tokens" or tied):
+                yield m, f"language_model.model.{name}."
+        if not tied:
+            yield self.model.language_model.lm_head, "language_model.lm_head."
 
     # -- running ------------------------------------------------------------------
     def embed(self, tokens: mx.array) -> State:
-        return State(self.text.embed_tokens(tokens).astype(mx.float32))
+        emb = self._load(self.text.embed_tokens, "language_model.model.embed_tokens.")
+        return State(emb(tokens).astype(mx.float32))
 
     def run_layer(self, i: int, s: State) -> State:
         layer = self.layer(i)
@@ -188,6 +222,8 @@ class LayerStream:
 
     def head(self, s: State) -> mx.array:
         """Logits [B, L, V] from the state after the last layer."""
+        for m, prefix in self._head_modules():
+            self._load(m, prefix)
         t = self.text
         h = s.h
         if t.use_attn_res:
@@ -202,12 +238,8 @@ class LayerStream:
         return t.embed_tokens.as_linear(h) if lm.lm_head is None else lm.lm_head(h)
 
     def release_head(self) -> None:
-        for name in ("embed_tokens", "norm", "output_attn_res_norm", "output_attn_res_proj"):
-            m = getattr(self.text, name, None)
-            if m is not None:
-                self.release(m, f"language_model.model.{name}.")
-        if self.model.language_model.lm_head is not None:
-            self.release(self.model.language_model.lm_head, "language_model.lm_head.")
+        for m, prefix in self._head_modules():
+            self.release(m, prefix)
 
 
 def _flatten(tree, prefix: str = "") -> Iterator[tuple[str, mx.array]]:

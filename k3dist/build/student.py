@@ -95,14 +95,18 @@ class GradedView:
     def arrays(self, prefix: str) -> dict[str, mx.array]:
         return self._lo(self.base.arrays(prefix))
 
-    def model(self, dtype: str = "float32") -> nn.Module:
+    def model(self, dtype: str = "float32", weights: bool = True) -> nn.Module:
+        """The build as a model, lazily; ``weights`` False: unevaluated stand-ins."""
         from k3dist.model import two_bank
 
         cls = two_bank.build_class(self.config)
-        weights = self._lo(
-            self.base.all_arrays() if isinstance(self.base, SourceView) else self.base.arrays("")
-        )
-        return model_from(self.config, weights, dtype, (cls, kimi_k3.ModelArgs))
+        arrays = None
+        if weights:
+            base = self.base
+            arrays = self._lo(
+                base.all_arrays() if isinstance(base, SourceView) else base.arrays("")
+            )
+        return model_from(self.config, arrays, dtype, (cls, kimi_k3.ModelArgs))
 
 
 class LoView(GradedView):

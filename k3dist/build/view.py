@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from k3dist.build.convert import Converter, ShardReader, build_hash, output_file, shape_only
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, load_config, weight_map
 from k3dist.format.graded import GRADED_KEY
 from k3dist.format.manifest import JOURNAL, MANIFEST
@@ -61,18 +62,23 @@ def load_lazy(path: str | Path, dtype: str = "float32") -> nn.Module:
     return model
 
 
-def model_from(config: dict, weights: dict[str, mx.array], dtype: str, classes=None) -> nn.Module:
+def model_from(
+    config: dict, weights: dict[str, mx.array] | None, dtype: str, classes=None
+) -> nn.Module:
     """mlx-lm's ``load_model`` of a folder holding ``config`` and ``weights`` (lazy),
     without the folder: the model is made and quantized from the config alone (every
     quantized module has its own ``quantization`` entry in k3dist builds), then takes the
-    weights through its own ``sanitize`` as ``load_model`` would, strictly."""
+    weights through its own ``sanitize`` as ``load_model`` would, strictly. ``weights``
+    None: the model as made, its weights unevaluated stand-ins (a layer stream loads
+    each module before its use)."""
     with tempfile.TemporaryDirectory(prefix="k3dist-view-") as d:
         (Path(d) / CONFIG_NAME).write_text(json.dumps(config))
         kw = {} if classes is None else {"get_model_classes": lambda config: classes}
         model, _ = load_model(Path(d), lazy=True, strict=False, **kw)
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
-    model.load_weights(list(weights.items()), strict=True)
+    if weights is not None:
+        if hasattr(model, "sanitize"):
+            weights = model.sanitize(weights)
+        model.load_weights(list(weights.items()), strict=True)
     model.set_dtype(mx_dtype(dtype))
     model.eval()
     return model
@@ -113,7 +119,9 @@ class BuildFolder:
             out |= {n: a for n, a in mx.load(str(self.path / f)).items() if n.startswith(prefix)}
         return out
 
-    def model(self, dtype: str = "float32") -> nn.Module:
+    def model(self, dtype: str = "float32", weights: bool = True) -> nn.Module:
+        """The build as a model, lazily (``weights`` False: the same; a folder's lazy
+        load costs one header parse a file)."""
         return load_lazy(self.path, dtype)
 
     def write_small(self, out: Path) -> list[str]:
@@ -136,19 +144,12 @@ def as_build(build):
     return BuildFolder(build) if isinstance(build, (str, Path)) else build
 
 
-def stack_array(
-    parts: tuple[TensorInfo, ...], dtype: str, files: dict[Path, dict[str, mx.array]]
-) -> mx.array:
+def stack_array(parts: tuple[TensorInfo, ...], dtype: str, read) -> mx.array:
     """The per-expert source tensors ``parts`` stacked, their bytes read as ``dtype``
     (``U32``: MXFP4 codes, 8 to a word; ``U8``: scales): lazy, read when evaluated.
-    ``files``: the shards already opened, shared by a unit's stacks (opening a K3-sized
-    shard's header costs ~0.08 s at 5,404 tensors, and a layer has 6 stacks)."""
-    out = []
-    for t in parts:
-        if t.path not in files:
-            files[t.path] = mx.load(str(t.path))
-        out.append(files[t.path][t.name].view(mx_dtype(dtype)))
-    return mx.stack(out)
+    ``read``: a ``convert.ShardReader``, shared by a unit's stacks and its non-expert
+    tensors so that each shard is opened once a unit. Stacked as stored, viewed once."""
+    return mx.stack([read(t) for t in parts]).view(mx_dtype(dtype))
 
 
 class SourceView:
@@ -156,7 +157,6 @@ class SourceView:
     ``nonexpert``: a format per non-expert class, as ``convert --nonexpert`` takes it."""
 
     def __init__(self, src: str | Path, nonexpert: str | dict | None = None):
-        from k3dist.build.convert import Converter, build_hash, output_file
         from k3dist.format.source import Source
 
         self.conv = Converter(Source(src), None, nonexpert=nonexpert)
@@ -204,7 +204,7 @@ class SourceView:
             for t in infos:
                 self._backing[t.name] = t
             return [(t.name, t.dtype, t.shape, t.nbytes) for t in infos], {}
-        dense, experts, quant = self.conv.unit(g)
+        dense, experts, quant = self.conv.unit(g, shape_only)  # opens no shard
         out = []
         for n, a in dense:
             self._backing[n] = g
@@ -252,14 +252,11 @@ class SourceView:
     # -- arrays (what a layer stream reads) -------------------------------------------
     def unit_arrays(self, g: str) -> dict[str, mx.array]:
         """Fresh lazy arrays of unit ``g``, as its file would load."""
+        read = ShardReader()  # each shard opened once a unit
         if g == "vision":
-            return {
-                t.name: mx.load(str(t.path))[t.name]
-                for t in (self._backing[n] for n in self._headers[self.file_of[g]].tensors)
-            }
-        dense, experts, _ = self.conv.unit(g)
-        files: dict[Path, dict[str, mx.array]] = {}
-        return dict(dense) | {e.name: stack_array(e.parts, e.dtype, files) for e in experts}
+            return {n: read(self._backing[n]) for n in self._headers[self.file_of[g]].tensors}
+        dense, experts, _ = self.conv.unit(g, read)
+        return dict(dense) | {e.name: stack_array(e.parts, e.dtype, read) for e in experts}
 
     def arrays(self, prefix: str) -> dict[str, mx.array]:
         out = {}
@@ -275,8 +272,10 @@ class SourceView:
             out |= self.unit_arrays(g)
         return out
 
-    def model(self, dtype: str = "float32") -> nn.Module:
-        return model_from(self.config, self.all_arrays(), dtype)
+    def model(self, dtype: str = "float32", weights: bool = True) -> nn.Module:
+        """The build as a model, lazily; ``weights`` False: unevaluated stand-ins
+        (``model_from``), no unit made."""
+        return model_from(self.config, self.all_arrays() if weights else None, dtype)
 
     def write_small(self, out: Path) -> list[str]:
         return sorted(self.conv.copy_tokenizer(out))
