@@ -363,27 +363,41 @@ def project(stage: dict, r: dict) -> dict | None:
 # ------------------------------------------------------- the one-command pipeline's stages
 # stage -> (what the count overhead scales with, the real stages' outputs it reads,
 # whether what it writes goes through StreamWriter's two SHA-256 digests, FLOPs factor)
-PIPELINE_MODEL: dict[str, tuple[str, list[str], bool]] = {
-    "tokens": ("tokens (the 163,840-entry tokenizer loaded, text tokenized)", [], False),
-    "base": (
-        "bytes (experts copied as MXFP4, non-expert re-quantized) + tensors",
+# The pipeline's stages on the real K3 (k3dist.build.pipeline): what each scales with,
+# and the bytes (names in real_pipeline_writes, summed) it reads, writes and hashes. The
+# source is read through view.SourceView, never written as a base build. Graded writes
+# each graded file as scratch, reads it back into the rank folders and deletes it: the
+# scratch bytes are about the rank folders' (the non-expert copies aside). StreamWriter
+# hashes a file's bytes once in wall time (file and tensor digests on two threads of
+# their own); graded's scratch hashes nothing; DWQ rewrites every rank file in place.
+PIPELINE_MODEL: dict[str, tuple[str, list[str], list[str], list[str]]] = {
+    "tokens": ("tokens (the 163,840-entry tokenizer loaded, text tokenized)", [], ["tokens"], []),
+    "teacher": (
+        "source bytes read once + tokens x active params",
         ["source"],
-        True,
+        ["teacher"],
+        [],
     ),
-    "teacher": ("weight bytes read once + tokens x active params", ["base"], False),
-    "student": ("expert parameters (re-quantized to the lo bank) + experts", ["base"], True),
     "calibrate": (
-        "weight bytes (student + teacher build) + tokens x active params (fwd + bwd)",
-        ["student", "base", "teacher"],
-        False,
+        "source bytes read twice (student re-quantized to the lo bank in memory, teacher) "
+        "+ tokens x active params (fwd + bwd)",
+        ["source", "source", "teacher"],
+        ["calibrate"],
+        [],
     ),
-    "graded": ("bytes (lo re-quantized, hi copied) + experts (82,432)", ["base"], True),
+    "graded": (
+        "source bytes (lo re-quantized, hi copied) + experts (82,432); scratch a file at a "
+        "time, sliced into the rank folders",
+        ["source", "rank_folders"],
+        ["rank_folders", "rank_folders"],
+        ["rank_folders"],
+    ),
     "dwq": (
-        "steps x blocks x (tokens x active params) + expert parameters",
-        ["base", "graded", "teacher"],
-        True,
+        "steps x blocks x (tokens x active params) + the rank folders rewritten in place",
+        ["source", "teacher", "rank_folders"],
+        ["rank_folders"],
+        ["rank_folders"],
     ),
-    "slice": ("bytes (byte-range copies) + tensors", ["dwq"], True),
 }
 REAL_PIPELINE_ARGS = [
     "--real-k3",
@@ -409,16 +423,21 @@ def real_pipeline_writes() -> dict[str, int]:
     acc = pipeline.account(a, config, index)
     plan = pipeline.make_plan(a, acc)
     d = pipeline.disk_plan(a, acc, plan, source_bytes)
-    return {"source": source_bytes, **{r["stage"]: r["writes"] for r in d["stages"]}}
+    return {
+        "source": source_bytes,
+        "rank_folders": d["rank_folders_total"],
+        **{r["stage"]: r["writes"] for r in d["stages"]},
+    }
 
 
 def project_pipeline(row: dict, writes: dict[str, int], r: dict) -> dict | None:
     """A pipeline stage on the real K3, as :func:`project`: disk read and write at SSD_BPS,
-    SHA-256 twice over what StreamWriter writes, compute at GPU_FLOPS, and the count
-    overhead: the preset stage's CPU seconds (an upper bound)."""
+    SHA-256 of what StreamWriter hashes (PIPELINE_MODEL), compute at GPU_FLOPS,
+    and the count overhead: the preset stage's CPU seconds (an upper bound: it includes
+    the preset's own compute and bytes)."""
     if row["stage"] not in PIPELINE_MODEL:
         return None
-    _, reads, hashed = PIPELINE_MODEL[row["stage"]]
+    _, reads, wrote, hashed = PIPELINE_MODEL[row["stage"]]
     f = 2 * r["active_params"]
     flops = {
         "teacher": f * REAL_TOKENS,
@@ -426,11 +445,11 @@ def project_pipeline(row: dict, writes: dict[str, int], r: dict) -> dict | None:
         "dwq": 3 * f * DWQ_STEPS * DWQ_BATCH * DWQ_SEQ + f * REAL_TOKENS,
     }.get(row["stage"], 0.0)
     read_b = sum(writes[x] for x in reads)
-    write_b = writes[row["stage"]]
+    write_b = sum(writes[x] for x in wrote)
     terms = {
         "disk_read_s": read_b / SSD_BPS,
         "disk_write_s": write_b / SSD_BPS,
-        "sha256_s": (2 * write_b / SHA256_BPS) if hashed else 0.0,
+        "sha256_s": sum(writes[x] for x in hashed) / SHA256_BPS,
         "compute_s": flops / GPU_FLOPS,
         "count_overhead_s": row.get("cpu_s") or row["wall_s"],
     }
