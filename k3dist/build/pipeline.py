@@ -500,7 +500,7 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
             base=base_view(a, plan),
             scores=cal / "scores-taylor.npz",
             routes=cal / "routes.npz",
-            plan_kw=plan_kw(a),
+            plan=plan,  # plan.json: the same plan, not made again
             rank_pattern=str(Path(a.out) / RANK_PATTERN),
             keep=a.keep,
         )

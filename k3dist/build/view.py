@@ -20,6 +20,8 @@ swaps a layer's evaluated weights for fresh ones to release them), the whole mod
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import shutil
 import tempfile
@@ -189,6 +191,7 @@ class SourceView:
             "view": "source",
         }
         self._cache: tuple[str, dict[str, bytes]] | None = None
+        self._ends: dict[str, list[int]] = {}
 
     def __str__(self) -> str:
         return f"{self.path} (read as its MXFP4 base build)"
@@ -237,13 +240,25 @@ class SourceView:
             return self._dense_bytes(b)[t.name][start : start + length]
         if isinstance(b, TensorInfo):
             return read_bytes(b, start, length)
-        out, pos = [], 0  # an expert stack: the parts' byte ranges
-        for part in b.parts:
-            lo, hi = max(start, pos), min(start + length, pos + part.nbytes)
-            if lo < hi:
-                out.append(read_bytes(part, lo - pos, hi - lo))
-            pos += part.nbytes
+        # an expert stack: the parts' byte ranges, from the first part the range
+        # touches (grade reads a stack a run of experts at a time: scanning all 896
+        # parts a read made a layer's reads quadratic in its experts)
+        ends = self._part_ends(t.name, b)
+        out, k = [], bisect.bisect_right(ends, start)
+        while k < len(b.parts) and (pos := ends[k] - b.parts[k].nbytes) < start + length:
+            lo, hi = max(start, pos), min(start + length, ends[k])
+            out.append(read_bytes(b.parts[k], lo - pos, hi - lo))
+            k += 1
         return b"".join(out)
+
+    def _part_ends(self, name: str, stack) -> list[int]:
+        """Cumulative end offsets of an expert stack's parts (a unit's 6 stacks kept:
+        grade reads them a unit at a time, packed codes and scales in turn)."""
+        if name not in self._ends:
+            if len(self._ends) >= 6:
+                self._ends.clear()
+            self._ends[name] = list(itertools.accumulate(p.nbytes for p in stack.parts))
+        return self._ends[name]
 
     def chunks(self, t: TensorInfo) -> Iterator[bytes]:
         for at in range(0, t.nbytes, CHUNK_BYTES):
