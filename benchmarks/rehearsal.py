@@ -378,9 +378,13 @@ PIPELINE_MODEL: dict[str, tuple[str, list[str], list[str], list[str]]] = {
         ["teacher"],
         [],
     ),
+    # calibrate makes each layer 5 times (student: forward, the block's recompute, the
+    # vjp; teacher: forward, vjp), 2 of them from disk on a 512 GB box: the student and
+    # teacher views read the same source bytes back to back, and the vjp re-reads a
+    # layer read in its block's recompute (<= 12 layers, ~200 GB: the page cache)
     "calibrate": (
         "source bytes read twice (student re-quantized to the lo bank in memory, teacher) "
-        "+ tokens x active params (fwd + bwd)",
+        "+ tokens x active params (fwd + bwd) + expert parameters (dense expert gradients)",
         ["source", "source", "teacher"],
         ["calibrate"],
         [],

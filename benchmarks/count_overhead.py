@@ -1,0 +1,75 @@
+"""What teacher and calibration cost at K3's counts when there is almost no token
+compute: the k3counts preset (93 layers, 896 experts, 497,220 tensors) through the
+pipeline's own views on one window of a few tokens, so that what is left scales with
+tensors, experts and layers (and, for calibration, with expert parameters: its dense
+expert gradients and the student's re-quantization).
+
+    python benchmarks/count_overhead.py --pipeline OUT --tokens 4 --work DIR --out FILE
+
+``--pipeline``: a finished pipeline run on the preset (its ``plan.json``, token set and
+source); CPU seconds of this process per part, and its peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from k3dist.build import calibrate, pipeline, student, teacher
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pipeline", required=True, help="a pipeline OUT on the preset")
+    ap.add_argument("--tokens", type=int, default=4, help="tokens of the one window")
+    ap.add_argument("--work", required=True, help="scratch folder (emptied)")
+    ap.add_argument("--out", help="JSON file to write")
+    args = ap.parse_args()
+    run = Path(args.pipeline)
+    summary = json.loads((run / "summary.json").read_text())
+    plan = json.loads((run / "plan.json").read_text())
+    src = summary["command"][summary["command"].index("--src") + 1]
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    a, _ = pipeline.parse(["--src", src, "--out", str(work), "--target-bpw", "2.6"])
+    tokens = teacher.read_tokens(run / "work" / "tokens.npz")[:1, : args.tokens]
+    load0 = os.getloadavg()[0]
+    cpu = {}
+    t = time.process_time()
+    base = pipeline.base_view(a, plan)
+    cpu["view_build"] = time.process_time() - t
+    t = time.process_time()
+    teacher.run(base, tokens, work / "teacher", progress=False)
+    cpu["teacher_after_view"] = time.process_time() - t
+    t = time.process_time()
+    lo = student.LoView(base, plan["lo"]["format"])
+    calibrate.calibrate(lo, base, work / "teacher", tokens, work / "cal", progress=False)
+    cpu["calibrate"] = time.process_time() - t
+    report = {
+        "command": "python benchmarks/count_overhead.py " + " ".join(sys.argv[1:]),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m": {"start": load0, "end": os.getloadavg()[0]},
+        "source": src,
+        "tokens": list(tokens.shape),
+        "cpu_s": {k: round(v, 1) for k, v in cpu.items()},
+        "teacher_cpu_s": round(cpu["view_build"] + cpu["teacher_after_view"], 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
+    shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
