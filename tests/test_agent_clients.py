@@ -235,13 +235,14 @@ def _codex(srv, work: Path, tmp: Path, prompt: str) -> list[dict]:
 
 @_installed(CODEX)
 def test_codex_exec_with_its_default_tools_and_a_tool_round_trip(srv, work, tmp_path):
-    _codex(srv, work, tmp_path / "plain", "say hi")
-    assert "web_search" in srv.output()  # dropped, with its notice
-    # the model calls exec_command (Codex's default shell tool); Codex runs it and sends
-    # its output back as a function_call_output; the model answers
+    # one Codex run (a run's first request prefills ~13k tokens of default tools, a
+    # minute here): the model calls exec_command (Codex's default shell tool); Codex
+    # runs it and sends its output back as a function_call_output; the model answers
+    # as a plain turn does ("Hi.", which _codex checks)
     prompts = srv.tmp / "prompts.txt"
     seen = prompts.read_text() if prompts.exists() else ""
     events = _codex(srv, work, tmp_path / "tool", "CALL_TOOL: cat hello.txt")
+    assert "web_search" in srv.output()  # dropped, with its notice
     runs = [
         e["item"]
         for e in events

@@ -60,7 +60,8 @@ def test_losing_a_rank_mid_stream_ends_cleanly(ranks, tmp_path, sig):
         f"launch ended {took:.1f}s after the signal"
     )
     assert took < 30
-    assert error is not None and got < 200  # the client saw an error, not a normal end
+    # the client saw an error, not a normal end (the server's log names the path taken)
+    assert error is not None and got < 200, f"no error after {got} chunks; server:\n{out[-6000:]}"
     if sig == signal.SIGKILL:
         assert "lost rank 1" in out and "was lost" in str(error)
     else:
