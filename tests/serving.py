@@ -57,9 +57,8 @@ TEXT_CONTEXT = 2048  # SHARED["text"]'s --max-context
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server, free now and below the ephemeral range (util.free_base_port)."""
+    return free_base_port(1)
 
 
 def get_json(url: str, timeout: float = 5.0):

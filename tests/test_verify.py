@@ -219,7 +219,6 @@ def test_two_ranks_refuse_a_corrupted_rank1(ranks2, tmp_path):
 def test_server_never_serves_a_corrupted_rank1(ranks2, tmp_path):
     """launch/serve.py on two ranks: /health never answers, every process ends, the log
     names file and tensor."""
-    import socket
     import subprocess
     import sys
     import urllib.request
@@ -229,9 +228,7 @@ def test_server_never_serves_a_corrupted_rank1(ranks2, tmp_path):
     for r in range(2):
         shutil.copytree(ranks2 / f"rank{r}", tmp_path / f"rank{r}")
     damaged = _corrupt_middle(tmp_path / "rank1" / LAYER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_base_port(1)
     launcher = [
         str(Path(sys.executable).with_name("mlx.launch")),
         "-n",

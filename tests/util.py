@@ -26,17 +26,24 @@ def prompt_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Ports for the servers and rings the tests start, drawn below the kernel's range for
+# connections' own ports (ip_local_port_range, 32768-60999 here): a port checked free
+# there stays free until its server binds it. A port from bind(0) is in that range, and
+# any connection opened meanwhile (the other worker's HTTP clients, rings, watchdogs) may
+# take it as its source port; a ring whose port is taken tries its bind again until
+# ring_connect_s (a 2-rank launch once took 116 s that takes ~15 s).
+PORT_LOW, PORT_HIGH = 10000, 31000  # P + 1000 (the watchdog) stays below 32768
+
+
 def free_base_port(n: int = 4) -> int:
-    """A ring base port P with P..P+n-1 (ring) and P+1000 (watchdog) free right now, so
-    runs in parallel (other worktrees, other sessions) never meet on mlx.launch's default."""
+    """A base port P with P..P+n-1 (ring, or a server's port) and P+1000 (watchdog)
+    free right now, below the ephemeral range (above), so runs in parallel (other
+    worktrees, other sessions) never meet on mlx.launch's default."""
+    import random
     import socket
 
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p > 60000:
-            continue
+    for _ in range(200):
+        p = random.randrange(PORT_LOW, PORT_HIGH - n)
         try:
             for q in (*range(p, p + n), p + 1000):
                 with socket.socket() as s:
@@ -44,7 +51,7 @@ def free_base_port(n: int = 4) -> int:
             return p
         except OSError:
             continue
-    raise RuntimeError("no free port range for the ring")
+    raise RuntimeError(f"no free port range in {PORT_LOW}..{PORT_HIGH}")
 
 
 # mlx.launch (mlx 0.32) relays its stdin to every rank, and two of its loops spin a core
