@@ -2,10 +2,10 @@
 
 The streamed teacher (``k3dist.build.teacher``), calibration (``k3dist.build.calibrate``)
 and evaluation run every model through this: the model is loaded lazily (mlx-lm's
-``load_model(lazy=True)``: nothing is read until used), each layer's weights are read
-when the whole token set reaches it and released (swapped for fresh lazy arrays) once it
-has passed, so a real K3 layer (~17 GB of MXFP4 experts) is the weight working set,
-never the model.
+``load_model(lazy=True)``, or a view's model with unevaluated stand-ins: nothing is read
+until used), each layer's weights are read when the whole token set first reaches it and
+released (swapped for NaN stand-ins, read again at a next use) once it has passed, so a
+real K3 layer (~17 GB of MXFP4 experts) is the weight working set, never the model.
 
 Between layers the token set is described completely by a :class:`State`: the hidden
 state ``h`` and K3's Attention Residuals block stack (``raw``, one entry per finished
