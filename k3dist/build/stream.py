@@ -151,6 +151,11 @@ class LayerStream:
         self.args: kimi_k3.TextArgs = self.text.args
         self.num_layers = len(self.text.layers)
         self._loaded: set[str] = set()
+        # NaN from the start, as after a release: a use that skipped _load shows
+        for i in range(self.num_layers):
+            self.release_layer(i)
+        self.release(self.text.embed_tokens, "language_model.model.embed_tokens.")
+        self.release_head()
 
     # -- weights ------------------------------------------------------------------
     def _load(self, module: nn.Module, prefix: str) -> nn.Module:

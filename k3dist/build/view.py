@@ -3,9 +3,10 @@
 The streamed teacher, calibration and the graded build read a build through one
 interface: its ``config``, ``manifest`` (its ``build_hash`` names it), ``index`` (tensor
 name -> file), per file a safetensors ``header`` and its bytes (``chunks``, ``read``),
-per prefix lazy arrays (``arrays``: nothing is read until evaluated; a layer stream
-swaps a layer's evaluated weights for fresh ones to release them), the whole model lazily
-(``model``) and its small files (``write_small``: tokenizer files).
+per prefix lazy arrays (``arrays``: nothing is read until evaluated; a layer stream asks
+for a module's at its first use and again after a release), the whole model lazily
+(``model``; ``weights=False``: its structure only) and its small files (``write_small``:
+tokenizer files).
 
 - :class:`BuildFolder`: a k3dist build on disk (``k3dist.build.convert``, ``grade``).
 - :class:`SourceView`: the MXFP4 base build of a Moonshot source, in memory a layer at a
