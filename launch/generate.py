@@ -10,7 +10,6 @@ ranks can be compared with each other and with single-process mlx-lm.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import k3dist
 from k3dist.bench import greedy
 from k3dist.format import deployment
-from k3dist.model.group import join
+from k3dist.model.group import join, report
 from k3dist.serve import loader
 
 import numpy as np
@@ -74,22 +73,19 @@ def main() -> None:
             "collectives_per_token": introspect.collectives_per_token(model),
             "bytes_held": introspect.bytes_held(model),
         }
-    print(
-        json.dumps(
-            {
-                "rank": rank,
-                "size": group.size(),
-                **counts,
-                "attention": manifest.get("attention"),
-                "moe_form": loader.resolve_form(dep.moe_form),
-                "build_hash": manifest["build_hash"],
-                "load_s": round(t_load, 2),
-                "verify": manifest["verify"],
-                "generate_s": round(t_gen, 2),
-                "tokens": tokens,
-            }
-        ),
-        flush=True,
+    report(
+        {
+            "rank": rank,
+            "size": group.size(),
+            **counts,
+            "attention": manifest.get("attention"),
+            "moe_form": loader.resolve_form(dep.moe_form),
+            "build_hash": manifest["build_hash"],
+            "load_s": round(t_load, 2),
+            "verify": manifest["verify"],
+            "generate_s": round(t_gen, 2),
+            "tokens": tokens,
+        }
     )
 
 

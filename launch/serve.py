@@ -37,7 +37,9 @@ def parse_args(argv: list[str] | None = None) -> Deployment:
 
 
 def log(rank: int, msg: str) -> None:
-    print(f"[k3dist rank {rank}] {msg}", file=sys.stderr, flush=True)
+    # one write with its newline: mlx.launch relays ranks' output in the pieces it reads
+    sys.stderr.write(f"[k3dist rank {rank}] {msg}\n")
+    sys.stderr.flush()
 
 
 def rank_folder(dep: Deployment, rank: int, size: int) -> Path:

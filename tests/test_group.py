@@ -5,6 +5,7 @@ way mlx.launch starts them, rank 0 held back until rank 1's first try has failed
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -52,3 +53,45 @@ def test_a_rank_whose_peer_starts_late_joins_on_a_later_try(tmp_path):
                 p.kill()
     assert (first.returncode, late.returncode) == (0, 0), (err0, err1)
     assert out0.split() == out1.split() == ["sum", "3.0"]
+
+
+REPORT = """
+import json, sys
+from k3dist.model.group import report
+record = {"rank": 1, "tokens": list(range(600))}
+print("before", flush=True)
+if sys.argv[1] == "report":
+    report(record)
+else:
+    print(json.dumps(record), flush=True)
+"""
+
+
+def _writes(how: str) -> list[bytes]:
+    """The writes a child makes to its stdout, each as it was made: the stdout is a
+    SOCK_SEQPACKET socket, which keeps every write a message of its own."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with parent, child:
+        p = subprocess.run(
+            [sys.executable, "-c", REPORT, how],
+            cwd=REPO,
+            env={"PYTHONUNBUFFERED": "1", "PATH": "/usr/bin:/bin"},
+            stdout=child.fileno(),
+            timeout=60,
+        )
+        assert p.returncode == 0
+        child.close()
+        parent.settimeout(5)
+        writes = []
+        while chunk := parent.recv(1 << 16):
+            writes.append(chunk)
+    return writes
+
+
+def test_a_rank_report_is_one_write_even_unbuffered():
+    # print() under PYTHONUNBUFFERED (as some CI images set it) writes the text and its
+    # newline apart: mlx.launch, relaying 4 ranks, once put another rank's line between.
+    line = _writes("report")[-1]
+    assert _writes("print")[-2:] == [line[:-1], b"\n"]
+    assert line.startswith(b'{"rank"') and line.endswith(b"]}\n")
+    assert json.loads(line)["tokens"] == list(range(600))

@@ -10,6 +10,8 @@ the bound and the fix. One process (no hostfile) joins at once."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 
@@ -46,3 +48,16 @@ def join(connect_s: float | None = None, *, log=None) -> mx.distributed.Group:
                     "(--ring-connect-s)"
                 ) from e
             log(f"[k3dist] joining the group: {e}; trying again ({waited:.0f} s of {connect_s:g})")
+
+
+def report(record: dict) -> None:
+    """Print ``record`` as one JSON line on stdout in a single ``write``. mlx.launch relays
+    each rank's output in the pieces it reads, so a line written in two (``print``'s
+    text, then its newline, as under ``PYTHONUNBUFFERED``) can get another rank's line
+    between them, and a reader of the merged output sees two records on one line. One
+    write puts the whole line in the pipe at once, so the relay reads it whole (while a
+    rank has less than the relay's 8 KB read waiting, as a report at the end does)."""
+    sys.stdout.flush()  # what was printed before goes first
+    data = (json.dumps(record) + "\n").encode()
+    while data:
+        data = data[os.write(sys.stdout.fileno(), data) :]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from k3dist.bench import greedy
 from k3dist.format import deployment
-from k3dist.model.group import join
+from k3dist.model.group import join, report
 from k3dist.serve import introspect, loader
 
 import mlx.core as mx
@@ -46,17 +46,18 @@ def main() -> None:
         path = Path(run["dump"].format(rank=rank))
         path.parent.mkdir(parents=True, exist_ok=True)
         np.savez(path, tokens=np.array(tokens), logits=logits, prompt=np.array(run["prompt"]))
-        report = {
-            "run": i,
-            "rank": rank,
-            "size": group.size(),
-            "collectives_per_token": introspect.collectives_per_token(model),
-            "bytes_held": introspect.bytes_held(model),
-            "attention": manifest.get("attention"),
-            "moe_form": loader.resolve_form(dep.moe_form),
-            "tokens": tokens,
-        }
-        print(json.dumps(report), flush=True)
+        report(
+            {
+                "run": i,
+                "rank": rank,
+                "size": group.size(),
+                "collectives_per_token": introspect.collectives_per_token(model),
+                "bytes_held": introspect.bytes_held(model),
+                "attention": manifest.get("attention"),
+                "moe_form": loader.resolve_form(dep.moe_form),
+                "tokens": tokens,
+            }
+        )
         del model
         mx.clear_cache()
 
