@@ -159,17 +159,26 @@ class LayerStream:
 
     # -- weights ------------------------------------------------------------------
     def _load(self, module: nn.Module, prefix: str) -> nn.Module:
-        """``module`` with the build's weights (lazy arrays, read when evaluated)."""
-        if prefix not in self._loaded:
+        """``module`` with the build's weights (a view reads them now, a folder lazily)."""
+        self._load_all([(module, prefix)])
+        return module
+
+    def _load_all(self, pairs: list[tuple[nn.Module, str]]) -> None:
+        """Each (module, prefix) not yet loaded, from one ``arrays`` call: the head's
+        modules share a unit, which a view would otherwise read once a module."""
+        todo = [(m, p) for m, p in pairs if p not in self._loaded]
+        if not todo:
+            return
+        arrays = self.build.arrays(tuple(p for _, p in todo))
+        for module, prefix in todo:
             current = dict(_flatten(module.parameters()))
             fresh = []
-            for n, a in self.build.arrays(prefix).items():
+            for n, a in arrays.items():
                 key = n[len(prefix) :]
-                if key in current:
+                if n.startswith(prefix) and key in current:
                     fresh.append((key, a.astype(current[key].dtype)))
             module.load_weights(fresh, strict=False)
             self._loaded.add(prefix)
-        return module
 
     def layer(self, i: int) -> nn.Module:
         """Decoder layer ``i``, its weights the build's."""
@@ -227,8 +236,7 @@ class LayerStream:
 
     def head(self, s: State) -> mx.array:
         """Logits [B, L, V] from the state after the last layer."""
-        for m, prefix in self._head_modules():
-            self._load(m, prefix)
+        self._load_all(list(self._head_modules()))
         t = self.text
         h = s.h
         if t.use_attn_res:

@@ -92,7 +92,7 @@ class GradedView:
                 raise CheckpointError(f"{self.base}: {n!r}: not an MXFP4 expert stack")
         return out
 
-    def arrays(self, prefix: str) -> dict[str, mx.array]:
+    def arrays(self, prefix: str | tuple[str, ...]) -> dict[str, mx.array]:
         return self._lo(self.base.arrays(prefix))
 
     def model(self, dtype: str = "float32", weights: bool = True) -> nn.Module:

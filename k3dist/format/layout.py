@@ -12,7 +12,7 @@ add up to the real index's ``total_size`` exactly (1,560,860,324,864 bytes).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from k3dist.format.sfile import nbytes_of
 
@@ -45,8 +45,9 @@ FAMILIES = (
 )
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
+    """A tensor the config implies (a named tuple: K3 implies 497,220)."""
+
     name: str
     shape: tuple[int, ...] | None  # None: not enforced (vision tower, carried as-is)
     dtype: str  # safetensors dtype string: "BF16", "F32", "U8"
