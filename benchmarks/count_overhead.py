@@ -7,7 +7,12 @@ expert gradients and the student's re-quantization).
     python benchmarks/count_overhead.py --pipeline OUT --tokens 4 --work DIR --out FILE
 
 ``--pipeline``: a finished pipeline run on the preset (its ``plan.json``, token set and
-source); CPU seconds of this process per part, and its peak RSS.
+source); CPU seconds of this process per part, and its peak RSS. Each part's CPU is
+also split at ``mx.eval``: inside it MLX computes (over the preset's bytes, parameters
+and tokens: on the real K3 that is disk, GPU and bandwidth, projected apart); outside
+it Python builds, reads and checks, which is what scales with tensor, expert and layer
+counts. Evaluation that ``.item()`` or ``np.array`` force is counted outside (an upper
+bound on the overhead).
 """
 
 from __future__ import annotations
@@ -23,6 +28,30 @@ import time
 from pathlib import Path
 
 from k3dist.build import calibrate, pipeline, student, teacher
+
+import mlx.core as mx
+
+
+class EvalClock:
+    """CPU seconds spent inside ``mx.eval``, summed (``mx.eval`` is wrapped while on)."""
+
+    def __init__(self):
+        self.inside = 0.0
+        self._eval = mx.eval
+
+    def __enter__(self):
+        def timed(*args, **kw):
+            t = time.process_time()
+            try:
+                return self._eval(*args, **kw)
+            finally:
+                self.inside += time.process_time() - t
+
+        mx.eval = timed
+        return self
+
+    def __exit__(self, *exc):
+        mx.eval = self._eval
 
 
 def main() -> None:
@@ -42,17 +71,28 @@ def main() -> None:
     a, _ = pipeline.parse(["--src", src, "--out", str(work), "--target-bpw", "2.6"])
     tokens = teacher.read_tokens(run / "work" / "tokens.npz")[:1, : args.tokens]
     load0 = os.getloadavg()[0]
-    cpu = {}
-    t = time.process_time()
-    base = pipeline.base_view(a, plan)
-    cpu["view_build"] = time.process_time() - t
-    t = time.process_time()
-    teacher.run(base, tokens, work / "teacher", progress=False)
-    cpu["teacher_after_view"] = time.process_time() - t
-    t = time.process_time()
-    lo = student.LoView(base, plan["lo"]["format"])
-    calibrate.calibrate(lo, base, work / "teacher", tokens, work / "cal", progress=False)
-    cpu["calibrate"] = time.process_time() - t
+    cpu, in_eval = {}, {}
+
+    def part(name, fn):
+        t = time.process_time()
+        with EvalClock() as clock:
+            out = fn()
+        cpu[name], in_eval[name] = time.process_time() - t, clock.inside
+        return out
+
+    base = part("view_build", lambda: pipeline.base_view(a, plan))
+    part("teacher_after_view", lambda: teacher.run(base, tokens, work / "teacher", progress=False))
+    part(
+        "calibrate",
+        lambda: calibrate.calibrate(
+            student.LoView(base, plan["lo"]["format"]),
+            base,
+            work / "teacher",
+            tokens,
+            work / "cal",
+            progress=False,
+        ),
+    )
     report = {
         "command": "python benchmarks/count_overhead.py " + " ".join(sys.argv[1:]),
         "machine": platform.platform(),
@@ -61,6 +101,8 @@ def main() -> None:
         "source": src,
         "tokens": list(tokens.shape),
         "cpu_s": {k: round(v, 1) for k, v in cpu.items()},
+        "cpu_s_in_eval": {k: round(v, 1) for k, v in in_eval.items()},
+        "cpu_s_outside_eval": {k: round(cpu[k] - in_eval[k], 1) for k in cpu},
         "teacher_cpu_s": round(cpu["view_build"] + cpu["teacher_after_view"], 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }
