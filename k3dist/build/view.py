@@ -252,7 +252,7 @@ class SourceView:
         """The unit's non-expert tensors evaluated (one unit held at a time)."""
         if self._cache is None or self._cache[0] != g:
             self._cache = None
-            dense, _, _ = self.conv.unit(g)
+            dense, _, _ = self.conv.unit(g, read_now)  # no shard header parsed again
             mx.eval([a for _, a in dense])
             self._cache = (g, {n: mx_to_bytes(a) for n, a in dense})
             mx.clear_cache()
