@@ -1,8 +1,9 @@
-"""What teacher and calibration cost at K3's counts when there is almost no token
-compute: the k3counts preset (93 layers, 896 experts, 497,220 tensors) through the
-pipeline's own views on one window of a few tokens, so that what is left scales with
-tensors, experts and layers (and, for calibration, with expert parameters: its dense
-expert gradients and the student's re-quantization).
+"""What teacher, calibration and the graded stage cost at K3's counts apart from what
+scales with bytes and tokens: the k3counts preset (93 layers, 896 experts, 497,220
+tensors) through the pipeline's own views, teacher and calibration on one window of a
+few tokens, so that what is left scales with tensors, experts and layers (and, for
+calibration, with expert parameters: its dense expert gradients and the student's
+re-quantization); the graded stage as the pipeline runs it, into two rank folders.
 
     python benchmarks/count_overhead.py --pipeline OUT --tokens 4 --work DIR --out FILE
 
@@ -12,12 +13,18 @@ also split at ``mx.eval``: inside it MLX computes (over the preset's bytes, para
 and tokens: on the real K3 that is disk, GPU and bandwidth, projected apart); outside
 it Python builds, reads and checks, which is what scales with tensor, expert and layer
 counts. Evaluation that ``.item()`` or ``np.array`` force is counted outside (an upper
-bound on the overhead).
+bound on the overhead); the graded stage's re-quantization (``grade.requantize``) is
+evaluated inside ``mx.eval`` here, so it counts as compute. The graded stage's SHA-256
+(every rank-folder byte through two digests, ``sfile.StreamWriter``) is measured apart:
+the same bytes hashed twice by hashlib in this process (``sha256_cpu_s``), a term the
+projection counts at its own rate. User and system CPU are reported apart: system time
+is mostly the kernel's reads and writes, bytes that the projection counts as disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -27,9 +34,43 @@ import sys
 import time
 from pathlib import Path
 
-from k3dist.build import calibrate, pipeline, student, teacher
+from k3dist.build import calibrate, grade, pipeline, profiles, student, teacher
 
 import mlx.core as mx
+
+
+class EvaluatedRequantize:
+    """``grade.requantize`` with its outputs evaluated by ``mx.eval`` (so inside
+    :class:`EvalClock`); the bytes written are the same."""
+
+    def __enter__(self):
+        self._orig = grade.requantize
+
+        def evaluated(*args, **kw):
+            out = self._orig(*args, **kw)
+            mx.eval(*out)
+            return out
+
+        grade.requantize = evaluated
+        return self
+
+    def __exit__(self, *exc):
+        grade.requantize = self._orig
+
+
+def hash_cpu_s(folders: list[Path], copies: int = 2) -> tuple[float, int]:
+    """CPU seconds to SHA-256 every ``*.safetensors`` byte of ``folders`` ``copies``
+    times (the file digest and the tensor digests), and the bytes read once."""
+    t, n = time.process_time(), 0
+    for folder in folders:
+        for f in sorted(folder.glob("*.safetensors")):
+            data = f.read_bytes()
+            n += len(data)
+            for _ in range(copies):
+                h = hashlib.sha256()
+                for i in range(0, len(data), 1 << 20):
+                    h.update(data[i : i + (1 << 20)])
+    return time.process_time() - t, n
 
 
 class EvalClock:
@@ -71,13 +112,14 @@ def main() -> None:
     a, _ = pipeline.parse(["--src", src, "--out", str(work), "--target-bpw", "2.6"])
     tokens = teacher.read_tokens(run / "work" / "tokens.npz")[:1, : args.tokens]
     load0 = os.getloadavg()[0]
-    cpu, in_eval = {}, {}
+    cpu, in_eval, sys_s = {}, {}, {}
 
     def part(name, fn):
-        t = time.process_time()
+        t, s0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_stime
         with EvalClock() as clock:
             out = fn()
         cpu[name], in_eval[name] = time.process_time() - t, clock.inside
+        sys_s[name] = resource.getrusage(resource.RUSAGE_SELF).ru_stime - s0
         return out
 
     base = part("view_build", lambda: pipeline.base_view(a, plan))
@@ -93,6 +135,28 @@ def main() -> None:
             progress=False,
         ),
     )
+    cal = pipeline.parse(["--src", src, "--out", str(run), "--target-bpw", "2.6"])[0].path(
+        "calibrate"
+    )
+    ranks = str(work / "rank{rank}")
+    with EvaluatedRequantize():
+        part(
+            "graded",
+            lambda: profiles.convert_profile(
+                src,
+                work / "graded",
+                "graded",
+                base=base,
+                scores=cal / "scores-taylor.npz",
+                routes=cal / "routes.npz",
+                plan=plan,
+                rank_pattern=ranks,
+                progress=False,
+            ),
+        )
+    folders = [Path(ranks.format(rank=r)) for r in range(plan["ranks"])]
+    sha_cpu, sha_bytes = hash_cpu_s(folders)
+    outside = {k: cpu[k] - in_eval[k] for k in cpu}
     report = {
         "command": "python benchmarks/count_overhead.py " + " ".join(sys.argv[1:]),
         "machine": platform.platform(),
@@ -102,7 +166,14 @@ def main() -> None:
         "tokens": list(tokens.shape),
         "cpu_s": {k: round(v, 1) for k, v in cpu.items()},
         "cpu_s_in_eval": {k: round(v, 1) for k, v in in_eval.items()},
-        "cpu_s_outside_eval": {k: round(cpu[k] - in_eval[k], 1) for k in cpu},
+        "cpu_s_outside_eval": {k: round(v, 1) for k, v in outside.items()},
+        "sys_cpu_s": {k: round(v, 1) for k, v in sys_s.items()},
+        "graded": {
+            "rank_folder_bytes": sha_bytes,
+            "sha256_cpu_s": round(sha_cpu, 1),
+            # outside eval, less the digests: what builds, reads, slices and writes
+            "outside_eval_less_sha256_s": round(outside["graded"] - sha_cpu, 1),
+        },
         "teacher_cpu_s": round(cpu["view_build"] + cpu["teacher_after_view"], 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }

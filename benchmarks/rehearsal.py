@@ -434,11 +434,28 @@ def real_pipeline_writes() -> dict[str, int]:
     }
 
 
-def project_pipeline(row: dict, writes: dict[str, int], r: dict) -> dict | None:
+def measured_apart(co: dict) -> dict[str, float]:
+    """Per stage, the count overhead ``benchmarks/count_overhead.py`` measured apart
+    from token compute, re-quantization and SHA-256 (its JSON): CPU seconds outside
+    ``mx.eval``, the stage's own view build included."""
+    out, view = co["cpu_s_outside_eval"], co["cpu_s_outside_eval"]["view_build"]
+    parts = {
+        "teacher": view + out["teacher_after_view"],
+        "calibrate": view + out["calibrate"],
+    }
+    if "graded" in out:
+        parts["graded"] = view + co["graded"]["outside_eval_less_sha256_s"]
+    return parts
+
+
+def project_pipeline(
+    row: dict, writes: dict[str, int], r: dict, apart: dict[str, float] | None = None
+) -> dict | None:
     """A pipeline stage on the real K3, as :func:`project`: disk read and write at SSD_BPS,
     SHA-256 of what StreamWriter hashes (PIPELINE_MODEL), compute at GPU_FLOPS,
     and the count overhead: the preset stage's CPU seconds (an upper bound: it includes
-    the preset's own compute and bytes)."""
+    the preset's own compute and bytes); ``apart`` (:func:`measured_apart`) adds the
+    overhead measured apart from them."""
     if row["stage"] not in PIPELINE_MODEL:
         return None
     _, reads, wrote, hashed = PIPELINE_MODEL[row["stage"]]
@@ -466,15 +483,21 @@ def project_pipeline(row: dict, writes: dict[str, int], r: dict) -> dict | None:
     }
     if read_b:
         out["overhead_vs_disk_read"] = round(terms["count_overhead_s"] / terms["disk_read_s"], 3)
+    if apart and row["stage"] in apart:
+        out["count_overhead_apart_s"] = round(apart[row["stage"]], 1)
+        if read_b:
+            out["apart_vs_disk_read"] = round(apart[row["stage"]] / terms["disk_read_s"], 3)
     return out
 
 
-def from_pipeline(summary_path: Path, out: str) -> dict:
+def from_pipeline(summary_path: Path, out: str, count_overhead: Path | None = None) -> dict:
     """The per-stage table from one run of the one-command pipeline on the preset
     (its OUT/summary.json), each stage projected to the real K3."""
     summary = json.loads(summary_path.read_text())
     r = real_sizes()
     writes = real_pipeline_writes()
+    co = json.loads(count_overhead.read_text()) if count_overhead else None
+    apart = measured_apart(co) if co else None
     rows = []
     for st in summary["stages"]:
         if st["stage"] == "plan":
@@ -492,7 +515,7 @@ def from_pipeline(summary_path: Path, out: str) -> dict:
             "output_mb": round((st.get("output_bytes") or 0) / 1e6, 1),
             "scales_with": PIPELINE_MODEL.get(st["stage"], ("",))[0],
         }
-        row["real_k3"] = project_pipeline(row, writes, r)
+        row["real_k3"] = project_pipeline(row, writes, r, apart)
         rows.append(row)
     report = {
         "command": "python benchmarks/rehearsal.py " + " ".join(sys.argv[1:]),
@@ -506,6 +529,7 @@ def from_pipeline(summary_path: Path, out: str) -> dict:
         "tokens_preset": (summary.get("tokens") or {}).get("shape"),
         "real_k3": r,
         "real_k3_stage_writes": writes,
+        "count_overhead": {"file": str(count_overhead), "command": co["command"]} if co else None,
         "real_k3_pipeline_args": REAL_PIPELINE_ARGS,
         "constants": {
             "ssd_bytes_per_s": SSD_BPS,
@@ -618,14 +642,16 @@ def table(report: dict) -> str:
     lines = [
         "| stage | preset wall s (cpu s) | peak RSS MB | read / written MB | scales with "
         "| real K3: read / written GB | disk s | sha256 s | compute s | count overhead s "
-        "(of disk read) | dominant |",
-        "|" + "---|" * 11,
+        "(of disk read) | measured apart s (of disk read) | dominant |",
+        "|" + "---|" * 12,
     ]
     for s in report["stages"]:
         p = s.get("real_k3")
         if not p:
             continue
         frac = p.get("overhead_vs_disk_read")
+        apart = p.get("count_overhead_apart_s")
+        apart = "" if apart is None else f"{apart:.0f} ({100 * p['apart_vs_disk_read']:.1f} %)"
         lines.append(
             f"| {s['stage']} | {s['wall_s']:.0f} ({s.get('cpu_s') or 0:.0f}) | "
             f"{s['peak_rss_mb'] or 0:.0f} | {s.get('read_mb') or 0:.0f} / "
@@ -633,7 +659,7 @@ def table(report: dict) -> str:
             f"| {s['scales_with']} | {p['real_read_gb']:.0f} / {p['real_written_gb']:.0f} | "
             f"{p['disk_read_s'] + p['disk_write_s']:.0f} | {p['sha256_s']:.0f} | "
             f"{p['compute_s']:.0f} | {p['count_overhead_s']:.0f}"
-            f"{f' ({100 * frac:.0f} %)' if frac is not None else ''} | "
+            f"{f' ({100 * frac:.0f} %)' if frac is not None else ''} | {apart} | "
             f"{p['dominant'].removesuffix('_s')} |"
         )
     return "\n".join(lines)
@@ -670,11 +696,18 @@ def main() -> None:
         help="no stage runs: the table from the one-command pipeline's OUT/summary.json "
         "(python -m k3dist.build.pipeline on the preset), projected; written to --out",
     )
+    ap.add_argument(
+        "--count-overhead",
+        type=Path,
+        metavar="JSON",
+        help="with --from-pipeline: benchmarks/count_overhead.py's report on the same "
+        "preset, the count overhead measured apart from compute and SHA-256",
+    )
     args = ap.parse_args()
     if args.from_pipeline:
         if not args.out:
             ap.error("--from-pipeline needs --out")
-        print(table(from_pipeline(args.from_pipeline, args.out)))
+        print(table(from_pipeline(args.from_pipeline, args.out, args.count_overhead)))
         return
     if args.table:
         print(table(json.loads(Path(args.out).read_text())))

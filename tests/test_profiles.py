@@ -279,7 +279,7 @@ def test_profile_resumes_both_stages(mini_src, profiles, tmp_path, monkeypatch):
     monkeypatch.undo()
     # a full grade of the mini reads its expert stacks in 30 calls (runs of experts, through
     # the build's reader, k3dist.build.view.BuildFolder): stop half-way
-    monkeypatch.setattr(view, "read_bytes", failing(view.read_bytes, 15))
+    monkeypatch.setattr(view.OpenFiles, "read", failing(view.OpenFiles.read, 15))
     with pytest.raises(KeyboardInterrupt):
         convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)
     assert (stage / "k3dist.json").exists()

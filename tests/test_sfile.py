@@ -9,6 +9,7 @@ import struct
 
 from k3dist.format.sfile import (
     CheckpointError,
+    OpenFiles,
     StreamWriter,
     TensorInfo,
     read_bytes,
@@ -138,3 +139,24 @@ def test_read_parts_stacks_byte_ranges_from_files_and_names_a_short_one(
     np.testing.assert_array_equal(
         np.array(read_parts(rev, "U8", (4096,))), np.frombuffer(blobs[1], np.uint8)[::-1]
     )
+
+
+def test_open_files_read_like_read_bytes_with_at_most_most_open(tmp_path):
+    rng = np.random.default_rng(1)
+    paths = [tmp_path / f"{i}.bin" for i in range(3)]
+    blobs = [rng.integers(0, 256, 1000, dtype=np.uint8).tobytes() for _ in paths]
+    for p, b in zip(paths, blobs, strict=True):
+        p.write_bytes(b)
+    files = OpenFiles(most=2)
+    fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    before = len(os.listdir(fd_dir))
+    # files in turn, ranges within tensors: each read as read_bytes reads it
+    for f, at, start, length in [(0, 10, 5, 20), (1, 0, 0, None), (2, 900, 50, 50), (0, 10, 0, 1)]:
+        t = TensorInfo("t", "U8", (100,), at, at + 100, paths[f])
+        assert files.read(t, start, length) == read_bytes(t, start, length)
+        assert len(os.listdir(fd_dir)) - before <= 2
+    short = TensorInfo("e9", "U8", (12,), 990, 1002, paths[1])
+    with pytest.raises(CheckpointError, match=f"{paths[1]}: short read of tensor 'e9'"):
+        files.read(short)
+    files.close()
+    assert len(os.listdir(fd_dir)) == before

@@ -43,12 +43,12 @@ from k3dist.format.manifest import JOURNAL, MANIFEST
 from k3dist.format.sfile import (
     CHUNK_BYTES,
     Header,
+    OpenFiles,
     TensorInfo,
     iter_chunks,
     mx_dtype,
     mx_dtype_name,
     mx_to_bytes,
-    read_bytes,
     read_header,
     read_parts,
 )
@@ -104,6 +104,7 @@ class BuildFolder:
         mp = self.path / MANIFEST
         self.manifest = json.loads(mp.read_text()) if mp.exists() else None
         self.index = weight_map(self.path)
+        self._files = OpenFiles()  # grade reads a stack an expert run at a time
 
     def __str__(self) -> str:
         return str(self.path)
@@ -122,7 +123,7 @@ class BuildFolder:
         return iter_chunks(t)
 
     def read(self, t: TensorInfo, start: int, length: int) -> bytes:
-        return read_bytes(t, start, length)
+        return self._files.read(t, start, length)
 
     def arrays(self, prefix: str | tuple[str, ...]) -> dict[str, mx.array]:
         out = {}
@@ -216,6 +217,7 @@ class SourceView:
         }
         self._cache: tuple[str, dict[str, bytes]] | None = None
         self._ends: dict[str, list[int]] = {}
+        self._files = OpenFiles()  # grade reads a stack's experts part by part
 
     def __str__(self) -> str:
         return f"{self.path} (read as its MXFP4 base build)"
@@ -263,7 +265,7 @@ class SourceView:
         if isinstance(b, str):
             return self._dense_bytes(b)[t.name][start : start + length]
         if isinstance(b, TensorInfo):
-            return read_bytes(b, start, length)
+            return self._files.read(b, start, length)
         # an expert stack: the parts' byte ranges, from the first part the range
         # touches (grade reads a stack a run of experts at a time: scanning all 896
         # parts a read made a layer's reads quadratic in its experts)
@@ -271,7 +273,7 @@ class SourceView:
         out, k = [], bisect.bisect_right(ends, start)
         while k < len(b.parts) and (pos := ends[k] - b.parts[k].nbytes) < start + length:
             lo, hi = max(start, pos), min(start + length, ends[k])
-            out.append(read_bytes(b.parts[k], lo - pos, hi - lo))
+            out.append(self._files.read(b.parts[k], lo - pos, hi - lo))
             k += 1
         return b"".join(out)
 

@@ -172,17 +172,48 @@ def read_header(path: str | Path) -> Header:
     return Header(path, tensors, metadata, data_offset, size)
 
 
-def read_bytes(info: TensorInfo, start: int = 0, length: int | None = None) -> bytes:
-    """Bytes of one tensor (or a sub-range of them), read directly from disk."""
-    length = info.nbytes - start if length is None else length
-    with open(info.path, "rb") as f:
-        f.seek(info.start + start)
-        data = f.read(length)
+def _whole(info: TensorInfo, data: bytes, length: int) -> bytes:
     if len(data) != length:
         raise CheckpointError(
             f"{info.path}: short read of tensor {info.name!r}; the file changed or is truncated"
         )
     return data
+
+
+def read_bytes(info: TensorInfo, start: int = 0, length: int | None = None) -> bytes:
+    """Bytes of one tensor (or a sub-range of them), read directly from disk."""
+    length = info.nbytes - start if length is None else length
+    with open(info.path, "rb") as f:
+        f.seek(info.start + start)
+        return _whole(info, f.read(length), length)
+
+
+class OpenFiles:
+    """:func:`read_bytes` for many small reads: the files stay open, one ``pread`` a
+    read (the graded stage reads K3's 82,432 experts part by part, ~500,000 reads of
+    parts spread over their shard: an open a read was ~15 % of its CPU on the k3counts
+    preset). At most ``most`` files are open; the least recently read closes first."""
+
+    def __init__(self, most: int = 8):
+        self.most = most
+        self._fds: dict[Path, int] = {}  # in order of last use
+
+    def read(self, info: TensorInfo, start: int = 0, length: int | None = None) -> bytes:
+        length = info.nbytes - start if length is None else length
+        fd = self._fds.pop(info.path, None)
+        if fd is None:
+            if len(self._fds) >= self.most:
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = os.open(info.path, os.O_RDONLY)
+        self._fds[info.path] = fd
+        return _whole(info, os.pread(fd, length, info.start + start), length)
+
+    def close(self) -> None:
+        while self._fds:
+            os.close(self._fds.popitem()[1])
+
+    def __del__(self):
+        self.close()
 
 
 # iovecs one preadv takes (POSIX's IOV_MAX: 1024 on Linux and macOS)
