@@ -564,15 +564,8 @@ def convert(
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m k3dist.build.convert",
-        description="Convert Moonshot's K3 checkpoint to an MLX build (experts mxfp4 "
-        "bit-exact), one layer at a time. Low-bit and graded builds: python -m "
-        "k3dist.build.profiles.",
-    )
-    ap.add_argument("--src", required=True, help="Moonshot-format checkpoint folder")
-    ap.add_argument("--out", required=True, help="output build folder (resumes if partial)")
+def add_nonexpert_args(ap: argparse.ArgumentParser) -> None:
+    """The non-expert format flags (``convert``'s and ``profiles``')."""
     ap.add_argument(
         "--nonexpert-bits",
         type=int,
@@ -588,6 +581,18 @@ def main() -> None:
         "attention=6bit-g64,shared=8bit-g64,*=bf16 (classes: "
         f"{', '.join(CLASSES)}; unnamed ones keep bf16)",
     )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m k3dist.build.convert",
+        description="Convert Moonshot's K3 checkpoint to an MLX build (experts mxfp4 "
+        "bit-exact), one layer at a time. Low-bit and graded builds: python -m "
+        "k3dist.build.profiles.",
+    )
+    ap.add_argument("--src", required=True, help="Moonshot-format checkpoint folder")
+    ap.add_argument("--out", required=True, help="output build folder (resumes if partial)")
+    add_nonexpert_args(ap)
     # the profiles moved to their own command; an old command line is told where
     ap.add_argument("--profile", help=argparse.SUPPRESS)
     args = ap.parse_args()

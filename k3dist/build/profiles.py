@@ -25,7 +25,7 @@ from pathlib import Path
 from k3dist.build import grade as grader
 from k3dist.build import planner
 from k3dist.build.accounting import account
-from k3dist.build.convert import Converter, convert, parse_nonexpert
+from k3dist.build.convert import Converter, add_nonexpert_args, convert, parse_nonexpert
 from k3dist.build.grade import GradedBuilder
 from k3dist.format import layout
 from k3dist.format.classes import CLASSES
@@ -287,21 +287,7 @@ def main() -> None:
         help="where the MXFP4 stage of a non-mxfp4 profile is built "
         "(resumable; reused; default OUT.mxfp4 beside OUT)",
     )
-    ap.add_argument(
-        "--nonexpert-bits",
-        type=int,
-        default=16,
-        choices=(16, 8, 4),
-        help="16 keeps source dtypes; 8/4 quantize affine like mlx_lm.convert",
-    )
-    ap.add_argument("--group-size", type=int, default=64, help="affine group size (8/4-bit)")
-    ap.add_argument(
-        "--nonexpert",
-        metavar="CLASS=FORMAT,...",
-        help="a format per non-expert class instead of --nonexpert-bits, e.g. "
-        "attention=6bit-g64,shared=8bit-g64,*=bf16 (classes: "
-        f"{', '.join(CLASSES)}; unnamed ones keep bf16)",
-    )
+    add_nonexpert_args(ap)
     g = ap.add_argument_group("graded profile")
     b = g.add_mutually_exclusive_group()
     b.add_argument("--budget", type=float, help="bytes per rank (weights + KV + activations)")
