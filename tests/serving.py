@@ -87,6 +87,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tmp = tmp
+        self.entry = entry or REPO / "launch/serve.py"
         # An empty HOME: no Hugging Face cache (mlx_lm.server's /v1/models crashed there).
         env = dict(os.environ, HOME=str(tmp / "home"), **(env or {}))
         (tmp / "home").mkdir(parents=True, exist_ok=True)
@@ -100,7 +101,7 @@ class Server:
             str(free_base_port(2)),
             "--python",
             sys.executable,
-            str(entry or REPO / "launch/serve.py"),
+            str(self.entry),
             "--rank-dir",
             rank_pattern,
             "--port",
@@ -159,7 +160,7 @@ class Server:
                 env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"serve.py" not in cmd or f"{self.port}".encode() not in cmd:
+            if self.entry.name.encode() not in cmd or f"{self.port}".encode() not in cmd:
                 continue
             for kv in env:
                 if kv.startswith(b"MLX_RANK="):

@@ -538,8 +538,14 @@ def test_frozen_rank_mid_stream_ends_the_deployment(good_ranks, tmp_path):
         "2",
         "-p",
         str(free_base_port(2)),
-        script=REPO / "launch" / "serve.py",
+        # paused in the 20th decode step (60 s at most), so the SIGSTOP finds the request
+        # generating (tests/test_server_faults.py's PAUSED says why)
+        script=REPO / "tests" / "scripts" / "serve_paused.py",
         args=(
+            "--pause-after",
+            "20",
+            "--pause-s",
+            "60",
             "--rank-dir",
             good_ranks,
             "--no-warmup",

@@ -23,6 +23,14 @@ from serving import (
 )
 from util import REPO
 
+# A fault sent while the client reads a stream must find the request still generating:
+# the server can write all of a request's tokens before the client has read its third
+# chunk (seen under load: 157 chunks, no error, both token logs complete), so these
+# servers pause in their 20th decode step (tests/scripts/serve_paused.py) until the
+# fault ends them (60 s at most: a fault that ends nothing fails the test, not hangs it).
+PAUSED = dict(entry=REPO / "tests/scripts/serve_paused.py")
+PAUSE = ("--pause-after", "20", "--pause-s", "60")
+
 
 def _stream_until_killed(s: Server, sig: int, victim: int):
     """Start a long stream, deliver `sig` to rank `victim` mid-way; return what the
@@ -49,7 +57,7 @@ def _stream_until_killed(s: Server, sig: int, victim: int):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_losing_a_rank_mid_stream_ends_cleanly(ranks, tmp_path, sig):
-    s = Server(ranks, tmp_path, ("--no-warmup",))  # about faults, not compiles
+    s = Server(ranks, tmp_path, ("--no-warmup", *PAUSE), **PAUSED)  # faults, not compiles
     try:
         got, error, took = _stream_until_killed(s, sig, victim=1)
     finally:
@@ -125,7 +133,7 @@ def test_losing_rank_1_answers_waiting_plain_requests_with_503(ranks, tmp_path):
     naming the lost rank, not a dropped connection."""
     from concurrent.futures import ThreadPoolExecutor
 
-    s = Server(ranks, tmp_path, ("--no-warmup",))
+    s = Server(ranks, tmp_path, ("--no-warmup", *PAUSE), **PAUSED)
     try:
         pids = s.rank_pids()
         body = {"prompt": "def f(x):", "max_tokens": 400, "temperature": 0.0}
@@ -149,7 +157,7 @@ def test_killed_rank_0_ends_the_stream_without_finish_reason(ranks, tmp_path):
     """Rank 0 holds the HTTP socket: when it dies nothing can write an error, and the
     openai client sees the stream end quietly. The only signs of a cut answer: no
     chunk carries a finish_reason (and no [DONE] came). Rank 1 and the launcher end."""
-    s = Server(ranks, tmp_path, ("--no-warmup",))
+    s = Server(ranks, tmp_path, ("--no-warmup", *PAUSE), **PAUSED)
     try:
         pids = s.rank_pids()
         stream = s.client().completions.create(
@@ -181,7 +189,7 @@ def test_killed_rank_0_ends_the_stream_without_finish_reason(ranks, tmp_path):
 def test_sigterm_to_mlx_launch_mid_stream(ranks, tmp_path):
     """SIGTERM to the launcher alone (a supervisor stopping the service): the ranks
     stop together and the open stream ends with an error event."""
-    s = Server(ranks, tmp_path, ("--no-warmup",))
+    s = Server(ranks, tmp_path, ("--no-warmup", *PAUSE), **PAUSED)
     try:
         stream = s.client().completions.create(
             model="kimi-k3", prompt="def f(x):", max_tokens=300, temperature=0.0, stream=True

@@ -33,6 +33,10 @@ PROMPTS = [
 ]
 WATCHDOG_S = 15.0
 IDLE_S = 5.0
+# The ranks pause in their 30th decode step (60 s at most), so the kill finds all 8
+# requests still generating (tests/test_server_faults.py's PAUSED says why).
+ENTRY = REPO / "tests/scripts/serve_paused.py"
+PAUSE = ("--pause-after", "30", "--pause-s", "60")
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -73,7 +77,7 @@ def _rank_pid(sid: int, rank: int) -> int:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"serve.py" in cmd and f"MLX_RANK={rank}".encode() in env:
+        if ENTRY.name.encode() in cmd and f"MLX_RANK={rank}".encode() in env:
             return pid
     raise LookupError(f"rank {rank} not found")
 
@@ -119,7 +123,8 @@ def test_sigkill_of_rank_1_while_8_requests_decode(ranks, tmp_path):
         "-p",
         str(free_base_port(2)),
         "--",
-        str(REPO / "launch/serve.py"),
+        str(ENTRY),
+        *PAUSE,
         "--rank-dir",
         ranks,
         "--port",
