@@ -416,6 +416,21 @@ REAL_PIPELINE_ARGS = [
 ]
 
 
+def constants(bytes_source: str) -> dict:
+    """The projection's constants and where each comes from (``bytes_source``: where
+    the real K3's byte counts come from)."""
+    return {
+        "ssd_bytes_per_s": SSD_BPS,
+        "sha256_bytes_per_s_per_core": SHA256_BPS,
+        "gpu_flops_achieved": GPU_FLOPS,
+        "real_tokens": REAL_TOKENS,
+        "dwq": [DWQ_STEPS, DWQ_BATCH, DWQ_SEQ],
+        "sources": "SSD and SHA-256: README 'Weights checked before serving' (assumed "
+        "M3 Ultra); GPU: half the ~28 TFLOP/s peak of an 80-core M3 Ultra (assumed); "
+        + bytes_source,
+    }
+
+
 def real_pipeline_writes() -> dict[str, int]:
     """Bytes each pipeline stage writes on the real K3: the pipeline's own disk plan
     (``python -m k3dist.build.pipeline`` + REAL_PIPELINE_ARGS: the real config and
@@ -531,19 +546,12 @@ def from_pipeline(summary_path: Path, out: str, count_overhead: Path | None = No
         "real_k3_stage_writes": writes,
         "count_overhead": {"file": str(count_overhead), "command": co["command"]} if co else None,
         "real_k3_pipeline_args": REAL_PIPELINE_ARGS,
-        "constants": {
-            "ssd_bytes_per_s": SSD_BPS,
-            "sha256_bytes_per_s_per_core": SHA256_BPS,
-            "gpu_flops_achieved": GPU_FLOPS,
-            "real_tokens": REAL_TOKENS,
-            "dwq": [DWQ_STEPS, DWQ_BATCH, DWQ_SEQ],
-            "sources": "SSD and SHA-256: README 'Weights checked before serving' (assumed "
-            "M3 Ultra); GPU: half the ~28 TFLOP/s peak of an 80-core M3 Ultra (assumed); "
+        "constants": constants(
             "bytes each stage writes on the real K3: the pipeline's own disk plan "
             "(python -m k3dist.build.pipeline " + " ".join(REAL_PIPELINE_ARGS) + "); "
             "a stage reads what its inputs wrote (k3dist.build.pipeline.reads, plus the "
-            "base the DWQ teacher runs on)",
-        },
+            "base the DWQ teacher runs on)"
+        ),
         "stages": rows,
     }
     tmp = Path(out + ".partial")
@@ -618,17 +626,7 @@ def write_report(args, prior: dict[str, dict]) -> dict:
             if p.exists()
         },
         "real_k3": {k: v for k, v in r.items()},
-        "constants": {
-            "ssd_bytes_per_s": SSD_BPS,
-            "sha256_bytes_per_s_per_core": SHA256_BPS,
-            "gpu_flops_achieved": GPU_FLOPS,
-            "real_tokens": REAL_TOKENS,
-            "dwq": [DWQ_STEPS, DWQ_BATCH, DWQ_SEQ],
-            "sources": "SSD and SHA-256: README 'Weights checked before "
-            "serving' (assumed M3 Ultra); GPU: half the ~28 TFLOP/s peak "
-            "of an 80-core M3 Ultra (assumed); graded build bytes: "
-            "benchmarks/results/plan-k3-2026-12-02.json",
-        },
+        "constants": constants("graded build bytes: benchmarks/results/plan-k3-2026-12-02.json"),
         "stages": rows,
     }
     tmp = Path(args.out + ".partial")
