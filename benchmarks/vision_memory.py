@@ -98,7 +98,7 @@ def _peak(config: dict, layers: int, side: int, dtype) -> int:
 
 def activations(real: dict, sides: list[int], headroom_gb: float) -> dict:
     """The tower's measured peak while running, fitted and extrapolated (see --help)."""
-    from k3dist.format.deployment import Deployment
+    from k3dist.config.deployment import Deployment
 
     import numpy as np
 
@@ -172,7 +172,7 @@ def main() -> None:
         "--headroom-gb",
         type=float,
         default=None,
-        help="budget for the tower's peak (default: memory_headroom_gb)",
+        help="budget for the tower's peak (default: memory_headroom_gib)",
     )
     args = ap.parse_args()
     mini = load_config(k3dist.DATA_DIR / "mini-k3")
@@ -196,12 +196,12 @@ def main() -> None:
             "rank0_total_with_tower": total + report["kimi_k3"]["tower_bf16"],
         }
     if args.activations:
-        from k3dist.format.deployment import Deployment
+        from k3dist.config.deployment import Deployment
 
         report["tower_activations"] = activations(
             real,
             [int(x) for x in args.sides.split(",")],
-            args.headroom_gb if args.headroom_gb is not None else Deployment().memory_headroom_gb,
+            args.headroom_gb if args.headroom_gb is not None else Deployment().memory_headroom_gib,
         )
     record.emit(report, args.out)
 

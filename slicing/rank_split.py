@@ -6,7 +6,7 @@ routed experts the rank owns, and a manifest naming rank, size, placement and bu
 
 --build takes an MLX build (k3dist.build.convert, or an mlx-community K3 build) or a
 Moonshot-format checkpoint. Flags override the deployment YAML (--config, by default
-deploy/local.yaml when it exists); k3dist.format.deployment.Deployment holds the defaults.
+deploy/local.yaml when it exists); k3dist.config.deployment.Deployment holds the defaults.
 With the default build missing, it is made first (k3dist.build.default).
 """
 
@@ -16,7 +16,8 @@ import argparse
 from pathlib import Path
 
 from k3dist.build import default, slicing
-from k3dist.format import deployment, manifest
+from k3dist.config import deployment
+from k3dist.format import manifest
 from k3dist.format.placement import PlacementError
 from k3dist.format.sfile import CheckpointError
 

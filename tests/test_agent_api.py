@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 
+from k3dist.config.deployment import Deployment
 from k3dist.serve import anthropic_api, auth, relay, responses_api
 
 import pytest
@@ -657,6 +658,16 @@ def test_api_key_required_everywhere_but_health_and_localhost_only(keyed):
 # -- tool calls out, through the real handler (a generator that writes K3 tool calls) ---
 
 
+# the scripted server's deployment (in this process, one rank)
+SCRIPTED = Deployment(
+    max_tokens=64,
+    temperature=0.0,
+    prefill_chunk=32,
+    cors_origins=["https://app.example"],
+    max_queued_requests=4,
+)
+
+
 class ScriptedGenerator:
     """mlx-lm's ResponseGenerator interface, "generating" a fixed K3 text token by token
     (the real tokenizer, detokenizer, text state machine and tool parser): the handler,
@@ -667,14 +678,7 @@ class ScriptedGenerator:
         from k3dist.serve import server
 
         self.tok, self.text = tokenizer, text
-        self.cli_args = server.cli_args(
-            model_id="kimi-k3",
-            max_tokens=64,
-            temp=0.0,
-            top_p=1.0,
-            prefill_step_size=32,
-            cors_origins=["https://app.example"],
-        )
+        self.cli_args = server.cli_args(SCRIPTED)
         self.model_provider = type("P", (), {"tokenizer": tokenizer})()
 
     def generation_available(self) -> bool:
@@ -734,16 +738,7 @@ def scripted(mini_build):
         + "<|close|>tools<|sep|><|close|>message<|sep|>"
     )
     gen = ScriptedGenerator(tok, text)
-    handler = type(
-        "H",
-        (server.K3APIHandler,),
-        {
-            "model_id": "kimi-k3",
-            "max_context": 4096,
-            "vocab_size": tok.vocab_size,
-            "admission": server.Admission(4),
-        },
-    )
+    handler = server.handler_class(SCRIPTED, tok.vocab_size)
     httpd = server.K3HTTPServer(
         ("127.0.0.1", 0),
         lambda *a, **k: handler(gen, *a, system_fingerprint="test", **k),

@@ -10,8 +10,8 @@ import re
 import subprocess
 import sys
 
-from k3dist.format import deployment
-from k3dist.format.deployment import Deployment, DeploymentError, load_deployment
+from k3dist.config import deployment
+from k3dist.config.deployment import Deployment, DeploymentError, load_deployment
 
 import pytest
 from util import REPO
@@ -42,7 +42,7 @@ BEFORE = {
         "--heartbeat-s",
         "--watchdog-timeout-s",
         "--watchdog-port",
-        "--memory-headroom-gb",
+        "--memory-headroom-gib",
         "--max-queued-requests",
         "--max-connections",
         "--max-batch",

@@ -20,13 +20,21 @@ MAY_IMPORT = {
     "format": set(),
     # the EP model: mlx-lm's kimi_k3 with the routed experts swapped
     "model": {"format"},
+    # the deployment schema and the box: above the model (its MoE forms), below
+    # everything that reads a deployment
+    "config": {"format", "model"},
     # build runs the model (a block of a graded build: the streamed teacher,
     # calibration), never serving; serving never imports build (SERVING below)
-    "build": {"format", "model"},
-    "serve": {"format", "model"},
-    "factory": {"format", "model", "build"},
-    "bench": {"format", "model", "build", "serve", "factory"},
+    "build": {"format", "config", "model"},
+    "serve": {"format", "config", "model"},
+    "factory": {"format", "config", "model", "build"},
+    "bench": {"format", "config", "model", "build", "serve", "factory"},
 }
+# imports up the layers allowed, each inside a function: rank start-up makes the
+# embedded default on first use (the serving start-up test below: never at import)
+LAZY = {("k3dist.serve.rank", "k3dist.build.default")}
+# the bottom layer reads no configuration: these stay out of it
+FORMAT_MAY_NOT_IMPORT = ("pydantic", "yaml", "annotated_types")
 # launch/serve.py with its rank folder in place, in a fresh interpreter: exactly these
 SERVING = {
     "k3dist",
@@ -49,10 +57,11 @@ SERVING = {
     "k3dist.model.group",
     "k3dist.model.two_bank",
     "k3dist.serve",
+    "k3dist.config",
+    "k3dist.config.deployment",
     "k3dist.serve.anthropic_api",
     "k3dist.serve.auth",
     "k3dist.serve.exit_codes",
-    "k3dist.format.deployment",
     "k3dist.serve.keepawake",
     "k3dist.serve.loader",
     "k3dist.serve.lockstep",
@@ -61,6 +70,7 @@ SERVING = {
     "k3dist.serve.preflight",
     "k3dist.serve.prompt_cache",
     "k3dist.serve.relay",
+    "k3dist.serve.rank",
     "k3dist.serve.responses_api",
     "k3dist.serve.server",
     "k3dist.serve.warmup",
@@ -99,8 +109,26 @@ def test_each_layer_imports_only_the_layers_below():
             continue
         for d in deps:
             other = d.split(".")[1] if d.count(".") else None
-            if other not in (None, "_blas", layer) and other not in MAY_IMPORT[layer]:
+            allowed = other in (None, "_blas", layer) or other in MAY_IMPORT[layer]
+            if not allowed and (mod, d) not in LAZY:
                 wrong.append(f"{mod} imports {d}")
+    assert not wrong, wrong
+
+
+def test_the_format_layer_reads_no_configuration():
+    wrong = []
+    for path in (PACKAGE / "format").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            wrong += [
+                f"{_module(path)}: {n}" for n in names if n.split(".")[0] in FORMAT_MAY_NOT_IMPORT
+            ]
     assert not wrong, wrong
 
 
@@ -152,13 +180,12 @@ def test_serving_entry_point_imports_the_format_layer_only(tmp_path):
     build = convert.convert(k3dist.DATA_DIR / "mini-k3", tmp_path / "build", progress=False)
     slicing.slice_rank(build, tmp_path / "runs" / "ranks" / "rank0", 0, 2, progress=False)
     code = f"""
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("serve_entry", {str(REPO / "launch" / "serve.py")!r})
-serve = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(serve)
-dep = serve.parse_args(["--config", {str(REPO / "deploy" / "local.yaml")!r}])
-folder = serve.rank_folder(dep, 0, 2)
-serve.loader.check_rank_folder(folder, 0, 2)
+import runpy, json, sys
+runpy.run_path({str(REPO / "launch" / "serve.py")!r})  # the entry point's imports
+from k3dist.serve import loader, rank
+dep = rank.parse_args(["--config", {str(REPO / "deploy" / "local.yaml")!r}])
+folder = rank.rank_folder(dep, 0, 2)
+loader.check_rank_folder(folder, 0, 2)
 print(json.dumps(sorted(m for m in sys.modules if m == "k3dist" or m.startswith("k3dist."))))
 """
     r = subprocess.run(

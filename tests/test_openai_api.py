@@ -10,6 +10,7 @@ import json
 import threading
 from types import SimpleNamespace
 
+from k3dist.config.deployment import Deployment
 from k3dist.serve import lockstep, openai_api, server
 from k3dist.serve.openai_api import RequestError
 from k3dist.serve.prompt_cache import K3PromptCache
@@ -21,9 +22,15 @@ from mlx_lm.utils import load_model, load_tokenizer
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
 LIMITS = {"model_id": "kimi-k3", "max_context": 512, "vocab_size": 1000}
-ARGS = server.cli_args(
-    model_id="kimi-k3", max_tokens=64, temp=0.6, top_p=0.95, prefill_step_size=32
+DEP = Deployment(
+    max_context=512,
+    max_tokens=64,
+    temperature=0.6,
+    top_p=0.95,
+    prefill_chunk=32,
+    max_queued_requests=4,
 )
+ARGS = server.cli_args(DEP)
 USER = [{"role": "user", "content": "Hello there"}]
 FULL = {
     "model": "kimi-k3",
@@ -128,16 +135,7 @@ def served(mini_build):
     provider = lockstep.K3ModelProvider(ARGS, model, tok, "kimi-k3")
     cache = K3PromptCache(8, lambda: make_prompt_cache(model), 4096, None)
     gen = lockstep.K3ResponseGenerator(provider, cache)
-    handler = type(
-        "H",
-        (server.K3APIHandler,),
-        {
-            "model_id": "kimi-k3",
-            "max_context": 512,
-            "vocab_size": tok.vocab_size,
-            "admission": server.Admission(4),
-        },
-    )
+    handler = server.handler_class(DEP, tok.vocab_size)
     httpd = server.K3HTTPServer(
         ("127.0.0.1", 0),
         lambda *a, **k: handler(gen, *a, system_fingerprint="test", **k),

@@ -124,7 +124,7 @@ def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
     mean to the server: at tb5's limits and at others (another dtype, no prompt-cache
     bound), a box holding a deployment's limits budgets exactly the KV/state and prefill
     activations preflight checks that deployment with."""
-    from k3dist.format.deployment import load_deployment
+    from k3dist.config.deployment import load_deployment
     from k3dist.serve import preflight
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
@@ -172,11 +172,11 @@ def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
 def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
     """A build planned with the defaults (real K3 config and tensor index) serves under
     deploy/tb5.yaml: the plan budgets the KV/state and activations preflight computes for
-    tb5's limits, tb5's memory_headroom_gb holds them, and each rank's weights (rank 0 also
+    tb5's limits, tb5's memory_headroom_gib holds them, and each rank's weights (rank 0 also
     holds the vision tower) + that headroom fit the wired limit the plan assumes, its
     runtime reserve left free."""
     from k3dist.build.slicing import vision_ranks
-    from k3dist.format.deployment import load_deployment
+    from k3dist.config.deployment import load_deployment
     from k3dist.serve import preflight
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
@@ -219,7 +219,7 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
     # joining prompt makes (15.39 GB): that copy is the transient, budgeted by both
     assert per["batch_join_extra"] == kv["requests"] - act["total"] == 5_413_912_576
     need = kv["total"] + act["total"] + per["batch_join_extra"]  # 40.12 GB, 37.37 GiB
-    headroom = int(tb5.memory_headroom_gb * GiB)
+    headroom = int(tb5.memory_headroom_gib * GiB)
     assert need + 5 * GiB <= headroom  # 44 GiB: 6.63 GiB beyond what is modelled
     vision = acc.classes["vision"]["source_bytes"]  # 0.89 GB, rank 0 only
     metal = {

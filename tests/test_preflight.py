@@ -9,7 +9,7 @@ from pathlib import Path
 import k3dist
 from k3dist.factory.synth import real_config
 from k3dist.format import kvmemory, layout
-from k3dist.format.deployment import Deployment, load_deployment
+from k3dist.config.deployment import Deployment, load_deployment
 from k3dist.serve import preflight
 from k3dist.serve.preflight import GiB, MiB, PreflightError
 
@@ -197,7 +197,7 @@ def test_a_batch_the_headroom_cannot_hold_is_refused_with_the_fix(tmp_path):
         "fix:",
         "lower max_batch, max_context or prompt_cache_tokens",
         # held + the batch-join copy of the 8 requests' caches
-        f"raise memory_headroom_gb above {-(-(kv['total'] + kv['requests']) // GiB)}",
+        f"raise memory_headroom_gib above {-(-(kv['total'] + kv['requests']) // GiB)}",
         "smaller build",
     ):
         assert fix in msg, fix
@@ -243,7 +243,7 @@ def test_headroom_for_the_kv_but_not_the_prefill_is_refused(tmp_path):
     for fix in (
         "fix:",
         "lower max_batch, max_context, prompt_cache_tokens or prefill_chunk",
-        f"raise memory_headroom_gb above {-(-need // GiB)}",
+        f"raise memory_headroom_gib above {-(-need // GiB)}",
     ):
         assert fix in msg, fix
     # through preflight() itself: one request (13.18 GB of KV with the prompt cache) and a
@@ -331,8 +331,8 @@ def test_shipped_deployments_pass_the_memory_check(tmp_path):
     )
     # what preflight checks: the batch-join copy (15.39 GB) outgrows the 256-token chunk
     need = kvmemory.need_bytes(kv, act)["total"]
-    assert need == 24_727_643_136 + 15_394_258_944 and tb5.memory_headroom_gb == 44
-    assert need + 5 * GiB <= tb5.memory_headroom_gb * GiB  # 6.63 GiB beyond the model
+    assert need == 24_727_643_136 + 15_394_258_944 and tb5.memory_headroom_gib == 44
+    assert need + 5 * GiB <= tb5.memory_headroom_gib * GiB  # 6.63 GiB beyond the model
     mini = k3dist.DATA_DIR / "mini-k3"  # the embedded default's source (no manifest: whole)
     local = REPO / "deploy" / "local.yaml"
     deps = {
@@ -346,4 +346,4 @@ def test_shipped_deployments_pass_the_memory_check(tmp_path):
     # 38.1 MB + activations 35.9 MB, 3.4% of the default 2 GiB
     assert needs["default"] == needs["local.yaml"] == 38_089_088 + 35_913_728
     for name, dep in deps.items():
-        assert needs[name] <= needs["default"] <= dep.memory_headroom_gb * GiB / 20, name
+        assert needs[name] <= needs["default"] <= dep.memory_headroom_gib * GiB / 20, name

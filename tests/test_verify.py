@@ -278,7 +278,7 @@ def test_server_never_serves_a_corrupted_rank1(ranks2, tmp_path):
 
 
 def test_config_key_and_command_line(rank1, capsys):
-    from k3dist.format.deployment import load_deployment
+    from k3dist.config.deployment import load_deployment
 
     assert load_deployment(None).verify == "stamp"
     assert load_deployment(None, verify="full").verify == "full"

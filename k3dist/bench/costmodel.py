@@ -76,8 +76,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from k3dist.format import kvmemory, layout
-from k3dist.format.deployment import MOE_FORMS
 from k3dist.format.placement import Placement, contiguous
+from k3dist.model.forms import MOE_FORMS
 
 import numpy as np
 

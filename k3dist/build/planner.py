@@ -36,7 +36,7 @@ Memory assumptions (:class:`Box` fields; every one a flag of ``python -m k3dist.
   — plus the chunk's logits (F32), hidden states of the AttnRes block stack and the MoE
   intermediates;
 - the defaults describe the deployment the project ships, ``deploy/tb5.yaml`` (:data:`SHIPPED`,
-  read through ``k3dist.format.deployment``): attention split over the ranks, 4 requests at
+  read through ``k3dist.config.deployment``): attention split over the ranks, 4 requests at
   128K, a 128K-token prompt cache, prefill chunks of 256 tokens.
 
 Promoted experts keep **no** 2-bit fallback copy in the lo bank by default: a route the
@@ -64,9 +64,9 @@ from pathlib import Path
 
 from k3dist import REPO
 from k3dist.build.accounting import Accounting
+from k3dist.config.deployment import load_deployment
 from k3dist.format import kvmemory
 from k3dist.format.classes import CLASSES
-from k3dist.format.deployment import load_deployment
 from k3dist.format.kvmemory import GiB
 from k3dist.format.qformat import MXFP4, SOURCE, QFormat
 

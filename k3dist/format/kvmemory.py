@@ -3,7 +3,7 @@ recurrent state (per request and per serving load) and the activations of a pref
 
 One arithmetic for the planner (``k3dist.build.planner``: what a build must leave room for)
 and the server's preflight (``k3dist.serve.preflight``: whether a deployment's
-``memory_headroom_gb`` covers it). What mlx-lm's ``kimi_k3`` keeps for a request
+``memory_headroom_gib`` covers it). What mlx-lm's ``kimi_k3`` keeps for a request
 (``Model.make_cache``):
 
 - an MLA layer: a ``KVCache`` of the latent, ``kv_lora_rank + qk_rope_head_dim`` values per
@@ -55,6 +55,15 @@ from k3dist.format.sfile import COMPUTE_DTYPES, itemsize
 GiB = 1 << 30
 CACHE_STEP = 256  # mlx-lm KVCache growth step (tokens)
 PROMPT_CACHE_ENTRIES = 8  # mlx-lm server's prompt_cache_size (k3dist.serve.server.cli_args)
+PROMPT_CACHE_CONTEXTS = 4  # the prompt cache's default bound, in max_context's
+
+
+def prompt_cache_bound(prompt_cache_tokens: int | None, context: int) -> int:
+    """Tokens the prompt cache may hold: the deployment's ``prompt_cache_tokens``, or
+    (None or 0) :data:`PROMPT_CACHE_CONTEXTS` x ``context``."""
+    return prompt_cache_tokens or PROMPT_CACHE_CONTEXTS * context
+
+
 STATE_BYTES = 4  # the KDA recurrent state is F32 whatever the compute dtype
 
 
@@ -153,7 +162,7 @@ def serving_bytes(
     request's; ``total`` is everything."""
     one = request_bytes(tc, context, act, size=size, split_layers=split_layers, step=step)
     per_token = latent_bytes_per_token(tc, act)
-    bound = prompt_cache_tokens or 4 * context
+    bound = prompt_cache_bound(prompt_cache_tokens, context)
     held = max(bound, context) + context  # the entries + one being inserted
     n = entries + 1
     pc_latent = (held + n * (step - 1)) * per_token

@@ -3,11 +3,10 @@ prefill chunking that keeps every shape a warmed-up one."""
 
 from __future__ import annotations
 
-# MOE_FORMS: how non-owned (token, expert) pairs are handled (k3dist.model.experts); a
-# deployment key, so defined with the deployment one layer down
-from k3dist.format.deployment import MOE_FORMS
-
 import mlx.core as mx
+
+# how non-owned (token, expert) pairs are handled (k3dist.model.experts); "auto" picks one
+MOE_FORMS = ("placeholder", "local")
 
 
 def resolve_form(form: str) -> str:

@@ -15,22 +15,21 @@ import os
 import sys
 import time
 
-from k3dist.format.deployment import Deployment
-
 import mlx.core as mx
+
+# how long a rank keeps trying to join (the deployment's ring_connect_s default)
+RING_CONNECT_S = 120.0
 
 
 class GroupJoinError(RuntimeError):
     """The group could not be joined within the bound."""
 
 
-def join(connect_s: float | None = None, *, log=None) -> mx.distributed.Group:
+def join(connect_s: float = RING_CONNECT_S, *, log=None) -> mx.distributed.Group:
     """The global group, joined; retried on the backend's connect failure until
-    ``connect_s`` seconds (default: the deployment's ``ring_connect_s``) have passed
+    ``connect_s`` seconds (the deployment's ``ring_connect_s``) have passed
     since the first try. A try itself may take ~30 s on the ring backend, so the bound
     can be overrun by one try."""
-    if connect_s is None:
-        connect_s = Deployment.model_fields["ring_connect_s"].default
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     start = time.monotonic()
     tries = 0

@@ -2,7 +2,7 @@
 memory this machine can give it (and, on Metal, under the wired limit), and does the
 deployment's headroom hold what serving will keep beside the weights? Refuse with the
 numbers and the fix; otherwise wire the footprint. The headroom is the deployment's
-``memory_headroom_gb`` (``k3dist.format.deployment``); it must hold at least the KV cache and
+``memory_headroom_gib`` (``k3dist.config.deployment``); it must hold at least the KV cache and
 state of ``max_batch`` requests at ``max_context`` tokens plus the prompt cache's bound
 (:func:`kv_need`) and the activations of one ``prefill_chunk`` at ``max_context``
 (:func:`activation_need`), both from ``k3dist.format.kvmemory``: the arithmetic the build
@@ -242,8 +242,8 @@ def check_memory(
         )
         raise PreflightError(
             f"{folder}: {'; '.join(parts)}; {_gib(need)} in all, but "
-            f"memory_headroom_gb is {headroom / GiB:g} ({_gib(headroom)}){only}; fix: lower "
-            f"{knobs}, or raise memory_headroom_gb above "
+            f"memory_headroom_gib is {headroom / GiB:g} ({_gib(headroom)}){only}; fix: lower "
+            f"{knobs}, or raise memory_headroom_gib above "
             f"{math.ceil(need / GiB)} where the machine has the memory (a "
             "smaller build leaves more)"
         )

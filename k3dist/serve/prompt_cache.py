@@ -24,7 +24,7 @@ Lockstep: every rank runs the same requests through the same cache, so each deci
 count and by the tokens the entries hold (``max_tokens``), never by bytes
 (``max_bytes`` is left unlimited): per-rank bytes differ when a rank holds a share of
 the attention heads. Memory is bounded through tokens and entries
-(``k3dist.format.kvmemory``, which preflight checks against ``memory_headroom_gb``): K3's
+(``k3dist.format.kvmemory``, which preflight checks against ``memory_headroom_gib``): K3's
 MLA layers keep 27,648 B/token, so 4 x 4,096 tokens is ~0.45 GB per rank, 4 x 128K
 ~14.5 GB; every entry also holds a whole KDA state (0.45 GB, 0.22 GB a rank with attention
 split), up to 8 entries and one more while it is inserted.

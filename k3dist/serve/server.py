@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from k3dist import __version__ as k3dist_version
+from k3dist.config.deployment import Deployment
+from k3dist.format.kvmemory import PROMPT_CACHE_ENTRIES, prompt_cache_bound
 from k3dist.serve import anthropic_api, auth, lockstep, openai_api, relay, responses_api, warmup
 from k3dist.serve.lockstep import ClientGone, K3ModelProvider, K3ResponseGenerator
 from k3dist.serve.openai_api import IMAGE_PART_TYPES, RequestError
@@ -131,12 +133,13 @@ class Admission:
 
 
 class K3APIHandler(mlx_server.APIHandler):
-    # Set by serve(): what the handler needs to know about the deployment.
-    model_id = "kimi-k3"
-    max_context = 4096
-    vocab_size = 0
-    info: dict = {}
-    admission = Admission(64)
+    # Set by handler_class() from the deployment: what the handler knows of it.
+    deployment: Deployment
+    model_id: str
+    max_context: int
+    vocab_size: int
+    info: dict
+    admission: Admission
     # k3dist.serve.vision.VisionLimits when the deployment serves images; None: text only
     vision_limits = None
     # socket timeout: a client that sends nothing (or reads nothing) for this long
@@ -455,15 +458,8 @@ class K3APIHandler(mlx_server.APIHandler):
             return self._error(e)
         except relay.BadRequest as e:
             return self._error(RequestError(e.status, str(e), e.param))
-        if not self.admission.enter():
-            return self._error(
-                RequestError(
-                    429,
-                    f"{self.admission.limit} requests are already in flight; retry later",
-                    code="too_many_requests",
-                ),
-                {"Retry-After": str(self.admission.retry_after())},
-            )
+        if not self._admit():
+            return
         t0 = time.monotonic()
         sink = self._relay(agent, n_prompt, req.stop_words()) if agent is not None else None
         try:
@@ -472,6 +468,21 @@ class K3APIHandler(mlx_server.APIHandler):
             self.admission.leave(time.monotonic() - t0)
             if sink is not None:
                 sink.end()
+
+    def _admit(self) -> bool:
+        """Take a place among the completions in flight, or answer 429 with a
+        Retry-After (the caller then returns)."""
+        if self.admission.enter():
+            return True
+        self._error(
+            RequestError(
+                429,
+                f"{self.admission.limit} requests are already in flight; retry later",
+                code="too_many_requests",
+            ),
+            {"Retry-After": str(self.admission.retry_after())},
+        )
+        return False
 
     def _precompute(self) -> None:
         """``POST /v1/k3dist/prefix`` with ``{"messages": [system messages], "tools": [...]}``:
@@ -520,13 +531,8 @@ class K3APIHandler(mlx_server.APIHandler):
             return self._error(e)
         except (ValueError, TypeError, AttributeError) as e:  # the template
             return self._error(RequestError(400, str(e)))
-        if not self.admission.enter():
-            return self._error(
-                RequestError(
-                    429, "too many requests in flight; retry later", code="too_many_requests"
-                ),
-                {"Retry-After": str(self.admission.retry_after())},
-            )
+        if not self._admit():
+            return
         out, self.wfile = self.wfile, io.BytesIO()  # mlx-lm's answer is not the reply
         t0 = time.monotonic()
         try:
@@ -721,21 +727,12 @@ def fingerprint() -> str:
     return f"k3dist-{k3dist_version}-mlx-{mx.__version__}"
 
 
-def cli_args(
-    *,
-    model_id: str,
-    max_tokens: int,
-    temp: float,
-    top_p: float,
-    prefill_step_size: int,
-    cors_origins: list[str] | None = None,
-    max_batch: int = 1,
-) -> argparse.Namespace:
-    """The settings mlx_lm.server reads, with its defaults where we have no say.
-    ``max_batch`` requests decode together; prompts are prefilled one at a time
-    (``prompt_concurrency`` 1: prefill shapes stay batch 1, the warmed chunks)."""
+def cli_args(dep: Deployment) -> argparse.Namespace:
+    """The settings mlx_lm.server reads: the deployment's, with mlx-lm's defaults where
+    we have no say. ``max_batch`` requests decode together; prompts are prefilled one at
+    a time (``prompt_concurrency`` 1: prefill shapes stay batch 1, the warmed chunks)."""
     return argparse.Namespace(
-        model=model_id,
+        model=dep.model_id,
         adapter_path=None,
         draft_model=None,
         num_draft_tokens=3,
@@ -743,16 +740,16 @@ def cli_args(
         chat_template="",
         use_default_chat_template=False,
         chat_template_args={},
-        allowed_origins=list(cors_origins or []),
-        temp=temp,
-        top_p=top_p,
+        allowed_origins=list(dep.cors_origins),
+        temp=dep.temperature,
+        top_p=dep.top_p,
         top_k=0,
         min_p=0.0,
-        max_tokens=max_tokens,
-        decode_concurrency=max_batch,
+        max_tokens=dep.max_tokens,
+        decode_concurrency=dep.max_batch,
         prompt_concurrency=1,
-        prefill_step_size=prefill_step_size,
-        prompt_cache_size=8,
+        prefill_step_size=dep.prefill_chunk,
+        prompt_cache_size=PROMPT_CACHE_ENTRIES,
         prompt_cache_bytes=None,
         kv_bits=None,
         kv_group_size=64,
@@ -761,57 +758,68 @@ def cli_args(
     )
 
 
-def serve(
-    host: str,
-    port: int,
-    provider: K3ModelProvider,
-    *,
-    max_context: int,
-    info: dict,
+def handler_class(
+    dep: Deployment,
     vocab_size: int,
-    max_queued_requests: int = 64,
-    max_connections: int = 2048,
+    info: dict | None = None,
+    *,
+    vision_limits=None,
+    api_key: str | None = None,
+) -> type[K3APIHandler]:
+    """The handler of one deployment: its limits are the deployment's (``info``: what
+    ``/v1/k3dist`` reports; ``vision_limits``: None serves text only)."""
+    return type(
+        "Handler",
+        (K3APIHandler,),
+        {
+            "deployment": dep,
+            "model_id": dep.model_id,
+            "max_context": dep.max_context,
+            "info": dict(info or {}),
+            "vocab_size": vocab_size,
+            "admission": Admission(dep.max_queued_requests),
+            "vision_limits": vision_limits,
+            "api_key": api_key,
+        },
+    )
+
+
+def serve(
+    dep: Deployment,
+    provider: K3ModelProvider,
+    info: dict,
+    *,
+    vocab_size: int,
     token_log: Path | None = None,
     vision_limits=None,
     api_key: str | None = None,
-    prompt_cache_tokens: int | None = None,
     prefix_store=None,
-    prefix_preload_bytes: int = 0,
     idle_gate=None,
 ) -> None:
-    """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves.
-    ``prefix_store``: prefix caches on disk (k3dist.serve.prefix_store) or None; its
-    most recently used entries, up to ``prefix_preload_bytes`` a rank, go into memory
-    before the first request (every rank, here, before the generation loop starts);
-    ``idle_gate``: the watchdog (multi-rank): idle ranks wait on it, not in a collective."""
+    """mlx_lm.server.run with our generator, handler and HTTP server, for the deployment
+    ``dep``; rank 0 serves. ``prefix_store``: prefix caches on disk
+    (k3dist.serve.prefix_store) or None; its most recently used entries, up to
+    ``prefix_cache_preload_gb`` a rank, go into memory before the first request (every
+    rank, here, before the generation loop starts); ``idle_gate``: the watchdog
+    (multi-rank): idle ranks wait on it, not in a collective."""
     group = mx.distributed.init()
     prompt_cache = K3PromptCache(
         provider.cli_args.prompt_cache_size,
         lambda: make_prompt_cache(provider.model),
-        prompt_cache_tokens or 4 * max_context,
+        prompt_cache_bound(dep.prompt_cache_tokens, dep.max_context),
         prefix_store,
     )
-    if prefix_store is not None and prefix_preload_bytes > 0:
-        prompt_cache.preload(provider.model_key, prefix_preload_bytes)
+    preload_bytes = int(dep.prefix_cache_preload_gb * 1e9)
+    if prefix_store is not None and preload_bytes > 0:
+        prompt_cache.preload(provider.model_key, preload_bytes)
     generator = K3ResponseGenerator(provider, prompt_cache, token_log, idle_gate)
     if group.rank() != 0:
         generator.join()
         if prefix_store is not None:
             prefix_store.close()  # queued entries reach the disk on a clean stop
         return
-    handler = type(
-        "Handler",
-        (K3APIHandler,),
-        {
-            "model_id": provider.served_id,
-            "max_context": max_context,
-            "info": info,
-            "vocab_size": vocab_size,
-            "admission": Admission(max_queued_requests),
-            "vision_limits": vision_limits,
-            "api_key": api_key,
-        },
-    )
+    handler = handler_class(dep, vocab_size, info, vision_limits=vision_limits, api_key=api_key)
+    host, port = dep.host, dep.port
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, address = infos[0]
     server_class = type("Server", (K3HTTPServer,), {"address_family": family})
@@ -819,7 +827,7 @@ def serve(
     httpd = server_class(
         address,
         lambda *a, **k: handler(generator, *a, system_fingerprint=fp, **k),
-        max_connections=max_connections,
+        max_connections=dep.max_connections,
     )
     logging.info("serving %s on http://%s:%d", provider.served_id, host, port)
     if api_key is None and not _loopback(host):
@@ -830,8 +838,8 @@ def serve(
         )
     print(
         f"k3dist: serving {provider.served_id} on http://{host}:{port} (at most "
-        f"{max_queued_requests} requests in flight, {max_connections} connections; CORS "
-        f"{provider.cli_args.allowed_origins or 'off'}; API key "
+        f"{dep.max_queued_requests} requests in flight, {dep.max_connections} connections; "
+        f"CORS {provider.cli_args.allowed_origins or 'off'}; API key "
         f"{'required' if api_key else 'off'})",
         flush=True,
     )

@@ -58,7 +58,7 @@ class VisionLimits:
     max_images: int = 4
     # decoded pixels per image, checked from the header before decoding (a
     # decompression bomb is a small file with huge dimensions); the deployment's
-    # default (k3dist.format.deployment: the tower's measured peak within the headroom)
+    # default (k3dist.config.deployment: the tower's measured peak within the headroom)
     max_pixels: int = 1008 * 1008
     # local image paths: only files under this directory; None: refused
     image_dir: str | None = None

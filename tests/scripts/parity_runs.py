@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from k3dist.bench import greedy
-from k3dist.format import deployment
+from k3dist.config import deployment
 from k3dist.model.group import join, report
 from k3dist.serve import introspect, loader
 

@@ -3,31 +3,51 @@ default, range and help, read once at the edge (YAML, then flags on top) and pas
 down. The command-line flags of ``launch/serve.py``, ``launch/generate.py`` and
 ``slicing/rank_split.py`` are made from it (:func:`add_arguments`, :func:`from_args`).
 
-It lives in the format layer because the build planner reads ``deploy/tb5.yaml``
-through it too (``k3dist.build.planner.Box``), and the build imports no serving code."""
+It lives in the config layer, below serving and the build pipeline, so both read it
+(the planner plans for a deployment's limits) and the build imports no serving code."""
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from k3dist.format.layout import ATTENTION_MODES
 from k3dist.format.sfile import COMPUTE_DTYPES
 from k3dist.format.verify import MODES as VERIFY_MODES
+from k3dist.model.forms import MOE_FORMS
+from k3dist.model.group import RING_CONNECT_S
 
 import yaml
 from annotated_types import Ge, Gt, Le
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_DEPLOYMENT = Path("deploy/local.yaml")
-# how non-owned (token, expert) pairs are handled (the EP model); "auto" picks one
-MOE_FORMS = ("placeholder", "local")
 # compute dtypes a deployment may ask for (MLX names)
 DTYPES = COMPUTE_DTYPES
 # largest max_batch: each batch size up to it is one warm-up decode shape
 MAX_BATCH = 256
+
+
+# keys renamed (old -> new): the old name is still read, with a notice, for one release
+RENAMED = {"memory_headroom_gb": "memory_headroom_gib"}
+
+
+def _renamed(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """``values`` with renamed keys under their new names, each said once on stderr."""
+    out = dict(values)
+    for old, new in RENAMED.items():
+        if old in out:
+            print(
+                f"k3dist: {where}: {old} is deprecated, it is now {new} (same value, GiB); "
+                f"rename it",
+                file=sys.stderr,
+                flush=True,
+            )
+            out.setdefault(new, out.pop(old))
+    return out
 
 
 class DeploymentError(ValueError):
@@ -88,7 +108,7 @@ class Deployment(BaseModel):
         ge=1,
     )
     ring_connect_s: float = _key(
-        120.0,
+        RING_CONNECT_S,
         "how long a rank keeps trying to join the group: MLX's ring backend gives up on "
         "a peer that is not yet listening after ~30 s, and a rank that starts late (a "
         "loaded machine, a second Mac slower to start) is tried again up to this bound",
@@ -171,9 +191,9 @@ class Deployment(BaseModel):
     # 256-token chunk at 128K: 10.0 GB a rank. deploy/tb5.yaml: 44 for 4 requests at 128K
     # (40.1 GB needed: the batch-join copy, 15.4 GB, outgrows its 256-token chunks). The
     # mini-K3 at these defaults needs 74 MB (float32).
-    memory_headroom_gb: float = _key(
+    memory_headroom_gib: float = _key(
         2.0,
-        "GiB kept beside the weights: start only if the folder fits in free memory with "
+        "GiB (2^30 B) kept beside the weights: start only if the folder fits in free memory with "
         "this much to spare, and only if this holds the KV cache and state of max_batch "
         "requests at max_context tokens plus the prompt cache's bound and the larger of the "
         "activations of one prefill_chunk at max_context and the copy of the batch's caches a "
@@ -215,7 +235,7 @@ class Deployment(BaseModel):
         "images",
     )
     max_images: int = _key(4, "images a request may hold", "images", ge=0)
-    # The default keeps the vision tower's running peak within memory_headroom_gb (2 GB):
+    # The default keeps the vision tower's running peak within memory_headroom_gib (2 GiB):
     # measured (benchmarks/vision_memory.py --activations) 1.48 GB at 64x64 patches with
     # the real tower's width on CPU float32, where attention's scores grow as patches^2
     # (48.5 B per patch pair); 1008x1008 px (5,184 patches) fits, 4096x4096 would take
@@ -422,8 +442,8 @@ def load_deployment(path: str | Path | None = None, **overrides: Any) -> Deploym
     """The YAML at ``path`` (if any), then ``overrides`` (flags) that are not None on
     top. DeploymentError (a ValueError) names the file or flag, key, range and fix."""
     path = Path(path) if path is not None else None
-    values = read_yaml(path) if path is not None else {}
-    flags = {k: v for k, v in overrides.items() if v is not None}
+    values = _renamed(read_yaml(path), str(path)) if path is not None else {}
+    flags = _renamed({k: v for k, v in overrides.items() if v is not None}, "flags")
     try:
         return Deployment(**{**values, **flags})
     except ValidationError as e:
@@ -471,6 +491,11 @@ def add_arguments(
         else:
             kw.update(type=kind, metavar=key.upper())
         group.add_argument((names or {}).get(key, flag(key)), **kw)
+        for old in (o for o, n in RENAMED.items() if n == key):  # still read, with a notice
+            group.add_argument(
+                flag(key).replace(key.replace("_", "-"), old.replace("_", "-")),
+                **(kw | {"dest": old, "help": argparse.SUPPRESS}),
+            )
 
 
 def from_args(
@@ -480,6 +505,8 @@ def from_args(
     flags in ``keys_`` on top; a bad value ends the command with the parser's error."""
     path = args.config or (DEFAULT_DEPLOYMENT if DEFAULT_DEPLOYMENT.exists() else None)
     try:
-        return load_deployment(path, **{k: getattr(args, k) for k in keys_ or keys()})
+        given = {k: getattr(args, k) for k in keys_ or keys()}
+        given |= {old: getattr(args, old) for old in RENAMED if hasattr(args, old)}
+        return load_deployment(path, **given)
     except (DeploymentError, FileNotFoundError) as e:
         parser.error(str(e))

@@ -1,0 +1,84 @@
+"""Run a script on every rank through mlx.launch, supervised (k3dist.serve.supervise):
+the command line of ``launch/run.py``.
+
+    .venv/bin/python launch/run.py --hostfile hostfiles/local.json -- launch/serve.py
+    .venv/bin/python launch/run.py --hostfile hostfiles/tb5.json -- launch/serve.py \\
+        --config deploy/tb5.yaml
+
+Before any rank starts, every host reached over ssh must answer within
+--host-timeout-s (+5 s). Exit code: 0 when every rank ended cleanly (a stop asked
+with SIGTERM/SIGINT included), else the first failing rank's own code (128 + N for a
+rank killed by signal N), or 2 when nothing was started (an unreachable host, bad
+arguments). A launcher that does not end within --grace-s of the first failure is
+ended with everything it started. The ranks run with this interpreter (--python)
+unless told otherwise; mlx.launch options this script does not name (-p, --env,
+--backend, ...) go to it unchanged; the script and its arguments follow ``--``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from k3dist.serve import supervise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        usage="%(prog)s [options] [mlx.launch options] -- SCRIPT [ARGS ...]",
+    )
+    ap.add_argument("--hostfile", help="mlx.launch hostfile (hostfiles/*.json)")
+    ap.add_argument("--hosts", default=supervise.LOCAL_HOST, help="comma-separated hosts")
+    ap.add_argument("-n", "--repeat-hosts", type=int, default=1, help="ranks per host")
+    ap.add_argument("--python", default=sys.executable, help="the ranks' interpreter")
+    ap.add_argument(
+        "--launcher",
+        default=str(Path(sys.executable).with_name("mlx.launch")),
+        help="mlx.launch to run (default: the one beside this interpreter)",
+    )
+    ap.add_argument(
+        "--host-timeout-s", type=float, default=5.0, help="ssh connect timeout of the host check"
+    )
+    ap.add_argument(
+        "--grace-s",
+        type=float,
+        default=5.0,
+        help="how long mlx.launch may take to end after the first failure",
+    )
+    ap.add_argument(
+        "--kill-grace-s",
+        type=float,
+        default=5.0,
+        help="between SIGTERM and SIGKILL when ranks must be ended",
+    )
+    if "--" not in argv:
+        ap.parse_known_args(argv)  # --help
+        ap.error("put the script and its arguments after --, e.g. -- launch/serve.py")
+    split = argv.index("--")
+    args, passthrough = ap.parse_known_args(argv[:split])
+    command = argv[split + 1 :]
+    if not command:
+        ap.error("no script after --")
+
+    try:
+        hosts = supervise.read_hosts(args.hostfile, args.hosts, args.repeat_hosts)
+        supervise.preflight_hosts(
+            hosts, args.host_timeout_s, args.python, source=args.hostfile or "--hosts"
+        )
+    except (supervise.HostUnreachable, ValueError) as e:
+        print(f"[k3dist run] {e}", file=sys.stderr, flush=True)
+        return supervise.START_FAILED_EXIT_CODE
+    where = (
+        ["--hostfile", args.hostfile]
+        if args.hostfile
+        else ["--hosts", args.hosts, "-n", str(args.repeat_hosts)]
+    )
+    launch = [args.launcher, *where, "--python", args.python, *passthrough, "--", *command]
+    return supervise.run(launch, hosts, grace_s=args.grace_s, kill_grace_s=args.kill_grace_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
