@@ -33,9 +33,11 @@ from pathlib import Path
 import k3dist
 from k3dist.bench import bandwidth, collectives, record
 from k3dist.bench import costmodel as cm
+from k3dist.config.box import Box
 from k3dist.factory import synth
 from k3dist.format import layout, placement
 from k3dist.format.folder import load_config
+from k3dist.format.kvmemory import GiB
 
 PUBLISHED_TB = 1.561  # the mxfp4 build's published size
 
@@ -65,8 +67,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--bw-fraction", type=float, default=d.bw_fraction)
     ap.add_argument("--tflops", type=float, default=d.flops / 1e12)
     ap.add_argument("--flops-fraction", type=float, default=d.flops_fraction)
-    ap.add_argument("--memory-gb", type=float, default=d.memory / 1e9)
-    ap.add_argument("--usable-memory-gb", type=float, default=d.usable_memory / 1e9)
+    ap.add_argument("--memory-gib", type=float, default=d.box.memory_bytes / GiB)
+    ap.add_argument("--wired-limit-mb", type=int, default=d.box.wired_limit_mb)
+    ap.add_argument("--runtime-reserve-gib", type=float, default=d.box.runtime_reserve_bytes / GiB)
     ap.add_argument(
         "--sync-ms",
         type=float,
@@ -147,13 +150,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def hardware(args) -> dict[str, cm.Hardware]:
-    base = cm.Hardware(
+    box = Box(
         mem_bw=args.mem_bw_gbs * 1e9,
-        bw_fraction=args.bw_fraction,
         flops=args.tflops * 1e12,
+        memory_bytes=int(args.memory_gib * GiB),
+        wired_limit_mb=args.wired_limit_mb,
+        runtime_reserve_bytes=int(args.runtime_reserve_gib * GiB),
+    )
+    base = cm.Hardware(
+        box=box,
+        bw_fraction=args.bw_fraction,
         flops_fraction=args.flops_fraction,
-        memory=args.memory_gb * 1e9,
-        usable_memory=args.usable_memory_gb * 1e9,
         sync_s=args.sync_ms * 1e-3,
         placeholder_reads=args.placeholder_reads,
     )

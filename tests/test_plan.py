@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from k3dist.build import accounting, plan, planner
+from k3dist.config.box import Box
 from k3dist.factory.synth import real_config
 from k3dist.format import kvmemory, layout, qformat
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX, read_index
@@ -27,6 +28,11 @@ def acc() -> accounting.Accounting:
     """The real K3 accounted once against its shipped index (497,220 tensor specs built
     and compared: seconds each time; nothing in a plan changes it)."""
     return accounting.account(real_config(), read_index(REAL_INDEX), str(REAL_INDEX))
+
+
+def _limits(**overrides) -> planner.Limits:
+    """The shipped deployment's serving limits (deploy/tb5.yaml), ``overrides`` on top."""
+    return planner.Limits.of(planner.shipped(), **overrides)
 
 
 @pytest.mark.parametrize("fmt", qformat.all_formats(), ids=lambda f: f.name)
@@ -69,7 +75,7 @@ def test_index_mismatch_is_refused(mini_src):
 
 def test_kv_state_k3():
     tc = layout.text_config(real_config())
-    kv = planner.kv_state(tc, planner.Box(context=4096))
+    kv = planner.kv_state(tc, _limits(context=4096))
     assert kv["mla_layers"] == 24 and kv["kda_layers"] == 69
     assert kv["mla_latent_cache"] == 24 * 4096 * 576 * 2
     assert kv["kda_state"] == 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
@@ -79,19 +85,19 @@ def test_kv_state_scales_with_batch(acc):
     """The KV/state line budgets every request the server decodes together, plus the
     prompt cache (the same arithmetic the server's preflight checks)."""
     tc = acc.tc
-    one, eight = (planner.kv_state(tc, planner.Box(batch=b)) for b in (1, 8))
+    one, eight = (planner.kv_state(tc, _limits(batch=b)) for b in (1, 8))
     per = 24 * 131072 * 576 * 2 + 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
     assert one["per_request"] == eight["per_request"] == per  # 4.07 GB at 128K
     assert eight["requests"] == 8 * per and one["requests"] == per
     assert eight["total"] - one["total"] == 7 * per
     assert one["prompt_cache"] == eight["prompt_cache"] and one["prompt_cache"]["total"] > 0
     # attention split: each rank holds half the KDA state of each request, all the latent
-    split = planner.kv_state(tc, planner.Box(batch=8), attention_split=2)
+    split = planner.kv_state(tc, _limits(batch=8), attention_split=2)
     per_split = per - 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128) // 2
     assert split["per_request"] == per_split
     for attention, each in (("replicated", per), ("split", per_split)):
         req = planner.PlanRequest(ranks=2, lo="2bit-g128", attention=attention)
-        plans = {b: planner.make_plan(acc, planner.Box(batch=b), req) for b in (1, 8)}
+        plans = {b: planner.make_plan(acc, Box(), _limits(batch=b), req) for b in (1, 8)}
         kv = {b: p["bytes_per_rank"]["kv_state"] for b, p in plans.items()}
         assert kv[8] - kv[1] == 7 * each
         assert plans[8]["promoted_total"] < plans[1]["promoted_total"]  # KV comes off experts
@@ -128,7 +134,7 @@ def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
     from k3dist.serve import preflight
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
-    assert planner.SHIPPED == tb5
+    assert planner.shipped() == tb5
     req = planner.PlanRequest()
     assert (req.attention, req.ranks) == (tb5.attention, tb5.size)
     tc = layout.text_config(real_config())
@@ -144,8 +150,8 @@ def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
             dtype="float16",
         ),
     ]
-    boxes = [planner.Box()] + [
-        planner.Box(
+    boxes = [_limits()] + [
+        planner.Limits(
             context=d.max_context,
             batch=d.max_batch,
             prompt_cache_tokens=d.prompt_cache_tokens,
@@ -180,8 +186,8 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
     from k3dist.serve import preflight
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
-    box = planner.Box()
-    p = planner.make_plan(acc, box, planner.PlanRequest(ranks=tb5.size))
+    box = Box()
+    p = planner.make_plan(acc, box, _limits(), planner.PlanRequest(ranks=tb5.size))
     per = p["bytes_per_rank"]
     # a rank folder sliced for tb5 (attention split over its ranks): config + manifest
     tc = layout.text_config(real_config())
@@ -223,8 +229,8 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
     assert need + 5 * GiB <= headroom  # 44 GiB: 6.63 GiB beyond what is modelled
     vision = acc.classes["vision"]["source_bytes"]  # 0.89 GB, rank 0 only
     metal = {
-        "max_recommended_working_set_bytes": box.wired,
-        "memory_bytes": box.physical,
+        "max_recommended_working_set_bytes": box.wired_bytes,
+        "memory_bytes": box.memory_bytes,
         "iogpu_wired_limit_mb": box.wired_limit_mb,
     }
     for rank in range(tb5.size):
@@ -233,15 +239,17 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
             + per["routed_experts"]
             + (vision if rank in vision_ranks(tb5.size) else 0)
         )
-        assert weights + headroom <= box.wired - box.runtime_reserve  # 482.21 GiB <= 484
+        assert weights + headroom <= box.usable_bytes  # 482.21 GiB <= 484
         assert (
-            preflight.check_memory(folder, weights, headroom, box.physical, "given", metal, kv, act)
+            preflight.check_memory(
+                folder, weights, headroom, box.memory_bytes, "given", metal, kv, act
+            )
             == weights + headroom
         )
 
 
 def test_k3_plan_fits_two_boxes(acc):
-    p = planner.make_plan(acc, planner.Box(), planner.PlanRequest(ranks=2))
+    p = planner.make_plan(acc, Box(), _limits(), planner.PlanRequest(ranks=2))
     per = p["bytes_per_rank"]
     assert per["total"] + p["headroom_requested"] <= p["budget_per_rank"]
     assert p["promoted_total"] > 0 and p["lo"]["format"] in ("2bit-g64", "2bit-g128")
@@ -257,16 +265,17 @@ def test_k3_plan_fits_two_boxes(acc):
 
 def test_more_budget_promotes_more_and_fallback_costs(acc):
     base = planner.PlanRequest(ranks=2, lo="2bit-g128")
-    a = planner.make_plan(acc, planner.Box(), base)
+    a = planner.make_plan(acc, Box(), _limits(), base)
     b = planner.make_plan(
         acc,
-        planner.Box(),
+        Box(),
+        _limits(),
         planner.PlanRequest(
             ranks=2, lo="2bit-g128", budget_per_rank=a["budget_per_rank"] + 20 * 10**9
         ),
     )
     c = planner.make_plan(
-        acc, planner.Box(), planner.PlanRequest(ranks=2, lo="2bit-g128", lo_fallback=True)
+        acc, Box(), _limits(), planner.PlanRequest(ranks=2, lo="2bit-g128", lo_fallback=True)
     )
     assert b["promoted_total"] > a["promoted_total"] > c["promoted_total"]
 
@@ -274,7 +283,8 @@ def test_more_budget_promotes_more_and_fallback_costs(acc):
 def test_target_bpw(acc):
     p = planner.make_plan(
         acc,
-        planner.Box(),
+        Box(),
+        _limits(),
         planner.PlanRequest(ranks=2, lo="2bit-g128", target_expert_bpw=2.5, budget_per_rank=10**13),
     )
     assert 2.45 < p["expert_bpw"] <= 2.5
@@ -283,7 +293,7 @@ def test_target_bpw(acc):
 def test_nothing_fits_says_why(acc):
     with pytest.raises(ValueError, match="nothing fits"):
         planner.make_plan(
-            acc, planner.Box(), planner.PlanRequest(ranks=2, budget_per_rank=300 * 10**9)
+            acc, Box(), _limits(), planner.PlanRequest(ranks=2, budget_per_rank=300 * 10**9)
         )
 
 

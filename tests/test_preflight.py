@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import k3dist
+from k3dist.config.deployment import Deployment, load_deployment
 from k3dist.factory.synth import real_config
 from k3dist.format import kvmemory, layout
-from k3dist.config.deployment import Deployment, load_deployment
 from k3dist.serve import preflight
 from k3dist.serve.preflight import GiB, MiB, PreflightError
 

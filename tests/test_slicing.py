@@ -13,8 +13,8 @@ from pathlib import Path
 
 from k3dist.build import convert as convert_mod
 from k3dist.build import slicing
-from k3dist.format import layout, manifest
 from k3dist.config.deployment import load_deployment
+from k3dist.format import layout, manifest
 from k3dist.format.manifest import JOURNAL
 from k3dist.format.placement import Placement, PlacementError, contiguous, load_aware
 from k3dist.format.sfile import CheckpointError, read_bytes, read_header

@@ -56,7 +56,7 @@ are computed, after one host sync per MoE layer.
 Per-box footprint: the largest rank's resident weights (mlx-lm drops the vision
 tower at load) + cache (``batch`` requests at ``context``, not rounded to the cache step,
 no prompt cache: what a server must budget is ``k3dist.format.kvmemory.serving_bytes``),
-against ``usable_memory``. The build's size (``footprint``)
+against the box's usable (wired less reserve) bytes. The build's size (``footprint``)
 is the sum of every tensor at the profile's bits; for ``mxfp4`` (experts as shipped,
 non-experts in their source dtypes) it is the source's 1,560,860,324,864 bytes.
 
@@ -75,6 +75,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from k3dist.config.box import SOURCES as BOX_SOURCES
+from k3dist.config.box import Box
 from k3dist.format import kvmemory, layout
 from k3dist.format.placement import Placement, contiguous
 from k3dist.model.forms import MOE_FORMS
@@ -146,33 +148,37 @@ BACKENDS = {
 
 @dataclass(frozen=True)
 class Hardware:
-    """One box and its link. Defaults: M3 Ultra (80-core GPU, 512 GB) over TB5."""
+    """One box (``k3dist.config.box.Box``: memory, bandwidth, compute) and its link,
+    with what decode achieves of it. Defaults: M3 Ultra (80-core GPU, 512 GB) over TB5."""
 
-    name: str = "M3 Ultra 80-core GPU, 512 GB, Thunderbolt 5"
-    mem_bw: float = 819e9  # B/s, Apple's specification
+    box: Box = Box()
     bw_fraction: float = 0.6  # achieved by decode kernels (see SOURCES)
-    flops: float = 28.7e12  # assumed: 80 cores x 128 FP32 lanes x 2 x ~1.4 GHz
     flops_fraction: float = 0.5  # assumed; decode at batch 1 is far from this bound
-    memory: float = 512e9
-    usable_memory: float = 480e9  # assumed: 512 GB less ~32 GB for macOS + process
     backend: Backend = BACKENDS["jaccl"]
     sync_s: float = 1.0e-3  # host sync per MoE layer (local form): assumed
     placeholder_reads: float = 1.0  # memory reads of the redirect expert per layer
 
+    @property
+    def mem_bw(self) -> float:
+        return self.box.mem_bw
+
+    @property
+    def flops(self) -> float:
+        return self.box.flops
+
+    @property
+    def usable_memory(self) -> int:
+        return self.box.usable_bytes
+
 
 SOURCES = {
-    "mem_bw": "spec: Apple, M3 Ultra 819 GB/s unified memory bandwidth",
-    "memory": "spec: Apple, M3 Ultra up to 512 GB unified memory",
-    "usable_memory": "assumed: 512 GB less ~32 GB for macOS and the process (with "
-    "iogpu.wired_limit_mb raised)",
+    **{f"box.{k}": v for k, v in BOX_SOURCES.items()},
     "bw_fraction": "derived, not K3: mlx decodes llama-3.1-8b-4bit at 119 tok/s on an M3 "
     "Ultra (raullenchai/Rapid-MLX PR #586): ~4.2 GB/token x 119 = 0.50 TB/s "
     "= 0.61 of 819 GB/s, a dense-model figure that K3's MoE gathers and KDA "
     "kernels may not reach. Not calibratable here: this machine's MLX CPU "
     "matvecs are compute-bound (see measured_here). The anchors' implied "
     "values are reported beside it",
-    "flops": "assumed: 80 GPU cores x 128 FP32 lanes x 2 x ~1.4 GHz (Apple publishes no "
-    "TFLOPS); FLOP time stays under ~15% of memory time at batch 1",
     "flops_fraction": "assumed",
     "sync_s": "assumed: one host sync per MoE layer drains the GPU queue and serialises "
     "graph building; ~1 ms is what the published graded build's 2.06x loss on "
@@ -970,6 +976,7 @@ def project(
 def hardware_json(hw: Hardware) -> dict:
     d = asdict(hw)
     d["backend"] = asdict(hw.backend)
+    d["box"]["usable_bytes"] = hw.usable_memory
     return d
 
 

@@ -226,6 +226,7 @@ def account(a: Args, config: dict, index: dict | None):
 
 def make_plan(a: Args, acc) -> dict:
     from k3dist.build import planner
+    from k3dist.config.box import Box
 
     if sum(x is not None for x in (a.budget, a.budget_total, a.target_bpw)) != 1:
         raise CheckpointError(
@@ -238,7 +239,7 @@ def make_plan(a: Args, acc) -> dict:
         else (int(a.budget_total) // a.ranks if a.budget_total is not None else None),
         target_expert_bpw=a.target_bpw,
     )
-    return planner.make_plan(acc, planner.Box(), req)
+    return planner.make_plan(acc, Box(), planner.Limits.of(planner.shipped()), req)
 
 
 def plan_kw(a: Args) -> dict:

@@ -1,6 +1,7 @@
 """``python -m k3dist.build.plan``: a graded build's byte-budget plan
 (``k3dist.build.planner``) for a checkpoint's config and index, printed as a summary or
-JSON. Every :class:`~k3dist.build.planner.Box` field is a flag.
+JSON. Every field of the box (``k3dist.config.box.Box``) and of the serving limits
+(:class:`~k3dist.build.planner.Limits`, default: ``deploy/tb5.yaml``'s) is a flag.
 
     python -m k3dist.build.plan --config CONFIG --index INDEX [--budget auto|BYTES] --dry-run --json
         [--nonexpert-sensitivity benchmarks/results/nonexpert-2026-12-01.json]
@@ -14,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from k3dist import REPO
@@ -23,12 +23,14 @@ from k3dist.build.planner import (
     DEFAULT_KL_TOLERANCE,
     DEFAULT_KL_TOLERANCE_WHY,
     DEFAULT_NONEXPERT,
-    Box,
+    Limits,
     PlanRequest,
     make_plan,
     measured_nonexpert,
     read_sensitivity,
+    shipped,
 )
+from k3dist.config.box import Box
 from k3dist.format.classes import CLASSES
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, read_index, read_json
 from k3dist.format.kvmemory import GiB
@@ -54,7 +56,7 @@ def summary(plan: dict) -> str:
     lines = [
         f"ranks {plan['ranks']}, budget per rank {_gb(plan['budget_per_rank'])} "
         f"(wired {_gb(plan['box']['wired_limit_mb'] << 20)} - reserve "
-        f"{_gb(plan['box']['runtime_reserve'])})",
+        f"{_gb(plan['box']['runtime_reserve_bytes'])})",
         f"lo bank {plan['lo']['format']}, hi bank mxfp4 ({plan['hi']['expert_bytes']:,} B "
         f"per expert); promoted {plan['promoted_total']:,} "
         f"({100 * plan['promoted_fraction']:.1f}%), expert bpw {plan['expert_bpw']}",
@@ -146,30 +148,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--context",
         type=int,
-        default=Box.context,
-        help="tokens of one request (the server's max_context)",
+        default=None,
+        help="tokens of one request (the server's max_context; default: deploy/tb5.yaml's)",
     )
     ap.add_argument(
         "--batch",
         type=int,
-        default=Box.batch,
+        default=None,
         help="requests decoded together, each with its own KV cache (max_batch)",
     )
     ap.add_argument(
         "--prompt-cache-tokens",
         type=int,
-        default=Box.prompt_cache_tokens,
+        default=None,
         help="the prompt cache's token bound (prompt_cache_tokens; 0: 4 x context)",
     )
     ap.add_argument(
         "--prefill-chunk",
         type=int,
-        default=Box.prefill_chunk,
+        default=None,
         help="tokens of one prefill chunk (the server's prefill_chunk)",
     )
     ap.add_argument("--wired-limit-mb", type=int, default=Box.wired_limit_mb)
-    ap.add_argument("--physical-gib", type=int, default=512)
-    ap.add_argument("--runtime-reserve-gib", type=float, default=Box.runtime_reserve / GiB)
+    ap.add_argument("--memory-gib", type=int, default=Box.memory_bytes // GiB)
+    ap.add_argument("--runtime-reserve-gib", type=float, default=Box.runtime_reserve_bytes / GiB)
     ap.add_argument(
         "--dry-run",
         action="store_true",
@@ -190,17 +192,19 @@ def main(argv: list[str] | None = None) -> None:
     config, _ = read_json(cfg_path, "config")
     index = read_index(idx_path) if idx_path and idx_path.exists() else None
     acc = account(config, index, str(idx_path))
-    box = replace(
-        Box(),
-        physical=args.physical_gib * GiB,
+    box = Box(
+        memory_bytes=args.memory_gib * GiB,
         wired_limit_mb=args.wired_limit_mb,
-        runtime_reserve=int(args.runtime_reserve_gib * GiB),
+        runtime_reserve_bytes=int(args.runtime_reserve_gib * GiB),
+    )
+    limits = Limits.of(
+        shipped(),
         context=args.context,
         batch=args.batch,
-        prompt_cache_tokens=args.prompt_cache_tokens or None,
+        prompt_cache_tokens=args.prompt_cache_tokens,
         prefill_chunk=args.prefill_chunk,
     )
-    if args.batch < 1 or args.context < 1:
+    if limits.batch < 1 or limits.context < 1:
         ap.error("--batch and --context must be at least 1")
     nonexpert, origin = dict(DEFAULT_NONEXPERT), dict.fromkeys(DEFAULT_NONEXPERT, "default")
     if args.nonexpert_sensitivity:
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         headroom=int(args.headroom_gib * GiB),
     )
     try:
-        plan = make_plan(acc, box, req)
+        plan = make_plan(acc, box, limits, req)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     argv = list(sys.argv[1:] if argv is None else argv)

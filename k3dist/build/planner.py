@@ -1,8 +1,9 @@
 """Byte-budget planner for graded builds: what fits, per rank, before anything is built.
 
 Over the accounting of a checkpoint (``k3dist.build.accounting``: every tensor in its
-class, bytes in any format of ``k3dist.format.qformat``), the **memory model**
-(:class:`Box`) and the **plan** (:func:`make_plan`): per box, the usable
+class, bytes in any format of ``k3dist.format.qformat``), the **memory model** (the box,
+``k3dist.config.box.Box``, and the serving :class:`Limits`) and the **plan**
+(:func:`make_plan`): per box, the usable
 memory (below), the KV/state the server holds at its limits (``batch`` requests at
 ``context`` tokens and the prompt cache) and the activations of a prefill chunk at that
 context; what is left holds the weights. The plan picks the lo-bank format of the routed
@@ -10,7 +11,8 @@ experts, how many experts per layer keep their MXFP4 bytes (the hi bank) and the
 of each non-expert class, and reports bytes per rank. Which experts are promoted is for
 calibration (``k3dist`` sensitivity scoring) to decide; the plan fixes how many.
 
-Memory assumptions (:class:`Box` fields; every one a flag of ``python -m k3dist.build.plan``):
+Memory assumptions (``Box`` and :class:`Limits` fields; every one a flag of
+``python -m k3dist.build.plan``):
 
 - a "512 GB" M3 Ultra has 512 GiB (549.76 GB) of unified memory; GPU-wired memory is
   capped by macOS at ``iogpu.wired_limit_mb`` (default ~75% of RAM on large machines).
@@ -35,9 +37,10 @@ Memory assumptions (:class:`Box` fields; every one a flag of ``python -m k3dist.
   context x 2 B``: mlx-lm's fallback path materialises both), over the heads a rank holds
   — plus the chunk's logits (F32), hidden states of the AttnRes block stack and the MoE
   intermediates;
-- the defaults describe the deployment the project ships, ``deploy/tb5.yaml`` (:data:`SHIPPED`,
-  read through ``k3dist.config.deployment``): attention split over the ranks, 4 requests at
-  128K, a 128K-token prompt cache, prefill chunks of 256 tokens.
+- the defaults describe the deployment the project ships, ``deploy/tb5.yaml``
+  (:func:`shipped`, read through ``k3dist.config.deployment`` when asked): attention split
+  over the ranks, 4 requests at 128K, a 128K-token prompt cache, prefill chunks of 256
+  tokens.
 
 Promoted experts keep **no** 2-bit fallback copy in the lo bank by default: a route the
 hi bank cannot take (more than ``k_hi`` promoted routes in one token) is dropped and
@@ -59,12 +62,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from k3dist import REPO
 from k3dist.build.accounting import Accounting
-from k3dist.config.deployment import load_deployment
+from k3dist.config.box import Box
+from k3dist.config.deployment import FIELDS, Deployment, load_deployment
 from k3dist.format import kvmemory
 from k3dist.format.classes import CLASSES
 from k3dist.format.kvmemory import GiB
@@ -144,53 +148,62 @@ def measured_nonexpert(
     return formats, origin
 
 
-# the deployment the project ships: Box's serving limits are its keys
-SHIPPED = load_deployment(REPO / "deploy" / "tb5.yaml")
+def shipped() -> Deployment:
+    """The deployment the project ships (``deploy/tb5.yaml``): the plan's default
+    serving limits, read when asked, never at import."""
+    return load_deployment(REPO / "deploy" / "tb5.yaml")
 
 
 @dataclass(frozen=True)
-class Box:
-    """One machine and what its resident set must leave room for (see module doc)."""
+class Limits:
+    """What the server holds beside the weights: a deployment's keys (see module doc)."""
 
-    name: str = "M3 Ultra 512 GB"
-    physical: int = 512 * GiB
-    wired_limit_mb: int = 499712  # sysctl iogpu.wired_limit_mb (raised from the default)
-    runtime_reserve: int = 4 * GiB  # MLX allocator cache, command buffers, collectives
-    # What the server holds: the shipped deployment's keys (deploy/tb5.yaml)
-    context: int = SHIPPED.max_context  # tokens of one request (prompt + completion)
-    batch: int = SHIPPED.max_batch  # requests decoded together
-    prompt_cache_tokens: int | None = SHIPPED.prompt_cache_tokens  # None: 4 x context
-    prefill_chunk: int = SHIPPED.prefill_chunk  # tokens of one prefill chunk
+    context: int  # tokens of one request (prompt + completion): max_context
+    batch: int  # requests decoded together: max_batch
+    prompt_cache_tokens: int | None  # None: the prompt cache's default bound
+    prefill_chunk: int  # tokens of one prefill chunk
+    act_bytes: int  # of activations and caches (the deployment's dtype)
     cache_step: int = kvmemory.CACHE_STEP  # mlx-lm KVCache growth step
-    act_bytes: int = kvmemory.act_bytes(SHIPPED.dtype)  # of activations and caches
 
-    @property
-    def wired(self) -> int:
-        return self.wired_limit_mb * (1 << 20)
+    @classmethod
+    def of(cls, dep: Deployment, **overrides) -> Limits:
+        """The limits ``dep`` serves with; ``overrides`` that are not None on top."""
+        limits = cls(
+            context=dep.max_context,
+            batch=dep.max_batch,
+            prompt_cache_tokens=dep.prompt_cache_tokens,
+            prefill_chunk=dep.prefill_chunk,
+            act_bytes=kvmemory.act_bytes(dep.dtype),
+        )
+        return replace(limits, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def kv_state(tc: dict, box: Box, attention_split: int = 1) -> dict:
+def kv_state(tc: dict, limits: Limits, attention_split: int = 1) -> dict:
     """Bytes of the KV cache and KDA state a server holds on one rank:
-    ``box.batch`` requests at ``box.context`` tokens and the prompt cache
+    ``limits.batch`` requests at ``limits.context`` tokens and the prompt cache
     (``k3dist.format.kvmemory.serving_bytes``; ``mla_latent_cache`` and ``kda_state`` are
     one request's, ``total`` all of it)."""
     return kvmemory.serving_bytes(
         tc,
-        context=box.context,
-        batch=box.batch,
-        prompt_cache_tokens=box.prompt_cache_tokens,
-        act=box.act_bytes,
+        context=limits.context,
+        batch=limits.batch,
+        prompt_cache_tokens=limits.prompt_cache_tokens,
+        act=limits.act_bytes,
         size=attention_split,
-        step=box.cache_step,
+        step=limits.cache_step,
     )
 
 
-def activations(tc: dict, box: Box, attention_split: int = 1) -> dict:
-    """Peak transient bytes of one prefill chunk of ``box.prefill_chunk`` tokens at
-    ``box.context`` on one rank (``k3dist.format.kvmemory.prefill_activation_bytes``, what
+def activations(tc: dict, limits: Limits, attention_split: int = 1) -> dict:
+    """Peak transient bytes of one prefill chunk of ``limits.prefill_chunk`` tokens at
+    ``limits.context`` on one rank (``k3dist.format.kvmemory.prefill_activation_bytes``, what
     the server's preflight checks a deployment with)."""
     return kvmemory.prefill_activation_bytes(
-        tc, context=box.context, chunk=box.prefill_chunk, act=box.act_bytes, size=attention_split
+        tc,
+        context=limits.context,
+        chunk=limits.prefill_chunk,
+        act=limits.act_bytes,
+        size=attention_split,
     )
 
 
@@ -231,7 +244,7 @@ ASSUMPTIONS = [
 
 @dataclass
 class PlanRequest:
-    ranks: int = SHIPPED.size
+    ranks: int = FIELDS["size"].default
     budget_per_rank: int | None = None  # weights + KV + activations; None: the box's
     target_expert_bpw: float | None = None  # instead of a budget
     lo: str = "auto"  # a QFormat name, or "auto"
@@ -245,7 +258,7 @@ class PlanRequest:
     nonexpert_from: dict[str, str] = field(default_factory=dict)  # class -> why its format
     # "split" (deploy/tb5.yaml's and every deployment's default: each rank holds its share
     # of the attention heads, k3dist.model.attention) | "replicated"
-    attention: str = SHIPPED.attention
+    attention: str = FIELDS["attention"].default
     lo_fallback: bool = False
     headroom: int = 8 * GiB  # kept free per rank beyond every modelled need
     k_hi_drop_target: float = 1e-5  # k_hi from uniform routing: P(overflow) below this
@@ -322,10 +335,10 @@ def _per_layer(total: int, layers: int, ranks: int, cap: int) -> list[int]:
     return counts
 
 
-def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None = None) -> dict:
+def make_plan(acc: Accounting, box: Box, limits: Limits, req: PlanRequest) -> dict:
     """The plan: lo format, promoted experts per layer, non-expert formats, bytes per
-    rank against the box. Raises ValueError (with the numbers) when nothing fits."""
-    box, req = box or Box(), req or PlanRequest()
+    rank against the box at the serving ``limits``. Raises ValueError (with the numbers)
+    when nothing fits."""
     tc, N = acc.tc, req.ranks
     E, L = acc.num_experts, len(acc.moe_layers)
     if not L:
@@ -333,9 +346,9 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
     if E % N:
         raise ValueError(f"{E} experts do not split over {N} ranks")
     asplit = N if req.attention == "split" else 1
-    kv = kv_state(tc, box, asplit)
-    act = activations(tc, box, asplit)
-    usable = box.wired - box.runtime_reserve
+    kv = kv_state(tc, limits, asplit)
+    act = activations(tc, limits, asplit)
+    usable = box.usable_bytes
     budget = req.budget_per_rank if req.budget_per_rank is not None else usable
     ne = _nonexpert_bytes(acc, req)
     ne_rank = sum(v["per_rank"] for v in ne.values())
@@ -430,7 +443,12 @@ def make_plan(acc: Accounting, box: Box | None = None, req: PlanRequest | None =
     )
     return {
         "ranks": N,
-        "box": {**asdict(box), "usable_wired": usable, "os_reserve": box.physical - box.wired},
+        "box": {
+            **asdict(box),
+            "usable_wired": usable,
+            "os_reserve": box.memory_bytes - box.wired_bytes,
+        },
+        "limits": asdict(limits),
         "budget_per_rank": budget,
         "attention": req.attention,
         "lo": {"format": chosen["lo"], **QFormat.parse(chosen["lo"]).qconfig()},

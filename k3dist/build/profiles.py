@@ -27,6 +27,7 @@ from k3dist.build import planner
 from k3dist.build.accounting import account
 from k3dist.build.convert import Converter, add_nonexpert_args, convert, parse_nonexpert
 from k3dist.build.grade import GradedBuilder
+from k3dist.config.box import Box
 from k3dist.format import layout
 from k3dist.format.classes import CLASSES
 from k3dist.format.folder import read_index
@@ -136,8 +137,9 @@ def plan_graded(
         )
     index = read_index(src.index_path) if src.index_path.exists() else None
     acc = account(src.config, index, str(src.index_path))
-    limits = {"context": context, "batch": batch, "prompt_cache_tokens": prompt_cache_tokens}
-    box = replace(planner.Box(), **{k: v for k, v in limits.items() if v is not None})
+    limits = planner.Limits.of(
+        planner.shipped(), context=context, batch=batch, prompt_cache_tokens=prompt_cache_tokens
+    )
     req = planner.PlanRequest(
         ranks=ranks,
         budget_per_rank=budget
@@ -150,7 +152,7 @@ def plan_graded(
     )
     if headroom is not None:
         req = replace(req, headroom=headroom)
-    return planner.make_plan(acc, box, req)
+    return planner.make_plan(acc, Box(), limits, req)
 
 
 def convert_profile(
