@@ -96,7 +96,7 @@ def _peak(config: dict, layers: int, side: int, dtype) -> int:
     return peak
 
 
-def activations(real: dict, sides: list[int], headroom_gb: float) -> dict:
+def activations(real: dict, sides: list[int], headroom_gib: float) -> dict:
     """The tower's measured peak while running, fitted and extrapolated (see --help)."""
     from k3dist.config.deployment import Deployment
 
@@ -127,7 +127,7 @@ def activations(real: dict, sides: list[int], headroom_gb: float) -> dict:
     p = ip.patch_size
     cap_default = Deployment().max_image_pixels
     largest = min(cap_default // (p * p), ip.in_patch_limit)
-    budget = headroom_gb * GiB
+    budget = headroom_gib * GiB
     # the largest patch count whose peak fits the headroom (the fit is increasing)
     lo, hi = 1, ip.in_patch_limit
     while lo < hi:
@@ -169,7 +169,7 @@ def main() -> None:
         "--sides", default="8,16,24,32,48,64", help="patch-grid sides measured (N = side^2 patches)"
     )
     ap.add_argument(
-        "--headroom-gb",
+        "--headroom-gib",
         type=float,
         default=None,
         help="budget for the tower's peak (default: memory_headroom_gib)",
@@ -201,7 +201,9 @@ def main() -> None:
         report["tower_activations"] = activations(
             real,
             [int(x) for x in args.sides.split(",")],
-            args.headroom_gb if args.headroom_gb is not None else Deployment().memory_headroom_gib,
+            args.headroom_gib
+            if args.headroom_gib is not None
+            else Deployment().memory_headroom_gib,
         )
     record.emit(report, args.out)
 
