@@ -233,3 +233,19 @@ def test_a_bad_flag_names_the_flag_key_and_range(tmp_path):
     assert f"{tmp_path / 'd.yaml'}: size must be an integer at least 1, not 0" in r.stderr
     r = _run("rank_split", "--all", "--config", str(tmp_path / "none.yaml"))
     assert r.returncode == 2 and "none.yaml does not exist" in r.stderr, r.stderr
+
+
+def test_a_renamed_key_is_read_with_a_notice(tmp_path, capsys):
+    """memory_headroom_gb (GiB all along) is now memory_headroom_gib: the old name still
+    works, in a YAML and as a flag, and says what to rename."""
+    old = tmp_path / "old.yaml"
+    old.write_text("memory_headroom_gb: 7\n")
+    assert load_deployment(old).memory_headroom_gib == 7
+    assert "memory_headroom_gb is deprecated, it is now memory_headroom_gib" in (
+        capsys.readouterr().err
+    )
+    ap = argparse.ArgumentParser()
+    deployment.add_arguments(ap)
+    dep = deployment.from_args(ap, ap.parse_args(["--memory-headroom-gb", "9"]))
+    assert dep.memory_headroom_gib == 9
+    assert "memory_headroom_gb is deprecated" in capsys.readouterr().err
