@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK")
 sys.path.insert(0, str(REPO / "tests"))  # the port helpers the tests use
 
-from k3dist.build.rss import rss as rss_bytes  # noqa: E402,F401  (soak reads it here)
+from k3dist.pipeline.rss import rss as rss_bytes  # noqa: E402,F401  (soak reads it here)
 
 from serving import free_port  # noqa: E402
 from util import free_base_port  # noqa: E402

@@ -140,7 +140,7 @@ def main() -> None:
         choices=sorted(synth.PRESETS),
         help="synthesize + convert into --cache-dir (reused); default bench",
     )
-    src.add_argument("--build", help="an MLX build folder (python -m k3dist.build.convert)")
+    src.add_argument("--build", help="an MLX build folder (python -m k3dist.pipeline.convert)")
     ap.add_argument("--cache-dir", default="runs", help="where --preset builds live")
     d = compare.CompareSettings()
     ap.add_argument("--prompt-len", type=int, default=d.prompt_len)

@@ -13,7 +13,7 @@ also split at ``mx.eval``: inside it MLX computes (over the preset's bytes, para
 and tokens: on the real K3 that is disk, GPU and bandwidth, projected apart); outside
 it Python builds, reads and checks, which is what scales with tensor, expert and layer
 counts. Evaluation that ``.item()`` or ``np.array`` force is counted outside (an upper
-bound on the overhead); the graded stage's re-quantization (``grade.requantize``) is
+bound on the overhead); the graded stage's re-quantization (``promote.requantize``) is
 evaluated inside ``mx.eval`` here, so it counts as compute. The graded stage's SHA-256
 (every rank-folder byte through two digests, ``sfile.StreamWriter``) is measured apart:
 the same bytes hashed twice by hashlib in this process (``sha256_cpu_s``), a term the
@@ -34,28 +34,28 @@ import sys
 import time
 from pathlib import Path
 
-from k3dist.build import calibrate, grade, pipeline, profiles, student, teacher
+from k3dist.pipeline import calibrate, profiles, promote, runner, student, teacher
 
 import mlx.core as mx
 
 
 class EvaluatedRequantize:
-    """``grade.requantize`` with its outputs evaluated by ``mx.eval`` (so inside
+    """``promote.requantize`` with its outputs evaluated by ``mx.eval`` (so inside
     :class:`EvalClock`); the bytes written are the same."""
 
     def __enter__(self):
-        self._orig = grade.requantize
+        self._orig = promote.requantize
 
         def evaluated(*args, **kw):
             out = self._orig(*args, **kw)
             mx.eval(*out)
             return out
 
-        grade.requantize = evaluated
+        promote.requantize = evaluated
         return self
 
     def __exit__(self, *exc):
-        grade.requantize = self._orig
+        promote.requantize = self._orig
 
 
 def hash_cpu_s(folders: list[Path], copies: int = 2) -> tuple[float, int]:
@@ -109,7 +109,7 @@ def main() -> None:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    a, _ = pipeline.parse(["--src", src, "--out", str(work), "--target-bpw", "2.6"])
+    a, _ = runner.parse(["--src", src, "--out", str(work), "--target-bpw", "2.6"])
     tokens = teacher.read_tokens(run / "work" / "tokens.npz")[:1, : args.tokens]
     load0 = os.getloadavg()[0]
     cpu, in_eval, sys_s = {}, {}, {}
@@ -122,7 +122,7 @@ def main() -> None:
         sys_s[name] = resource.getrusage(resource.RUSAGE_SELF).ru_stime - s0
         return out
 
-    base = part("view_build", lambda: pipeline.base_view(a, plan))
+    base = part("view_build", lambda: runner.base_view(a, plan))
     part("teacher_after_view", lambda: teacher.run(base, tokens, work / "teacher", progress=False))
     part(
         "calibrate",
@@ -135,7 +135,7 @@ def main() -> None:
             progress=False,
         ),
     )
-    cal = pipeline.parse(["--src", src, "--out", str(run), "--target-bpw", "2.6"])[0].path(
+    cal = runner.parse(["--src", src, "--out", str(run), "--target-bpw", "2.6"])[0].path(
         "calibrate"
     )
     ranks = str(work / "rank{rank}")

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import k3dist
 from k3dist.bench import builds, decode, record
-from k3dist.build import slicing
 from k3dist.factory import synth
 from k3dist.model.forms import MOE_FORMS
 from k3dist.model.group import join
+from k3dist.pipeline import slicing
 from k3dist.serve import loader
 
 

@@ -5,7 +5,7 @@ whole model in memory for scale; plus the bound for real K3.
     python benchmarks/dwq_memory.py --out results.json
 
 Each run is a child process (Linux VmHWM minus the RSS after imports): the streamed
-teacher on ``--windows`` random windows, then ``k3dist.build.dwq`` for ``--steps`` steps
+teacher on ``--windows`` random windows, then ``k3dist.pipeline.dwq`` for ``--steps`` steps
 a block with ``--chunk`` 0 (plain) and 16. Prints JSON with its command.
 """
 
@@ -16,19 +16,19 @@ import tempfile
 from pathlib import Path
 
 from k3dist.bench import membound, record
-from k3dist.build import convert, grade, stream, teacher
 from k3dist.factory import synth
 from k3dist.format import layout
 from k3dist.format.folder import load_config
 from k3dist.format.qformat import QFormat
+from k3dist.pipeline import convert, promote, stream, teacher
 
 import numpy as np
 
 _CHILD = """
 import json, sys
 import numpy as np
-from k3dist.build.rss import peak_rss, rss
-from k3dist.build import dwq
+from k3dist.pipeline.rss import peak_rss, rss
+from k3dist.pipeline import dwq
 build, student, t, tokens, out, chunk, steps = sys.argv[1:8]
 tokens = np.load(tokens)
 base = rss()
@@ -50,7 +50,7 @@ def real_k3_bound(
     non-expert weights in float32, float32 scales/biases with Adam m and v and a best copy,
     one chunk of expert gradients (benchmarks/expert_grad_memory.py's fit: 8.42 x chunk x
     out x in x 4 B + the returned float32 scales/biases), the block backward's activations
-    (KDA: 5 recurrent states per token and layer, k3dist.build.calibrate), 3 state sets.
+    (KDA: 5 recurrent states per token and layer, k3dist.pipeline.calibrate), 3 state sets.
     ``lo_format``: the lo bank (g128 halves every scale/bias term); ``state_bytes``: bytes
     per element of Adam's m and v and the best copy (2: bf16, 4: float32)."""
     cfg = synth.real_config()
@@ -108,7 +108,7 @@ def main() -> None:
         src = synth.synthesize(tmp / "src", "bench", progress=False)
         build = convert.convert(src, tmp / "build", progress=False)
         tc = layout.text_config(load_config(build))
-        student = grade.grade(
+        student = promote.grade(
             build,
             tmp / "2bit",
             {i: [] for i in layout.moe_layers(tc)},

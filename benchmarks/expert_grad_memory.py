@@ -1,5 +1,5 @@
 """Peak RSS of one backward of a quantized MoE expert bank: plain ``mx.grad`` (a dense
-(E, out, in) gradient) vs ``k3dist.build.expert_grad.bank_grads`` (one chunk of experts
+(E, out, in) gradient) vs ``k3dist.pipeline.expert_grad.bank_grads`` (one chunk of experts
 at a time).
 
     python benchmarks/expert_grad_memory.py [--experts 128 512] [--chunks 16 64] [--out R.json]
@@ -25,13 +25,13 @@ from k3dist.bench import record
 _CHILD = r"""
 import json, sys, time
 
-from k3dist.build.rss import peak_rss, rss
+from k3dist.pipeline.rss import peak_rss, rss
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.kimi_k3 import SiTU
 from mlx_lm.models.switch_layers import SwitchGLU
-from k3dist.build import expert_grad
+from k3dist.pipeline import expert_grad
 from k3dist.format.layout import MLP_PROJS
 base = rss()
 

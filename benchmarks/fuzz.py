@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from k3dist.bench import fuzz  # noqa: E402
-from k3dist.build import convert  # noqa: E402
 from k3dist.factory import synth  # noqa: E402
+from k3dist.pipeline import convert  # noqa: E402
 
 from serving import Server, post_conn, rank_folders, wait_logs  # noqa: E402
 

@@ -10,10 +10,10 @@ Classes are ``k3dist.format.classes.CLASSES``: the router is among them because 
 ``kimi_k3`` ``quant_predicate`` quantizes it (8-bit g64); AttnRes projections it never
 quantizes (they stay in the ``small`` class, source dtype). Combined rows follow: every
 class at 6 and at 4 bits, the planner's ``DEFAULT_NONEXPERT``, and ``measured-T<tol>``:
-what ``python -m k3dist.build.plan --nonexpert-sensitivity`` picks from these rows at the
+what ``python -m k3dist.pipeline.plan --nonexpert-sensitivity`` picks from these rows at the
 KL tolerance, built and measured whole (is KL additive across classes?).
 
-Builds (``python -m k3dist.build.convert --nonexpert CLASS=FORMAT``) are reused under
+Builds (``python -m k3dist.pipeline.convert --nonexpert CLASS=FORMAT``) are reused under
 ``runs/nonexpert/``; the teacher is ``runs/mxfp4`` (built when missing).
 
     python benchmarks/nonexpert.py --windows 8 --out benchmarks/results/nonexpert-DATE.json
@@ -27,12 +27,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3dist.build import convert
-from k3dist.build.planner import DEFAULT_KL_TOLERANCE, DEFAULT_NONEXPERT, measured_nonexpert
 from k3dist.format.classes import CLASSES, module_class
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX, weight_map
 from k3dist.format.layout import ATTENTION_MODES
 from k3dist.format.sfile import read_header
+from k3dist.pipeline import convert
+from k3dist.pipeline.byte_budget import DEFAULT_KL_TOLERANCE, DEFAULT_NONEXPERT, measured_nonexpert
 
 PY = sys.executable
 SRC = Path("data/mini-k3")
@@ -215,7 +215,7 @@ def plan_k3(sens: Path, out: Path, tolerance: float | None) -> dict:
             if tolerance is not None and name == "measured":
                 extra = (*extra, "--kl-tolerance", str(tolerance))
             tmp = RUNS / f"plan-k3-{attention}-{name}.json"
-            cmd = ["k3dist.build.plan", *K3, "--attention", attention, *extra, "--out", str(tmp)]
+            cmd = ["k3dist.pipeline.plan", *K3, "--attention", attention, *extra, "--out", str(tmp)]
             subprocess.run([PY, "-m", *cmd], check=True, capture_output=True)
             p = json.loads(tmp.read_text())
             key = f"{attention}-{name}"

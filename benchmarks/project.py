@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--profile", nargs="+", default=list(cm.PROFILES), choices=cm.PROFILES)
     ap.add_argument(
         "--plan",
-        help="a graded build plan (python -m k3dist.build.plan --json; "
+        help="a graded build plan (python -m k3dist.pipeline.plan --json; "
         "one plan or {'plans': {attention: plan}}): adds profile plan-<attention> "
         "per plan (its promoted fraction, lo format, non-expert classes)",
     )

@@ -3,11 +3,11 @@ mini-K3 against its MXFP4 teacher (``python -m k3dist.bench.evaluate``).
 
 Steps (each reused when its output exists) under ``runs/quality/``:
 
-1. the MXFP4 build of ``data/mini-k3`` (``k3dist.build.convert``) and the uniform
-   lo-bank builds (``k3dist.build.grade --per-layer 0``);
+1. the MXFP4 build of ``data/mini-k3`` (``k3dist.pipeline.convert``) and the uniform
+   lo-bank builds (``k3dist.pipeline.promote --per-layer 0``);
 2. the calibration token set (``k3dist.factory.windows``, the ``calib`` split), the
-   streamed teacher on it (``k3dist.build.teacher``) and the sensitivity scores on the
-   uniform 2-bit build (``k3dist.build.calibrate``: output-error, fisher, taylor,
+   streamed teacher on it (``k3dist.pipeline.teacher``) and the sensitivity scores on the
+   uniform 2-bit build (``k3dist.pipeline.calibrate``: output-error, fisher, taylor,
    frequency, random);
 3. graded builds promoting 5 / 10 / 20 % of each MoE layer's experts by every score,
    ``k_hi`` per layer from the calibration routes (observed maximum), and the
@@ -15,7 +15,7 @@ Steps (each reused when its output exists) under ``runs/quality/``:
    in pairs: two ranks) for the sensitivity scores; ``mixed2`` (``profiles --profile
    mixed2``); and the overflow policy at ``k_hi`` 2 for ``--fallback-for``'s global
    20 % build: routes past ``k_hi`` dropped, or served by a 2-bit fallback copy;
-4. block-aligned DWQ (``k3dist.build.dwq``, issue 13) of the ``--dwq-for`` builds against
+4. block-aligned DWQ (``k3dist.pipeline.dwq``, issue 13) of the ``--dwq-for`` builds against
    the same streamed teacher on the calibration windows: rows ``<build>-dwq``;
 5. ``evaluate`` of every build on the held-out windows.
 
@@ -88,8 +88,8 @@ def main() -> None:
     RUNS.mkdir(parents=True, exist_ok=True)
     mxfp4 = RUNS / "mxfp4"
     if not (mxfp4 / "k3dist.json").exists():
-        run("k3dist.build.convert", "--src", "data/mini-k3", "--out", str(mxfp4))
-    grade = ("k3dist.build.grade", "--build", str(mxfp4))
+        run("k3dist.pipeline.convert", "--src", "data/mini-k3", "--out", str(mxfp4))
+    grade = ("k3dist.pipeline.promote", "--build", str(mxfp4))
     students: list[tuple[Path, str, str]] = []  # (build, name, score)
     for fmt in UNIFORM:
         out = RUNS / fmt
@@ -111,7 +111,7 @@ def main() -> None:
     mixed2 = RUNS / "mixed2"
     if not (mixed2 / "k3dist.json").exists():
         run(
-            "k3dist.build.profiles",
+            "k3dist.pipeline.profiles",
             "--src",
             "data/mini-k3",
             "--out",
@@ -137,7 +137,7 @@ def main() -> None:
         )
     teacher = RUNS / f"teacher-{calib_tokens.stem}"
     run(
-        "k3dist.build.teacher",
+        "k3dist.pipeline.teacher",
         "--build",
         str(mxfp4),
         "--tokens",
@@ -148,7 +148,7 @@ def main() -> None:
     calib = RUNS / f"calib-2bit-g32-{calib_tokens.stem}"
     if not (calib / "calibrate.json").exists():
         run(
-            "k3dist.build.calibrate",
+            "k3dist.pipeline.calibrate",
             "--student",
             str(RUNS / "2bit-g32"),
             "--teacher-build",
@@ -227,7 +227,7 @@ def main() -> None:
         )
     if a.dwq_for:
         run(
-            "k3dist.build.teacher",
+            "k3dist.pipeline.teacher",
             "--build",
             str(mxfp4),
             "--tokens",
@@ -249,7 +249,7 @@ def main() -> None:
         out = RUNS / f"{want}-dwq-{mode}-{a.dwq_steps}-{dwq_tokens.stem}"
         if not (out / "k3dist.json").exists():
             run(
-                "k3dist.build.dwq",
+                "k3dist.pipeline.dwq",
                 "--teacher-build",
                 str(mxfp4),
                 "--teacher",

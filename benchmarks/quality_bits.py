@@ -6,17 +6,17 @@ perplexity, expert bpw and bytes, measured ``k_hi`` drop rate).
 
 Steps under ``--runs`` (default ``runs/quality-bits``; each reused when its output exists):
 
-1. the MXFP4 build of ``--src`` (``k3dist.build.convert``) and the uniform builds
+1. the MXFP4 build of ``--src`` (``k3dist.pipeline.convert``) and the uniform builds
    ``2bit-g128`` (2.25 bpw), ``2bit-g64`` (2.5), ``2bit-g32`` (3.0), ``3bit-g64`` (3.5)
-   (``k3dist.build.grade --per-layer 0``);
+   (``k3dist.pipeline.promote --per-layer 0``);
 2. the calibration token set (``calib`` split), the streamed teacher on it and the
-   sensitivity scores on the uniform 2-bit g64 build (``k3dist.build.calibrate``);
+   sensitivity scores on the uniform 2-bit g64 build (``k3dist.pipeline.calibrate``);
 3. graded builds at a target expert bpw with a given lo bank (``--graded``, e.g.
    ``2.6:2bit-g64``): the promoted count is what the target buys over the lo format
    (``(target - lo) / (4.25 - lo)`` of the experts), chosen over all layers at once by
    the score (``--global``, per layer a multiple of 2: two ranks), ``k_hi`` per layer the
    calibration routes' observed maximum;
-4. block-aligned DWQ (``k3dist.build.dwq``) of the ``--dwq-for`` rows against the teacher
+4. block-aligned DWQ (``k3dist.pipeline.dwq``) of the ``--dwq-for`` rows against the teacher
    on ``--dwq-calib-windows`` calibration windows: rows ``<row>-dwq``;
 5. ``evaluate`` of every row on the same held-out windows: the rows of steps 1-3 in a
    second process while DWQ trains (two cores), the DWQ rows after it; one report.
@@ -145,7 +145,7 @@ def main() -> None:
     t = time.perf_counter()
     mxfp4 = runs / "mxfp4"
     if not (mxfp4 / "k3dist.json").exists():
-        run("k3dist.build.convert", "--src", a.src, "--out", str(mxfp4))
+        run("k3dist.pipeline.convert", "--src", a.src, "--out", str(mxfp4))
     config = load_config(mxfp4)
     tc = layout.text_config(config)
     E = tc["num_experts"]
@@ -153,7 +153,7 @@ def main() -> None:
     zeros = runs / "zeros.npz"  # uniform builds promote nothing: any scores will do
     if not zeros.exists():
         np.savez(zeros, **{f"layer_{i}": np.zeros(E, np.float32) for i in moe})
-    grade = ("k3dist.build.grade", "--build", str(mxfp4))
+    grade = ("k3dist.pipeline.promote", "--build", str(mxfp4))
     rows: list[tuple[Path, str, str]] = []  # (build, name, score)
     for fmt in filter(None, a.uniform.split(",")):
         out = runs / fmt
@@ -192,7 +192,7 @@ def main() -> None:
         )
     teacher = runs / f"teacher-{calib_tokens.stem}"
     run(
-        "k3dist.build.teacher",
+        "k3dist.pipeline.teacher",
         "--build",
         str(mxfp4),
         "--tokens",
@@ -203,7 +203,7 @@ def main() -> None:
     calib = runs / f"calib-{a.calib_student}-{calib_tokens.stem}"
     if not (calib / "calibrate.json").exists():
         run(
-            "k3dist.build.calibrate",
+            "k3dist.pipeline.calibrate",
             "--student",
             str(runs / a.calib_student),
             "--teacher-build",
@@ -280,7 +280,7 @@ def main() -> None:
                 str(mxfp4),
             )
         run(
-            "k3dist.build.teacher",
+            "k3dist.pipeline.teacher",
             "--build",
             str(mxfp4),
             "--tokens",
@@ -302,7 +302,7 @@ def main() -> None:
             out = runs / f"{path.name}-dwq-{a.dwq_steps}-{dwq_tokens.stem}{tag}"
             if not (out / "k3dist.json").exists():
                 run(
-                    "k3dist.build.dwq",
+                    "k3dist.pipeline.dwq",
                     "--teacher-build",
                     str(mxfp4),
                     "--teacher",

@@ -9,7 +9,7 @@ the real K3 (1.56 TB).
     python benchmarks/rehearsal.py --from-pipeline OUT/summary.json --out FILE
 
 ``--from-pipeline`` runs nothing: it reads the one-command pipeline's ``summary.json``
-(``python -m k3dist.build.pipeline`` on the preset: per stage wall and CPU seconds, peak
+(``python -m k3dist.pipeline.runner`` on the preset: per stage wall and CPU seconds, peak
 RSS, bytes through read/write and to disk) and projects each stage to the real K3 from
 the pipeline's own disk plan of the real index (what each stage writes; it reads what
 its inputs wrote).
@@ -82,13 +82,13 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
         ),
         Stage(
             "audit",
-            ["-m", "k3dist.build.checkpoint", "audit", src, "--json"],
+            ["-m", "k3dist.pipeline.checkpoint", "audit", src, "--json"],
             [],
             "tensors (headers of 96 shards)",
         ),
         Stage(
             "convert-mxfp4",
-            ["-m", "k3dist.build.convert", "--src", src, "--out", mx4],
+            ["-m", "k3dist.pipeline.convert", "--src", src, "--out", mx4],
             [mx4],
             "bytes (copied expert by expert) + tensors",
         ),
@@ -96,7 +96,7 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
             "convert-2bit",
             [
                 "-m",
-                "k3dist.build.profiles",
+                "k3dist.pipeline.profiles",
                 "--src",
                 src,
                 "--out",
@@ -132,7 +132,7 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
             "teacher",
             [
                 "-m",
-                "k3dist.build.teacher",
+                "k3dist.pipeline.teacher",
                 "--build",
                 mx4,
                 "--tokens",
@@ -149,7 +149,7 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
             "calibrate",
             [
                 "-m",
-                "k3dist.build.calibrate",
+                "k3dist.pipeline.calibrate",
                 "--student",
                 two,
                 "--teacher-build",
@@ -168,7 +168,7 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
             "plan",
             [
                 "-m",
-                "k3dist.build.plan",
+                "k3dist.pipeline.plan",
                 "--src",
                 src,
                 "--target-bpw",
@@ -185,7 +185,7 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
             "grade",
             [
                 "-m",
-                "k3dist.build.profiles",
+                "k3dist.pipeline.profiles",
                 "--src",
                 src,
                 "--out",
@@ -208,7 +208,7 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
             "dwq",
             [
                 "-m",
-                "k3dist.build.dwq",
+                "k3dist.pipeline.dwq",
                 "--teacher-build",
                 mx4,
                 "--teacher",
@@ -363,7 +363,7 @@ def project(stage: dict, r: dict) -> dict | None:
 # ------------------------------------------------------- the one-command pipeline's stages
 # stage -> (what the count overhead scales with, the real stages' outputs it reads,
 # whether what it writes goes through StreamWriter's two SHA-256 digests, FLOPs factor)
-# The pipeline's stages on the real K3 (k3dist.build.pipeline): what each scales with,
+# The pipeline's stages on the real K3 (k3dist.pipeline.runner): what each scales with,
 # and the bytes (names in real_pipeline_writes, summed) it reads, writes and hashes. The
 # source is read through view.SourceView, never written as a base build. Graded writes
 # each graded file as scratch, reads it back into the rank folders and deletes it: the
@@ -433,15 +433,15 @@ def constants(bytes_source: str) -> dict:
 
 def real_pipeline_writes() -> dict[str, int]:
     """Bytes each pipeline stage writes on the real K3: the pipeline's own disk plan
-    (``python -m k3dist.build.pipeline`` + REAL_PIPELINE_ARGS: the real config and
+    (``python -m k3dist.pipeline.runner`` + REAL_PIPELINE_ARGS: the real config and
     index shipped in k3dist/data, the real plan's expert bpw, 4,096 calibration tokens)."""
-    from k3dist.build import pipeline
+    from k3dist.pipeline import runner
 
-    a, _ = pipeline.parse(REAL_PIPELINE_ARGS)
-    config, index, source_bytes = pipeline.read_config_index(a)
-    acc = pipeline.account(a, config, index)
-    plan = pipeline.make_plan(a, acc)
-    d = pipeline.disk_plan(a, acc, plan, source_bytes)
+    a, _ = runner.parse(REAL_PIPELINE_ARGS)
+    config, index, source_bytes = runner.read_config_index(a)
+    acc = runner.account(a, config, index)
+    plan = runner.make_plan(a, acc)
+    d = runner.disk_plan(a, acc, plan, source_bytes)
     return {
         "source": source_bytes,
         "rank_folders": d["rank_folders_total"],
@@ -548,8 +548,8 @@ def from_pipeline(summary_path: Path, out: str, count_overhead: Path | None = No
         "real_k3_pipeline_args": REAL_PIPELINE_ARGS,
         "constants": constants(
             "bytes each stage writes on the real K3: the pipeline's own disk plan "
-            "(python -m k3dist.build.pipeline " + " ".join(REAL_PIPELINE_ARGS) + "); "
-            "a stage reads what its inputs wrote (k3dist.build.pipeline.reads, plus the "
+            "(python -m k3dist.pipeline.runner " + " ".join(REAL_PIPELINE_ARGS) + "); "
+            "a stage reads what its inputs wrote (k3dist.pipeline.runner.reads, plus the "
             "base the DWQ teacher runs on)"
         ),
         "stages": rows,
@@ -692,7 +692,7 @@ def main() -> None:
         type=Path,
         metavar="SUMMARY",
         help="no stage runs: the table from the one-command pipeline's OUT/summary.json "
-        "(python -m k3dist.build.pipeline on the preset), projected; written to --out",
+        "(python -m k3dist.pipeline.runner on the preset), projected; written to --out",
     )
     ap.add_argument(
         "--count-overhead",

@@ -33,7 +33,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from k3dist.build.rss import peak_rss
+from k3dist.pipeline.rss import peak_rss
 
 from _served import cpu_seconds, free_base_port, free_port  # benchmarks/, beside this script
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import k3dist
 from k3dist.bench import baselines, record, routing
-from k3dist.build.default import ensure_default_build
 from k3dist.factory import windows as win
 from k3dist.format import placement
+from k3dist.pipeline.default import ensure_default_build
 
 import numpy as np
 

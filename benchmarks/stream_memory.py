@@ -4,10 +4,10 @@ memory, on the ``bench`` preset (routed experts ~85% of ~500 MB, as in the real 
     python benchmarks/stream_memory.py --windows 16 --seq 256 --out results.json
 
 Each measurement is a child process (Linux VmHWM minus the RSS after imports): the
-streamed teacher (``k3dist.build.teacher``), calibration (``k3dist.build.calibrate``,
+streamed teacher (``k3dist.pipeline.teacher``), calibration (``k3dist.pipeline.calibrate``,
 forward + streamed backward) and, for comparison, mlx-lm's whole model loaded and run
 on the same windows. The bound each streamed run promises: a fixed overhead + the token
-set's states (``k3dist.build.stream.state_bytes``; x2 for calibration: cotangents) + the
+set's states (``k3dist.pipeline.stream.state_bytes``; x2 for calibration: cotangents) + the
 largest layer's weights as held (float32) and as read (x2 for calibration: student and
 teacher layer) +
 one batch's logits and KDA-layer prefill (one recurrent state per token), and for
@@ -22,19 +22,19 @@ import tempfile
 from pathlib import Path
 
 from k3dist.bench import membound, record
-from k3dist.build import convert, grade, stream
 from k3dist.factory import synth
 from k3dist.format import layout
 from k3dist.format.folder import load_config
 from k3dist.format.sfile import DTYPE_BYTES
+from k3dist.pipeline import convert, promote, stream
 
 import numpy as np
 
 _CHILD = """
 import json, sys
 import numpy as np
-from k3dist.build.rss import peak_rss, rss
-from k3dist.build import calibrate, stream, teacher
+from k3dist.pipeline.rss import peak_rss, rss
+from k3dist.pipeline import calibrate, stream, teacher
 import mlx.core as mx
 from mlx_lm.utils import load_model
 from pathlib import Path
@@ -89,7 +89,7 @@ def kda_forward(tc: dict, tokens: int) -> int:
 
 def kda_backward(tc: dict, tokens: int) -> int:
     """One KDA layer's backward for ``tokens``: 5 recurrent states per token (heads x
-    head_dim^2 x 4 B; 4.4 measured on ``bench``, k3dist.build.calibrate)."""
+    head_dim^2 x 4 B; 4.4 measured on ``bench``, k3dist.pipeline.calibrate)."""
     la = tc["linear_attn_config"]
     return 5 * tokens * la["num_heads"] * la["head_dim"] ** 2 * 4
 
@@ -109,7 +109,7 @@ def main() -> None:
         config = load_config(build)
         tc = layout.text_config(config)
         moe = layout.moe_layers(tc)
-        student = grade.grade(
+        student = promote.grade(
             build, tmp / "2bit", {i: [] for i in moe}, 1, "2bit-g64", progress=False
         )
         rng = np.random.default_rng(0)

@@ -26,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import k3dist
-from k3dist.build import convert, slicing
 from k3dist.factory import synth
 from k3dist.format import verify
 from k3dist.format.sfile import read_header
+from k3dist.pipeline import convert, slicing
 
 import mlx.core as mx
 

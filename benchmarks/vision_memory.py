@@ -2,7 +2,7 @@
 
 For the trained mini-K3 (data/mini-k3) and the real K3 (its config and tensor index
 in k3dist/data): bytes per rank of a 2-rank source-format slicing (BF16 non-expert,
-MXFP4 experts split evenly) with the tower on rank 0 only (k3dist.build.slicing.
+MXFP4 experts split evenly) with the tower on rank 0 only (k3dist.pipeline.slicing.
 vision_ranks), the tower's BF16 bytes from the layout cross-checked against mlx-vlm's
 own module (its parameter shapes), and the real graded plan's per-rank total with the
 tower added.

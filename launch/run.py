@@ -4,12 +4,12 @@
     .venv/bin/python launch/run.py --hostfile hostfiles/tb5.json -- launch/serve.py \\
         --config deploy/tb5.yaml
 
-Options and exit codes: k3dist.serve.run (``launch/run.py --help``).
+Options and exit codes: k3dist.serve.launch (``launch/run.py --help``).
 """
 
 import sys
 
-from k3dist.serve import run
+from k3dist.serve import launch
 
 if __name__ == "__main__":
-    sys.exit(run.main())
+    sys.exit(launch.main())

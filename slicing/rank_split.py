@@ -4,10 +4,10 @@ routed experts the rank owns, and a manifest naming rank, size, placement and bu
     python slicing/rank_split.py --rank 1              # deploy/local.yaml, mini build
     python slicing/rank_split.py --all --size 2 --build BUILD --out 'runs/ranks/rank{rank}'
 
---build takes an MLX build (k3dist.build.convert, or an mlx-community K3 build) or a
+--build takes an MLX build (k3dist.pipeline.convert, or an mlx-community K3 build) or a
 Moonshot-format checkpoint. Flags override the deployment YAML (--config, by default
 deploy/local.yaml when it exists); k3dist.config.deployment.Deployment holds the defaults.
-With the default build missing, it is made first (k3dist.build.default).
+With the default build missing, it is made first (k3dist.pipeline.default).
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from k3dist.build import default, slicing
 from k3dist.config import deployment
 from k3dist.format import manifest
 from k3dist.format.placement import PlacementError
 from k3dist.format.sfile import CheckpointError
+from k3dist.pipeline import default, slicing
 
 # what slicing takes of the deployment (rank_dir's flag is --out)
 KEYS = (*deployment.keys("build"), "rank_dir", "attention")

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from k3dist.build import convert
 from k3dist.factory import synth
+from k3dist.pipeline import convert
 
 # conftest imports k3dist before any test module imports mlx (OpenBLAS preload).
 import pytest

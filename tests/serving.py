@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from k3dist.build import slicing
+from k3dist.pipeline import slicing
 
 import mlx.core as mx
 import openai

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 from k3dist.bench.greedy import greedy
-from k3dist.build import grade, slicing
 from k3dist.format import layout
 from k3dist.format.graded import GradedMap, balance_hi
 from k3dist.format.placement import contiguous
 from k3dist.format.sfile import CheckpointError, read_bytes, read_header
 from k3dist.model import two_bank
 from k3dist.model.experts import ExpertParallelMoE
+from k3dist.pipeline import promote, slicing
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -201,7 +201,7 @@ def graded(mini_build, tmp_path_factory):
     tc = layout.text_config(cfg)
     moe = [i for i in range(tc["num_hidden_layers"]) if layout.is_moe_layer(tc, i)]
     promoted = {i: PROMOTED for i in moe}
-    return grade.grade(
+    return promote.grade(
         mini_build, tmp_path_factory.mktemp("g") / "graded", promoted, 1, "2bit-g32", progress=False
     )
 
@@ -301,7 +301,7 @@ def _uneven_promotion(mini_build):
     rng = np.random.default_rng(1)
     scores = {i: rng.random(E) * (100 if i == moe[0] else 1) for i in moe}
     scores[moe[1]] = np.zeros(E) - 1.0  # never chosen before the others run out
-    promoted = grade.promote_global(scores, E + 4, 2)
+    promoted = promote.promote_global(scores, E + 4, 2)
     k_hi = {i: (k if i == moe[0] else 1) for i in moe}
     return moe, E, promoted, k_hi
 
@@ -311,7 +311,7 @@ def uneven(mini_build, tmp_path_factory):
     """The graded build of ``_uneven_promotion`` and its single-process greedy run."""
     _, _, promoted, k_hi = _uneven_promotion(mini_build)
     out = tmp_path_factory.mktemp("uneven")
-    build = grade.grade(mini_build, out / "g", promoted, k_hi, "2bit-g32", progress=False)
+    build = promote.grade(mini_build, out / "g", promoted, k_hi, "2bit-g32", progress=False)
     model, config = two_bank.load_build(build)
     vocab = config["text_config"]["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab - 256, size=40).tolist()
@@ -390,7 +390,7 @@ def test_grade_cli_promotes_top_scores(mini_build, tmp_path):
         [
             sys.executable,
             "-m",
-            "k3dist.build.grade",
+            "k3dist.pipeline.promote",
             "--build",
             str(mini_build),
             "--out",
@@ -441,7 +441,7 @@ def test_plan_then_grade(mini_build, tmp_path):
         [
             sys.executable,
             "-m",
-            "k3dist.build.plan",
+            "k3dist.pipeline.plan",
             "--config",
             str(mini_build / "config.json"),
             "--budget",
@@ -469,7 +469,7 @@ def test_plan_then_grade(mini_build, tmp_path):
         [
             sys.executable,
             "-m",
-            "k3dist.build.grade",
+            "k3dist.pipeline.promote",
             "--build",
             str(mini_build),
             "--out",
@@ -513,14 +513,14 @@ def test_global_promotion_takes_the_best_groups_over_layers():
     rng = np.random.default_rng(3)
     scores = {i: rng.random(16) * w for i, w in ((1, 1.0), (2, 5.0), (3, 0.2))}
     # groups of one: exactly the top 10 values over all layers
-    got = grade.promote_global(scores, 10, 1)
+    got = promote.promote_global(scores, 10, 1)
     flat = sorted(((v, i, e) for i, s in scores.items() for e, v in enumerate(s)), reverse=True)
     want: dict[int, list[int]] = {i: [] for i in scores}
     for _, i, e in flat[:10]:
         want[i].append(e)
     assert got == {i: sorted(v) for i, v in want.items()}
     # groups of two: each layer's best pairs, counts even, a lo expert always left
-    got = grade.promote_global(scores, 40, 2)
+    got = promote.promote_global(scores, 40, 2)
     assert all(len(v) % 2 == 0 and len(v) <= 14 for v in got.values())
     assert sum(map(len, got.values())) == 40
     for i, ids in got.items():

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 from k3dist.bench import greedy
-from k3dist.build import convert, slicing
 from k3dist.config.deployment import load_deployment
 from k3dist.factory.corpus import DATA_DIR
+from k3dist.pipeline import convert, slicing
 from k3dist.serve import loader, warmup
 
 import mlx.core as mx

@@ -10,9 +10,9 @@ import shlex
 
 import k3dist
 from k3dist.bench import compare, record, routing
-from k3dist.build import convert
 from k3dist.factory import synth
 from k3dist.format import layout
+from k3dist.pipeline import convert
 
 import mlx.core as mx
 import mlx_lm

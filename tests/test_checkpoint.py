@@ -14,14 +14,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from k3dist.build import audit as audit_mod
-from k3dist.build.audit import NO_SHARDS, audit, to_json
-from k3dist.build.checkpoint import format_table, main
 from k3dist.factory import synth
 from k3dist.format import layout
 from k3dist.format.folder import INDEX_NAME, REAL_K3_CONFIG, REAL_K3_INDEX
 from k3dist.format.sfile import CheckpointError, read_header
 from k3dist.format.source import check_a_log_tail
+from k3dist.pipeline import audit as audit_mod
+from k3dist.pipeline.audit import NO_SHARDS, audit, to_json
+from k3dist.pipeline.checkpoint import format_table, main
 
 import numpy as np
 import pytest
@@ -116,7 +116,7 @@ def test_real_index_names_counts_and_bytes():
         [
             sys.executable,
             "-m",
-            "k3dist.build.checkpoint",
+            "k3dist.pipeline.checkpoint",
             "audit",
             "--json",
             "--config",

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 
 from k3dist.bench.greedy import greedy
-from k3dist.build import convert as convert_mod
 from k3dist.format import layout, mxfp4
 from k3dist.format.layout import EXPERT_PROJ
 from k3dist.format.manifest import JOURNAL
 from k3dist.format.sfile import CheckpointError, read_bytes, read_header, read_numpy
 from k3dist.format.source import Source
+from k3dist.pipeline import convert as convert_mod
 
 import mlx.core as mx
 import numpy as np
@@ -269,7 +269,15 @@ def test_refuses_out_folder_with_different_build(mini_src, mini_build, tmp_path)
 def test_cli(mini_src, tmp_path):
     out = tmp_path / "cli"
     r = subprocess.run(
-        [sys.executable, "-m", "k3dist.build.convert", "--src", str(mini_src), "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "k3dist.pipeline.convert",
+            "--src",
+            str(mini_src),
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -280,7 +288,7 @@ def test_cli(mini_src, tmp_path):
         [
             sys.executable,
             "-m",
-            "k3dist.build.convert",
+            "k3dist.pipeline.convert",
             "--src",
             str(out / "nope"),
             "--out",

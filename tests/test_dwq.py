@@ -1,4 +1,4 @@
-"""Block-aligned DWQ (k3dist.build.dwq) on the synthetic mini: every block's held-out
+"""Block-aligned DWQ (k3dist.pipeline.dwq) on the synthetic mini: every block's held-out
 loss goes down, frozen tensors keep their bytes, the output is a build that loads, and an
 interrupted run resumes by block to the same bytes."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 
-from k3dist.build import dwq, grade, teacher
 from k3dist.format import layout
 from k3dist.format.graded import HI, LO
 from k3dist.format.sfile import read_bytes, read_header
 from k3dist.model import two_bank
+from k3dist.pipeline import dwq, promote, teacher
 
 import mlx.core as mx
 import numpy as np
@@ -26,7 +26,7 @@ def setup(mini_build, tmp_path_factory):
     tc = layout.text_config(cfg)
     moe = layout.moe_layers(tc)
     d = tmp_path_factory.mktemp("dwq")
-    student = grade.grade(
+    student = promote.grade(
         mini_build, d / "graded", {i: [2, 5] for i in moe}, 2, "2bit-g32", progress=False
     )
     tokens = np.random.default_rng(0).integers(0, tc["vocab_size"], size=(N, L)).astype(np.int32)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 from k3dist.bench.greedy import greedy
-from k3dist.build import convert, slicing
 from k3dist.format import layout, placement
+from k3dist.pipeline import convert, slicing
 
 import numpy as np
 import pytest

@@ -7,9 +7,9 @@ import json
 import math
 
 from k3dist.bench import evaluate
-from k3dist.build import grade
 from k3dist.format import layout
 from k3dist.format.qformat import MXFP4, QFormat
+from k3dist.pipeline import promote
 
 import pytest
 
@@ -22,8 +22,10 @@ def students(mini_build, tmp_path_factory):
     tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
     moe = layout.moe_layers(tc)
     d = tmp_path_factory.mktemp("eval")
-    uniform = grade.grade(mini_build, d / "u", {i: [] for i in moe}, 1, "2bit-g32", progress=False)
-    graded = grade.grade(
+    uniform = promote.grade(
+        mini_build, d / "u", {i: [] for i in moe}, 1, "2bit-g32", progress=False
+    )
+    graded = promote.grade(
         mini_build, d / "g", {i: [1, 4, 9, 14] for i in moe}, 1, "2bit-g32", progress=False
     )
     return uniform, graded

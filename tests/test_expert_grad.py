@@ -3,7 +3,7 @@ dense dequantized reference, exactly up to float32 summation order."""
 
 from __future__ import annotations
 
-from k3dist.build.expert_grad import bank_grads, plain_grads, trained_keys
+from k3dist.pipeline.expert_grad import bank_grads, plain_grads, trained_keys
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -163,7 +163,7 @@ def test_unquantized_and_bad_inputs_are_refused():
 def test_unrouted_chunks_compute_nothing(monkeypatch):
     """Only experts with a nonzero-weight route get a backward (zero-weight routes belong
     to another bank); the rest are zeros without a graph."""
-    import k3dist.build.expert_grad as eg
+    import k3dist.pipeline.expert_grad as eg
 
     calls = []
     real = eg._chunk_grad

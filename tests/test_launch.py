@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from k3dist.build import slicing
+from k3dist.pipeline import slicing
 from k3dist.serve import supervise
 
 import pytest

@@ -1,5 +1,5 @@
-"""The package's layers: serving imports the format and model layers only, build nothing
-from serve, no import cycles."""
+"""The package's layers: serving imports the format, config and model layers only, the
+build pipeline nothing from serve, no import cycles."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import k3dist
-from k3dist.build import convert, slicing
 from k3dist.format import manifest
+from k3dist.pipeline import convert, slicing
 
 from util import REPO
 
@@ -23,16 +23,16 @@ MAY_IMPORT = {
     # the deployment schema and the box: above the model (its MoE forms), below
     # everything that reads a deployment
     "config": {"format", "model"},
-    # build runs the model (a block of a graded build: the streamed teacher,
-    # calibration), never serving; serving never imports build (SERVING below)
-    "build": {"format", "config", "model"},
+    # the build pipeline runs the model (a block of a graded build: the streamed
+    # teacher, calibration), never serving; serving never imports it (SERVING below)
+    "pipeline": {"format", "config", "model"},
     "serve": {"format", "config", "model"},
-    "factory": {"format", "config", "model", "build"},
-    "bench": {"format", "config", "model", "build", "serve", "factory"},
+    "factory": {"format", "config", "model", "pipeline"},
+    "bench": {"format", "config", "model", "pipeline", "serve", "factory"},
 }
 # imports up the layers allowed, each inside a function: rank start-up makes the
 # embedded default on first use (the serving start-up test below: never at import)
-LAZY = {("k3dist.serve.rank", "k3dist.build.default")}
+LAZY = {("k3dist.serve.rank", "k3dist.pipeline.default")}
 # the bottom layer reads no configuration: these stay out of it
 FORMAT_MAY_NOT_IMPORT = ("pydantic", "yaml", "annotated_types")
 # launch/serve.py with its rank folder in place, in a fresh interpreter: exactly these
@@ -132,11 +132,11 @@ def test_the_format_layer_reads_no_configuration():
     assert not wrong, wrong
 
 
-def test_build_imports_nothing_from_serve():
+def test_the_pipeline_imports_nothing_from_serve():
     wrong = sorted(
         f"{m} imports {d}"
         for m, deps in _imports().items()
-        if m.startswith("k3dist.build")
+        if m.startswith("k3dist.pipeline")
         for d in deps
         if d.startswith("k3dist.serve")
     )

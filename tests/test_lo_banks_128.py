@@ -10,11 +10,11 @@ import json
 
 from k3dist.bench.evaluate import expert_bytes
 from k3dist.bench.greedy import greedy
-from k3dist.build import convert, grade, slicing
 from k3dist.factory import quality, synth
 from k3dist.format import layout
 from k3dist.format.qformat import QFormat
 from k3dist.model import two_bank
+from k3dist.pipeline import convert, promote, slicing
 
 import mlx.core as mx
 import numpy as np
@@ -40,7 +40,7 @@ def moe(build128):
 @pytest.mark.parametrize("lo", ["2bit-g128", "2bit-g64", "3bit-g64"])
 def test_lo_bank_values_and_bytes(build128, moe, lo, tmp_path):
     q = QFormat.parse(lo)
-    uniform = grade.grade(build128, tmp_path / "u", {i: [] for i in moe}, 1, lo, progress=False)
+    uniform = promote.grade(build128, tmp_path / "u", {i: [] for i in moe}, 1, lo, progress=False)
     eb = expert_bytes(uniform)
     assert eb.bpw == pytest.approx(q.bpw) and q.bpw == q.bits + 32 / q.group_size
     assert eb.bytes == eb.params * q.bpw / 8  # the planner's byte arithmetic
@@ -66,7 +66,7 @@ def test_lo_bank_values_and_bytes(build128, moe, lo, tmp_path):
 
 
 def test_two_rank_graded_g128_equals_single_process(build128, moe, tmp_path):
-    graded = grade.grade(
+    graded = promote.grade(
         build128, tmp_path / "g", {i: PROMOTED for i in moe}, 1, "2bit-g128", progress=False
     )
     model, config = two_bank.load_build(graded)
@@ -110,11 +110,11 @@ def test_shipped_sparse_mini_k3():
     """data/mini-k3-sparse (issue 27): Moonshot's format, 128-wide experts and latent
     (2-bit g64/g128 exist), 128 experts top-8, 2 shared, trained and MXFP4-frozen, and
     held-out perplexity below the unigram floor in every domain (first 4 windows)."""
-    from k3dist.build.audit import audit
-    from k3dist.build.checkpoint import format_table
     from k3dist.factory import train
     from k3dist.factory.corpus import DATA_DIR
     from k3dist.format.folder import load_config
+    from k3dist.pipeline.audit import audit
+    from k3dist.pipeline.checkpoint import format_table
 
     shipped = DATA_DIR / "mini-k3-sparse"
     report = audit(shipped)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import shutil
 
-from k3dist.build import convert, slicing
 from k3dist.format import layout, placement
 from k3dist.format.sfile import CheckpointError
+from k3dist.pipeline import convert, slicing
 from k3dist.serve import loader
 
 import pytest

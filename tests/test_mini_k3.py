@@ -7,15 +7,15 @@ from __future__ import annotations
 import json
 
 from k3dist.bench import greedy
-from k3dist.build import convert, default, slicing
-from k3dist.build.audit import audit
-from k3dist.build.checkpoint import format_table
 from k3dist.factory import quality, train
 from k3dist.factory.corpus import DATA_DIR, TOKENIZER_DIR
 from k3dist.format import layout, placement
 from k3dist.format import tokens as tokenizer
 from k3dist.format.folder import load_config
 from k3dist.format.source import Source
+from k3dist.pipeline import convert, default, slicing
+from k3dist.pipeline.audit import audit
+from k3dist.pipeline.checkpoint import format_table
 
 import mlx.core as mx
 import numpy as np

@@ -1,4 +1,4 @@
-"""The one-command pipeline (k3dist.build.pipeline): the README's block run as written on
+"""The one-command pipeline (k3dist.pipeline.runner): the README's block run as written on
 data/mini-k3 and its rank folders served on 2 ranks; the real K3's disk plan; calibration
 text through the source's own tokenizer; a published mlx-lm build audited, sliced and
 served equal to single-process mlx-lm; a non-loopback server without a key refused."""
@@ -16,10 +16,10 @@ import textwrap
 from pathlib import Path
 
 from k3dist.bench.greedy import greedy
-from k3dist.build import calibtext, mlxbuild, pipeline, slicing
 from k3dist.format import tokens
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX
 from k3dist.format.sfile import CheckpointError
+from k3dist.pipeline import calibtext, mlxbuild, runner, slicing
 from k3dist.serve import auth
 
 import mlx.core as mx
@@ -37,7 +37,7 @@ MINI = REPO / "data" / "mini-k3"
 def readme_pipeline_block() -> str:
     text = (REPO / "README.md").read_text()
     blocks = [textwrap.dedent(b) for b in re.findall(r"```sh\n(.*?)```", text, re.S)]
-    found = [b for b in blocks if "k3dist.build.pipeline --src data/mini-k3" in b]
+    found = [b for b in blocks if "k3dist.pipeline.runner --src data/mini-k3" in b]
     assert len(found) == 1, "README: one ```sh block runs the pipeline on data/mini-k3"
     return found[0]
 
@@ -61,7 +61,7 @@ def readme_run(tmp_path_factory):
 def test_readme_block_makes_rank_folders_and_a_summary(readme_run):
     tmp, out, _, _, r = readme_run
     print("\n" + r.stdout[-1500:])
-    summary = json.loads((out / pipeline.SUMMARY).read_text())
+    summary = json.loads((out / runner.SUMMARY).read_text())
     stages = [s["stage"] for s in summary["stages"]]
     # no base build and no student build: both are read from the source in memory; the
     # graded build goes straight into the rank folders
@@ -94,33 +94,33 @@ def test_readme_block_again_skips_every_stage(readme_run):
 
 def test_adding_dwq_later_remakes_the_deleted_scratch_it_reads(readme_run):
     _, out, block, _, _ = readme_run
-    argv = shlex.split(block.split("k3dist.build.pipeline", 1)[1])
-    state = json.loads((out / pipeline.STATE).read_text())
-    a, _ = pipeline.parse(argv)
+    argv = shlex.split(block.split("k3dist.pipeline.runner", 1)[1])
+    state = json.loads((out / runner.STATE).read_text())
+    a, _ = runner.parse(argv)
     a.out = str(out)
-    assert pipeline.first_to_run(a, state, pipeline.keys(a)) == len(pipeline.stages(a))
-    a, _ = pipeline.parse([*argv, "--dwq"])
+    assert runner.first_to_run(a, state, runner.keys(a)) == len(runner.stages(a))
+    a, _ = runner.parse([*argv, "--dwq"])
     a.out = str(out)
     # DWQ reads the teacher (deleted once calibration read it) and a graded build (never
     # written without --dwq): everything from the teacher runs again
-    first = pipeline.first_to_run(a, state, pipeline.keys(a))
-    assert pipeline.stages(a)[first] == "teacher"
+    first = runner.first_to_run(a, state, runner.keys(a))
+    assert runner.stages(a)[first] == "teacher"
 
 
 def test_dwq_rewrites_the_rank_folders_in_place(tmp_path):
     """--dwq on the mini: the graded build goes into the rank folders and DWQ rewrites
-    them there (k3dist.build.dwq, ranks=): no whole build is written; the same command
+    them there (k3dist.pipeline.dwq, ranks=): no whole build is written; the same command
     again skips every stage; without --dwq the graded rank folders come back."""
     from k3dist.format import manifest, verify
 
-    argv = shlex.split(readme_pipeline_block().split("k3dist.build.pipeline", 1)[1])
+    argv = shlex.split(readme_pipeline_block().split("k3dist.pipeline.runner", 1)[1])
     i = argv.index("--out")
     argv[i + 1] = str(tmp_path / "out")
-    cmd = [sys.executable, "-m", "k3dist.build.pipeline", *argv, "--dwq", "--dwq-steps", "2"]
+    cmd = [sys.executable, "-m", "k3dist.pipeline.runner", *argv, "--dwq", "--dwq-steps", "2"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = tmp_path / "out"
-    summary = json.loads((out / pipeline.SUMMARY).read_text())
+    summary = json.loads((out / runner.SUMMARY).read_text())
     stages = ["plan", "tokens", "teacher", "calibrate", "graded", "dwq"]  # no slice stage
     assert [s["stage"] for s in summary["stages"]] == stages
     ranks = [out / f"rank{r_}" for r_ in (0, 1)]
@@ -129,12 +129,12 @@ def test_dwq_rewrites_the_rank_folders_in_place(tmp_path):
         m = manifest.verify(rank, "rank")
         verify.verify_folder(rank, m, "full")
         hashes.add(m["build_hash"])
-    state = json.loads((out / pipeline.STATE).read_text())
+    state = json.loads((out / runner.STATE).read_text())
     assert [s for s, _ in state["ranks_by"]] == ["graded", "dwq"]
     assert state["stages"]["dwq"]["dwq_blocks"]
     # scratch gone: no graded build, no DWQ build, no teacher
     assert sorted(p.name for p in (out / "work").iterdir()) == ["calib", "tokens.npz"]
-    folders = sum(pipeline._du(r_) for r_ in ranks)
+    folders = sum(runner._du(r_) for r_ in ranks)
     teacher_b = state["stages"]["teacher"]["output_bytes"]
     # the measured peak: the rank folders, the teacher DWQ reads, a few files of scratch
     # (a whole build beside them would be another ~folders)
@@ -165,14 +165,14 @@ def test_pipeline_rank_folders_serve_on_two_ranks(readme_run):
 
 
 def test_real_k3_disk_plan_from_config_and_index():
-    a = pipeline.Args(
+    a = runner.Args(
         src=None,
         out="/nonexistent-k3dist-out",
         budget=480e9,
         config=str(REAL_K3_CONFIG),
         index=str(REAL_K3_INDEX),
     )
-    d = pipeline.run(a, dry_run=True)["disk_plan"]
+    d = runner.run(a, dry_run=True)["disk_plan"]
     writes = {s["stage"]: s["writes"] for s in d["stages"]}
     assert d["source_bytes"] == 1_560_860_324_864
     # no base (1.495 TB) and no 2-bit student (559 GB): read from the source in memory;
@@ -186,7 +186,7 @@ def test_real_k3_disk_plan_from_config_and_index():
     # --dwq: DWQ rewrites the rank folders in place, one rank file at a time (at most the
     # largest graded file), beside the teacher and the propagated state: met too
     a.dwq = True
-    d = pipeline.run(a, dry_run=True)["disk_plan"]
+    d = runner.run(a, dry_run=True)["disk_plan"]
     writes = {s["stage"]: s["writes"] for s in d["stages"]}
     assert list(writes) == ["plan", "tokens", "teacher", "calibrate", "graded", "dwq"]
     assert writes["graded"] == 863_469_838_336 + 9_304_589_824
@@ -207,12 +207,12 @@ def test_refuses_with_the_numbers_when_the_disk_is_too_small(tmp_path):
         f.write(gzip.decompress(REAL_K3_INDEX.read_bytes()))
     if shutil.disk_usage(tmp_path).free > 900_000_000_000:
         pytest.skip("this filesystem holds the real K3's peak")
-    a = pipeline.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9, dwq=True)
+    a = runner.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9, dwq=True)
     with pytest.raises(CheckpointError, match=r"need 2\.95 GiB .* in DWQ .* raise --cap"):
-        pipeline.run(a)  # 3 copies of 4,096 tokens' states: refused before any stage
-    a = pipeline.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9)
+        runner.run(a)  # 3 copies of 4,096 tokens' states: refused before any stage
+    a = runner.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9)
     with pytest.raises(CheckpointError, match=r"needs 872\.8 GB at its peak \(during graded\)"):
-        pipeline.run(a)
+        runner.run(a)
     assert not (tmp_path / "out").exists()  # nothing written
 
 

@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3dist.build import accounting, plan, planner
 from k3dist.config.box import Box
 from k3dist.factory.synth import real_config
 from k3dist.format import kvmemory, layout, qformat
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX, read_index
 from k3dist.format.kvmemory import GiB
+from k3dist.pipeline import accounting, byte_budget, plan
 
 import mlx.core as mx
 import pytest
@@ -30,9 +30,9 @@ def acc() -> accounting.Accounting:
     return accounting.account(real_config(), read_index(REAL_INDEX), str(REAL_INDEX))
 
 
-def _limits(**overrides) -> planner.Limits:
+def _limits(**overrides) -> byte_budget.Limits:
     """The shipped deployment's serving limits (deploy/tb5.yaml), ``overrides`` on top."""
-    return planner.Limits.of(planner.shipped(), **overrides)
+    return byte_budget.Limits.of(byte_budget.shipped(), **overrides)
 
 
 @pytest.mark.parametrize("fmt", qformat.all_formats(), ids=lambda f: f.name)
@@ -75,7 +75,7 @@ def test_index_mismatch_is_refused(mini_src):
 
 def test_kv_state_k3():
     tc = layout.text_config(real_config())
-    kv = planner.kv_state(tc, _limits(context=4096))
+    kv = byte_budget.kv_state(tc, _limits(context=4096))
     assert kv["mla_layers"] == 24 and kv["kda_layers"] == 69
     assert kv["mla_latent_cache"] == 24 * 4096 * 576 * 2
     assert kv["kda_state"] == 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
@@ -85,19 +85,19 @@ def test_kv_state_scales_with_batch(acc):
     """The KV/state line budgets every request the server decodes together, plus the
     prompt cache (the same arithmetic the server's preflight checks)."""
     tc = acc.tc
-    one, eight = (planner.kv_state(tc, _limits(batch=b)) for b in (1, 8))
+    one, eight = (byte_budget.kv_state(tc, _limits(batch=b)) for b in (1, 8))
     per = 24 * 131072 * 576 * 2 + 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128)
     assert one["per_request"] == eight["per_request"] == per  # 4.07 GB at 128K
     assert eight["requests"] == 8 * per and one["requests"] == per
     assert eight["total"] - one["total"] == 7 * per
     assert one["prompt_cache"] == eight["prompt_cache"] and one["prompt_cache"]["total"] > 0
     # attention split: each rank holds half the KDA state of each request, all the latent
-    split = planner.kv_state(tc, _limits(batch=8), attention_split=2)
+    split = byte_budget.kv_state(tc, _limits(batch=8), attention_split=2)
     per_split = per - 69 * (4 * 96 * 128 * 128 + 2 * 3 * 3 * 96 * 128) // 2
     assert split["per_request"] == per_split
     for attention, each in (("replicated", per), ("split", per_split)):
-        req = planner.PlanRequest(ranks=2, lo="2bit-g128", attention=attention)
-        plans = {b: planner.make_plan(acc, Box(), _limits(batch=b), req) for b in (1, 8)}
+        req = byte_budget.PlanRequest(ranks=2, lo="2bit-g128", attention=attention)
+        plans = {b: byte_budget.make_plan(acc, Box(), _limits(batch=b), req) for b in (1, 8)}
         kv = {b: p["bytes_per_rank"]["kv_state"] for b, p in plans.items()}
         assert kv[8] - kv[1] == 7 * each
         assert plans[8]["promoted_total"] < plans[1]["promoted_total"]  # KV comes off experts
@@ -134,8 +134,8 @@ def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
     from k3dist.serve import preflight
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
-    assert planner.shipped() == tb5
-    req = planner.PlanRequest()
+    assert byte_budget.shipped() == tb5
+    req = byte_budget.PlanRequest()
     assert (req.attention, req.ranks) == (tb5.attention, tb5.size)
     tc = layout.text_config(real_config())
     folder = _split_rank_folder(tmp_path / "rank0", tb5.size)
@@ -151,7 +151,7 @@ def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
         ),
     ]
     boxes = [_limits()] + [
-        planner.Limits(
+        byte_budget.Limits(
             context=d.max_context,
             batch=d.max_batch,
             prompt_cache_tokens=d.prompt_cache_tokens,
@@ -171,8 +171,8 @@ def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
         act = preflight.activation_need(
             folder, max_context=dep.max_context, prefill_chunk=dep.prefill_chunk, dtype=dep.dtype
         )
-        assert planner.kv_state(tc, box, tb5.size)["total"] == kv["total"], dep
-        assert planner.activations(tc, box, tb5.size)["total"] == act["total"], dep
+        assert byte_budget.kv_state(tc, box, tb5.size)["total"] == kv["total"], dep
+        assert byte_budget.activations(tc, box, tb5.size)["total"] == act["total"], dep
 
 
 def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
@@ -181,13 +181,13 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
     tb5's limits, tb5's memory_headroom_gib holds them, and each rank's weights (rank 0 also
     holds the vision tower) + that headroom fit the wired limit the plan assumes, its
     runtime reserve left free."""
-    from k3dist.build.slicing import vision_ranks
     from k3dist.config.deployment import load_deployment
+    from k3dist.pipeline.slicing import vision_ranks
     from k3dist.serve import preflight
 
     tb5 = load_deployment(REPO / "deploy" / "tb5.yaml")
     box = Box()
-    p = planner.make_plan(acc, box, _limits(), planner.PlanRequest(ranks=tb5.size))
+    p = byte_budget.make_plan(acc, box, _limits(), byte_budget.PlanRequest(ranks=tb5.size))
     per = p["bytes_per_rank"]
     # a rank folder sliced for tb5 (attention split over its ranks): config + manifest
     tc = layout.text_config(real_config())
@@ -249,7 +249,7 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
 
 
 def test_k3_plan_fits_two_boxes(acc):
-    p = planner.make_plan(acc, Box(), _limits(), planner.PlanRequest(ranks=2))
+    p = byte_budget.make_plan(acc, Box(), _limits(), byte_budget.PlanRequest(ranks=2))
     per = p["bytes_per_rank"]
     assert per["total"] + p["headroom_requested"] <= p["budget_per_rank"]
     assert p["promoted_total"] > 0 and p["lo"]["format"] in ("2bit-g64", "2bit-g128")
@@ -264,45 +264,47 @@ def test_k3_plan_fits_two_boxes(acc):
 
 
 def test_more_budget_promotes_more_and_fallback_costs(acc):
-    base = planner.PlanRequest(ranks=2, lo="2bit-g128")
-    a = planner.make_plan(acc, Box(), _limits(), base)
-    b = planner.make_plan(
+    base = byte_budget.PlanRequest(ranks=2, lo="2bit-g128")
+    a = byte_budget.make_plan(acc, Box(), _limits(), base)
+    b = byte_budget.make_plan(
         acc,
         Box(),
         _limits(),
-        planner.PlanRequest(
+        byte_budget.PlanRequest(
             ranks=2, lo="2bit-g128", budget_per_rank=a["budget_per_rank"] + 20 * 10**9
         ),
     )
-    c = planner.make_plan(
-        acc, Box(), _limits(), planner.PlanRequest(ranks=2, lo="2bit-g128", lo_fallback=True)
+    c = byte_budget.make_plan(
+        acc, Box(), _limits(), byte_budget.PlanRequest(ranks=2, lo="2bit-g128", lo_fallback=True)
     )
     assert b["promoted_total"] > a["promoted_total"] > c["promoted_total"]
 
 
 def test_target_bpw(acc):
-    p = planner.make_plan(
+    p = byte_budget.make_plan(
         acc,
         Box(),
         _limits(),
-        planner.PlanRequest(ranks=2, lo="2bit-g128", target_expert_bpw=2.5, budget_per_rank=10**13),
+        byte_budget.PlanRequest(
+            ranks=2, lo="2bit-g128", target_expert_bpw=2.5, budget_per_rank=10**13
+        ),
     )
     assert 2.45 < p["expert_bpw"] <= 2.5
 
 
 def test_nothing_fits_says_why(acc):
     with pytest.raises(ValueError, match="nothing fits"):
-        planner.make_plan(
-            acc, Box(), _limits(), planner.PlanRequest(ranks=2, budget_per_rank=300 * 10**9)
+        byte_budget.make_plan(
+            acc, Box(), _limits(), byte_budget.PlanRequest(ranks=2, budget_per_rank=300 * 10**9)
         )
 
 
 def test_k_hi_uniform_matches_issue_figures():
     # issue 12: uniform routing, 5% promoted, top-16: k_hi=4 overflows 7.4e-4, 6: 4e-6
-    p4 = planner.overflow_probability(896, 16, 45, 4)
-    p6 = planner.overflow_probability(896, 16, 45, 6)
+    p4 = byte_budget.overflow_probability(896, 16, 45, 4)
+    p6 = byte_budget.overflow_probability(896, 16, 45, 6)
     assert 5e-4 < p4 < 1e-3 and 1e-6 < p6 < 1e-5
-    assert planner.k_hi_uniform(896, 16, 45, 1e-5) == 6
+    assert byte_budget.k_hi_uniform(896, 16, 45, 1e-5) == 6
 
 
 def test_cli_json(mini_src, tmp_path):
@@ -311,7 +313,7 @@ def test_cli_json(mini_src, tmp_path):
         [
             sys.executable,
             "-m",
-            "k3dist.build.plan",
+            "k3dist.pipeline.plan",
             "--src",
             str(mini_src),
             "--budget",
@@ -334,7 +336,7 @@ def test_cli_json(mini_src, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     p = json.loads(out.read_text())
-    assert p["command"].startswith("python -m k3dist.build.plan --src ")
+    assert p["command"].startswith("python -m k3dist.pipeline.plan --src ")
     # all fit but one lo expert per rank (no fallback: the lo bank is never empty)
     assert p["lo"]["format"] == "2bit-g32" and p["promoted_total"] == 5 * 14
     assert p["bytes_per_rank"]["total"] <= 1e9
@@ -354,7 +356,7 @@ def _sensitivity(tmp_path, kl: dict[str, dict[int, float]]) -> Path:
 
 
 def test_measured_nonexpert_fewest_bits_within_tolerance(tmp_path):
-    sens = planner.read_sensitivity(
+    sens = byte_budget.read_sensitivity(
         _sensitivity(
             tmp_path,
             {
@@ -364,12 +366,14 @@ def test_measured_nonexpert_fewest_bits_within_tolerance(tmp_path):
             },
         )
     )
-    fmts, origin = planner.measured_nonexpert(sens, 2e-3)
+    fmts, origin = byte_budget.measured_nonexpert(sens, 2e-3)
     assert fmts["attention"] == "5bit-g64" and "KL 0.00150 <= 0.002" in origin["attention"]
     assert fmts["embed"] == "4bit-g64"
     assert fmts["lm_head"] == "bf16" and "no format within" in origin["lm_head"]
-    assert fmts["shared"] == planner.DEFAULT_NONEXPERT["shared"] and origin["shared"] == "default"
-    fmts, _ = planner.measured_nonexpert(sens, 1e-3)  # tighter: more bits
+    assert (
+        fmts["shared"] == byte_budget.DEFAULT_NONEXPERT["shared"] and origin["shared"] == "default"
+    )
+    fmts, _ = byte_budget.measured_nonexpert(sens, 1e-3)  # tighter: more bits
     assert fmts["attention"] == "6bit-g64"
 
 
@@ -387,7 +391,7 @@ def test_real_k3_plan_with_measured_formats(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "k3dist.build.plan",
+                "k3dist.pipeline.plan",
                 "--config",
                 str(REAL_K3_CONFIG),
                 "--index",
@@ -409,7 +413,7 @@ def test_real_k3_plan_with_measured_formats(tmp_path):
         outs[name] = json.loads(out.read_text())
     d, m = outs["default"], outs["measured"]
     assert d["nonexpert_sensitivity"] is None
-    assert m["nonexpert_sensitivity"]["kl_tolerance"] == planner.DEFAULT_KL_TOLERANCE
+    assert m["nonexpert_sensitivity"]["kl_tolerance"] == byte_budget.DEFAULT_KL_TOLERANCE
     for c in ("attention", "shared", "embed"):
         assert m["nonexpert"][c]["format"] == "4bit-g64", c
     assert m["nonexpert"]["attention"]["from"].startswith("measured")

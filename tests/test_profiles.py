@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 
 from k3dist.bench.evaluate import expert_bytes
-from k3dist.build import convert, grade
-from k3dist.build.profiles import convert_profile
 from k3dist.format import kvmemory, layout
 from k3dist.format.graded import HI, LO
 from k3dist.format.layout import EXPERT_PROJ
 from k3dist.format.sfile import read_bytes, read_header
 from k3dist.format.source import Source
 from k3dist.model import two_bank
+from k3dist.pipeline import convert, promote
+from k3dist.pipeline.profiles import convert_profile
 
 import mlx.core as mx
 import numpy as np
@@ -144,7 +144,7 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, alloca
     sc = dict(np.load(scores))
     assert plan["allocation"] == allocation
     if allocation == "global":  # the best over all layers, a multiple of the ranks each
-        wants = grade.promote_global(
+        wants = promote.promote_global(
             {int(k[6:]): v for k, v in sc.items()}, plan["promoted_total"], plan["ranks"]
         )
         assert sum(map(len, wants.values())) == plan["promoted_total"]
@@ -215,7 +215,7 @@ def test_graded_cli_without_scores_names_calibrate(mini_src, tmp_path):
         [
             sys.executable,
             "-m",
-            "k3dist.build.profiles",
+            "k3dist.pipeline.profiles",
             "--src",
             str(mini_src),
             "--out",
@@ -230,12 +230,12 @@ def test_graded_cli_without_scores_names_calibrate(mini_src, tmp_path):
         timeout=120,
     )
     assert r.returncode != 0
-    assert "--scores" in r.stderr and "python -m k3dist.build.calibrate" in r.stderr
+    assert "--scores" in r.stderr and "python -m k3dist.pipeline.calibrate" in r.stderr
     r = subprocess.run(
         [
             sys.executable,
             "-m",
-            "k3dist.build.profiles",
+            "k3dist.pipeline.profiles",
             "--src",
             str(mini_src),
             "--out",
@@ -255,8 +255,8 @@ def test_graded_cli_without_scores_names_calibrate(mini_src, tmp_path):
 def test_profile_resumes_both_stages(mini_src, profiles, tmp_path, monkeypatch):
     """Interrupted in the MXFP4 stage, then in the grade stage: each re-run resumes,
     and the result is byte for byte the uninterrupted build."""
-    from k3dist.build import view
     from k3dist.format.manifest import JOURNAL
+    from k3dist.pipeline import view
 
     out, stage = tmp_path / "2bit", tmp_path / "stage"
 
@@ -278,7 +278,7 @@ def test_profile_resumes_both_stages(mini_src, profiles, tmp_path, monkeypatch):
     assert not out.exists()
     monkeypatch.undo()
     # a full grade of the mini reads its expert stacks in 30 calls (runs of experts, through
-    # the build's reader, k3dist.build.view.BuildFolder): stop half-way
+    # the build's reader, k3dist.pipeline.view.BuildFolder): stop half-way
     monkeypatch.setattr(view.OpenFiles, "read", failing(view.OpenFiles.read, 15))
     with pytest.raises(KeyboardInterrupt):
         convert_profile(mini_src, out, "2bit", mxfp4_dir=stage, progress=False)

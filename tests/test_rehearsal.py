@@ -77,20 +77,20 @@ def test_grade_runs_of_experts_equal_one_at_a_time(mini_build, tmp_path, monkeyp
     """The lo bank, re-quantized a run of consecutive experts per call (runs cut at the
     promoted ones and at CHUNK_BYTES, here 3 experts), holds for each expert exactly
     the bytes of quantizing it alone."""
-    from k3dist.build import grade
     from k3dist.format.graded import LO
     from k3dist.format.sfile import mx_to_bytes, read_bytes, read_header
+    from k3dist.pipeline import promote
 
     import mlx.core as mx
 
-    assert grade.expert_runs([0, 1, 2, 5, 6, 9], 2) == [(0, 2), (2, 1), (5, 2), (9, 1)]
+    assert promote.expert_runs([0, 1, 2, 5, 6, 9], 2) == [(0, 2), (2, 1), (5, 2), (9, 1)]
     layer, hi = 1, [3, 4, 9]
     src = read_header(mini_build / f"model-layer-{layer:03d}.safetensors").tensors
     p = f"language_model.model.layers.{layer}.mlp"
     w, s = src[f"{p}.switch_mlp.gate_proj.weight"], src[f"{p}.switch_mlp.gate_proj.scales"]
     E, rows = w.shape[0], w.shape[1]
-    monkeypatch.setattr(grade, "CHUNK_BYTES", 3 * w.nbytes // E)
-    out = grade.grade(mini_build, tmp_path / "g", {layer: hi}, 2, lo="2bit-g32", progress=False)
+    monkeypatch.setattr(promote, "CHUNK_BYTES", 3 * w.nbytes // E)
+    out = promote.grade(mini_build, tmp_path / "g", {layer: hi}, 2, lo="2bit-g32", progress=False)
     got = read_header(out / f"model-layer-{layer:03d}.safetensors").tensors
     lo = [e for e in range(E) if e not in hi]
     parts = {k: read_bytes(got[f"{p}.{LO}.gate_proj.{k}"]) for k in ("weight", "scales", "biases")}

@@ -31,8 +31,8 @@ BATCH_PROMPTS = [
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory):
     """The 2-rank server on the trained mini-K3 (data/mini-k3), batching up to 8."""
-    from k3dist.build import convert
     from k3dist.factory.corpus import DATA_DIR
+    from k3dist.pipeline import convert
 
     tmp = tmp_path_factory.mktemp("shipped-serve")
     build = convert.convert(DATA_DIR / "mini-k3", tmp / "build", progress=False)

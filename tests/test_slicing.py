@@ -11,13 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k3dist.build import convert as convert_mod
-from k3dist.build import slicing
 from k3dist.config.deployment import load_deployment
 from k3dist.format import layout, manifest
 from k3dist.format.manifest import JOURNAL
 from k3dist.format.placement import Placement, PlacementError, contiguous, load_aware
 from k3dist.format.sfile import CheckpointError, read_bytes, read_header
+from k3dist.pipeline import convert as convert_mod
+from k3dist.pipeline import slicing
 
 import mlx.core as mx
 import numpy as np
@@ -350,7 +350,7 @@ BAD = {
     ),
     "unfinished build": (
         lambda b, t: (_copy(b, t, _unfinished), 0, 2, None),
-        ["unfinished conversion", "k3dist.build.convert"],
+        ["unfinished conversion", "k3dist.pipeline.convert"],
     ),
     "truncated build file": (
         lambda b, t: (_copy(b, t, _truncate), 0, 2, None),

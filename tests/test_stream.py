@@ -1,13 +1,13 @@
-"""The layer-streamed forward (k3dist.build.stream), the streamed teacher and the
+"""The layer-streamed forward (k3dist.pipeline.stream), the streamed teacher and the
 calibration scores: equal to the whole model in memory, within the cap, resumable."""
 
 from __future__ import annotations
 
 import json
 
-from k3dist.build import calibrate, grade, stream, teacher
 from k3dist.format import layout
 from k3dist.format.sfile import CheckpointError
+from k3dist.pipeline import calibrate, promote, stream, teacher
 
 import mlx.core as mx
 import numpy as np
@@ -29,8 +29,10 @@ def builds(mini_build, tmp_path_factory):
     tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
     moe = layout.moe_layers(tc)
     d = tmp_path_factory.mktemp("stream")
-    uniform = grade.grade(mini_build, d / "u", {i: [] for i in moe}, 1, "2bit-g32", progress=False)
-    graded = grade.grade(
+    uniform = promote.grade(
+        mini_build, d / "u", {i: [] for i in moe}, 1, "2bit-g32", progress=False
+    )
+    graded = promote.grade(
         mini_build, d / "g", {i: [2, 5, 11] for i in moe}, 2, "2bit-g32", progress=False
     )
     return uniform, graded

@@ -10,14 +10,14 @@ import subprocess
 import sys
 import time
 
-from k3dist.build import convert
-from k3dist.build.audit import audit
-from k3dist.build.checkpoint import format_table
 from k3dist.factory import corpus, train
 from k3dist.format import layout, mxfp4
 from k3dist.format import tokens as tk
 from k3dist.format.sfile import read_numpy
 from k3dist.format.source import Source
+from k3dist.pipeline import convert
+from k3dist.pipeline.audit import audit
+from k3dist.pipeline.checkpoint import format_table
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from k3dist.build import slicing
 from k3dist.format import layout, placement, verify
 from k3dist.format.sfile import read_header
+from k3dist.pipeline import slicing
 from k3dist.serve import loader
 
 import pytest

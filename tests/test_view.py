@@ -1,31 +1,31 @@
 """The base build read from the source and the calibration student quantized in memory
-(k3dist.build.view, k3dist.build.student), against the builds they replace, written on
+(k3dist.pipeline.view, k3dist.pipeline.student), against the builds they replace, written on
 data/mini-k3: every tensor's bytes, the teacher's states, calibration's scores and routes,
 and the graded build's files are the same; the graded build written straight into rank
-folders (k3dist.build.direct) equals its slices."""
+folders (k3dist.pipeline.direct) equals its slices."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from k3dist.build import (
+from k3dist.format import manifest, verify
+from k3dist.format.classes import CLASSES
+from k3dist.format.sfile import mx_to_bytes, read_bytes, sha256_file
+from k3dist.pipeline import (
     calibrate,
     calibtext,
     convert,
     direct,
     dwq,
-    grade,
-    pipeline,
     profiles,
+    promote,
+    runner,
     slicing,
     student,
     teacher,
     view,
 )
-from k3dist.format import manifest, verify
-from k3dist.format.classes import CLASSES
-from k3dist.format.sfile import mx_to_bytes, read_bytes, sha256_file
 
 import mlx.core as mx
 import numpy as np
@@ -40,14 +40,14 @@ def built(tmp_path_factory):
     """The pipeline's plan for the mini, its base and student written the old way, the
     token set and the teacher."""
     tmp = tmp_path_factory.mktemp("view")
-    a = pipeline.Args(src=str(MINI), out=str(tmp), target_bpw=3)
-    config, index, _ = pipeline.read_config_index(a)
-    plan = pipeline.make_plan(a, pipeline.account(a, config, index))
+    a = runner.Args(src=str(MINI), out=str(tmp), target_bpw=3)
+    config, index, _ = runner.read_config_index(a)
+    plan = runner.make_plan(a, runner.account(a, config, index))
     ne = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
     assert any(f != "bf16" for f in ne.values())  # the plan quantizes non-experts
     base = convert.convert(MINI, tmp / "base", nonexpert=ne, progress=False)
     lo = plan["lo"]["format"]
-    written = grade.grade(base, tmp / "student", {}, 0, lo, progress=False)
+    written = promote.grade(base, tmp / "student", {}, 0, lo, progress=False)
     calibtext.make(MINI, tmp / "tokens.npz", None, 4, 32)
     tokens = teacher.read_tokens(tmp / "tokens.npz")
     teacher.run(base, tokens, tmp / "teacher", progress=False)
@@ -134,7 +134,7 @@ def test_a_stream_reads_each_unit_once_a_use_and_a_released_one_is_nan(built):
     and there are 94): not when the stream starts, not when a layer is released. A
     released layer's weights are NaN until read again, so a use that skipped the read
     cannot look right."""
-    from k3dist.build import stream
+    from k3dist.pipeline import stream
 
     tmp, _, _, ne, _, _, tokens = built
     cv = _CountingView(view.SourceView(MINI, ne))
@@ -175,7 +175,7 @@ def _graded_inputs(built) -> tuple[dict, Path, list[Path]]:
     kw = dict(
         scores=cal / "scores-taylor.npz",
         routes=cal / "routes.npz",
-        plan_kw=pipeline.plan_kw(a),
+        plan_kw=runner.plan_kw(a),
         progress=False,
     )
     g1 = profiles.convert_profile(MINI, tmp / "g1", "graded", mxfp4_dir=base, **kw)
@@ -206,7 +206,7 @@ def test_graded_from_the_source_equals_graded_from_the_base_build_and_its_slices
         assert sha256_file(g1 / name) == sha256_file(g2 / name), name
     with pytest.raises(ValueError, match="base build view"):
         profiles.convert_profile(MINI, tmp / "g3", "graded", base=view.SourceView(MINI), **kw)
-    # written straight into the rank folders (k3dist.build.direct): what slicing the
+    # written straight into the rank folders (k3dist.pipeline.direct): what slicing the
     # written graded build gives
     direct = profiles.convert_profile(
         MINI,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from k3dist.build import slicing
 from k3dist.format import layout, placement
+from k3dist.pipeline import slicing
 
 import numpy as np
 import pytest

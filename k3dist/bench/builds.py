@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k3dist.build import convert, slicing
 from k3dist.factory import synth
 from k3dist.format import placement
 from k3dist.format.folder import INDEX_NAME
 from k3dist.format.journal import locked, remake_stale
+from k3dist.pipeline import convert, slicing
 
 import mlx.core as mx
 

@@ -229,7 +229,7 @@ class Profile:
 
 
 def plan_profile(plan: dict, name: str | None = None, source: str = "") -> Profile:
-    """A build plan (``python -m k3dist.build.plan --json``, one attention mode) as a
+    """A build plan (``python -m k3dist.pipeline.plan --json``, one attention mode) as a
     profile: its promoted fraction on the hi bank (MXFP4), its lo format, and each
     non-expert class at its planned bits. Routed pairs land on hi in proportion to the
     promoted fraction (calibrated promotion puts more there: this is a floor)."""

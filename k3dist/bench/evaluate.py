@@ -40,9 +40,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3dist.build import stream
-from k3dist.build import teacher as teacher_mod
-from k3dist.build.teacher import log_softmax
 from k3dist.factory import corpus
 from k3dist.factory.windows import token_set
 from k3dist.format import layout
@@ -50,6 +47,9 @@ from k3dist.format.folder import INDEX_NAME, load_config, weight_map
 from k3dist.format.graded import GRADED_KEY, GradedMap, bank_of
 from k3dist.format.kvmemory import GiB
 from k3dist.format.sfile import CheckpointError, read_header
+from k3dist.pipeline import stream
+from k3dist.pipeline import teacher as teacher_mod
+from k3dist.pipeline.teacher import log_softmax
 
 import mlx.core as mx
 import numpy as np
@@ -76,7 +76,7 @@ def expert_bytes(build: str | Path) -> ExpertBytes:
     index = build / INDEX_NAME
     if not index.exists():
         raise CheckpointError(
-            f"{index}: missing; evaluate a k3dist build (python -m k3dist.build.convert)"
+            f"{index}: missing; evaluate a k3dist build (python -m k3dist.pipeline.convert)"
         )
     config = load_config(build)
     tc = layout.text_config(config)
@@ -202,7 +202,7 @@ def evaluate(
     """The quality report (the issue's schema): ``{"teacher", "rows": [...]}``. Windows
     are the shipped corpus's held-out split encoded with ``tokenizer_dir`` (default: the
     teacher build's own tokenizer). The teacher runs once through the streamed teacher
-    (``k3dist.build.teacher``: log-probabilities to ``work``, a temporary folder unless
+    (``k3dist.pipeline.teacher``: log-probabilities to ``work``, a temporary folder unless
     given; ``top_k`` 0 keeps the whole vocabulary), then each student streams the same
     windows a layer at a time and is compared batch by batch."""
     tokenizer_dir = Path(teacher) if tokenizer_dir is None else tokenizer_dir
@@ -413,7 +413,10 @@ def main(argv: list[str] | None = None) -> None:
         "builds against the MXFP4 teacher on held-out windows."
     )
     ap.add_argument(
-        "--teacher", required=True, type=Path, help="MXFP4 build (python -m k3dist.build.convert)"
+        "--teacher",
+        required=True,
+        type=Path,
+        help="MXFP4 build (python -m k3dist.pipeline.convert)",
     )
     ap.add_argument(
         "--student",

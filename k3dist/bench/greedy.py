@@ -164,3 +164,7 @@ def main() -> None:
             "tokens": tokens,
         }
     )
+
+
+if __name__ == "__main__":
+    main()

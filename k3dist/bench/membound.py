@@ -20,8 +20,8 @@ FIXED_OVERHEAD = 16 * 1024 * 1024
 
 _CHILD = """
 import json, sys, time
-import k3dist.build.convert as c
-from k3dist.build.rss import peak_rss, rss
+import k3dist.pipeline.convert as c
+from k3dist.pipeline.rss import peak_rss, rss
 base = rss()  # current RSS: the peak would include transient import peaks
 t = time.perf_counter()
 c.convert(sys.argv[1], sys.argv[2], int(sys.argv[3]), progress=False)

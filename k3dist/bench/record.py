@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import k3dist
-from k3dist.build.rss import peak_rss
+from k3dist.pipeline.rss import peak_rss
 
 import mlx.core as mx
 import mlx.nn as nn

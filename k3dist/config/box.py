@@ -1,6 +1,6 @@
 """One Mac, as the planner fits a build into it and the cost model times it: memory,
 what macOS lets the GPU wire, what stays free of that, bandwidth and compute. One
-definition for both (``k3dist.build.planner``, ``k3dist.bench.costmodel``), passed in;
+definition for both (``k3dist.pipeline.byte_budget``, ``k3dist.bench.costmodel``), passed in;
 every figure says its source in :data:`SOURCES`."""
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class Deployment(BaseModel):
     # -- the build and its rank folders --
     build: str = _key(
         "runs/mini-build",
-        "MLX build folder (k3dist.build.convert output) or Moonshot-format source to slice",
+        "MLX build folder (k3dist.pipeline.convert output) or Moonshot-format source to slice",
         "build",
     )
     size: int = _key(2, "number of ranks", "build", ge=1)

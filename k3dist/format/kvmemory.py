@@ -1,7 +1,7 @@
 """The memory a K3 config implies beside its weights, on one rank: the KV cache and
 recurrent state (per request and per serving load) and the activations of a prefill chunk.
 
-One arithmetic for the planner (``k3dist.build.planner``: what a build must leave room for)
+One arithmetic for the planner (``k3dist.pipeline.byte_budget``: what a build must leave room for)
 and the server's preflight (``k3dist.serve.preflight``: whether a deployment's
 ``memory_headroom_gib`` covers it). What mlx-lm's ``kimi_k3`` keeps for a request
 (``Model.make_cache``):

@@ -2,8 +2,8 @@
 
 Written last, so its presence means the folder is complete. One schema for every kind:
 
-- ``tool``: the k3dist that wrote it; ``kind``: ``"build"`` (``k3dist.build.convert``)
-  or ``"rank"`` (``k3dist.build.slicing``); ``identity``: what makes two folders the same
+- ``tool``: the k3dist that wrote it; ``kind``: ``"build"`` (``k3dist.pipeline.convert``)
+  or ``"rank"`` (``k3dist.pipeline.slicing``); ``identity``: what makes two folders the same
   (a re-run with another identity is refused); ``build_hash``: the build it is or was
   sliced from;
 - ``files``: ``{name: {"sha256", "bytes"}}`` for every file the folder holds (``bytes``
@@ -31,7 +31,7 @@ BUILD_FORMAT_VERSION = 2  # 2: HF tokenizer files, no auto_map
 RANK_FORMAT_VERSION = 3
 _MAKE = {
     "rank": "make rank folders with python slicing/rank_split.py",
-    "build": "make a build with python -m k3dist.build.convert",
+    "build": "make a build with python -m k3dist.pipeline.convert",
 }
 _NOUN = {"rank": "a rank folder", "build": "a build"}
 _OTHER_KIND = {

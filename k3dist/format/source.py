@@ -3,7 +3,7 @@ lookup checked against the layout its config implies, and the ``A_log`` padding 
 
 Nothing here reads tensor data except the bytes a check needs (the ``A_log`` tails); a
 converter asks ``Source.info`` for a tensor and streams its byte range. The audit of a
-whole checkpoint is ``k3dist.build.audit``.
+whole checkpoint is ``k3dist.pipeline.audit``.
 """
 
 from __future__ import annotations

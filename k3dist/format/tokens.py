@@ -28,7 +28,7 @@ Provenance of the control-token table (real model: base 163,584, vocab 163,840):
   smg-project/smg#2571) report that the tokenizer EOS differs from the generation stop id.
   K3 ships no ``chat_template`` (rendering is Python code), so none is written.
 
-Serving files (``write_hf_tokenizer``, written into every build by ``k3dist.build.convert``): a
+Serving files (``write_hf_tokenizer``, written into every build by ``k3dist.pipeline.convert``): a
 ``tokenizer.json`` converted with transformers' ``TikTokenConverter`` (K3's pattern, byte-level
 BPE, the 256 control tokens as added tokens at their ids), a ``tokenizer_config.json`` that
 plain ``AutoTokenizer.from_pretrained`` loads without remote code, and ``chat_template.jinja``

@@ -28,7 +28,7 @@ PRIVATE = {
     "mlx_lm.server:_image_parts": "called by has_images",
     "mlx_lm.server:ResponseGenerator._time_budget": "replaced (k3dist.serve.lockstep): a stopped request ends the batch loop's pass",
     "mlx_lm.models.kimi_k3:_group_expert_select": "called by group_expert_select",
-    "mlx_lm.models.kimi_k3:_attn_res_mix": "called by attn_res_mix (k3dist.build.stream)",
+    "mlx_lm.models.kimi_k3:_attn_res_mix": "called by attn_res_mix (k3dist.pipeline.stream)",
     "mlx_lm.server:APIHandler._set_cors_headers": "overridden (k3dist.serve.server): CORS headers only for cors_origins",
     "mlx_lm.models.cache:LRUPromptCache._trie": "read by k3dist.serve.prompt_cache: the prefix copy is looked up in mlx-lm's trie",
     "mlx_lm.models.cache:LRUPromptCache._lru": "read by k3dist.serve.prompt_cache: tokens held, for the prompt_cache_tokens bound",

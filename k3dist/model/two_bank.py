@@ -300,7 +300,7 @@ def build_class(config: dict, form: str = "placeholder", where: str = "config"):
     if gmap is None:
         raise GradedError(
             f"{where}: no {GRADED_KEY!r} block; not a graded build "
-            "(python -m k3dist.build.grade makes one)"
+            "(python -m k3dist.pipeline.promote makes one)"
         )
     moe = layout.moe_layers(layout.text_config(config))
     placement = contiguous(gmap.num_experts, 1, moe)
@@ -311,7 +311,7 @@ def load_build(
     path: str | Path, dtype: str = "float32", form: str = "placeholder", lazy: bool = False
 ):
     """A graded build in one process (every expert local): (model, config); ``lazy``:
-    nothing is read until used (k3dist.build.stream runs it a layer at a time)."""
+    nothing is read until used (k3dist.pipeline.stream runs it a layer at a time)."""
     path = Path(path)
     cls = build_class(load_config(path), form, where=f"{path}/config.json")
     model, config = load_model(

@@ -55,7 +55,7 @@ def rank_folder(dep: Deployment, rank: int, size: int) -> Path:
         return folder
     if manifests.slices_current_build(folder, k3dist.DATA_DIR / "mini-k3"):
         return folder
-    from k3dist.build import default
+    from k3dist.pipeline import default
 
     log(rank, f"embedded default: preparing {folder} (cached after the first run)")
     return default.ensure_default_rank(rank, size, folder)

@@ -17,7 +17,7 @@ Where the tower runs: rank 0 only. Its features reach every rank through one
 ``all_sum`` (the other ranks add zeros, so every rank holds rank 0's bits exactly:
 ranks that computed the tower themselves could differ in the last bit and drift
 apart in lockstep). The real tower + projector are 0.89 GB in BF16 (``tower_bytes``
-on the reference config); only rank 0 holds them (``k3dist.build.slicing``
+on the reference config); only rank 0 holds them (``k3dist.pipeline.slicing``
 ``vision_ranks``). The other ranks still run the processor (CPU, no weights) to
 tokenize the same prompt.
 """
@@ -309,7 +309,7 @@ def load_tower(folder: str | Path, config: dict, dtype: mx.Dtype = mx.float32) -
     if not path.exists():
         raise FileNotFoundError(
             f"{path}: no vision tensors in this folder; vision runs on a "
-            "rank whose folder holds them (rank 0: k3dist.build.slicing."
+            "rank whose folder holds them (rank 0: k3dist.pipeline.slicing."
             "vision_ranks), from a build converted with its vision tower"
         )
     tower = VisionTower(config)
@@ -359,7 +359,7 @@ class Vision:
         return flat.reshape(h.shape)
 
 
-# The rank that holds and runs the tower (k3dist.build.slicing.vision_ranks gives
+# The rank that holds and runs the tower (k3dist.pipeline.slicing.vision_ranks gives
 # the vision tensors to this rank only).
 TOWER_RANK = 0
 

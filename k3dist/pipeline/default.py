@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from k3dist import DATA_DIR
-from k3dist.build import convert
 from k3dist.format.folder import INDEX_NAME
 from k3dist.format.journal import locked, remake_stale
+from k3dist.pipeline import convert
 
 DEFAULT_SRC = DATA_DIR / "mini-k3"  # committed; made by train/train.py (data/README.md)
 DEFAULT_BUILD = Path("runs/mini-build")
@@ -33,7 +33,7 @@ def ensure_default_rank(rank: int, size: int, rank_dir: Path) -> Path:
     """This rank's folder of the default build. Ranks sharing one machine take a
     file lock so only one writes the shared build at a time; on separate machines
     each makes its own (deterministic: the same build hash everywhere)."""
-    from k3dist.build import slicing
+    from k3dist.pipeline import slicing
 
     with locked(DEFAULT_BUILD.parent / ".default.lock"):
         build = ensure_default_build()

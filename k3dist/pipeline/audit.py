@@ -3,8 +3,8 @@ tensor counts and bytes by family, bytes per shard, key coverage against what
 ``config.json`` implies, dtypes and shapes, ``A_log`` padding tails, ``total_size``.
 
 Findings are collected, not raised, so one run names every problem. The printed table
-and the command (``python -m k3dist.build.checkpoint audit``) are
-``k3dist.build.checkpoint``.
+and the command (``python -m k3dist.pipeline.checkpoint audit``) are
+``k3dist.pipeline.checkpoint``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""``python -m k3dist.build.plan``: a graded build's byte-budget plan
-(``k3dist.build.planner``) for a checkpoint's config and index, printed as a summary or
+"""``python -m k3dist.pipeline.plan``: a graded build's byte-budget plan
+(``k3dist.pipeline.byte_budget``) for a checkpoint's config and index, printed as a summary or
 JSON. Every field of the box (``k3dist.config.box.Box``) and of the serving limits
-(:class:`~k3dist.build.planner.Limits`, default: ``deploy/tb5.yaml``'s) is a flag.
+(:class:`~k3dist.pipeline.byte_budget.Limits`, default: ``deploy/tb5.yaml``'s) is a flag.
 
-    python -m k3dist.build.plan --config CONFIG --index INDEX [--budget auto|BYTES] --dry-run --json
+    python -m k3dist.pipeline.plan --config CONFIG --index INDEX [--budget auto|BYTES] \
+        --dry-run --json
         [--nonexpert-sensitivity benchmarks/results/nonexpert-2026-12-01.json]
         [--context TOKENS] [--batch N] [--prompt-cache-tokens TOKENS] [--prefill-chunk TOKENS]
         [--attention split|replicated]
@@ -18,8 +19,14 @@ import sys
 from pathlib import Path
 
 from k3dist import REPO
-from k3dist.build.accounting import account
-from k3dist.build.planner import (
+from k3dist.config.box import Box
+from k3dist.format.classes import CLASSES
+from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, read_index, read_json
+from k3dist.format.kvmemory import GiB
+from k3dist.format.layout import ATTENTION_MODES
+from k3dist.format.qformat import QFormat
+from k3dist.pipeline.accounting import account
+from k3dist.pipeline.byte_budget import (
     DEFAULT_KL_TOLERANCE,
     DEFAULT_KL_TOLERANCE_WHY,
     DEFAULT_NONEXPERT,
@@ -30,12 +37,6 @@ from k3dist.build.planner import (
     read_sensitivity,
     shipped,
 )
-from k3dist.config.box import Box
-from k3dist.format.classes import CLASSES
-from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, read_index, read_json
-from k3dist.format.kvmemory import GiB
-from k3dist.format.layout import ATTENTION_MODES
-from k3dist.format.qformat import QFormat
 
 
 def _relpath(p: str) -> str:
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     paths = {"--src", "--config", "--index", "--out"}
     rel = [_relpath(a) if i and argv[i - 1] in paths else a for i, a in enumerate(argv)]
     plan = {
-        "command": "python -m k3dist.build.plan " + " ".join(rel),
+        "command": "python -m k3dist.pipeline.plan " + " ".join(rel),
         "inputs": {
             "config": _relpath(str(cfg_path)),
             "index": _relpath(str(idx_path)) if index is not None else None,

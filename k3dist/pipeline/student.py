@@ -1,6 +1,6 @@
 """Graded builds never written: the calibration student and DWQ's student.
 
-:class:`GradedView` reads like a build (``k3dist.build.view``'s interface: config,
+:class:`GradedView` reads like a build (``k3dist.pipeline.view``'s interface: config,
 manifest, index, lazy arrays per prefix, the lazy model) over a base build on disk or the
 source's view (``view.SourceView``): ``grade`` in memory. The promoted experts' MXFP4 rows
 are taken as they are (hi bank), every other expert is re-quantized with
@@ -12,7 +12,7 @@ stream runs; config and ``build_hash`` are the written graded build's.
   (``tests/test_view.py``: every tensor equal to the written student's bytes,
   calibration's scores and routes equal).
 - a :class:`GradedView` of the graded map in the rank folders' config: DWQ's student
-  when the graded build went straight into rank folders (``k3dist.build.dwq``).
+  when the graded build went straight into rank folders (``k3dist.pipeline.dwq``).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 
-from k3dist.build.grade import expert_runs, graded_config, identity, requantize
-from k3dist.build.view import BuildFolder, SourceView, model_from
 from k3dist.format.graded import HI, LO, GradedMap, bank_of
 from k3dist.format.qformat import QFormat
 from k3dist.format.sfile import CHUNK_BYTES, CheckpointError
+from k3dist.pipeline.promote import expert_runs, graded_config, identity, requantize
+from k3dist.pipeline.view import BuildFolder, SourceView, model_from
 
 import mlx.core as mx
 import mlx.nn as nn

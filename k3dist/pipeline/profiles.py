@@ -1,17 +1,17 @@
-"""Build profiles: the MXFP4 build (``k3dist.build.convert``) and what is made from it.
+"""Build profiles: the MXFP4 build (``k3dist.pipeline.convert``) and what is made from it.
 
 ``--profile mxfp4`` is that build alone. ``2bit`` / ``3bit`` / ``mixed2`` / ``graded``
 first make it (``--mxfp4 DIR``, default ``OUT.mxfp4`` beside OUT; reused when complete,
-resumed when not), then ``k3dist.build.grade`` it into OUT (its own journal: resumable
+resumed when not), then ``k3dist.pipeline.promote`` it into OUT (its own journal: resumable
 too): ``2bit`` / ``3bit`` every routed expert affine at g64 where the experts' columns
 allow, else g32; ``mixed2`` every ``down_proj`` and the first and last MoE layer at
 3-bit, the rest 2-bit (per projection, one graded build); ``graded`` plans the budget
-from the source's own config and index (``k3dist.build.planner``), builds the
+from the source's own config and index (``k3dist.pipeline.byte_budget``), builds the
 MXFP4 stage with the plan's non-expert formats, promotes each layer's top ``--scores``
 experts (hi bank, MXFP4 source bytes) and stores the plan in the manifest.
 
-    python -m k3dist.build.profiles --src SRC --out OUT --profile 2bit|3bit|mixed2
-    python -m k3dist.build.profiles --src SRC --out OUT --profile graded --budget 480e9 \
+    python -m k3dist.pipeline.profiles --src SRC --out OUT --profile 2bit|3bit|mixed2
+    python -m k3dist.pipeline.profiles --src SRC --out OUT --profile graded --budget 480e9 \
         --scores SCORES.npz [--nonexpert-sensitivity benchmarks/results/nonexpert-DATE.json]
 """
 
@@ -22,11 +22,6 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from k3dist.build import grade as grader
-from k3dist.build import planner
-from k3dist.build.accounting import account
-from k3dist.build.convert import Converter, add_nonexpert_args, convert, parse_nonexpert
-from k3dist.build.grade import GradedBuilder
 from k3dist.config.box import Box
 from k3dist.format import layout
 from k3dist.format.classes import CLASSES
@@ -39,10 +34,15 @@ from k3dist.format.placement import read_counts
 from k3dist.format.qformat import GROUP_SIZES, QFormat
 from k3dist.format.sfile import CheckpointError
 from k3dist.format.source import Source
+from k3dist.pipeline import byte_budget
+from k3dist.pipeline import promote as grader
+from k3dist.pipeline.accounting import account
+from k3dist.pipeline.convert import Converter, add_nonexpert_args, convert, parse_nonexpert
+from k3dist.pipeline.promote import GradedBuilder
 
 PROFILES = ("mxfp4", "2bit", "3bit", "mixed2", "graded")
 CALIBRATE_HINT = (
-    "python -m k3dist.build.calibrate (per-expert sensitivity scores: npz of "
+    "python -m k3dist.pipeline.calibrate (per-expert sensitivity scores: npz of "
     "layer_L arrays); routing counts (a frequency baseline) also work"
 )
 
@@ -126,7 +126,7 @@ def plan_graded(
     batch: int | None = None,
     prompt_cache_tokens: int | None = None,
 ) -> dict:
-    """The byte-budget plan (``k3dist.build.planner``) from the source's own config and
+    """The byte-budget plan (``k3dist.pipeline.byte_budget``) from the source's own config and
     index; ``context``, ``batch``, ``prompt_cache_tokens``: the serving limits it leaves
     KV/state for (None: the plan's defaults). ValueError with the numbers when nothing
     fits."""
@@ -137,22 +137,22 @@ def plan_graded(
         )
     index = read_index(src.index_path) if src.index_path.exists() else None
     acc = account(src.config, index, str(src.index_path))
-    limits = planner.Limits.of(
-        planner.shipped(), context=context, batch=batch, prompt_cache_tokens=prompt_cache_tokens
+    limits = byte_budget.Limits.of(
+        byte_budget.shipped(), context=context, batch=batch, prompt_cache_tokens=prompt_cache_tokens
     )
-    req = planner.PlanRequest(
+    req = byte_budget.PlanRequest(
         ranks=ranks,
         budget_per_rank=budget
         if budget is not None
         else (budget_total // ranks if budget_total is not None else None),
         target_expert_bpw=target_bpw,
         lo=lo,
-        nonexpert=dict(nonexpert or planner.DEFAULT_NONEXPERT),
+        nonexpert=dict(nonexpert or byte_budget.DEFAULT_NONEXPERT),
         nonexpert_from=dict(nonexpert_from or {}),
     )
     if headroom is not None:
         req = replace(req, headroom=headroom)
-    return planner.make_plan(acc, Box(), limits, req)
+    return byte_budget.make_plan(acc, Box(), limits, req)
 
 
 def convert_profile(
@@ -180,11 +180,11 @@ def convert_profile(
     on the highest ``scores`` over all layers (a multiple of the ranks per layer),
     ``per-layer`` takes the plan's count in every layer; ``k_hi`` per layer comes from
     calibration ``routes`` when given (observed maximum), else ``k_hi``, else uniform
-    routing at the plan's drop target. ``base`` (a ``k3dist.build.view.SourceView``):
+    routing at the plan's drop target. ``base`` (a ``k3dist.pipeline.view.SourceView``):
     the MXFP4 base build read from the source a layer at a time instead of written to
     ``mxfp4_dir``. ``rank_pattern`` (graded): the graded build written straight into the
     rank folders ``rank_pattern.format(rank=r)`` of the plan's ranks, ``out`` holding one
-    graded file at a time (``k3dist.build.direct``; deleted unless ``keep``); returns the
+    graded file at a time (``k3dist.pipeline.direct``; deleted unless ``keep``); returns the
     rank folders. ``plan`` (graded): a plan already made (the pipeline's ``plan.json``)
     instead of making it again from ``plan_kw`` (at K3's counts its accounting of the
     497,220 tensors costs ~10 s)."""
@@ -239,14 +239,14 @@ def convert_profile(
         elif k_hi is not None:
             khi = dict.fromkeys(promoted, k_hi)
         else:
-            target = planner.PlanRequest().k_hi_drop_target
+            target = byte_budget.PlanRequest().k_hi_drop_target
             khi = {
-                i: max(1, planner.k_hi_uniform(E, tc["num_experts_per_token"], len(v), target))
+                i: max(1, byte_budget.k_hi_uniform(E, tc["num_experts_per_token"], len(v), target))
                 for i, v in promoted.items()
             }
         gb = grader.builder(build, out, promoted, khi, plan["lo"]["format"], plan=plan)
         if rank_pattern is not None:  # straight into rank folders: OUT is scratch
-            from k3dist.build import direct
+            from k3dist.pipeline import direct
 
             return direct.grade_into_ranks(gb, rank_pattern, plan["ranks"], progress, keep)
         gb.run(progress)
@@ -268,7 +268,7 @@ def convert_profile(
 
 def main() -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m k3dist.build.profiles",
+        prog="python -m k3dist.pipeline.profiles",
         description="Make a build profile of Moonshot's K3 checkpoint: the MXFP4 build "
         "(experts bit-exact), then a low-bit / graded build from it, one layer at a time.",
     )
@@ -311,7 +311,7 @@ def main() -> None:
     g.add_argument(
         "--routes",
         help="calibration routes.npz (python -m "
-        "k3dist.build.calibrate): k_hi per layer = the observed maximum",
+        "k3dist.pipeline.calibrate): k_hi per layer = the observed maximum",
     )
     g.add_argument(
         "--allocation",
@@ -371,9 +371,9 @@ def main() -> None:
             "headroom": None if args.headroom_gib is None else int(args.headroom_gib * GiB),
         }
         if args.nonexpert_sensitivity:
-            tol = args.kl_tolerance or planner.DEFAULT_KL_TOLERANCE
-            plan_kw["nonexpert"], plan_kw["nonexpert_from"] = planner.measured_nonexpert(
-                planner.read_sensitivity(args.nonexpert_sensitivity), tol
+            tol = args.kl_tolerance or byte_budget.DEFAULT_KL_TOLERANCE
+            plan_kw["nonexpert"], plan_kw["nonexpert_from"] = byte_budget.measured_nonexpert(
+                byte_budget.read_sensitivity(args.nonexpert_sensitivity), tol
             )
     try:
         path = convert_profile(

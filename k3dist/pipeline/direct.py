@@ -17,11 +17,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from k3dist.build import grade, slicing
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME
 from k3dist.format.journal import write_json_atomic
 from k3dist.format.manifest import MANIFEST
 from k3dist.format.sfile import Header, TensorInfo, nbytes_of, read_bytes, read_header, sha256_file
+from k3dist.pipeline import promote, slicing
 
 from tqdm import tqdm
 
@@ -31,7 +31,7 @@ class GradedFiles:
     builder's entries (nothing made), bytes from the file made in scratch on first read
     (the previous one deleted)."""
 
-    def __init__(self, gb: grade.GradedBuilder):
+    def __init__(self, gb: promote.GradedBuilder):
         self.gb = gb
         self.current: str | None = None
         self.real: Header | None = None
@@ -64,7 +64,7 @@ class GradedFiles:
         return max(h.file_size for h in self._headers.values())
 
 
-def write_small(gb: grade.GradedBuilder) -> None:
+def write_small(gb: promote.GradedBuilder) -> None:
     """The graded build's small files into scratch: what the slicers read besides the
     tensor files (config, index in the written build's order, tokenizer files, and a
     manifest with its build hash and identity that lists only these files)."""
@@ -93,7 +93,7 @@ def write_small(gb: grade.GradedBuilder) -> None:
 
 
 def grade_into_ranks(
-    gb: grade.GradedBuilder,
+    gb: promote.GradedBuilder,
     out_pattern: str,
     size: int,
     progress: bool = True,

@@ -1,6 +1,6 @@
 """A build run over a token set one decoder layer at a time, in bounded memory.
 
-The streamed teacher (``k3dist.build.teacher``), calibration (``k3dist.build.calibrate``)
+The streamed teacher (``k3dist.pipeline.teacher``), calibration (``k3dist.pipeline.calibrate``)
 and evaluation run every model through this: the model is loaded lazily (mlx-lm's
 ``load_model(lazy=True)``, or a view's model with unevaluated stand-ins: nothing is read
 until used), each layer's weights are read when the whole token set first reaches it and
@@ -31,11 +31,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3dist.build.view import BuildFolder, load_lazy  # noqa: F401 (load_lazy: users)
 from k3dist.format import layout
 from k3dist.format.folder import INDEX_NAME
 from k3dist.format.kvmemory import GiB
 from k3dist.model import compat
+from k3dist.pipeline.view import BuildFolder, load_lazy  # noqa: F401 (load_lazy: users)
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -132,12 +132,14 @@ class LayerStream:
     """One build, loaded lazily, run a layer at a time (module doc)."""
 
     def __init__(self, build, dtype: str = "float32"):
-        """``build``: a build folder, or a view of one (``k3dist.build.view``: the
+        """``build``: a build folder, or a view of one (``k3dist.pipeline.view``: the
         source read as its MXFP4 base build, a uniform lo-bank student in memory)."""
         if isinstance(build, (str, Path)):
             index = Path(build) / INDEX_NAME
             if not index.exists():
-                raise StreamError(f"{index}: missing; stream a k3dist build (k3dist.build.convert)")
+                raise StreamError(
+                    f"{index}: missing; stream a k3dist build (k3dist.pipeline.convert)"
+                )
             build = BuildFolder(build)
         self.build = build
         self.path = build.path

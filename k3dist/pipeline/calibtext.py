@@ -20,7 +20,7 @@ language and no chat: :func:`warnings_for` names every domain and language whose
 is under ``MIN_SHARE`` (calibration decides which experts are promoted; what the corpus
 lacks is degraded silently), and says which of ``EXPECTED_LANGS`` are missing.
 
-    python -m k3dist.build.calibtext --src SRC --out calib.npz [FILES...] [--windows N]
+    python -m k3dist.pipeline.calibtext --src SRC --out calib.npz [FILES...] [--windows N]
 """
 
 from __future__ import annotations

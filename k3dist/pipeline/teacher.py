@@ -4,7 +4,7 @@ Writes, into a journaled folder (resumable from the last saved boundary):
 
 - ``states-L{i}.safetensors`` for every AttnRes block boundary ``i`` (the input of
   layers ``0, S, 2S, ...`` and the output of the last layer): the complete input of
-  block ``i // S`` (``k3dist.build.stream.State``: hidden state + block stack, float32),
+  block ``i // S`` (``k3dist.pipeline.stream.State``: hidden state + block stack, float32),
   one tensor per batch of windows. Calibration starts from them; DWQ (issue 13) trains
   each student block between two of them.
 - ``logits-{b}.safetensors``: the teacher's log-probabilities of batch ``b`` (float32),
@@ -13,13 +13,13 @@ Writes, into a journaled folder (resumable from the last saved boundary):
 - ``k3dist.json``: what ran (build hash, tokens sha256, batch, top-k), the windows,
   seconds and the peak RSS of the run.
 
-Memory: the states of the token set (``k3dist.build.stream.check_cap`` refuses a token
+Memory: the states of the token set (``k3dist.pipeline.stream.check_cap`` refuses a token
 set whose states exceed ``--cap``), one layer's weights, one batch's activations and
 logits. Real K3: 258 KB per token of states (hidden 7168 x (8 blocks + 1) x 4 B), e.g.
 1.06 GB for 16 windows of 256 tokens; on disk the 9 boundaries hold 44 hidden-state
 copies per token (1.26 MB per token, 5.2 GB for those 4,096 tokens).
 
-    python -m k3dist.build.teacher --build runs/mxfp4 --tokens calib.npy --out runs/teacher
+    python -m k3dist.pipeline.teacher --build runs/mxfp4 --tokens calib.npy --out runs/teacher
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import time
 from pathlib import Path
 
 from k3dist import __version__
-from k3dist.build import stream
-from k3dist.build.rss import peak_rss
 from k3dist.format.journal import JournaledFolder
 from k3dist.format.kvmemory import GiB
 from k3dist.format.manifest import MANIFEST
 from k3dist.format.sfile import CheckpointError
+from k3dist.pipeline import stream
+from k3dist.pipeline.rss import peak_rss
 
 import mlx.core as mx
 import numpy as np
@@ -99,7 +99,7 @@ def run(
     targets: np.ndarray | None = None,
     progress: bool = True,
 ) -> Path:
-    """Stream ``tokens`` [N, L] through ``build`` (a folder, or a ``k3dist.build.view``
+    """Stream ``tokens`` [N, L] through ``build`` (a folder, or a ``k3dist.pipeline.view``
     of one: the source read as its MXFP4 base build); write boundary states and logits
     to ``out`` (module doc). With ``targets`` [N, L], each batch also keeps the teacher's
     log-probability of its targets (``target_logp``: perplexity). Resumes from the last
@@ -190,7 +190,7 @@ class TeacherOutput:
         if check and not (self.path / MANIFEST).exists():
             raise CheckpointError(
                 f"{self.path}: not a finished teacher run (no {MANIFEST}); run "
-                "python -m k3dist.build.teacher (it resumes)"
+                "python -m k3dist.pipeline.teacher (it resumes)"
             )
         self.manifest = json.loads((self.path / MANIFEST).read_text()) if check else {}
 
@@ -227,7 +227,9 @@ def main(argv: list[str] | None = None) -> None:
         description="Stream a token set through an MXFP4 build one layer at a time: "
         "boundary states (calibration, DWQ) and teacher log-probabilities (evaluation)."
     )
-    ap.add_argument("--build", required=True, help="MXFP4 build (python -m k3dist.build.convert)")
+    ap.add_argument(
+        "--build", required=True, help="MXFP4 build (python -m k3dist.pipeline.convert)"
+    )
     ap.add_argument("--tokens", required=True, help=".npy [windows, seq] token ids")
     ap.add_argument("--out", required=True, help="output folder (resumes if partial)")
     ap.add_argument("--cap", default="2GiB", help="memory cap for the token set's states")

@@ -19,7 +19,7 @@ per file); the quality of its quantization (measure it: ``k3dist.bench.evaluate`
 Slicing records the sha256 of every rank file, so the rank folders are verified from
 then on like ours (``k3dist.format.verify``).
 
-    python -m k3dist.build.mlxbuild BUILD [--ranks 2] [--json]
+    python -m k3dist.pipeline.mlxbuild BUILD [--ranks 2] [--json]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MXFP4 build (``python -m k3dist.build.convert``) + promotion list -> graded build.
+"""MXFP4 build (``python -m k3dist.pipeline.convert``) + promotion list -> graded build.
 
 For every MoE layer the routed-expert stack ``mlp.switch_mlp`` (MXFP4) becomes two:
 
@@ -17,7 +17,7 @@ is decoded at a time. Held per layer: the lo bank's scales and biases of one pro
 ~0.6 GB for a real K3 layer). Resumable like the converter: a journal records finished
 files, files appear under their final names only when complete, ``k3dist.json`` last.
 
-    python -m k3dist.build.grade --build BUILD --out GRADED --scores SCORES --plan PLAN.json
+    python -m k3dist.pipeline.promote --build BUILD --out GRADED --scores SCORES --plan PLAN.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 from k3dist import __version__
-from k3dist.build.view import as_build
 from k3dist.format import layout
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, load_config
 from k3dist.format.graded import GRADED_KEY, HI, LO, GradedMap, bank_of
@@ -47,6 +46,7 @@ from k3dist.format.sfile import (
     read_header,
     sha256_file,
 )
+from k3dist.pipeline.view import as_build
 
 import mlx.core as mx
 import numpy as np
@@ -113,7 +113,7 @@ class GradedBuilder:
         if self.src.manifest is None:
             raise CheckpointError(
                 f"{self.build}: no {MANIFEST}; grade a finished MXFP4 "
-                "build (python -m k3dist.build.convert)"
+                "build (python -m k3dist.pipeline.convert)"
             )
         self.manifest = self.src.manifest
         self.config = self.src.config
@@ -229,7 +229,7 @@ class GradedBuilder:
 
     def grade_file(self, fname: str, digests: bool = True) -> dict:
         """Write graded file ``fname``; ``digests`` False: scratch, read once and deleted
-        (``k3dist.build.direct``), so no SHA-256 (its ``sha256`` is None)."""
+        (``k3dist.pipeline.direct``), so no SHA-256 (its ``sha256`` is None)."""
         h = self.headers[fname]
         entries = self._entries(h)
         with StreamWriter(
@@ -304,7 +304,7 @@ def grade(
 ) -> Path:
     """Write a graded build of an MXFP4 ``build``: ``promoted`` global expert ids per MoE
     layer keep their MXFP4 bytes (hi bank), the rest become ``lo``; resumable. ``plan``
-    (k3dist.build.planner) is stored in the build manifest."""
+    (k3dist.pipeline.byte_budget) is stored in the build manifest."""
     return builder(build, out, promoted, k_hi, lo, lo_fallback, plan).run(progress)
 
 
@@ -317,7 +317,7 @@ def builder(
     lo_fallback: bool = False,
     plan: dict | None = None,
 ) -> GradedBuilder:
-    """The :class:`GradedBuilder` :func:`grade` runs (``k3dist.build.direct`` writes its
+    """The :class:`GradedBuilder` :func:`grade` runs (``k3dist.pipeline.direct`` writes its
     files into rank folders instead)."""
     E = layout.text_config(as_build(build).config)["num_experts"]
     if isinstance(k_hi, int):
@@ -373,8 +373,8 @@ def promote_global(
 def k_hi_calibrated(
     routes: str | Path, promoted: dict[int, list[int]], build: str | Path, target: float = 0.0
 ) -> dict[int, int]:
-    """k_hi per layer from calibration routes (``k3dist.build.calibrate``)."""
-    from k3dist.build.calibrate import k_hi_from_routes
+    """k_hi per layer from calibration routes (``k3dist.pipeline.calibrate``)."""
+    from k3dist.pipeline.calibrate import k_hi_from_routes
 
     cfg = build.config if hasattr(build, "config") else load_config(build)
     top_k = layout.text_config(cfg)["num_experts_per_token"]
@@ -393,7 +393,9 @@ def main() -> None:
         description="Graded build from an MXFP4 build: promoted "
         "experts keep their MXFP4 bytes, the rest affine low-bit."
     )
-    ap.add_argument("--build", required=True, help="MXFP4 build (python -m k3dist.build.convert)")
+    ap.add_argument(
+        "--build", required=True, help="MXFP4 build (python -m k3dist.pipeline.convert)"
+    )
     ap.add_argument("--out", required=True, help="output folder (resumes if partial)")
     ap.add_argument(
         "--scores",
@@ -404,7 +406,7 @@ def main() -> None:
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument(
         "--plan",
-        help="plan JSON (python -m k3dist.build.plan --json): its lo format, "
+        help="plan JSON (python -m k3dist.pipeline.plan --json): its lo format, "
         "promoted count and k_hi per layer",
     )
     g.add_argument("--per-layer", type=int, help="promoted experts per MoE layer")
@@ -412,7 +414,7 @@ def main() -> None:
     ap.add_argument("--k-hi", type=int, help="hi routes per token (default: the plan's)")
     ap.add_argument(
         "--routes",
-        help="calibration routes (python -m k3dist.build.calibrate: routes.npz): k_hi "
+        help="calibration routes (python -m k3dist.pipeline.calibrate: routes.npz): k_hi "
         "per layer = the fewest hi slots that overflow on at most --k-hi-target of the "
         "calibration tokens (0: the observed maximum)",
     )

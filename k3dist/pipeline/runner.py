@@ -1,31 +1,31 @@
 """Moonshot's folder -> per-rank folders ready to serve, in one resumable command.
 
-    python -m k3dist.build.pipeline --src SRC --out OUT --ranks 2 --budget 480e9 \\
+    python -m k3dist.pipeline.runner --src SRC --out OUT --ranks 2 --budget 480e9 \\
         [--calib-text FILES... | --calib TOKENS.npz] [--dwq] [--dry-run] [--keep]
 
 Stages, in order (each one resumable, skipped when its output is current):
 
-1. ``plan``: the byte-budget plan (``k3dist.build.planner``) from the source's config and
+1. ``plan``: the byte-budget plan (``k3dist.pipeline.byte_budget``) from the source's config and
    index: lo format, promotions, non-expert formats. Written first: the disk plan and
    every later stage read it.
 2. ``tokens``: the calibration token set: ``--calib`` as given, or ``--calib-text``
    (default: the stdlib mix) through the SOURCE's own tokenizer
-   (``k3dist.build.calibtext``); each source's share lands in ``pipeline.json``.
-3. ``teacher``: the token set streamed a layer at a time (``k3dist.build.teacher``)
-   through the SOURCE read as its MXFP4 base build (``k3dist.build.view.SourceView``:
+   (``k3dist.pipeline.calibtext``); each source's share lands in ``pipeline.json``.
+3. ``teacher``: the token set streamed a layer at a time (``k3dist.pipeline.teacher``)
+   through the SOURCE read as its MXFP4 base build (``k3dist.pipeline.view.SourceView``:
    experts in their source bytes, non-experts converted to the PLAN's formats per layer
    in memory by the converter's own code; never written): boundary states and
    log-probabilities.
-4. ``calibrate``: per-expert scores and routes (``k3dist.build.calibrate``) of the uniform
+4. ``calibrate``: per-expert scores and routes (``k3dist.pipeline.calibrate``) of the uniform
    lo-bank student, quantized from the source a layer at a time in memory
    (``student.LoView``, grade's own quantizer; never written), against the same base view;
    then the teacher is deleted (kept for ``--dwq``).
 5. ``graded``: the graded build from the base view with the plan, the taylor scores
    (global allocation) and ``k_hi`` from the routes (``profiles.convert_profile``),
    written straight into one folder per rank, ``OUT/rank{rank}``
-   (``k3dist.build.direct``: one graded file at a time in scratch, sliced by
-   ``k3dist.build.slicing`` into every rank, deleted).
-6. ``dwq`` (``--dwq``): block-aligned DWQ (``k3dist.build.dwq``) of the graded build in
+   (``k3dist.pipeline.direct``: one graded file at a time in scratch, sliced by
+   ``k3dist.pipeline.slicing`` into every rank, deleted).
+6. ``dwq`` (``--dwq``): block-aligned DWQ (``k3dist.pipeline.dwq``) of the graded build in
    the rank folders, its student read from the source (``dwq.graded_view``: the graded
    map of the folders' config); each block's files rewritten in every rank folder in
    place, one rank file at a time (``slicing.BuildSlicer.reslice``): the rank folders
@@ -135,7 +135,7 @@ def stages(a: Args) -> list[str]:
 
 def writes_ranks(a: Args, stage: str) -> bool:
     """The stages whose output is the rank folders: ``graded`` (written straight into
-    them, ``k3dist.build.direct``) and ``dwq`` (rewrites them in place)."""
+    them, ``k3dist.pipeline.direct``) and ``dwq`` (rewrites them in place)."""
     return stage in ("graded", "dwq")
 
 
@@ -219,27 +219,27 @@ def read_config_index(a: Args) -> tuple[dict, dict | None, int]:
 
 def account(a: Args, config: dict, index: dict | None):
     """Every tensor of the checkpoint in its planner class (once: the real K3 takes s)."""
-    from k3dist.build import accounting
+    from k3dist.pipeline import accounting
 
     return accounting.account(config, index, str(a.index or a.src))
 
 
 def make_plan(a: Args, acc) -> dict:
-    from k3dist.build import planner
     from k3dist.config.box import Box
+    from k3dist.pipeline import byte_budget
 
     if sum(x is not None for x in (a.budget, a.budget_total, a.target_bpw)) != 1:
         raise CheckpointError(
             "give one of --budget BYTES (per rank), --budget-total BYTES or --target-bpw BITS"
         )
-    req = planner.PlanRequest(
+    req = byte_budget.PlanRequest(
         ranks=a.ranks,
         budget_per_rank=int(a.budget)
         if a.budget is not None
         else (int(a.budget_total) // a.ranks if a.budget_total is not None else None),
         target_expert_bpw=a.target_bpw,
     )
-    return planner.make_plan(acc, Box(), planner.Limits.of(planner.shipped()), req)
+    return byte_budget.make_plan(acc, Box(), byte_budget.Limits.of(byte_budget.shipped()), req)
 
 
 def plan_kw(a: Args) -> dict:
@@ -254,7 +254,7 @@ def plan_kw(a: Args) -> dict:
 
 def calib_tokens(a: Args) -> int:
     """Tokens of the calibration set: --calib's, else --windows x --seq."""
-    from k3dist.build import teacher
+    from k3dist.pipeline import teacher
 
     if a.calib and Path(a.calib).exists():
         return int(teacher.read_tokens(a.calib).size)
@@ -286,7 +286,7 @@ def largest_graded_file(acc, plan: dict) -> int:
 
 def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
     """Bytes each stage writes, what is freed after it, the peak beside the source."""
-    from k3dist.build import stream, teacher
+    from k3dist.pipeline import stream, teacher
 
     tc = acc.tc
     vision = acc.classes.get("vision", {}).get("source_bytes", 0)
@@ -360,8 +360,8 @@ def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
 def check_memory_caps(a: Args, config: dict, tokens: int) -> None:
     """Before anything runs: the token set's states fit --cap in every stage that holds
     them (teacher 1 copy, calibration 2, DWQ 3), not hours later in the stage itself."""
-    from k3dist.build import stream
     from k3dist.format import layout
+    from k3dist.pipeline import stream
 
     tc = layout.text_config(config)
     copies = 3 if a.dwq else 2
@@ -429,19 +429,19 @@ def print_disk_plan(d: dict, free: int | None, already: int = 0) -> None:
 def base_view(a: Args, plan: dict):
     """The source read as the MXFP4 base build the plan implies (experts in their source
     bytes, non-experts in the plan's formats), a layer at a time: never written."""
-    from k3dist.build.view import SourceView
     from k3dist.format.classes import CLASSES
+    from k3dist.pipeline.view import SourceView
 
     return SourceView(a.src, {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES})
 
 
 def _run_stage(a: Args, stage: str, plan: dict) -> dict:
     """The stage's work, in this (child) process. Returns facts for pipeline.json."""
-    from k3dist.build import calibrate, profiles, teacher
+    from k3dist.pipeline import calibrate, profiles, teacher
 
     tok = a.path("tokens")
     if stage == "tokens":
-        from k3dist.build import calibtext
+        from k3dist.pipeline import calibtext
 
         if a.calib:
             from k3dist.format import layout
@@ -469,7 +469,7 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
             print(f"warning: {w}", file=sys.stderr)
         return {"tokens": rec}
     elif stage == "teacher":
-        from k3dist.build import stream
+        from k3dist.pipeline import stream
 
         teacher.run(
             base_view(a, plan),
@@ -480,7 +480,7 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
             top_k=a.top_k,
         )
     elif stage == "calibrate":
-        from k3dist.build import stream, student
+        from k3dist.pipeline import stream, student
 
         base = base_view(a, plan)
         calibrate.calibrate(
@@ -506,7 +506,7 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
             keep=a.keep,
         )
     elif stage == "dwq":
-        from k3dist.build import dwq, stream
+        from k3dist.pipeline import dwq, stream
 
         cfg = dwq.DWQConfig(steps=a.dwq_steps, batch=a.dwq_batch)
         out = dwq.dwq(
@@ -544,8 +544,8 @@ def _io() -> dict:
 
 
 def child(a: Args, stage: str, stats: Path) -> None:
-    from k3dist.build.rss import peak_rss
-    from k3dist.build.stream import StreamError
+    from k3dist.pipeline.rss import peak_rss
+    from k3dist.pipeline.stream import StreamError
 
     plan = json.loads(a.path("plan").read_text())
     t0 = time.perf_counter()
@@ -665,7 +665,7 @@ def run(a: Args, dry_run: bool = False) -> dict:
     finally:
         disk.stop()
     result = {
-        "command": ["python", "-m", "k3dist.build.pipeline", *sys.argv[1:]],
+        "command": ["python", "-m", "k3dist.pipeline.runner", *sys.argv[1:]],
         "out": str(out),
         "ranks": [str(r) for r in a.rank_dirs()],
         "stages": summary,
@@ -765,7 +765,7 @@ def _run_stages(
             cmd = [
                 sys.executable,
                 "-m",
-                "k3dist.build.pipeline",
+                "k3dist.pipeline.runner",
                 "--_stage",
                 stage,
                 "--_args",
@@ -778,7 +778,7 @@ def _run_stages(
                 write_json_atomic(sp, state)
                 raise CheckpointError(
                     f"stage {stage} failed (exit {rc}); its output so far is kept and the "
-                    f"same command resumes it: python -m k3dist.build.pipeline "
+                    f"same command resumes it: python -m k3dist.pipeline.runner "
                     f"{' '.join(sys.argv[1:])}"
                 )
             stats = json.loads(stats_path.read_text())
@@ -832,7 +832,7 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     ap = argparse.ArgumentParser(
         description="Moonshot's K3 folder -> per-rank folders in one "
         "resumable command (module doc: python -m pydoc "
-        "k3dist.build.pipeline)."
+        "k3dist.pipeline.runner)."
     )
     ap.add_argument("--src", help="Moonshot-format checkpoint folder")
     ap.add_argument("--config", help="config.json (with --index, --dry-run: no weights)")
@@ -855,7 +855,7 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
         nargs="+",
         metavar="FILE",
         help="text / JSONL files or folders, tokenized with the source's tokenizer "
-        "(default: the stdlib mix, k3dist.build.calibtext)",
+        "(default: the stdlib mix, k3dist.pipeline.calibtext)",
     )
     ap.add_argument("--windows", type=int, default=16, help="calibration windows (--calib-text)")
     ap.add_argument("--seq", type=int, default=256, help="tokens a window (--calib-text)")

@@ -18,7 +18,7 @@ converter runs with the rank's expert subset. Its ``build_hash`` is the one a fu
 (16-bit non-expert) conversion would have, and its files are byte-identical to
 slicing that build, so the two routes are interchangeable.
 
-Resumable like ``k3dist.build.convert``: a journal records each finished file; files appear
+Resumable like ``k3dist.pipeline.convert``: a journal records each finished file; files appear
 under their final names only when complete; ``k3dist.json`` is written last.
 
     python slicing/rank_split.py --rank 1          # or --all; see --help
@@ -36,7 +36,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from k3dist import __version__
-from k3dist.build import convert
 from k3dist.format import graded, layout, manifest, verify
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, load_config
 from k3dist.format.journal import JournaledFolder, write_json_atomic
@@ -54,6 +53,7 @@ from k3dist.format.sfile import (
     sha256_file,
 )
 from k3dist.format.source import Source
+from k3dist.pipeline import convert
 
 import mlx.core as mx
 import numpy as np
@@ -302,7 +302,7 @@ class BuildSlicer:
     ):
         """``tensors``: where the build's safetensors are read (``header(f)``,
         ``read(t, start, length)``); default the files in ``build``
-        (``k3dist.build.direct`` passes graded files made one at a time)."""
+        (``k3dist.pipeline.direct`` passes graded files made one at a time)."""
         check_rank(rank, size)
         self.tensors = tensors
         self.size = size
@@ -312,7 +312,7 @@ class BuildSlicer:
         if not (build / INDEX_NAME).exists():
             raise CheckpointError(
                 f"{build}: no {INDEX_NAME}; an MLX build folder has an "
-                "index (python -m k3dist.build.convert writes one)"
+                "index (python -m k3dist.pipeline.convert writes one)"
             )
         self.index_bytes = (build / INDEX_NAME).read_bytes()
         self.manifest = self._build_manifest()
@@ -387,7 +387,7 @@ class BuildSlicer:
             if (self.build / JOURNAL).exists():
                 raise CheckpointError(
                     f"{self.build}: an unfinished conversion (journal, no "
-                    f"{MANIFEST}); finish it with python -m k3dist.build.convert"
+                    f"{MANIFEST}); finish it with python -m k3dist.pipeline.convert"
                 )
             return None  # e.g. an mlx-community build
         return manifest.verify(self.build, "build")
@@ -484,7 +484,7 @@ class BuildSlicer:
     def reopen(self, previous: str) -> bool:
         """Open this rank folder to rewrite it: it holds the finished rank folder of the
         build ``previous`` (its build hash) with this one's files, layout and placement
-        (``k3dist.build.dwq``: the same build with some tensors' bytes new). Its manifest
+        (``k3dist.pipeline.dwq``: the same build with some tensors' bytes new). Its manifest
         becomes a journal of this build naming the files as they were (:meth:`keep`
         takes one unchanged, :meth:`reslice` writes one with new tensors); resumes such
         a journal; True when the folder is already this build's, complete."""
@@ -638,7 +638,7 @@ class SourceSlicer:
             raise CheckpointError(
                 f"{src}: a Moonshot-format source slices with attention "
                 "replicated; to split attention across ranks convert it "
-                "first (python -m k3dist.build.convert) and slice the build, "
+                "first (python -m k3dist.pipeline.convert) and slice the build, "
                 "or slice with --attention replicated"
             )
         self.src = Source(src)
@@ -729,7 +729,7 @@ def slice_rank(
     if not build.is_dir():
         raise CheckpointError(
             f"{build}: not a folder; --build names an MLX build (python -m "
-            "k3dist.build.convert) or a Moonshot-format checkpoint"
+            "k3dist.pipeline.convert) or a Moonshot-format checkpoint"
         )
     if out.resolve() == build.resolve():
         raise CheckpointError(f"{out}: is the input folder itself; choose another --out")

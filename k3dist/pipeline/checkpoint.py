@@ -1,9 +1,9 @@
-"""``python -m k3dist.build.checkpoint audit``: a checkpoint's audit
-(``k3dist.build.audit``) printed as a table or JSON. A folder that is an MLX build (ours
-or published) gets that build's own audit (``k3dist.build.mlxbuild``).
+"""``python -m k3dist.pipeline.checkpoint audit``: a checkpoint's audit
+(``k3dist.pipeline.audit``) printed as a table or JSON. A folder that is an MLX build (ours
+or published) gets that build's own audit (``k3dist.pipeline.mlxbuild``).
 
-    python -m k3dist.build.checkpoint audit SRC [--json]
-    python -m k3dist.build.checkpoint audit --config kimi-k3-config.json \
+    python -m k3dist.pipeline.checkpoint audit SRC [--json]
+    python -m k3dist.pipeline.checkpoint audit --config kimi-k3-config.json \
         --index kimi-k3-model.safetensors.index.json.gz      # names only, no shards
 """
 
@@ -14,10 +14,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from k3dist.build import mlxbuild
-from k3dist.build.audit import AuditReport, audit, by_family, to_json
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, SINGLE_FILE
 from k3dist.format.sfile import CheckpointError
+from k3dist.pipeline import mlxbuild
+from k3dist.pipeline.audit import AuditReport, audit, by_family, to_json
 
 
 def _human(n: int) -> str:
@@ -119,7 +119,7 @@ def format_table(r: AuditReport, top: int = 5) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m k3dist.build.checkpoint",
+        prog="python -m k3dist.pipeline.checkpoint",
         description="Moonshot-format K3 checkpoints, read through their headers.",
     )
     sub = ap.add_subparsers(dest="command", required=True)
@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         ),
         epilog=(
             "examples:\n"
-            "  python -m k3dist.build.checkpoint audit mini-src\n"
-            "  python -m k3dist.build.checkpoint audit --json \\\n"
+            "  python -m k3dist.pipeline.checkpoint audit mini-src\n"
+            "  python -m k3dist.pipeline.checkpoint audit --json \\\n"
             "      --config k3dist/data/kimi-k3-config.json \\\n"
             "      --index k3dist/data/kimi-k3-model.safetensors.index.json.gz\n\n"
             "exit status: 0 ok, 1 findings (all are printed), 2 nothing to audit"
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         a.error("give a checkpoint folder SRC, or both --config and --index")
     if args.src and args.config is None and args.index is None:
         if (Path(args.src) / CONFIG_NAME).exists() and mlxbuild.is_mlx_build(args.src):
-            # an MLX build (ours or published): its own audit (k3dist.build.mlxbuild)
+            # an MLX build (ours or published): its own audit (k3dist.pipeline.mlxbuild)
             return mlxbuild.main([args.src, *(["--json"] if args.json else [])])
     try:
         report = audit(args.src, config=args.config, index=args.index)

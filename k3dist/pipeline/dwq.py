@@ -5,7 +5,7 @@ K3's Attention Residuals make (hidden state, block stack) the complete input of 
 so each block trains alone: its input is the student's own propagated state (``--input
 student``, default: what the block sees at run time) or the teacher's (``teacher``),
 its target the teacher's state at the block's output (both from the streamed teacher,
-``k3dist.build.teacher``, on the calibration token set). Loss: normalised MSE
+``k3dist.pipeline.teacher``, on the calibration token set). Loss: normalised MSE
 ``|h_s - h_t|^2 / |h_t|^2`` of the block's output hidden state (the next block pushes it
 onto the AttnRes stack, so it is also the pushed residual); for the last block the KL of
 the head's log-probabilities to the teacher's.
@@ -14,7 +14,7 @@ Trained: the float32 master copies of the ``scales`` and ``biases`` of the block
 tensors below 8 bits (mlx-lm's DWQ rule): the lo-bank experts (``mlp.switch_mlp``) and
 any quantized non-expert tensors. Frozen byte for byte: MXFP4 hi-bank experts, routers,
 norms, bf16 tensors. The lo bank's gradient is computed a chunk of experts at a time
-(``k3dist.build.expert_grad.bank_grads``: never a dense ``(E, out, in)`` gradient of the
+(``k3dist.pipeline.expert_grad.bank_grads``: never a dense ``(E, out, in)`` gradient of the
 stack) from ``g``, the loss gradient at the MoE layer's routed sum (a zero probe added
 there). Adam; ``--valid-windows`` windows spread evenly over the token set are held out
 and scored every ``--eval-every`` steps: a worse score restores the best parameters and
@@ -34,7 +34,7 @@ by block (a journal per block's files plus the propagated student state), its ma
 recording the run (token hash, steps, lr, per-block validation before/after).
 
 Or, with ``ranks`` (the pipeline's ``--dwq``), no build: the student is the graded build
-that went straight into those rank folders (``k3dist.build.direct``), read as a
+that went straight into those rank folders (``k3dist.pipeline.direct``), read as a
 ``student.GradedView`` of the source (``graded_view``: its graded map from the folders'
 config), and each block's files are rewritten in every rank folder in place
 (``slicing.BuildSlicer.reslice``: the trained tensors' parts from the new bytes, every
@@ -46,7 +46,7 @@ rank folders are the ones slicing the written DWQ build gives (``tests/test_dwq.
 every file's sha256), and resume like it. Disk: the rank folders, one rank file being
 rewritten, the state.
 
-    python -m k3dist.build.dwq --teacher-build runs/mxfp4 --teacher runs/teacher \\
+    python -m k3dist.pipeline.dwq --teacher-build runs/mxfp4 --teacher runs/teacher \\
         --student runs/graded --tokens calib.npz --out runs/graded-dwq
 """
 
@@ -62,10 +62,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from k3dist import __version__
-from k3dist.build import stream
-from k3dist.build.calibrate import RoutedProbe, kl_sum
-from k3dist.build.rss import peak_rss
-from k3dist.build.teacher import TeacherOutput, read_tokens
 from k3dist.format.folder import INDEX_NAME, load_config
 from k3dist.format.graded import GradedMap
 from k3dist.format.journal import JournaledFolder, write_json_atomic
@@ -80,6 +76,10 @@ from k3dist.format.sfile import (
     read_header,
     sha256_file,
 )
+from k3dist.pipeline import stream
+from k3dist.pipeline.calibrate import RoutedProbe, kl_sum
+from k3dist.pipeline.rss import peak_rss
+from k3dist.pipeline.teacher import TeacherOutput, read_tokens
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -164,7 +164,7 @@ class DWQ:
         if GradedMap.from_config(self.S.config) is None:
             raise CheckpointError(
                 f"{student}: DWQ trains a low-bit build's affine scales; this is an MXFP4 "
-                "build (make one: python -m k3dist.build.convert --profile 2bit|graded)"
+                "build (make one: python -m k3dist.pipeline.convert --profile 2bit|graded)"
             )
         self.teacher = TeacherOutput(teacher)
         ident = self.teacher.manifest["identity"]
@@ -239,7 +239,7 @@ class DWQ:
         return total / len(idx)
 
     def _step_grads(self, a, c, params, s_in, target) -> tuple[float, dict[str, mx.array]]:
-        from k3dist.build.expert_grad import bank_grads, plain_grads
+        from k3dist.pipeline.expert_grad import bank_grads, plain_grads
 
         block = [self.S.layer(i) for i in range(a, c)]
         moe = [i for i in range(a, c) if i in self.hooks]
@@ -518,11 +518,11 @@ class _RankSink:
     manifest naming the DWQ build) are written to ``out/build`` for the slicers."""
 
     def __init__(self, d: DWQ, ident: dict):
-        from k3dist.build import direct, grade, slicing
+        from k3dist.pipeline import direct, promote, slicing
 
         view = d.view
         small = d.out / "build"
-        gb = grade.GradedBuilder(view.base, small, view.gmap, view.lo)
+        gb = promote.GradedBuilder(view.base, small, view.gmap, view.lo)
         if gb.build_hash != view.manifest["build_hash"]:
             raise CheckpointError(f"{view}: not the graded build grade writes of its base")
         direct.write_small(gb)  # the student's small files, as its rank folders have them
@@ -559,11 +559,11 @@ class _RankSink:
 
 def graded_view(base, ranks: list[str | Path]):
     """DWQ's student for ``ranks``: the graded build those rank folders were sliced from
-    (``k3dist.build.direct``), read from ``base`` (a ``view.SourceView``) with the graded
+    (``k3dist.pipeline.direct``), read from ``base`` (a ``view.SourceView``) with the graded
     map of their config (``student.GradedView``); refused when the folders are not a
     graded build of ``base``."""
-    from k3dist.build.student import GradedView
     from k3dist.format.qformat import QFormat
+    from k3dist.pipeline.student import GradedView
 
     config = load_config(ranks[0])
     gmap = GradedMap.from_config(config)
@@ -653,7 +653,7 @@ def main(argv: list[str] | None = None) -> None:
         "scales and biases against the MXFP4 teacher."
     )
     ap.add_argument("--teacher-build", required=True, help="the MXFP4 build")
-    ap.add_argument("--teacher", required=True, help="python -m k3dist.build.teacher output")
+    ap.add_argument("--teacher", required=True, help="python -m k3dist.pipeline.teacher output")
     ap.add_argument("--student", required=True, help="a low-bit build (2bit, mixed2, graded)")
     ap.add_argument("--tokens", required=True, help="the teacher's token set")
     ap.add_argument("--out", required=True, help="output build (resumes by block)")

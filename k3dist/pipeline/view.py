@@ -9,15 +9,15 @@ CPU at K3's 896 experts than a lazy load a part; a layer stream asks for a modul
 its first use and again after a release), the whole model (``model``; ``weights=False``:
 its structure only) and its small files (``write_small``: tokenizer files).
 
-- :class:`BuildFolder`: a k3dist build on disk (``k3dist.build.convert``, ``grade``).
+- :class:`BuildFolder`: a k3dist build on disk (``k3dist.pipeline.convert``, ``grade``).
 - :class:`SourceView`: the MXFP4 base build of a Moonshot source, in memory a layer at a
   time: each unit's tensors exactly as ``convert`` would store them (the converter's own
-  :meth:`~k3dist.build.convert.Converter.unit`: experts the source's MXFP4 bytes, stacked;
+  :meth:`~k3dist.pipeline.convert.Converter.unit`: experts the source's MXFP4 bytes, stacked;
   non-experts sanitized and quantized to the plan's formats by mlx-lm's modules). Its
   ``build_hash`` is the written build's, so teacher and graded manifests name the same
   base either way (``tests/test_view.py``: every tensor equal to the written build's
   bytes).
-- ``k3dist.build.student.LoView``: the uniform lo-bank student of either, in memory.
+- ``k3dist.pipeline.student.LoView``: the uniform lo-bank student of either, in memory.
 """
 
 from __future__ import annotations
@@ -30,13 +30,6 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from k3dist.build.convert import (
-    Converter,
-    ExpertStack,
-    build_hash,
-    output_file,
-    shape_only,
-)
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, load_config, weight_map
 from k3dist.format.graded import GRADED_KEY
 from k3dist.format.manifest import JOURNAL, MANIFEST
@@ -51,6 +44,13 @@ from k3dist.format.sfile import (
     mx_to_bytes,
     read_header,
     read_parts,
+)
+from k3dist.pipeline.convert import (
+    Converter,
+    ExpertStack,
+    build_hash,
+    output_file,
+    shape_only,
 )
 
 import mlx.core as mx

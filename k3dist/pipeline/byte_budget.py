@@ -1,6 +1,6 @@
 """Byte-budget planner for graded builds: what fits, per rank, before anything is built.
 
-Over the accounting of a checkpoint (``k3dist.build.accounting``: every tensor in its
+Over the accounting of a checkpoint (``k3dist.pipeline.accounting``: every tensor in its
 class, bytes in any format of ``k3dist.format.qformat``), the **memory model** (the box,
 ``k3dist.config.box.Box``, and the serving :class:`Limits`) and the **plan**
 (:func:`make_plan`): per box, the usable
@@ -12,7 +12,7 @@ of each non-expert class, and reports bytes per rank. Which experts are promoted
 calibration (``k3dist`` sensitivity scoring) to decide; the plan fixes how many.
 
 Memory assumptions (``Box`` and :class:`Limits` fields; every one a flag of
-``python -m k3dist.build.plan``):
+``python -m k3dist.pipeline.plan``):
 
 - a "512 GB" M3 Ultra has 512 GiB (549.76 GB) of unified memory; GPU-wired memory is
   capped by macOS at ``iogpu.wired_limit_mb`` (default ~75% of RAM on large machines).
@@ -55,7 +55,7 @@ time): each class takes the fewest bits whose KL is at most ``--kl-tolerance``
 (default :data:`DEFAULT_KL_TOLERANCE` = 0.002 nats/token; why: ``DEFAULT_KL_TOLERANCE_WHY``);
 without the file, :data:`DEFAULT_NONEXPERT`. Each class's ``from`` in the plan says which.
 
-The command is ``python -m k3dist.build.plan`` (``k3dist.build.plan``).
+The command is ``python -m k3dist.pipeline.plan`` (``k3dist.pipeline.plan``).
 """
 
 from __future__ import annotations
@@ -66,13 +66,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from k3dist import REPO
-from k3dist.build.accounting import Accounting
 from k3dist.config.box import Box
 from k3dist.config.deployment import FIELDS, Deployment, load_deployment
 from k3dist.format import kvmemory
 from k3dist.format.classes import CLASSES
 from k3dist.format.kvmemory import GiB
 from k3dist.format.qformat import MXFP4, SOURCE, QFormat
+from k3dist.pipeline.accounting import Accounting
 
 # A starting point, not a measurement (sensitivity scoring replaces it): every class
 # that every token reads at <= ~6 bits (the cost model's 12 tok/s condition), the

@@ -2,7 +2,7 @@
 
 The calibration token set runs through the **uniform low-bit build** (every expert in
 the lo bank: the stack a graded build is made from, so the student sees at calibration
-what it sees at run time), one layer at a time (``k3dist.build.stream``). At every MoE
+what it sees at run time), one layer at a time (``k3dist.pipeline.stream``). At every MoE
 layer, for each (token t, routed expert e) pair with router weight ``w``, the expert's
 lo-bank output and its MXFP4 output (the teacher build's stack, same input) give
 ``d = w (E_lo(x_t) - E_hi(x_t))``: what promoting ``e`` would change in the routed sum.
@@ -17,11 +17,11 @@ Scores per expert (sums over its routed tokens; higher = promote first):
 
 ``g`` comes from a streamed backward pass: the forward saves the student's state at each
 AttnRes block input (to ``--work``, on disk), the KL to the teacher's log-probabilities
-(``k3dist.build.teacher``) gives the cotangent at the end, and the blocks run backward
+(``k3dist.pipeline.teacher``) gives the cotangent at the end, and the blocks run backward
 one at a time: the layer inputs of the block are recomputed from its saved input, then
 each layer's ``mx.vjp`` runs alone, a zero probe added to each MoE layer's routed sum
 reading ``g``. Memory: two state sets (states + cotangents,
-``k3dist.build.stream.check_cap`` with 2 copies), one student layer and one teacher
+``k3dist.pipeline.stream.check_cap`` with 2 copies), one student layer and one teacher
 expert stack, and one batch's layer backward: for a KDA layer ~4.4 recurrent states
 per token (heads x head_dim^2 x 4 B: 2.3 MB per token on the ``bench`` preset, ~28 MB
 on real K3, i.e. ~7 GB for a batch of one 256-token window; ``--batch`` sets it). On
@@ -33,7 +33,7 @@ promotion set follows from them (:func:`k_hi_from_routes`).
 Output folder: ``scores-<name>.npz`` (``layer_<L>`` arrays, as ``grade --scores`` reads),
 ``routes.npz``, ``calibrate.json`` (tokens, seconds, peak RSS, rank correlations).
 
-    python -m k3dist.build.calibrate --student runs/2bit --teacher-build runs/mxfp4 \\
+    python -m k3dist.pipeline.calibrate --student runs/2bit --teacher-build runs/mxfp4 \\
         --teacher runs/teacher-calib --tokens calib.npz --out runs/calib
 """
 
@@ -46,12 +46,12 @@ import sys
 import time
 from pathlib import Path
 
-from k3dist.build import stream
-from k3dist.build.rss import peak_rss
-from k3dist.build.teacher import TeacherOutput, log_softmax, read_tokens
 from k3dist.format.graded import GradedMap
 from k3dist.format.kvmemory import GiB
 from k3dist.format.sfile import CheckpointError
+from k3dist.pipeline import stream
+from k3dist.pipeline.rss import peak_rss
+from k3dist.pipeline.teacher import TeacherOutput, log_softmax, read_tokens
 
 import mlx.core as mx
 import numpy as np
@@ -124,7 +124,7 @@ class Calibration:
         if gmap is None or gmap.hi:
             raise CheckpointError(
                 f"{student}: calibrate the uniform low-bit build (every expert in the lo "
-                "bank: python -m k3dist.build.grade --per-layer 0), not "
+                "bank: python -m k3dist.pipeline.promote --per-layer 0), not "
                 + ("an MXFP4 build" if gmap is None else "a graded one")
             )
         self.lo = gmap.lo
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Per-expert sensitivity scores for graded builds.")
     ap.add_argument("--student", required=True, help="uniform low-bit build (grade --per-layer 0)")
     ap.add_argument("--teacher-build", required=True, help="the MXFP4 build")
-    ap.add_argument("--teacher", required=True, help="python -m k3dist.build.teacher output")
+    ap.add_argument("--teacher", required=True, help="python -m k3dist.pipeline.teacher output")
     ap.add_argument("--tokens", required=True, help="the teacher's token set (.npy/.npz)")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--batch", type=int, default=4)

@@ -20,12 +20,12 @@ a re-run skips finished units and redoes the first incomplete one. Files appear
 under their final names only when complete. ``k3dist.json`` is written last.
 
 With an expert subset (``experts``: layer -> global ids to keep, in local order) the
-same units hold only those experts: ``k3dist.build.slicing`` uses it to write a rank
+same units hold only those experts: ``k3dist.pipeline.slicing`` uses it to write a rank
 folder straight from the source; ``run`` itself refuses it (that is not a build).
 
-Profiles made from this build (low-bit, graded): ``k3dist.build.profiles``.
+Profiles made from this build (low-bit, graded): ``k3dist.pipeline.profiles``.
 
-    python -m k3dist.build.convert --src SRC --out BUILD [--nonexpert-bits 16|8|4]
+    python -m k3dist.pipeline.convert --src SRC --out BUILD [--nonexpert-bits 16|8|4]
         [--nonexpert attention=6bit-g64,shared=6bit-g64,latent=8bit-g64,...]
 """
 
@@ -435,7 +435,7 @@ class Converter:
         if self.experts is not None:
             raise ValueError(
                 "an expert subset makes a rank folder, not a build; use "
-                "k3dist.build.slicing.slice_rank"
+                "k3dist.pipeline.slicing.slice_rank"
             )
         self.preflight()
         folder = JournaledFolder(self.out, "build", self.ident)
@@ -585,10 +585,10 @@ def add_nonexpert_args(ap: argparse.ArgumentParser) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m k3dist.build.convert",
+        prog="python -m k3dist.pipeline.convert",
         description="Convert Moonshot's K3 checkpoint to an MLX build (experts mxfp4 "
         "bit-exact), one layer at a time. Low-bit and graded builds: python -m "
-        "k3dist.build.profiles.",
+        "k3dist.pipeline.profiles.",
     )
     ap.add_argument("--src", required=True, help="Moonshot-format checkpoint folder")
     ap.add_argument("--out", required=True, help="output build folder (resumes if partial)")
@@ -599,7 +599,7 @@ def main() -> None:
     if args.profile is not None:
         ap.error(
             f"--profile {args.profile}: build profiles with python -m "
-            "k3dist.build.profiles --profile ... (same flags); this command makes the "
+            "k3dist.pipeline.profiles --profile ... (same flags); this command makes the "
             "mxfp4 build"
         )
     try:

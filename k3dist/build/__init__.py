@@ -1,1 +1,0 @@
-"""Build pipeline: audit a source checkpoint, convert it to an MLX build, slice it per rank."""
