@@ -34,7 +34,7 @@ tokens = np.load(tokens)
 base = rss()
 cfg = dwq.DWQConfig(steps=int(steps), batch=1, valid_windows=1, eval_every=int(steps),
                     chunk=int(chunk))
-dwq.dwq(build, t, student, tokens, out, cfg, progress=False)
+dwq.dwq(t, student, tokens, out, cfg, progress=False)
 print(json.dumps({"baseline_rss": base, "peak_rss": peak_rss()}))
 """
 

@@ -303,8 +303,6 @@ def main() -> None:
             if not (out / "k3dist.json").exists():
                 run(
                     "k3dist.pipeline.dwq",
-                    "--teacher-build",
-                    str(mxfp4),
                     "--teacher",
                     str(dwq_teacher),
                     "--student",

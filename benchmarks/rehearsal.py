@@ -209,8 +209,6 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
             [
                 "-m",
                 "k3dist.pipeline.dwq",
-                "--teacher-build",
-                mx4,
                 "--teacher",
                 teacher,
                 "--student",

@@ -31,7 +31,7 @@ def setup(mini_build, tmp_path_factory):
     )
     tokens = np.random.default_rng(0).integers(0, tc["vocab_size"], size=(N, L)).astype(np.int32)
     t = teacher.run(mini_build, tokens, d / "teacher", batch=2, progress=False)
-    out = dwq.dwq(mini_build, t, student, tokens, d / "dwq", CFG, progress=False)
+    out = dwq.dwq(t, student, tokens, d / "dwq", CFG, progress=False)
     return student, t, tokens, out, d
 
 
@@ -93,22 +93,18 @@ def test_resumes_by_block(setup, monkeypatch):
 
     monkeypatch.setattr(dwq.DWQ, "train_block", crash)
     with pytest.raises(KeyboardInterrupt):
-        dwq.dwq(_teacher_build(t), t, student, tokens, d / "resumed", CFG, progress=False)
+        dwq.dwq(t, student, tokens, d / "resumed", CFG, progress=False)
     monkeypatch.setattr(dwq.DWQ, "train_block", real)
     assert calls == [0, 2] and not (d / "resumed" / "k3dist.json").exists()
-    again = dwq.dwq(_teacher_build(t), t, student, tokens, d / "resumed", CFG, progress=False)
+    again = dwq.dwq(t, student, tokens, d / "resumed", CFG, progress=False)
     a, b = _tensors(out), _tensors(again)
     assert all(read_bytes(a[n]) == read_bytes(b[n]) for n in a)
-
-
-def _teacher_build(t):
-    return json.loads((t / "k3dist.json").read_text())["build"]
 
 
 def test_refuses_an_mxfp4_student(mini_build, setup, tmp_path):
     _, t, tokens, _, _ = setup
     with pytest.raises(Exception, match="MXFP4 build"):
-        dwq.dwq(mini_build, t, mini_build, tokens, tmp_path / "x", CFG, progress=False)
+        dwq.dwq(t, mini_build, tokens, tmp_path / "x", CFG, progress=False)
 
 
 def test_bf16_state_improves_every_block_like_float32(setup, tmp_path):
@@ -119,7 +115,7 @@ def test_bf16_state_improves_every_block_like_float32(setup, tmp_path):
     runs = {}
     for state in ("float32", "bf16"):
         cfg = dwq.DWQConfig(**{**CFG.__dict__, "state": state, "input": "teacher"})
-        out = dwq.dwq(_teacher_build(t), t, student, tokens, tmp_path / state, cfg, progress=False)
+        out = dwq.dwq(t, student, tokens, tmp_path / state, cfg, progress=False)
         runs[state] = json.loads((out / "k3dist.json").read_text())["dwq"]
     assert runs["bf16"]["config"]["state"] == "bf16"
     gains = []
@@ -134,7 +130,7 @@ def test_bf16_state_improves_every_block_like_float32(setup, tmp_path):
 def test_adam_moments_are_kept_in_the_state_dtype():
     p = {"w": mx.array(np.random.default_rng(0).normal(size=(64,)).astype(np.float32))}
     g = {"w": mx.array(np.random.default_rng(1).normal(size=(64,)).astype(np.float32))}
-    full, half = dwq._Adam(1e-2), dwq._Adam(1e-2, dtype=mx.bfloat16)
+    full, half = dwq._Adam(), dwq._Adam(dtype=mx.bfloat16)
     a, b = p, p
     for _ in range(20):
         a, b = full.update(a, g, 1e-2), half.update(b, g, 1e-2)

@@ -258,7 +258,7 @@ def _dwq_sliced(built) -> list[Path]:
     out = tmp / "dwq-sliced"
     if not (out / "rank1" / "k3dist.json").exists():
         _, g1, _ = _graded_inputs(built)
-        d = dwq.dwq(base, tmp / "teacher", g1, tokens, tmp / "dwq-build", DWQ_CFG, progress=False)
+        d = dwq.dwq(tmp / "teacher", g1, tokens, tmp / "dwq-build", DWQ_CFG, progress=False)
         slicing.slice_all(d, str(out / "rank{rank}"), 2, progress=False)
     return [out / f"rank{r}" for r in (0, 1)]
 
@@ -282,7 +282,6 @@ def _dwq_into(built, ranks: list[Path], scratch: str) -> Path:
     tmp, _, _, ne, _, _, tokens = built
     student_ = dwq.graded_view(view.SourceView(MINI, ne), ranks)
     return dwq.dwq(
-        MINI,
         tmp / "teacher",
         student_,
         tokens,

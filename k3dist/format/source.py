@@ -94,9 +94,6 @@ class Source:
     def shard_files(self) -> list[str]:
         return sorted(set(self.weight_map.values()))
 
-    def has_shards(self) -> bool:
-        return all((self.path / f).exists() for f in self.shard_files)
-
     def header(self, fname: str) -> Header:
         if fname not in self._headers:
             self._headers[fname] = read_header(self.path / fname)

@@ -481,18 +481,3 @@ def make_plan(acc: Accounting, box: Box, limits: Limits, req: PlanRequest) -> di
             {k2: v for k2, v in o.items() if k2 != "promoted_per_layer"} for o in options
         ],
     }
-
-
-def graded_map(plan: dict, promoted: dict[int, list[int]]) -> dict:
-    """The config.json ``graded`` block of a build made from ``plan`` with the given
-    promoted expert ids per layer (chosen by calibration)."""
-    for layer, ids in promoted.items():
-        want = plan["promoted_per_layer"].get(str(layer))
-        if want is not None and len(ids) != want:
-            raise ValueError(f"layer {layer}: {len(ids)} promoted experts, the plan says {want}")
-    return {
-        "k_hi": {str(k): int(v) for k, v in plan["k_hi_uniform"].items()},
-        "hi": {str(k): sorted(int(e) for e in v) for k, v in promoted.items()},
-        "lo_fallback": plan["lo_fallback"],
-        "lo": plan["lo"]["format"],
-    }

@@ -133,7 +133,6 @@ def _rows(s: stream.State, idx: np.ndarray) -> stream.State:
 class DWQ:
     def __init__(
         self,
-        teacher_build: str | Path,
         teacher: str | Path,
         student: str | Path,
         tokens: np.ndarray,
@@ -173,7 +172,6 @@ class DWQ:
                 f"{teacher}: the teacher ran {ident['shape']} tokens, DWQ got "
                 f"{list(tokens.shape)}; run both on the same token set"
             )
-        self.teacher_build = Path(teacher_build)
         self.tokens = tokens
         n = tokens.shape[0]
         if not 0 < self.cfg.valid_windows < n:
@@ -248,7 +246,7 @@ class DWQ:
         dense_names = [n for n in params if ".switch_mlp." not in n]
 
         def f(dense, probes):
-            _set(block, a, dense)
+            _set(block, dense)
             for i, p in zip(moe, probes, strict=True):
                 self.hooks[i].probe = p
             return self._loss(a, c, s_in, target)
@@ -285,7 +283,7 @@ class DWQ:
             entry.update(valid_after=entry["valid_before"], steps=0, note="nothing to train")
             return entry
         keep = STATE_DTYPES[self.cfg.state]
-        opt = _Adam(self.cfg.lr, dtype=keep)
+        opt = _Adam(dtype=keep)
         rng = np.random.default_rng([self.cfg.seed, a])  # per block: a resumed run redraws it
         best, best_params, lr = before, _copy(params, keep), self.cfg.lr
         losses = []
@@ -303,7 +301,7 @@ class DWQ:
             )
             losses.append(loss)
             params = opt.update(params, grads, lr)
-            _set(block, a, params)
+            _set(block, params)
             mx.eval(params)
             if (step + 1) % self.cfg.eval_every == 0 or step + 1 == self.cfg.steps:
                 v = self._evaluate(a, c, s_in, t_out, self.valid_idx)
@@ -311,8 +309,8 @@ class DWQ:
                     best, best_params = v, _copy(params, keep)
                 else:  # revert to the best and slow down
                     params, lr = _copy(best_params, mx.float32), lr / 2
-                    _set(block, a, params)
-        _set(block, a, _copy(best_params, mx.float32))
+                    _set(block, params)
+        _set(block, _copy(best_params, mx.float32))
         entry.update(
             valid_after=round(best, 6),
             change=round(best / before - 1, 4) if before else None,
@@ -391,7 +389,7 @@ class DWQ:
                 (self.out / f".dwq-states-L{a}.safetensors").unlink(missing_ok=True)
         if sink is not None:
             sink.finish(files)
-            return self._finish_scratch(folder, ident, smf)
+            return self._finish_scratch(folder, ident)
         for f in files:  # head, vision: copied
             folder.unit(f, lambda f=f: self._copy_file(f))
         write_json_atomic(
@@ -457,7 +455,7 @@ class DWQ:
             if n in h.tensors
         }
 
-    def _finish_scratch(self, folder: JournaledFolder, ident: dict, smf: dict) -> Path:
+    def _finish_scratch(self, folder: JournaledFolder, ident: dict) -> Path:
         """The scratch's manifest (``ranks``): the run's record; the state goes."""
         for p in self.out.glob(".dwq-states-*"):
             p.unlink()
@@ -593,7 +591,6 @@ class _Adam:
 
     def __init__(
         self,
-        lr: float,
         b1: float = 0.9,
         b2: float = 0.999,
         eps: float = 1e-8,
@@ -618,7 +615,7 @@ class _Adam:
         return out
 
 
-def _set(block: list[nn.Module], a: int, params: dict[str, mx.array]) -> None:
+def _set(block: list[nn.Module], params: dict[str, mx.array]) -> None:
     """Put ``params`` (``"<layer offset>.<path>"``) into the block's layers."""
     per: dict[int, list] = {}
     for n, v in params.items():
@@ -640,10 +637,10 @@ def _load_states(path: Path) -> list[stream.State]:
     return [stream.State.from_arrays({k.split(".")[0]: v for k, v in d.items()})]
 
 
-def dwq(teacher_build, teacher, student, tokens, out, cfg: DWQConfig | None = None, **kw) -> Path:
-    """Distil ``student``'s low-bit scales/biases against the teacher (module doc);
-    ``ranks=[...]``: into the student's rank folders."""
-    return DWQ(teacher_build, teacher, student, tokens, out, cfg, **kw).run()
+def dwq(teacher, student, tokens, out, cfg: DWQConfig | None = None, **kw) -> Path:
+    """Distil ``student``'s low-bit scales/biases against the teacher's output (module
+    doc); ``ranks=[...]``: into the student's rank folders."""
+    return DWQ(teacher, student, tokens, out, cfg, **kw).run()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -652,7 +649,8 @@ def main(argv: list[str] | None = None) -> None:
         description="Block-aligned DWQ of a low-bit build's "
         "scales and biases against the MXFP4 teacher."
     )
-    ap.add_argument("--teacher-build", required=True, help="the MXFP4 build")
+    # the teacher's output names its build: --teacher-build was never read
+    ap.add_argument("--teacher-build", help=argparse.SUPPRESS)
     ap.add_argument("--teacher", required=True, help="python -m k3dist.pipeline.teacher output")
     ap.add_argument("--student", required=True, help="a low-bit build (2bit, mixed2, graded)")
     ap.add_argument("--tokens", required=True, help="the teacher's token set")
@@ -673,12 +671,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--cap", default="2GiB", help="memory cap for the states")
     a = ap.parse_args(argv)
+    if a.teacher_build is not None:
+        print(
+            "k3dist-dwq: --teacher-build is deprecated and ignored (the teacher's output "
+            "names its build); drop it",
+            file=sys.stderr,
+        )
     cfg = DWQConfig(
         a.steps, a.lr, a.batch, a.valid_windows, a.eval_every, a.input, a.chunk, a.seed, a.state
     )
     try:
         path = dwq(
-            a.teacher_build,
             a.teacher,
             a.student,
             read_tokens(a.tokens),

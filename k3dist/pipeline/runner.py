@@ -133,13 +133,13 @@ def stages(a: Args) -> list[str]:
     return [*s, "dwq"] if a.dwq else s
 
 
-def writes_ranks(a: Args, stage: str) -> bool:
+def writes_ranks(stage: str) -> bool:
     """The stages whose output is the rank folders: ``graded`` (written straight into
     them, ``k3dist.pipeline.direct``) and ``dwq`` (rewrites them in place)."""
     return stage in ("graded", "dwq")
 
 
-def ranks_by(a: Args, ks: dict[str, str], upto: str) -> list[list[str]]:
+def ranks_by(ks: dict[str, str], upto: str) -> list[list[str]]:
     """What state["ranks_by"] holds once ``upto`` has written the rank folders: the
     stages that wrote them, in order, with their keys."""
     return [[s, ks[s]] for s in ("graded", "dwq")[: 1 + (upto == "dwq")]]
@@ -510,7 +510,6 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
 
         cfg = dwq.DWQConfig(steps=a.dwq_steps, batch=a.dwq_batch)
         out = dwq.dwq(
-            a.src,  # the teacher build's name only: DWQ reads the teacher's states
             a.path("teacher"),
             dwq.graded_view(base_view(a, plan), a.rank_dirs()),  # the rank folders' build
             teacher.read_tokens(tok),
@@ -568,16 +567,15 @@ def child(a: Args, stage: str, stats: Path) -> None:
     )
 
 
-def reads(a: Args) -> dict[str, list[str]]:
-    """stage -> the earlier outputs it reads."""
-    return {
-        "plan": [],
-        "tokens": [],
-        "teacher": ["tokens"],
-        "calibrate": ["teacher", "tokens"],
-        "graded": ["calibrate"],
-        "dwq": ["teacher", "graded", "tokens"],
-    }
+# stage -> the earlier outputs it reads
+READS = {
+    "plan": [],
+    "tokens": [],
+    "teacher": ["tokens"],
+    "calibrate": ["teacher", "tokens"],
+    "graded": ["calibrate"],
+    "dwq": ["teacher", "graded", "tokens"],
+}
 
 
 def first_to_run(a: Args, state: dict, ks: dict[str, str]) -> int:
@@ -590,7 +588,7 @@ def first_to_run(a: Args, state: dict, ks: dict[str, str]) -> int:
     while changed:
         changed = False
         for s in order[i:]:
-            for x in reads(a)[s]:
+            for x in READS[s]:
                 rec = state["stages"].get(x, {})
                 if rec.get("deleted") and order.index(x) < i:
                     i, changed = order.index(x), True
@@ -603,11 +601,11 @@ def _done(a: Args, state: dict, stage: str, key: str) -> bool:
     rec = state["stages"].get(stage)
     if not rec or rec.get("key") != key or not rec.get("done"):
         return False
-    if writes_ranks(a, stage):
+    if writes_ranks(stage):
         ks, by = keys(a), state.get("ranks_by")
         # graded's folders stay current under this run's DWQ (done or partly)
-        current = by == ranks_by(a, ks, stage) or (
-            stage == "graded" and a.dwq and by == ranks_by(a, ks, "dwq")
+        current = by == ranks_by(ks, stage) or (
+            stage == "graded" and a.dwq and by == ranks_by(ks, "dwq")
         )
         return current and all((r / MANIFEST).exists() for r in a.rank_dirs())
     if rec.get("deleted"):
@@ -742,16 +740,16 @@ def _run_stages(
             rec.pop("deleted")
         if rec and rec.get("key") != key:
             _delete(a.path(stage))  # made from other inputs: the tool would refuse it
-        want, by = ranks_by(a, ks, stage), state.get("ranks_by")
+        want, by = ranks_by(ks, stage), state.get("ranks_by")
         if stage == "graded" and by != want:
             for r in a.rank_dirs():  # rank folders of another run: the slicer would refuse
                 _delete(r)
-        elif stage == "dwq" and by not in (want, ranks_by(a, ks, "graded")):
+        elif stage == "dwq" and by not in (want, ranks_by(ks, "graded")):
             raise CheckpointError(  # graded ran or was current just before
                 f"{out}: the rank folders are not this run's graded build ({by}); delete "
                 f"them and run again"
             )
-        if writes_ranks(a, stage):  # dwq: rewrites the graded rank folders in place
+        if writes_ranks(stage):  # dwq: rewrites the graded rank folders in place
             state["ranks_by"] = want
             write_json_atomic(sp, state)
         print(f"[{n}/{len(order)}] {stage} ...", flush=True)
@@ -783,7 +781,7 @@ def _run_stages(
                 )
             stats = json.loads(stats_path.read_text())
             stats_path.unlink()
-        outb = sum(_du(r) for r in a.rank_dirs()) if writes_ranks(a, stage) else _du(a.path(stage))
+        outb = sum(_du(r) for r in a.rank_dirs()) if writes_ranks(stage) else _du(a.path(stage))
         rec = {
             "key": key,
             "done": True,
