@@ -35,7 +35,7 @@ from k3dist.pipeline import convert
 from k3dist.pipeline.byte_budget import DEFAULT_KL_TOLERANCE, DEFAULT_NONEXPERT, measured_nonexpert
 
 PY = sys.executable
-SRC = Path("data/mini-k3")
+SRC = Path("k3dist/data/mini-k3")
 RUNS = Path("runs/nonexpert")
 BITS = (8, 6, 5, 4)
 GROUP = 64

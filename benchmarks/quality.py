@@ -3,7 +3,7 @@ mini-K3 against its MXFP4 teacher (``python -m k3dist.bench.evaluate``).
 
 Steps (each reused when its output exists) under ``runs/quality/``:
 
-1. the MXFP4 build of ``data/mini-k3`` (``k3dist.pipeline.convert``) and the uniform
+1. the MXFP4 build of ``k3dist/data/mini-k3`` (``k3dist.pipeline.convert``) and the uniform
    lo-bank builds (``k3dist.pipeline.promote --per-layer 0``);
 2. the calibration token set (``k3dist.factory.windows``, the ``calib`` split), the
    streamed teacher on it (``k3dist.pipeline.teacher``) and the sensitivity scores on the
@@ -88,7 +88,7 @@ def main() -> None:
     RUNS.mkdir(parents=True, exist_ok=True)
     mxfp4 = RUNS / "mxfp4"
     if not (mxfp4 / "k3dist.json").exists():
-        run("k3dist.pipeline.convert", "--src", "data/mini-k3", "--out", str(mxfp4))
+        run("k3dist.pipeline.convert", "--src", "k3dist/data/mini-k3", "--out", str(mxfp4))
     grade = ("k3dist.pipeline.promote", "--build", str(mxfp4))
     students: list[tuple[Path, str, str]] = []  # (build, name, score)
     for fmt in UNIFORM:
@@ -113,7 +113,7 @@ def main() -> None:
         run(
             "k3dist.pipeline.profiles",
             "--src",
-            "data/mini-k3",
+            "k3dist/data/mini-k3",
             "--out",
             str(mixed2),
             "--profile",

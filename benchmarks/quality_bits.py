@@ -321,7 +321,7 @@ def main() -> None:
                     state,
                     "--seed",
                     str(seed),
-                    *(("--batch", str(a.dwq_batch)) if a.dwq_batch else ()),
+                    *(("--window-batch", str(a.dwq_batch)) if a.dwq_batch else ()),
                 )
             rows.append((out, f"{name}-dwq{tag}", score))
     stage("dwq", t)

@@ -219,7 +219,7 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
                 dwq,
                 "--steps",
                 str(dwq_steps),
-                "--batch",
+                "--window-batch",
                 "2",
                 "--valid-windows",
                 "2",

@@ -1,6 +1,6 @@
 """Memory per rank with and without the vision tower (issue 15), from the layouts.
 
-For the trained mini-K3 (data/mini-k3) and the real K3 (its config and tensor index
+For the trained mini-K3 (k3dist/data/mini-k3) and the real K3 (its config and tensor index
 in k3dist/data): bytes per rank of a 2-rank source-format slicing (BF16 non-expert,
 MXFP4 experts split evenly) with the tower on rank 0 only (k3dist.pipeline.slicing.
 vision_ranks), the tower's BF16 bytes from the layout cross-checked against mlx-vlm's
@@ -175,7 +175,7 @@ def main() -> None:
         help="budget for the tower's peak (default: memory_headroom_gib)",
     )
     args = ap.parse_args()
-    mini = load_config(k3dist.DATA_DIR / "mini-k3")
+    mini = load_config(k3dist.MINI_K3)
     real = json.loads(REAL_K3_CONFIG.read_text())
     idx = read_index(REAL_K3_INDEX)
     names = {s.name for s in layout.vision_specs(real)}

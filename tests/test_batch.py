@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 
+from k3dist import MINI_K3
 from k3dist.bench import greedy
 from k3dist.config.deployment import load_deployment
-from k3dist.factory.corpus import DATA_DIR
 from k3dist.pipeline import convert, slicing
 from k3dist.serve import loader, warmup
 
@@ -22,9 +22,7 @@ from util import failed_ranks, load_f32, mlx_launch, prompt_ids
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
-    return convert.convert(
-        DATA_DIR / "mini-k3", tmp_path_factory.mktemp("shipped") / "build", progress=False
-    )
+    return convert.convert(MINI_K3, tmp_path_factory.mktemp("shipped") / "build", progress=False)
 
 
 def test_two_ranks_batch_of_8_both_forms_equal_single_process(build, tmp_path):

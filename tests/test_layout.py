@@ -177,7 +177,7 @@ def test_no_import_cycles():
 
 def test_serving_entry_point_imports_the_format_layer_only(tmp_path):
     # the embedded default's rank folder already in place (cwd-relative runs/ranks/rank0)
-    build = convert.convert(k3dist.DATA_DIR / "mini-k3", tmp_path / "build", progress=False)
+    build = convert.convert(k3dist.MINI_K3, tmp_path / "build", progress=False)
     slicing.slice_rank(build, tmp_path / "runs" / "ranks" / "rank0", 0, 2, progress=False)
     code = f"""
 import runpy, json, sys
@@ -201,12 +201,12 @@ print(json.dumps(sorted(m for m in sys.modules if m == "k3dist" or m.startswith(
 
 def test_a_stale_default_cache_is_not_trusted(mini_src, mini_build, tmp_path):
     """launch/serve.py serves a cached default rank folder only while it slices the
-    current build of data/mini-k3 in this k3dist's formats; anything else is remade."""
-    shipped = k3dist.DATA_DIR / "mini-k3"
+    current build of k3dist/data/mini-k3 in this k3dist's formats; anything else is remade."""
+    shipped = k3dist.MINI_K3
     build = convert.convert(shipped, tmp_path / "build", progress=False)
     rank0 = slicing.slice_rank(build, tmp_path / "rank0", 0, 2, progress=False)
     assert manifest.slices_current_build(rank0, shipped)
-    # another source (a retrained data/mini-k3 looks like this)
+    # another source (a retrained k3dist/data/mini-k3 looks like this)
     other = slicing.slice_rank(mini_build, tmp_path / "other", 0, 2, progress=False)
     assert not manifest.slices_current_build(other, shipped)
     assert not manifest.slices_current_build(rank0, mini_src)

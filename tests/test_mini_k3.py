@@ -1,4 +1,4 @@
-"""The shipped mini-K3 (data/mini-k3, issue 6): its format, its held-out quality through
+"""The shipped mini-K3 (k3dist/data/mini-k3, issue 6): its format, its held-out quality through
 our conversion, two ranks completing Python like one process, and that it is the
 embedded default."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from k3dist import MINI_K3
 from k3dist.bench import greedy
 from k3dist.factory import quality, train
 from k3dist.factory.corpus import DATA_DIR, TOKENIZER_DIR
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 from util import failed_ranks, load_f32, mlx_launch
 
-SHIPPED = DATA_DIR / "mini-k3"
+SHIPPED = MINI_K3
 COUNTS = DATA_DIR / "mini-k3-routing.npz"
 SEQ, WINDOWS = 256, 16  # the first 16 x 256 held-out tokens of each domain
 # Measured on those windows (2026-11-29, through the build, float32): code 80.62,

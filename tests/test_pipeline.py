@@ -1,5 +1,5 @@
 """The one-command pipeline (k3dist.pipeline.runner): the README's block run as written on
-data/mini-k3 and its rank folders served on 2 ranks; the real K3's disk plan; calibration
+k3dist/data/mini-k3 and its rank folders served on 2 ranks; the real K3's disk plan; calibration
 text through the source's own tokenizer; a published mlx-lm build audited, sliced and
 served equal to single-process mlx-lm; a non-loopback server without a key refused."""
 
@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from k3dist import MINI_K3
 from k3dist.bench.greedy import greedy
 from k3dist.format import tokens
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX
@@ -31,14 +32,14 @@ from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 from serving import Server, wait_logs
 from util import REPO, failed_ranks, load_f32, mlx_launch
 
-MINI = REPO / "data" / "mini-k3"
+MINI = MINI_K3
 
 
 def readme_pipeline_block() -> str:
     text = (REPO / "README.md").read_text()
     blocks = [textwrap.dedent(b) for b in re.findall(r"```sh\n(.*?)```", text, re.S)]
-    found = [b for b in blocks if "k3dist.pipeline.runner --src data/mini-k3" in b]
-    assert len(found) == 1, "README: one ```sh block runs the pipeline on data/mini-k3"
+    found = [b for b in blocks if "k3dist.pipeline.runner --src k3dist/data/mini-k3" in b]
+    assert len(found) == 1, "README: one ```sh block runs the pipeline on k3dist/data/mini-k3"
     return found[0]
 
 

@@ -333,7 +333,7 @@ def test_shipped_deployments_pass_the_memory_check(tmp_path):
     need = kvmemory.need_bytes(kv, act)["total"]
     assert need == 24_727_643_136 + 15_394_258_944 and tb5.memory_headroom_gib == 44
     assert need + 5 * GiB <= tb5.memory_headroom_gib * GiB  # 6.63 GiB beyond the model
-    mini = k3dist.DATA_DIR / "mini-k3"  # the embedded default's source (no manifest: whole)
+    mini = k3dist.MINI_K3  # the embedded default's source (no manifest: whole)
     local = REPO / "deploy" / "local.yaml"
     deps = {
         "default": Deployment(),

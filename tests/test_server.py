@@ -461,7 +461,7 @@ def test_crash_request_is_refused_and_both_ranks_keep_serving(srv):
     """Issue 10's request that killed both ranks (a logit_bias id = the vocabulary size:
     "double free or corruption"), the seeds that closed the connection with no status
     (streamed: an empty stream that ended as if normal), then the last valid id."""
-    vocab = get_json(srv.url + "/v1/k3dist")[1]["vocab_size"]  # 4352 for data/mini-k3
+    vocab = get_json(srv.url + "/v1/k3dist")[1]["vocab_size"]  # 4352 for k3dist/data/mini-k3
     crash = b'{"prompt":"hi","max_tokens":4,"logit_bias":{"4352":5}}'
     for body in (crash, {"prompt": "hi", "max_tokens": 4, "logit_bias": {str(vocab): 5}}):
         got, _, raw = post_conn(srv.port, body)

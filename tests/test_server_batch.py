@@ -30,12 +30,12 @@ BATCH_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory):
-    """The 2-rank server on the trained mini-K3 (data/mini-k3), batching up to 8."""
-    from k3dist.factory.corpus import DATA_DIR
+    """The 2-rank server on the trained mini-K3 (k3dist/data/mini-k3), batching up to 8."""
+    from k3dist import MINI_K3
     from k3dist.pipeline import convert
 
     tmp = tmp_path_factory.mktemp("shipped-serve")
-    build = convert.convert(DATA_DIR / "mini-k3", tmp / "build", progress=False)
+    build = convert.convert(MINI_K3, tmp / "build", progress=False)
     s = Server(rank_folders(build, tmp / "ranks"), tmp, ("--max-batch", "8"))
     s.build = build
     yield s

@@ -1,6 +1,6 @@
 """The base build read from the source and the calibration student quantized in memory
 (k3dist.pipeline.view, k3dist.pipeline.student), against the builds they replace, written on
-data/mini-k3: every tensor's bytes, the teacher's states, calibration's scores and routes,
+k3dist/data/mini-k3: every tensor's bytes, the teacher's states, calibration's scores and routes,
 and the graded build's files are the same; the graded build written straight into rank
 folders (k3dist.pipeline.direct) equals its slices."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from k3dist import MINI_K3
 from k3dist.format import manifest, verify
 from k3dist.format.classes import CLASSES
 from k3dist.format.sfile import mx_to_bytes, read_bytes, sha256_file
@@ -30,9 +31,8 @@ from k3dist.pipeline import (
 import mlx.core as mx
 import numpy as np
 import pytest
-from util import REPO
 
-MINI = REPO / "data" / "mini-k3"
+MINI = MINI_K3
 
 
 @pytest.fixture(scope="module")

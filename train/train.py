@@ -4,7 +4,7 @@
     mlx.launch -n 2 --python .venv/bin/python train/train.py --out runs/train --max-minutes 50
                                                               # the same, data-parallel
     python train/train.py --out runs/train --freeze --minutes 10  # experts -> MXFP4, fine-tune
-    python train/train.py --out runs/train --export data/mini-k3  # Moonshot source format
+    python train/train.py --out runs/train --export k3dist/data/mini-k3  # Moonshot source format
     python train/train.py --out runs/train --plot runs/train/curve.png
     python train/train.py --out runs/more --size sparse --seed 1 --init data/mini-k3-sparse \
         --max-minutes 55                                          # warm start from an export

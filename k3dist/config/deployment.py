@@ -510,3 +510,29 @@ def from_args(
         return load_deployment(path, **given)
     except (DeploymentError, FileNotFoundError) as e:
         parser.error(str(e))
+
+
+def add_renamed_flag(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, old: str, new: str, **kw: Any
+) -> None:
+    """Flag ``new`` (``kw``: its add_argument keywords, ``dest`` included) and, for one
+    release, its old name ``old``: hidden from --help, same value, a notice on stderr."""
+
+    class Renamed(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            print(
+                f"{parser.prog}: {old} is deprecated, it is now {new} (same value); use {new}",
+                file=sys.stderr,
+                flush=True,
+            )
+            setattr(namespace, self.dest, values)
+
+    parser.add_argument(new, **kw)
+    parser.add_argument(
+        old,
+        dest=kw["dest"],
+        type=kw.get("type"),
+        action=Renamed,
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )

@@ -14,7 +14,7 @@
 Windows are consecutive, non-overlapping ``seq``-token slices of each domain's documents
 joined as in training (``[BOS]`` + text); each is scored from an empty state.
 
-    python -m k3dist.factory.quality --teacher data/mini-k3 --float runs/train \\
+    python -m k3dist.factory.quality --teacher k3dist/data/mini-k3 --float runs/train \\
         --counts data/mini-k3-routing.npz --out benchmarks/results/quality-2026-11-29.json \\
         --markdown benchmarks/results/quality-2026-11-29.md
 """
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--teacher",
         type=Path,
-        default=Path("data/mini-k3"),
+        default=Path("k3dist/data/mini-k3"),
         help="MXFP4 checkpoint (Moonshot format or a build)",
     )
     ap.add_argument(

@@ -36,7 +36,7 @@ batches it would have seen.
     python -m k3dist.factory.train --out runs/train --max-minutes 50
     mlx.launch -n 2 --python .venv/bin/python train/train.py --out runs/train --max-minutes 50
     python -m k3dist.factory.train --out runs/train --freeze --minutes 10
-    python -m k3dist.factory.train --out runs/train --export data/mini-k3
+    python -m k3dist.factory.train --out runs/train --export k3dist/data/mini-k3
     python -m k3dist.factory.train speed --size m --seq 256 --batch 8 --steps 6
 """
 

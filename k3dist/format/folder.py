@@ -12,6 +12,7 @@ import gzip
 import json
 from pathlib import Path
 
+from k3dist import PACKAGE_DATA
 from k3dist.format.sfile import CheckpointError, read_header
 
 CONFIG_NAME = "config.json"
@@ -19,7 +20,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"  # a folder without an index holds exactly this file
 
 # The real Kimi K3's config.json and index, shipped (no weights) for plans and rehearsals.
-REAL_K3_CONFIG = Path(__file__).resolve().parent.parent / "data" / "kimi-k3-config.json"
+REAL_K3_CONFIG = PACKAGE_DATA / "kimi-k3-config.json"
 REAL_K3_INDEX = REAL_K3_CONFIG.with_name("kimi-k3-model.safetensors.index.json.gz")
 
 

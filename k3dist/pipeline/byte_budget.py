@@ -26,7 +26,7 @@ Memory assumptions (``Box`` and :class:`Limits` fields; every one a flag of
   steps of 256; whole on every rank), and the KDA recurrent state (``heads x head_dim^2``
   F32) + conv state (``3 x (kernel - 1) x heads x head_dim``, bf16) for each KDA layer
   (split by heads across the ranks with ``--attention split``, the default; whole on every
-  rank with ``--attention replicated``); ``--batch`` requests (the server's ``max_batch``:
+  rank with ``--attention replicated``); ``--max-batch`` requests (the server's ``max_batch``:
   they decode together, each with its own cache) at ``--context`` tokens, plus the prompt
   cache: at most ``max(--prompt-cache-tokens, context) + context`` tokens in at most 9
   entries, each with a whole KDA state;
@@ -60,6 +60,7 @@ The command is ``python -m k3dist.pipeline.plan`` (``k3dist.pipeline.plan``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import asdict, dataclass, field, replace
@@ -262,6 +263,53 @@ class PlanRequest:
     lo_fallback: bool = False
     headroom: int = 8 * GiB  # kept free per rank beyond every modelled need
     k_hi_drop_target: float = 1e-5  # k_hi from uniform routing: P(overflow) below this
+
+
+# the budget flags: exactly one (the plan command alone may give none: auto)
+BUDGET_FLAGS = "--budget BYTES (per rank), --budget-total BYTES or --target-bpw BITS"
+
+
+def _budget(value: str) -> float | None:
+    return None if value == "auto" else float(value)
+
+
+def add_budget_args(parser: argparse.ArgumentParser, *, auto: bool = False) -> None:
+    """The budget flags, mutually exclusive; ``auto``: none of them (or ``--budget
+    auto``) plans for the box's usable memory. :func:`plan_request` reads them."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument(
+        "--budget",
+        type=_budget if auto else float,
+        help="bytes per rank for weights + KV + activations, e.g. 480e9"
+        + ("; auto (default): the box's wired limit less the runtime reserve" if auto else ""),
+    )
+    g.add_argument("--budget-total", type=float, help="bytes over all ranks")
+    g.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
+
+
+def plan_request(
+    ranks: int,
+    budget: float | None = None,
+    budget_total: float | None = None,
+    target_bpw: float | None = None,
+    *,
+    auto: bool = False,
+    **fields,
+) -> PlanRequest:
+    """The plan request of the budget flags (:func:`add_budget_args`): exactly one of
+    them (none with ``auto``), a total split evenly over ``ranks``; ``fields``: the
+    request's other fields. ValueError naming the flags otherwise."""
+    given = sum(x is not None for x in (budget, budget_total, target_bpw))
+    if given > 1 or (given == 0 and not auto):
+        raise ValueError(f"give one of {BUDGET_FLAGS}")
+    per_rank = (
+        int(budget)
+        if budget is not None
+        else (int(budget_total) // ranks if budget_total is not None else None)
+    )
+    return PlanRequest(
+        ranks=ranks, budget_per_rank=per_rank, target_expert_bpw=target_bpw, **fields
+    )
 
 
 def overflow_probability(E: int, k: int, promoted: int, k_hi: int) -> float:

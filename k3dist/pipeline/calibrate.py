@@ -24,7 +24,7 @@ reading ``g``. Memory: two state sets (states + cotangents,
 ``k3dist.pipeline.stream.check_cap`` with 2 copies), one student layer and one teacher
 expert stack, and one batch's layer backward: for a KDA layer ~4.4 recurrent states
 per token (heads x head_dim^2 x 4 B: 2.3 MB per token on the ``bench`` preset, ~28 MB
-on real K3, i.e. ~7 GB for a batch of one 256-token window; ``--batch`` sets it). On
+on real K3, i.e. ~7 GB for a batch of one 256-token window; ``--window-batch`` sets it). On
 disk: the block inputs, and one block's layer inputs while it runs backward.
 
 The routes (top-k ids per token and MoE layer, int16) are kept too: ``k_hi`` for any
@@ -46,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 
+from k3dist.config.deployment import add_renamed_flag
 from k3dist.format.graded import GradedMap
 from k3dist.format.kvmemory import GiB
 from k3dist.format.sfile import CheckpointError
@@ -135,7 +136,7 @@ class Calibration:
             raise CheckpointError(
                 f"{teacher}: the teacher ran {ident['shape']} tokens in batches of "
                 f"{ident['batch']}, this calibration {list(tokens.shape)} in {batch}; "
-                "run both on the same token set and --batch"
+                "run both on the same token set and --window-batch"
             )
         self.tokens, self.batch, self.cap, self.seed = tokens, batch, cap, seed
         self.scores = scores
@@ -394,7 +395,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--teacher", required=True, help="python -m k3dist.pipeline.teacher output")
     ap.add_argument("--tokens", required=True, help="the teacher's token set (.npy/.npz)")
     ap.add_argument("--out", required=True, help="output folder")
-    ap.add_argument("--batch", type=int, default=4)
+    add_renamed_flag(
+        ap, "--batch", "--window-batch", dest="batch", type=int, default=4, help="windows per call"
+    )
     ap.add_argument("--cap", default="2GiB", help="memory cap for states + cotangents")
     ap.add_argument("--seed", type=int, default=0, help="the random baseline")
     ap.add_argument("--scores", default=",".join(SCORES), help="comma-separated subset")

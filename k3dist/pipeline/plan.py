@@ -6,7 +6,7 @@ JSON. Every field of the box (``k3dist.config.box.Box``) and of the serving limi
     python -m k3dist.pipeline.plan --config CONFIG --index INDEX [--budget auto|BYTES] \
         --dry-run --json
         [--nonexpert-sensitivity benchmarks/results/nonexpert-2026-12-01.json]
-        [--context TOKENS] [--batch N] [--prompt-cache-tokens TOKENS] [--prefill-chunk TOKENS]
+        [--context TOKENS] [--max-batch N] [--prompt-cache-tokens TOKENS] [--prefill-chunk TOKENS]
         [--attention split|replicated]
 """
 
@@ -20,6 +20,7 @@ from pathlib import Path
 
 from k3dist import REPO
 from k3dist.config.box import Box
+from k3dist.config.deployment import add_renamed_flag
 from k3dist.format.classes import CLASSES
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, read_index, read_json
 from k3dist.format.kvmemory import GiB
@@ -32,8 +33,10 @@ from k3dist.pipeline.byte_budget import (
     DEFAULT_NONEXPERT,
     Limits,
     PlanRequest,
+    add_budget_args,
     make_plan,
     measured_nonexpert,
+    plan_request,
     read_sensitivity,
     shipped,
 )
@@ -91,15 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", help="config.json (instead of --src)")
     ap.add_argument("--index", help=f"{INDEX_NAME}[.gz] (instead of --src)")
     ap.add_argument("--ranks", type=int, default=2)
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument(
-        "--budget",
-        default="auto",
-        help="bytes per rank for weights + KV + activations, e.g. 480e9; auto: "
-        "the box's wired limit less the runtime reserve",
-    )
-    g.add_argument("--budget-total", type=float, help="bytes over all ranks")
-    g.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
+    add_budget_args(ap, auto=True)
     ap.add_argument("--lo", default="auto", help="lo-bank format (e.g. 2bit-g128) or auto")
     ap.add_argument(
         "--min-promoted",
@@ -152,11 +147,14 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="tokens of one request (the server's max_context; default: deploy/tb5.yaml's)",
     )
-    ap.add_argument(
+    add_renamed_flag(
+        ap,
         "--batch",
+        "--max-batch",
+        dest="max_batch",
         type=int,
         default=None,
-        help="requests decoded together, each with its own KV cache (max_batch)",
+        help="requests decoded together, each with its own KV cache (the server's max_batch)",
     )
     ap.add_argument(
         "--prompt-cache-tokens",
@@ -201,12 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     limits = Limits.of(
         shipped(),
         context=args.context,
-        batch=args.batch,
+        batch=args.max_batch,
         prompt_cache_tokens=args.prompt_cache_tokens,
         prefill_chunk=args.prefill_chunk,
     )
     if limits.batch < 1 or limits.context < 1:
-        ap.error("--batch and --context must be at least 1")
+        ap.error("--max-batch and --context must be at least 1")
     nonexpert, origin = dict(DEFAULT_NONEXPERT), dict.fromkeys(DEFAULT_NONEXPERT, "default")
     if args.nonexpert_sensitivity:
         try:
@@ -222,23 +220,23 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--nonexpert {kv}: class must be one of {CLASSES}")
         QFormat.parse(f)
         nonexpert[c], origin[c] = f, "--nonexpert"
-    budget = None
-    if args.budget_total is not None:
-        budget = int(args.budget_total) // args.ranks
-    elif args.budget != "auto":
-        budget = int(float(args.budget))
-    req = PlanRequest(
-        ranks=args.ranks,
-        budget_per_rank=budget,
-        target_expert_bpw=args.target_bpw,
-        lo=args.lo,
-        min_promoted_fraction=args.min_promoted,
-        nonexpert=nonexpert,
-        nonexpert_from=origin,
-        attention=args.attention,
-        lo_fallback=args.lo_fallback,
-        headroom=int(args.headroom_gib * GiB),
-    )
+    try:
+        req = plan_request(
+            args.ranks,
+            args.budget,
+            args.budget_total,
+            args.target_bpw,
+            auto=True,
+            lo=args.lo,
+            min_promoted_fraction=args.min_promoted,
+            nonexpert=nonexpert,
+            nonexpert_from=origin,
+            attention=args.attention,
+            lo_fallback=args.lo_fallback,
+            headroom=int(args.headroom_gib * GiB),
+        )
+    except ValueError as e:
+        ap.error(str(e))
     try:
         plan = make_plan(acc, box, limits, req)
     except ValueError as e:

@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from k3dist.config.box import Box
+from k3dist.config.deployment import add_renamed_flag
 from k3dist.format import layout
 from k3dist.format.classes import CLASSES
 from k3dist.format.folder import read_index
@@ -130,22 +131,16 @@ def plan_graded(
     index; ``context``, ``batch``, ``prompt_cache_tokens``: the serving limits it leaves
     KV/state for (None: the plan's defaults). ValueError with the numbers when nothing
     fits."""
-    if sum(x is not None for x in (budget, budget_total, target_bpw)) != 1:
-        raise ValueError(
-            "--profile graded needs one of --budget BYTES (per rank), "
-            "--budget-total BYTES or --target-bpw BITS"
-        )
     index = read_index(src.index_path) if src.index_path.exists() else None
     acc = account(src.config, index, str(src.index_path))
     limits = byte_budget.Limits.of(
         byte_budget.shipped(), context=context, batch=batch, prompt_cache_tokens=prompt_cache_tokens
     )
-    req = byte_budget.PlanRequest(
-        ranks=ranks,
-        budget_per_rank=budget
-        if budget is not None
-        else (budget_total // ranks if budget_total is not None else None),
-        target_expert_bpw=target_bpw,
+    req = byte_budget.plan_request(
+        ranks,
+        budget,
+        budget_total,
+        target_bpw,
         lo=lo,
         nonexpert=dict(nonexpert or byte_budget.DEFAULT_NONEXPERT),
         nonexpert_from=dict(nonexpert_from or {}),
@@ -291,10 +286,7 @@ def main() -> None:
     )
     add_nonexpert_args(ap)
     g = ap.add_argument_group("graded profile")
-    b = g.add_mutually_exclusive_group()
-    b.add_argument("--budget", type=float, help="bytes per rank (weights + KV + activations)")
-    b.add_argument("--budget-total", type=float, help="bytes over all ranks")
-    b.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
+    byte_budget.add_budget_args(g)
     g.add_argument(
         "--scores",
         help="per-expert scores, npz of layer_L arrays (as grade "
@@ -322,8 +314,13 @@ def main() -> None:
         "per-layer: the plan's count in every layer",
     )
     g.add_argument("--context", type=int, help="tokens of context the plan leaves KV for")
-    g.add_argument(
-        "--batch", type=int, help="requests served together the plan leaves KV for (plan default)"
+    add_renamed_flag(
+        g,
+        "--batch",
+        "--max-batch",
+        dest="max_batch",
+        type=int,
+        help="requests served together the plan leaves KV for (plan default)",
     )
     g.add_argument(
         "--prompt-cache-tokens",
@@ -346,7 +343,7 @@ def main() -> None:
         "k_hi",
         "routes",
         "context",
-        "batch",
+        "max_batch",
         "prompt_cache_tokens",
         "headroom_gib",
         "nonexpert_sensitivity",
@@ -363,7 +360,7 @@ def main() -> None:
             "ranks": args.ranks,
             "lo": args.lo,
             "context": args.context,
-            "batch": args.batch,
+            "batch": args.max_batch,
             "prompt_cache_tokens": args.prompt_cache_tokens,
             "budget": int(args.budget) if args.budget is not None else None,
             "budget_total": int(args.budget_total) if args.budget_total else None,

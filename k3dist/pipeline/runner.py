@@ -228,28 +228,11 @@ def make_plan(a: Args, acc) -> dict:
     from k3dist.config.box import Box
     from k3dist.pipeline import byte_budget
 
-    if sum(x is not None for x in (a.budget, a.budget_total, a.target_bpw)) != 1:
-        raise CheckpointError(
-            "give one of --budget BYTES (per rank), --budget-total BYTES or --target-bpw BITS"
-        )
-    req = byte_budget.PlanRequest(
-        ranks=a.ranks,
-        budget_per_rank=int(a.budget)
-        if a.budget is not None
-        else (int(a.budget_total) // a.ranks if a.budget_total is not None else None),
-        target_expert_bpw=a.target_bpw,
-    )
+    try:
+        req = byte_budget.plan_request(a.ranks, a.budget, a.budget_total, a.target_bpw)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     return byte_budget.make_plan(acc, Box(), byte_budget.Limits.of(byte_budget.shipped()), req)
-
-
-def plan_kw(a: Args) -> dict:
-    """profiles.plan_graded's arguments for the same plan as :func:`make_plan`."""
-    return {
-        "ranks": a.ranks,
-        "budget": int(a.budget) if a.budget is not None else None,
-        "budget_total": int(a.budget_total) if a.budget_total is not None else None,
-        "target_bpw": a.target_bpw,
-    }
 
 
 def calib_tokens(a: Args) -> int:
@@ -827,6 +810,9 @@ def print_summary(rows: list[dict]) -> None:
 
 
 def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
+    from k3dist.config.deployment import add_renamed_flag
+    from k3dist.pipeline import byte_budget
+
     ap = argparse.ArgumentParser(
         description="Moonshot's K3 folder -> per-rank folders in one "
         "resumable command (module doc: python -m pydoc "
@@ -842,10 +828,7 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     )
     ap.add_argument("--out", help="output folder: OUT/rank{rank}, OUT/work (scratch)")
     ap.add_argument("--ranks", type=int, default=2)
-    b = ap.add_mutually_exclusive_group()
-    b.add_argument("--budget", type=float, help="bytes per rank (weights + KV + activations)")
-    b.add_argument("--budget-total", type=float, help="bytes over all ranks")
-    b.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
+    byte_budget.add_budget_args(ap)
     c = ap.add_mutually_exclusive_group()
     c.add_argument("--calib", help="a token set (.npy/.npz 'inputs') in the source's vocabulary")
     c.add_argument(
@@ -857,7 +840,15 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     )
     ap.add_argument("--windows", type=int, default=16, help="calibration windows (--calib-text)")
     ap.add_argument("--seq", type=int, default=256, help="tokens a window (--calib-text)")
-    ap.add_argument("--batch", type=int, default=4, help="windows per teacher/calibration call")
+    add_renamed_flag(
+        ap,
+        "--batch",
+        "--window-batch",
+        dest="batch",
+        type=int,
+        default=4,
+        help="calibration windows per teacher/calibration call",
+    )
     ap.add_argument("--cap", default="2GiB", help="memory cap for the token set's states")
     ap.add_argument("--top-k", type=int, default=0, help="teacher log-probs kept (0: all)")
     ap.add_argument("--dwq", action="store_true", help="distil the graded build (DWQ)")

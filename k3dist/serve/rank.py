@@ -53,7 +53,7 @@ def rank_folder(dep: Deployment, rank: int, size: int) -> Path:
     folder = dep.rank_path(rank)
     if dep.build != Deployment().build or dep.rank_dir != Deployment().rank_dir:
         return folder
-    if manifests.slices_current_build(folder, k3dist.DATA_DIR / "mini-k3"):
+    if manifests.slices_current_build(folder, k3dist.MINI_K3):
         return folder
     from k3dist.pipeline import default
 
