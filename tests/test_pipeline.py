@@ -45,10 +45,12 @@ def readme_pipeline_block() -> str:
 
 @pytest.fixture(scope="module")
 def readme_run(tmp_path_factory):
-    """The README's block, verbatim, in a fresh folder holding only data/ (python = this
-    venv's)."""
+    """The README's block, verbatim, in a fresh folder holding only data/ and the
+    package's k3dist/data/ (python = this venv's)."""
     tmp = tmp_path_factory.mktemp("readme")
     (tmp / "data").symlink_to(REPO / "data")
+    (tmp / "k3dist").mkdir()
+    (tmp / "k3dist" / "data").symlink_to(REPO / "k3dist" / "data")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     block = readme_pipeline_block()
     out = re.search(r"--out (\S+)", block).group(1)
