@@ -17,7 +17,7 @@ import copy
 import json
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from k3dist.factory import bpe, moonshot
@@ -79,26 +79,6 @@ PRESETS = {
         latent_size=32,
         base_vocab=512,
     ),
-    # Tests of g64 / g128 lo banks: "mini" with routed experts and latent 128 wide.
-    "mini128": Preset(
-        hidden_size=64,
-        num_layers=6,
-        attn_res_block_size=2,
-        kda_heads=4,
-        kda_head_dim=16,
-        mla_heads=4,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        intermediate_size=128,
-        num_experts=16,
-        experts_per_token=4,
-        moe_intermediate_size=128,
-        latent_size=128,
-        base_vocab=512,
-    ),
     # Benchmarks: routed experts are ~85% of ~450 MB, as they dominate the real model.
     "bench": Preset(
         hidden_size=1024,
@@ -144,7 +124,83 @@ PRESETS = {
         vision_layers=27,
         real_counts=True,
     ),
+    # Training (k3dist.factory.train.SIZES): K3's ratios, scaled: latent = hidden/2,
+    # shared experts 2 x moe_intermediate, MLA with q-LoRA and kv-LoRA, AttnRes blocks of
+    # 2-3 layers. Parameter counts: k3dist.factory.train.describe(config).
+    # 12.4M (4.1M active): 6 layers (MLA at 4 and 6), hidden 192, 64 experts top-4.
+    "s": Preset(
+        hidden_size=192,
+        num_layers=6,
+        attn_res_block_size=2,
+        kda_heads=2,
+        kda_head_dim=64,
+        mla_heads=3,
+        q_lora_rank=96,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        intermediate_size=512,
+        num_experts=64,
+        experts_per_token=4,
+        moe_intermediate_size=96,
+        latent_size=96,
+        base_vocab=4096,
+    ),
+    # 31.9M (8.3M active): the issue's note (9 layers, hidden 256, 64 experts top-4;
+    # MLA at 4, 8, 9).
+    # KDA 2 heads x 64: the CPU training path loops over time steps on a
+    # [batch, heads, 64, 64] state, so heads cost linearly (4 heads: ~2.3x slower KDA).
+    "m": Preset(
+        hidden_size=256,
+        num_layers=9,
+        attn_res_block_size=3,
+        kda_heads=2,
+        kda_head_dim=64,
+        mla_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        intermediate_size=768,
+        num_experts=64,
+        experts_per_token=4,
+        moe_intermediate_size=128,
+        latent_size=128,
+        base_vocab=4096,
+    ),
+    # Tests: well under a second a step, still every K3 feature (MLA at 4, 5; 64 experts).
+    "tiny": Preset(
+        hidden_size=64,
+        num_layers=5,
+        attn_res_block_size=2,
+        kda_heads=2,
+        kda_head_dim=32,
+        mla_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=128,
+        num_experts=64,
+        experts_per_token=2,
+        moe_intermediate_size=32,
+        latent_size=32,
+        base_vocab=4096,
+    ),
 }
+# Tests of g64 / g128 lo banks: "mini" with routed experts and latent 128 wide.
+PRESETS["mini128"] = replace(PRESETS["mini"], moe_intermediate_size=128, latent_size=128)
+# Issue 27's second mini ("sparse"): expert and latent widths 128, so 2-bit g64/g128
+# and 3-bit g64 exist; 128 experts top-8 (6.25% active) and 2 shared experts; otherwise
+# `s` (6 layers, MLA at 4 and 6, hidden 192, KDA 2 x 64).
+PRESETS["sparse"] = replace(
+    PRESETS["s"], num_experts=128, experts_per_token=8, moe_intermediate_size=128, latent_size=128
+)
+# The same with 256 experts top-8 (3.1% active, nearer K3's 1.8%).
+PRESETS["sparse256"] = replace(PRESETS["sparse"], num_experts=256)
 
 
 def real_config() -> dict:
