@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import signal
@@ -54,11 +53,28 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from k3dist import blas_status, set_blas_threads
-from k3dist.factory import corpus, moonshot, synth
-from k3dist.format import layout, mxfp4
+from k3dist.factory import corpus
+from k3dist.factory.curves import (
+    plot_log,
+)
+from k3dist.factory.export import (
+    export_source,
+    round_to_source,
+)
+from k3dist.factory.minimodel import (
+    PRETRAINED_FILE,
+    SIZES,
+    build_model,
+    describe,
+    expert_loads,
+    freeze_experts_mxfp4,
+    init_from_source,
+    model_config,
+    reset_caches,
+    update_router_bias,
+)
 from k3dist.format import tokens as tokenizer
-from k3dist.format.folder import CONFIG_NAME, load_config
-from k3dist.format.sfile import f32_to_bf16_bits
+from k3dist.format.folder import CONFIG_NAME
 from k3dist.model.group import join
 
 import mlx.core as mx
@@ -66,161 +82,6 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models import kimi_k3
-from mlx_lm.models.switch_layers import SwitchGLU
-
-# ----------------------------------------------------------------------------- sizes
-
-# The trainable sizes: presets of the one table, ``k3dist.factory.synth.PRESETS`` (K3's
-# ratios, scaled; parameter counts: `describe(config)`).
-SIZES = ("s", "m", "sparse", "sparse256", "tiny")
-MAX_EXPORT_BYTES = 30 * 1024 * 1024
-PRETRAINED_FILE = "pretrained.safetensors"  # the run's float weights at the freeze
-
-
-def model_config(size: str | synth.Preset, vocab_size: int) -> dict:
-    """K3's real config.json with the size's dimensions (``synth.make_config``)."""
-    if isinstance(size, str) and size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
-    p = synth.PRESETS[size] if isinstance(size, str) else size
-    return synth.make_config(p, vocab_size)
-
-
-def describe(config: dict) -> dict:
-    """Parameter counts (total, routed experts, active per token) and source bytes."""
-    tc = layout.text_config(config)
-    specs = [s for s in layout.source_specs(config) if s.family != "vision"]
-    n_expert = sum(math.prod(s.shape) * 2 for s in specs if s.name.endswith("weight_packed"))
-    n_all = sum(math.prod(s.shape) for s in specs if s.family != "experts") + n_expert
-    frac = tc["num_experts_per_token"] / tc["num_experts"]
-    return {
-        "params": n_all,
-        "expert_params": n_expert,
-        "active_params": int(n_all - n_expert * (1 - frac)),
-        "source_bytes": sum(s.nbytes for s in layout.source_specs(config)),
-    }
-
-
-# ----------------------------------------------------------------------------- model
-
-
-class CountingSwitchGLU(SwitchGLU):
-    """mlx-lm's SwitchGLU that keeps its last call's expert ids (the router's load,
-    for aux-loss-free balancing). Same parameters, same maths."""
-
-    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        self._indices = indices  # leading underscore: not a parameter
-        return super().__call__(x, indices)
-
-
-def moe_layers(model: nn.Module) -> list[kimi_k3.KimiK3SparseMoE]:
-    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, kimi_k3.KimiK3SparseMoE)]
-
-
-def build_model(config: dict, seed: int = 0) -> kimi_k3.Model:
-    """mlx-lm's kimi_k3 in float32, deterministic per seed; routers count their load and
-    ``e_score_correction_bias`` is frozen (moved by ``update_router_bias``, not Adam)."""
-    mx.random.seed(seed)
-    model = kimi_k3.Model(kimi_k3.ModelArgs.from_dict(config))
-    for moe in moe_layers(model):
-        old = moe.switch_mlp
-        new = CountingSwitchGLU(
-            old.gate_proj.input_dims,
-            old.gate_proj.output_dims,
-            old.gate_proj.num_experts,
-            activation=old.activation,
-        )
-        new.update(old.parameters())
-        moe.switch_mlp = new
-        moe.freeze(keys=["e_score_correction_bias"], recurse=False)
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
-
-
-def reset_caches(model: nn.Module) -> None:
-    """Drop the AttnRes effective-weight caches mlx-lm keeps in eval mode (stale after
-    any weight change) and the recorded router ids."""
-    for layer in model.layers:
-        if getattr(layer, "use_attn_res", False):
-            layer._attn_res_w_eff = layer._mlp_res_w_eff = None
-    if getattr(model.model, "use_attn_res", False):
-        model.model._output_res_w_eff = None
-    for moe in moe_layers(model):
-        moe.switch_mlp._indices = None
-
-
-def expert_loads(model: nn.Module) -> mx.array:
-    """[moe_layers, num_experts] token-expert assignments of the last forward."""
-    rows = []
-    for moe in moe_layers(model):
-        inds = moe.switch_mlp._indices.reshape(-1)
-        e = moe.e_score_correction_bias.shape[0]
-        rows.append(mx.zeros((e,), mx.float32).at[inds].add(1.0))
-    return mx.stop_gradient(mx.stack(rows))
-
-
-def update_router_bias(model: nn.Module, loads: mx.array, rate: float) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3): an overloaded expert's bias drops by
-    ``rate``, an underloaded one's rises; only top-k *selection* sees the bias."""
-    for moe, load in zip(moe_layers(model), loads, strict=True):
-        step = rate * mx.sign(load.mean() - load)
-        moe.e_score_correction_bias = moe.e_score_correction_bias + step
-
-
-def init_from_source(model: nn.Module, config: dict, folder: str | Path) -> None:
-    """Warm start: load an exported Moonshot-format folder (``export_source``'s) into the
-    float model through mlx-lm's ``load_model`` (its ``sanitize``), the MXFP4 experts
-    decoded to float32 (``mxfp4.decode``) so pretraining can move them again."""
-    from mlx_lm.utils import load_model
-
-    folder = Path(folder)
-    theirs = load_config(folder)
-    if layout.text_config(theirs) != layout.text_config(config):
-        raise ValueError(
-            f"{folder / CONFIG_NAME}: its text config is not this run's "
-            "size; pass the --size it was trained at (its training.json)"
-        )
-    src, _ = load_model(folder)
-    flat = dict(tree_flatten(src.parameters()))
-    weights = {}
-    for k, v in flat.items():
-        if k.endswith(".scales"):
-            continue
-        scales = k.removesuffix(".weight") + ".scales"
-        if ".switch_mlp." in k and scales in flat:  # an MXFP4 routed-expert projection
-            packed, e8m0 = mxfp4.from_mlx(v, flat[scales])
-            v = mx.array(mxfp4.decode(np.array(packed), np.array(e8m0)))
-        weights[k] = v.astype(mx.float32)
-    model.load_weights(list(weights.items()), strict=True)
-    mx.eval(model.parameters())
-    reset_caches(model)
-
-
-def freeze_experts_mxfp4(model: nn.Module) -> dict:
-    """Routed experts -> mlx-lm ``QuantizedSwitchLinear`` (mode mxfp4), codes and scales
-    from ``k3dist.format.mxfp4.encode`` (OCP), frozen. Returns relative RMS error per layer."""
-    errors = {}
-    for i, layer in enumerate(model.layers):
-        moe = layer.mlp
-        if not isinstance(moe, kimi_k3.KimiK3SparseMoE):
-            continue
-        num, den = 0.0, 0.0
-        for name in layout.MLP_PROJS:
-            lin = getattr(moe.switch_mlp, name)
-            if not hasattr(lin, "to_quantized"):
-                raise ValueError(f"layer {i} {name} is already quantized")
-            w = np.array(lin.weight.astype(mx.float32))
-            packed, scales = mxfp4.encode(w)
-            q = lin.to_quantized(group_size=mxfp4.GROUP_SIZE, bits=4, mode="mxfp4")
-            q.weight, q.scales = mxfp4.to_mlx(packed, scales)
-            setattr(moe.switch_mlp, name, q)
-            num += float(((mxfp4.decode(packed, scales) - w) ** 2).sum())
-            den += float((w**2).sum())
-        errors[i] = math.sqrt(num / den)
-    mx.eval(model.parameters())
-    return errors
-
 
 # ----------------------------------------------------------------------------- data
 
@@ -647,127 +508,6 @@ class Trainer:
         return int(mx.distributed.all_sum(v, group=self.group).item())
 
 
-# ----------------------------------------------------------------------------- export
-
-
-F32_SOURCE = "F32"
-
-
-def _mlx_name(source_name: str) -> str:
-    """The MLX parameter a source tensor is (part of); experts excluded."""
-    n = source_name.replace(".block_sparse_moe.", ".mlp.")
-    n = n.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias")
-    for x in "qkv":
-        n = n.replace(f".self_attn.{x}_proj.", ".self_attn.qkv_proj.")
-        n = n.replace(f".self_attn.{x}_conv1d.weight", ".self_attn.qkv_conv.conv.weight")
-    return n
-
-
-def round_to_source(model: nn.Module, config: dict) -> None:
-    """Round every parameter K3 stores as BF16 to bfloat16 (kept float32), so the
-    in-memory model equals what ``export_source`` writes and ``load_model`` reads."""
-    f32 = {_mlx_name(s.name) for s in layout.source_specs(config) if s.dtype == F32_SOURCE}
-    flat = tree_flatten(model.parameters())
-    new = [
-        (k, v.astype(mx.bfloat16).astype(mx.float32))
-        for k, v in flat
-        if k not in f32 and mx.issubdtype(v.dtype, mx.floating)
-    ]
-    model.update(tree_unflatten(new))
-    mx.eval(model.parameters())
-    reset_caches(model)
-
-
-class _Exporter:
-    def __init__(self, model: nn.Module, config: dict):
-        self.p = dict(tree_flatten(model.parameters()))
-        self.tc = layout.text_config(config)
-        self._experts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-
-    def _expert(self, layer: int, expert: int, w: str, kind: str) -> np.ndarray:
-        base = (
-            f"language_model.model.layers.{layer}.mlp.switch_mlp."
-            + {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}[w]
-        )
-        if base not in self._experts:
-            weight = self.p[base + ".weight"]
-            if base + ".scales" in self.p:
-                packed, scales = mxfp4.from_mlx(weight, self.p[base + ".scales"])
-                self._experts[base] = (np.array(packed), np.array(scales))
-            else:  # not frozen yet: encode now (same encoder as the freeze)
-                self._experts[base] = mxfp4.encode(np.array(weight))
-        packed, scales = self._experts[base]
-        return (packed if kind == "weight_packed" else scales)[expert]
-
-    def array(self, spec: layout.TensorSpec) -> np.ndarray:
-        key = layout.parse_expert_key(spec.name)
-        if key is not None:
-            return self._expert(*key)
-        name = spec.name
-        src = _mlx_name(name)
-        if ".self_attn.kv_b_proj." in name:
-            a = name.replace("kv_b_proj.weight", "")
-            wk = self.p[a + "embed_q.weight"].swapaxes(-1, -2)  # [heads, nope, kv_lora]
-            wv = self.p[a + "unembed_out.weight"]  # [heads, v, kv_lora]
-            v = mx.concatenate([wk, wv], axis=1)
-            return np.array(v.reshape(-1, v.shape[-1]))
-        v = self.p[src]
-        for i, x in enumerate("qkv"):
-            if f".self_attn.{x}_proj." in name:
-                P = v.shape[0] // 3
-                v = v[i * P : (i + 1) * P]
-            elif f".self_attn.{x}_conv1d." in name:
-                P = v.shape[0] // 3
-                v = v[i * P : (i + 1) * P].moveaxis(1, 2)  # [P, ks, 1] -> [P, 1, ks]
-        v = np.array(v.astype(mx.float32))
-        if name.endswith("A_log"):
-            v = np.concatenate([v, np.zeros(spec.shape[0] - v.shape[0], np.float32)])
-        return v
-
-
-def export_source(
-    model: nn.Module,
-    config: dict,
-    out_dir: str | Path,
-    tokenizer_dir: str | Path = corpus.TOKENIZER_DIR,
-    seed: int = 0,
-    provenance: dict | None = None,
-    max_bytes: int | None = MAX_EXPORT_BYTES,
-) -> Path:
-    """Write the model as a Moonshot-format source checkpoint (``synth``'s layout): one
-    shard per layer, experts MXFP4 per expert, BF16/F32 as K3, vision tower random
-    (deterministic per seed; K3's format has one, this model has no vision)."""
-    out = Path(out_dir)
-    specs = layout.source_specs(config)
-    total = sum(s.nbytes for s in specs)
-    if max_bytes is not None and total > max_bytes:
-        raise ValueError(
-            f"this config exports {total:,} bytes, over the {max_bytes:,} "
-            "budget; choose a smaller size (fewer experts or dimensions)"
-        )
-    tc = layout.text_config(config)
-    ex = _Exporter(model, config)
-
-    def data(s: layout.TensorSpec) -> bytes:
-        if s.family == "vision":
-            return synth.tensor_bytes(s, tc, seed)
-        a = ex.array(s)
-        if tuple(a.shape) != s.shape:
-            raise ValueError(f"{s.name}: model gives {a.shape}, K3's layout wants {s.shape}")
-        if s.dtype == "BF16":
-            return f32_to_bf16_bits(a).tobytes()
-        if s.dtype == "F32":
-            return np.ascontiguousarray(a, np.float32).tobytes()
-        return np.ascontiguousarray(a, np.uint8).tobytes()
-
-    moonshot.write_source(out, config, data)
-    for name in ("tiktoken.model", "tokenizer_config.json"):
-        shutil.copyfile(Path(tokenizer_dir) / name, out / name)
-    if provenance is not None:
-        (out / "training.json").write_text(json.dumps(provenance, indent=2) + "\n")
-    return out
-
-
 # ----------------------------------------------------------------------------- speed
 
 
@@ -809,59 +549,6 @@ def measure_speed(
         "losses": [round(v, 3) for v in losses],
         "blas": blas_status().get("loaded") or "reference",
     }
-
-
-# ----------------------------------------------------------------------------- curve
-
-
-def read_log(path: str | Path) -> tuple[list[dict], list[dict]]:
-    """(step records, event records) of a run's log.jsonl."""
-    steps, events = [], []
-    for line in Path(path).read_text().splitlines():
-        r = json.loads(line)
-        (events if "event" in r else steps).append(r)
-    return steps, events
-
-
-def plot_log(log: str | Path, png: str | Path, smooth: int = 20) -> Path:
-    """Training curve: train loss (raw and running mean) and held-out NLL per domain
-    against tokens seen; the MXFP4 freeze marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps, events = read_log(log)
-    if not steps:
-        raise ValueError(f"{log}: no training steps logged yet")
-    tok = np.array([r["tokens"] for r in steps]) / 1e6
-    loss = np.array([r["loss"] for r in steps])
-    k = max(1, min(smooth, len(loss)))
-    mean = np.convolve(loss, np.ones(k) / k, mode="valid")
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
-    ax.plot(tok, loss, color="0.8", lw=0.8, label="train loss (batch)")
-    ax.plot(tok[k - 1 :], mean, color="C0", lw=1.5, label=f"train loss (mean of {k})")
-    for i, dom in enumerate(corpus.DOMAINS):
-        pts = [(r["tokens"] / 1e6, r["eval"][dom]) for r in steps if "eval" in r]
-        if pts:
-            ax.plot(
-                *zip(*pts, strict=True), "o-", ms=3, color=f"C{i + 1}", label=f"held-out {dom} NLL"
-            )
-    for e in events:
-        if e["event"] == "freeze":
-            at = next((r["tokens"] for r in steps if r["step"] == e["step"]), None)
-            if at is not None:
-                ax.axvline(at / 1e6, color="k", ls="--", lw=0.8)
-                ax.text(at / 1e6, ax.get_ylim()[1], " experts -> MXFP4", va="top", fontsize=8)
-    ax.set_xlabel("training tokens (millions)")
-    ax.set_ylabel("nats / token")
-    ax.set_title(f"mini-K3 ({steps[-1]['step']} steps)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
-    return Path(png)
 
 
 # ----------------------------------------------------------------------------- CLI
