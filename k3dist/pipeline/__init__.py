@@ -1,7 +1,8 @@
-"""The build pipeline: a Moonshot checkpoint to per-rank folders ready to serve. Audit
-(``audit``, ``checkpoint``, ``mlxbuild``), convert (``convert``), teacher and calibration
-(``calibtext``, ``teacher``, ``calibrate``, ``stream``, ``student``), the byte budget
-(``byte_budget``, its command ``plan``), graded builds (``promote``, ``profiles``,
+"""Pipeline layer: a Moonshot checkpoint to per-rank folders ready to serve.
+
+Audit (``audit``, ``checkpoint``, ``mlxbuild``), convert (``convert``), teacher and
+calibration (``calibtext``, ``teacher``, ``calibrate``, ``stream``, ``student``), the byte
+budget (``byte_budget``, its command ``plan``), graded builds (``promote``, ``profiles``,
 ``direct``), DWQ (``dwq``, ``expert_grad``), slicing (``slicing``), the embedded default
-(``default``) and the one resumable command over all of it (``runner``). Imports the
-format, config and model layers, never serving."""
+(``default``) and the one resumable command over all of it (``runner``). Imports format,
+config and model, never serving."""

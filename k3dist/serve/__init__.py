@@ -1,1 +1,8 @@
-"""Serving runtime: EP model, rank-folder loader, server, warm-up, watchdog, deployment."""
+"""Serve layer: a rank's start-up and the HTTP APIs over one lockstep core.
+
+Rank start-up (``rank``: what ``launch/serve.py`` runs), the rank-folder loader with its
+checks (``loader``), preflight, warm-up, watchdog, keep-awake, the supervisor and its
+command (``supervise``, ``launch``), the lockstep generation core (``lockstep``), one
+thin module per HTTP API (``openai_api``, ``anthropic_api``, ``responses_api``,
+``prefix_api``) under one handler (``server``), prompt caches (``prompt_cache``,
+``prefix_store``) and images (``vision``). Imports format, config and model only."""

@@ -40,7 +40,16 @@ from typing import Any
 from k3dist import __version__ as k3dist_version
 from k3dist.config.deployment import Deployment
 from k3dist.format.kvmemory import PROMPT_CACHE_ENTRIES, prompt_cache_bound
-from k3dist.serve import anthropic_api, auth, lockstep, openai_api, relay, responses_api, warmup
+from k3dist.serve import (
+    anthropic_api,
+    auth,
+    lockstep,
+    openai_api,
+    prefix_api,
+    relay,
+    responses_api,
+    warmup,
+)
 from k3dist.serve.lockstep import ClientGone, K3ModelProvider, K3ResponseGenerator
 from k3dist.serve.openai_api import IMAGE_PART_TYPES, RequestError
 from k3dist.serve.prompt_cache import K3PromptCache
@@ -53,8 +62,6 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 # The agent APIs: each translates its body into a chat completion (k3dist.serve.relay).
 AGENT_PATHS = ("/v1/messages", "/v1/messages/count_tokens", "/v1/responses")
-# Pre-compute a chat prefix (system prompt + tools) into the prompt caches (_precompute).
-PREFIX_PATH = "/v1/k3dist/prefix"
 # A token is rarely more than ~16 characters: longer prompts are refused before
 # tokenizing them at all.
 MAX_CHARS_PER_TOKEN = 16
@@ -417,7 +424,7 @@ class K3APIHandler(mlx_server.APIHandler):
         path = self._route()
         if not self._authorized():
             return
-        if path == PREFIX_PATH:
+        if path == prefix_api.PATH:
             return self._precompute()
         if path not in COMPLETION_PATHS + AGENT_PATHS:
             return self._not_found()
@@ -485,36 +492,11 @@ class K3APIHandler(mlx_server.APIHandler):
         return False
 
     def _precompute(self) -> None:
-        """``POST /v1/k3dist/prefix`` with ``{"messages": [system messages], "tools": [...]}``:
-        prefill that prefix (as the start of a chat whose first user turn is to come) into
-        the prompt cache and, with ``prefix_cache_dir``, its on-disk store, so the first
-        session's first turn is warm even after a restart. Runs as a one-token chat
-        completion through the lockstep loop (mlx-lm keeps a chat's system segment as a
-        ``system`` entry); answers the prefix's token count and whether it is stored."""
+        """``POST /v1/k3dist/prefix`` (``k3dist.serve.prefix_api``): the prefix runs as a
+        one-token chat completion through the lockstep loop (mlx-lm keeps a chat's system
+        segment as a ``system`` entry)."""
         try:
-            body = self._read_json()
-            msgs = body.get("messages") if isinstance(body, dict) else None
-            if not (
-                isinstance(msgs, list)
-                and msgs
-                and all(
-                    isinstance(m, dict) and m.get("role") in ("system", "developer") for m in msgs
-                )
-            ):
-                raise RequestError(
-                    400,
-                    "messages must be a non-empty list of system (or "
-                    "developer) messages: the prefix every session starts with",
-                    "messages",
-                )
-            chat = {
-                "model": self.model_id,
-                "tools": body.get("tools"),
-                "max_tokens": 1,
-                "temperature": 0,
-                "chat_template_kwargs": body.get("chat_template_kwargs"),
-                "messages": [*msgs, {"role": "user", "content": "."}],
-            }
+            chat = prefix_api.to_chat(self._read_json(), self.model_id)
             self.path = "/v1/chat/completions"
             prompt, _ = self._prompt(self._check(self.path, chat))
             ids = prompt.tokens
@@ -547,17 +529,7 @@ class K3APIHandler(mlx_server.APIHandler):
                 )
             )
         store = getattr(self.response_generator.prompt_cache, "store", None)
-        stored = bool(store is not None and n and store.has(ids[:n]))
-        self._json(
-            200,
-            {
-                "prefix_tokens": n,
-                "seconds": round(time.monotonic() - t0, 3),
-                "stored": stored,
-                "key": store.key(ids[:n]) if stored else None,
-                "prefix_cache": store.report() if store is not None else None,
-            },
-        )
+        self._json(200, prefix_api.answer(n, time.monotonic() - t0, ids, store))
 
     def _agent_body(self, body: Any) -> tuple[Any, dict]:
         """An agent API request (Responses: parsed; Anthropic: its body) and the
