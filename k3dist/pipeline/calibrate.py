@@ -46,7 +46,6 @@ import sys
 import time
 from pathlib import Path
 
-from k3dist.config.deployment import add_renamed_flag
 from k3dist.format.graded import GradedMap
 from k3dist.format.kvmemory import GiB
 from k3dist.format.sfile import CheckpointError
@@ -395,9 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--teacher", required=True, help="python -m k3dist.pipeline.teacher output")
     ap.add_argument("--tokens", required=True, help="the teacher's token set (.npy/.npz)")
     ap.add_argument("--out", required=True, help="output folder")
-    add_renamed_flag(
-        ap, "--batch", "--window-batch", dest="batch", type=int, default=4, help="windows per call"
-    )
+    stream.add_window_batch(ap, 4, "windows per call")
     ap.add_argument("--cap", default="2GiB", help="memory cap for states + cotangents")
     ap.add_argument("--seed", type=int, default=0, help="the random baseline")
     ap.add_argument("--scores", default=",".join(SCORES), help="comma-separated subset")

@@ -62,7 +62,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from k3dist import __version__
-from k3dist.config.deployment import add_renamed_flag
 from k3dist.format.folder import INDEX_NAME, load_config
 from k3dist.format.graded import GradedMap
 from k3dist.format.journal import JournaledFolder, write_json_atomic
@@ -658,15 +657,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True, help="output build (resumes by block)")
     ap.add_argument("--steps", type=int, default=d.steps, help="per block")
     ap.add_argument("--lr", type=float, default=d.lr)
-    add_renamed_flag(
-        ap,
-        "--batch",
-        "--window-batch",
-        dest="batch",
-        type=int,
-        default=d.batch,
-        help="windows per step",
-    )
+    stream.add_window_batch(ap, d.batch, "windows per step")
     ap.add_argument("--valid-windows", type=int, default=d.valid_windows)
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
     ap.add_argument("--input", choices=("student", "teacher"), default=d.input)

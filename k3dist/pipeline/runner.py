@@ -810,8 +810,7 @@ def print_summary(rows: list[dict]) -> None:
 
 
 def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
-    from k3dist.config.deployment import add_renamed_flag
-    from k3dist.pipeline import byte_budget
+    from k3dist.pipeline import byte_budget, stream
 
     ap = argparse.ArgumentParser(
         description="Moonshot's K3 folder -> per-rank folders in one "
@@ -840,15 +839,7 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     )
     ap.add_argument("--windows", type=int, default=16, help="calibration windows (--calib-text)")
     ap.add_argument("--seq", type=int, default=256, help="tokens a window (--calib-text)")
-    add_renamed_flag(
-        ap,
-        "--batch",
-        "--window-batch",
-        dest="batch",
-        type=int,
-        default=4,
-        help="calibration windows per teacher/calibration call",
-    )
+    stream.add_window_batch(ap, 4, "calibration windows per teacher/calibration call")
     ap.add_argument("--cap", default="2GiB", help="memory cap for the token set's states")
     ap.add_argument("--top-k", type=int, default=0, help="teacher log-probs kept (0: all)")
     ap.add_argument("--dwq", action="store_true", help="distil the graded build (DWQ)")

@@ -25,12 +25,14 @@ the largest layer ~19.5 GB, KDA prefill 6.3 MB per token (1.6 GB for a 256-token
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3dist.config.deployment import add_renamed_flag
 from k3dist.format import layout
 from k3dist.format.folder import INDEX_NAME
 from k3dist.format.kvmemory import GiB
@@ -59,6 +61,14 @@ _UNITS = {
     "gi": 2**30,
     "ti": 2**40,
 }
+
+
+def add_window_batch(parser: argparse.ArgumentParser, default: int, help: str) -> None:
+    """``--window-batch N``: calibration windows a call (a step) takes together (the
+    requests a server decodes together are ``--max-batch``); ``--batch`` still read."""
+    add_renamed_flag(
+        parser, "--batch", "--window-batch", dest="batch", type=int, default=default, help=help
+    )
 
 
 def parse_bytes(s: str) -> int:

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 from k3dist import __version__
-from k3dist.config.deployment import add_renamed_flag
 from k3dist.format.journal import JournaledFolder
 from k3dist.format.kvmemory import GiB
 from k3dist.format.manifest import MANIFEST
@@ -234,15 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", required=True, help=".npy [windows, seq] token ids")
     ap.add_argument("--out", required=True, help="output folder (resumes if partial)")
     ap.add_argument("--cap", default="2GiB", help="memory cap for the token set's states")
-    add_renamed_flag(
-        ap,
-        "--batch",
-        "--window-batch",
-        dest="batch",
-        type=int,
-        default=4,
-        help="windows per forward call",
-    )
+    stream.add_window_batch(ap, 4, "windows per forward call")
     ap.add_argument("--top-k", type=int, default=0, help="keep the top k log-probs (0: all)")
     a = ap.parse_args(argv)
     try:
