@@ -11,6 +11,7 @@ from k3dist.format.graded import HI, LO
 from k3dist.format.sfile import read_bytes, read_header
 from k3dist.model import two_bank
 from k3dist.pipeline import dwq, promote, teacher
+from k3dist.pipeline.adam import Adam
 
 import mlx.core as mx
 import numpy as np
@@ -130,7 +131,7 @@ def test_bf16_state_improves_every_block_like_float32(setup, tmp_path):
 def test_adam_moments_are_kept_in_the_state_dtype():
     p = {"w": mx.array(np.random.default_rng(0).normal(size=(64,)).astype(np.float32))}
     g = {"w": mx.array(np.random.default_rng(1).normal(size=(64,)).astype(np.float32))}
-    full, half = dwq._Adam(), dwq._Adam(dtype=mx.bfloat16)
+    full, half = Adam(), Adam(dtype=mx.bfloat16)
     a, b = p, p
     for _ in range(20):
         a, b = full.update(a, g, 1e-2), half.update(b, g, 1e-2)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from k3dist.format import layout, placement, verify
 from k3dist.format.sfile import read_header
-from k3dist.pipeline import slicing
+from k3dist.pipeline import rank_files, slicing
 from k3dist.serve import loader
 
 import pytest
@@ -64,7 +64,7 @@ def _corrupt_middle(path, n: int = 4096) -> list[str]:
 def test_slicer_stamps_every_file(ranks2):
     for r in range(2):
         m = _manifest(ranks2 / f"rank{r}")
-        assert m["identity"]["format_version"] == slicing.FORMAT_VERSION == 3
+        assert m["identity"]["format_version"] == rank_files.FORMAT_VERSION == 3
         report = verify.verify_folder(ranks2 / f"rank{r}", m, "stamp")
         assert report.hashed == [] and report.bytes_hashed == 0
         # the manifest's digests are the files' own: a full check passes

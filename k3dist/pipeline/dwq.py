@@ -77,6 +77,7 @@ from k3dist.format.sfile import (
     sha256_file,
 )
 from k3dist.pipeline import stream
+from k3dist.pipeline.adam import Adam
 from k3dist.pipeline.calibrate import RoutedProbe, kl_sum
 from k3dist.pipeline.rss import peak_rss
 from k3dist.pipeline.teacher import TeacherOutput, read_tokens
@@ -283,7 +284,7 @@ class DWQ:
             entry.update(valid_after=entry["valid_before"], steps=0, note="nothing to train")
             return entry
         keep = STATE_DTYPES[self.cfg.state]
-        opt = _Adam(dtype=keep)
+        opt = Adam(dtype=keep)
         rng = np.random.default_rng([self.cfg.seed, a])  # per block: a resumed run redraws it
         best, best_params, lr = before, _copy(params, keep), self.cfg.lr
         losses = []
@@ -581,38 +582,6 @@ def graded_view(base, ranks: list[str | Path]):
 
 def _copy(params: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
     return {n: v.astype(dtype) for n, v in params.items()}
-
-
-class _Adam:
-    """Adam on a flat dict of float32 arrays; ``m`` and ``v`` stored in ``dtype`` (the
-    update is computed in float32). bf16's 8-bit mantissa drops ``v``'s 0.999 decay and
-    increments under ~1/256 of ``v``: harmless over DWQ's tens of steps a block, not for
-    thousands."""
-
-    def __init__(
-        self,
-        b1: float = 0.9,
-        b2: float = 0.999,
-        eps: float = 1e-8,
-        dtype: mx.Dtype = mx.float32,
-    ):
-        self.b1, self.b2, self.eps, self.dtype = b1, b2, eps, dtype
-        self.m: dict[str, mx.array] = {}
-        self.v: dict[str, mx.array] = {}
-        self.t = 0
-
-    def update(self, params: dict, grads: dict, lr: float) -> dict:
-        self.t += 1
-        out = {}
-        for n, p in params.items():
-            g = grads[n].astype(mx.float32)
-            m = self.b1 * self.m.get(n, mx.zeros_like(g)).astype(mx.float32) + (1 - self.b1) * g
-            v = self.b2 * self.v.get(n, mx.zeros_like(g)).astype(mx.float32) + (1 - self.b2) * g * g
-            self.m[n], self.v[n] = m.astype(self.dtype), v.astype(self.dtype)
-            mh = m / (1 - self.b1**self.t)
-            vh = v / (1 - self.b2**self.t)
-            out[n] = p - lr * mh / (mx.sqrt(vh) + self.eps)
-        return out
 
 
 def _set(block: list[nn.Module], params: dict[str, mx.array]) -> None:

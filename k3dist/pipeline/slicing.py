@@ -28,21 +28,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from k3dist import __version__
 from k3dist.format import graded, layout, manifest, verify
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, load_config
-from k3dist.format.journal import JournaledFolder, write_json_atomic
+from k3dist.format.journal import write_json_atomic
 from k3dist.format.manifest import JOURNAL, MANIFEST
-from k3dist.format.placement import Placement, PlacementError, for_config
+from k3dist.format.placement import Placement, PlacementError
 from k3dist.format.sfile import (
-    CHUNK_BYTES,
     CheckpointError,
     Header,
     StreamWriter,
@@ -50,239 +45,30 @@ from k3dist.format.sfile import (
     iter_chunks,
     read_bytes,
     read_header,
-    sha256_file,
 )
 from k3dist.format.source import Source
 from k3dist.pipeline import convert
+from k3dist.pipeline.rank_files import (
+    check_placement,
+    check_rank,
+    copy_file,
+    describe_identity,
+    id_runs,
+    is_source,
+    is_vision,
+    placement_for,
+    rank_identity,
+    rank_journal,
+    resolve_attention,
+    split_reads,
+    stacked_layer,
+    vision_ranks,
+    write_manifest,
+)
 
 import mlx.core as mx
 import numpy as np
 from tqdm import tqdm
-
-FORMAT_VERSION = manifest.RANK_FORMAT_VERSION
-# a stacked routed-expert tensor of an mlx-lm build: leading dim = num_experts (a graded
-# build's two banks: the rows k3dist.format.graded.stack_rows names)
-_STACK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.switch_(?:mlp|hi)\.")
-
-
-def stacked_layer(name: str) -> int | None:
-    """The layer of a stacked expert tensor, None for any other tensor."""
-    m = _STACK_RE.search(name)
-    return int(m.group(1)) if m else None
-
-
-def is_source(path: str | Path) -> bool:
-    """A Moonshot-format checkpoint rather than an mlx-lm build: per-expert keys
-    (``...block_sparse_moe.experts.E.w1.weight_packed``) in the index; without an
-    index, a compressed-tensors ``quantization_config``. (mlx-lm-converted builds
-    may keep the source's config block in ``text_config``: the keys decide.)"""
-    path = Path(path)
-    cfg = load_config(path)
-    index = path / INDEX_NAME
-    if index.exists():
-        names = json.loads(index.read_text()).get("weight_map", {})
-        return any(layout.parse_expert_key(n) for n in names)
-    blocks = (cfg.get("quantization_config"), layout.text_config(cfg).get("quantization_config"))
-    return any(b and b.get("quant_method") == "compressed-tensors" for b in blocks)
-
-
-def check_rank(rank: int, size: int) -> None:
-    if size < 1:
-        raise CheckpointError(f"--size {size} must be at least 1")
-    if not 0 <= rank < size:
-        raise CheckpointError(
-            f"--rank {rank} must be in 0..{size - 1} (0..size-1 for --size {size})"
-        )
-
-
-def placement_for(build: str | Path, size: int, counts_path: str | Path | None = None) -> Placement:
-    """The placement for a build or source folder: contiguous, or load-aware from
-    routing counts."""
-    config = load_config(build)
-    placement = for_config(layout.text_config(config), size, counts_path)
-    gmap = graded.GradedMap.from_config(config)
-    return placement if gmap is None else graded.balance_hi(placement, gmap)
-
-
-def vision_ranks(size: int) -> set[int]:
-    """Ranks whose folder holds the vision tower and projector: rank 0 only. It runs
-    the tower and hands the features to the others in one all_sum (k3dist.serve.vision,
-    ``TOWER_RANK``); the other ranks need no vision weights (real K3: 0.89 GB each)."""
-    return {0} if size > 0 else set()
-
-
-def _is_vision(name: str) -> bool:
-    return name.startswith(layout.VISION_PREFIXES)
-
-
-def _identity(
-    build_hash: str, rank: int, size: int, placement: Placement, attention: str = "replicated"
-) -> dict:
-    return {
-        "format_version": FORMAT_VERSION,
-        "kind": "rank",
-        "build_hash": build_hash,
-        "rank": rank,
-        "size": size,
-        "placement_hash": placement.hash,
-        "attention": attention,
-    }
-
-
-def resolve_attention(attention: str | None, size: int) -> str:
-    """The mode a folder is sliced in: ``split`` by default; one rank has nothing to
-    split, so it is always ``replicated``."""
-    attention = attention or "split"
-    if attention not in layout.ATTENTION_MODES:
-        raise CheckpointError(
-            f"--attention must be one of {layout.ATTENTION_MODES}, not {attention!r}"
-        )
-    return "replicated" if size <= 1 else attention
-
-
-def _describe(ident: dict) -> str:
-    return (
-        f"rank {ident.get('rank')} of {ident.get('size')} of build "
-        f"{ident.get('build_hash')} (placement {ident.get('placement_hash')})"
-    )
-
-
-def _copy_file(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
-def _expert_bytes(header: Header) -> int:
-    return sum(t.nbytes for n, t in header.tensors.items() if stacked_layer(n) is not None)
-
-
-def _runs(ids: list[int], per: int) -> list[tuple[int, int]]:
-    """(byte offset, length) ranges of experts ``ids`` in a stack of ``per``-byte
-    experts: consecutive ids merged, split into chunks of at most 64 MiB."""
-    out: list[tuple[int, int]] = []
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        start, end = ids[i] * per, (ids[j] + 1) * per
-        for s in range(start, end, CHUNK_BYTES):
-            out.append((s, min(CHUNK_BYTES, end - s)))
-        i = j + 1
-    return out
-
-
-def _split_reads(
-    t: TensorInfo, rule: tuple[int, int], rank: int, size: int
-) -> tuple[tuple[int, ...], list]:
-    """(output shape, reads) of this rank's part of a non-expert tensor divided across
-    ranks (``layout.split_rule``). A read is (offset, length, columns): ``columns``
-    (row bytes, start, stop) keeps those bytes of every row of the block read."""
-    axis = rule[0] % len(t.shape)
-    spans = layout.split_slice(t.shape, rule, rank, size)
-    shape = list(t.shape)
-    shape[axis] = sum(b - a for a, b in spans)
-    inner = t.nbytes // int(np.prod(t.shape[: axis + 1]))  # bytes per index along axis
-    if axis == 0:
-        reads = [(a * inner + s, n, None) for a, b in spans for s, n in _runs([0], (b - a) * inner)]
-        return tuple(shape), reads
-    if axis != len(t.shape) - 1:
-        raise CheckpointError(
-            f"{t.path}: {t.name!r} would split along axis {axis}; only "
-            "the first or last axis can be divided across ranks"
-        )
-    row = t.shape[-1] * inner
-    rows = t.nbytes // row
-    per = max(1, CHUNK_BYTES // row)
-    cols = [(a * inner, b * inner) for a, b in spans]
-    reads = [
-        (r * row, min(per, rows - r) * row, (row, c0, c1))
-        for r in range(0, rows, per)
-        for c0, c1 in cols
-    ]
-    return tuple(shape), reads
-
-
-def _folder(out: Path, ident: dict, source_kind: str) -> JournaledFolder:
-    return JournaledFolder(
-        out, "rank", ident, source=source_kind, describe=_describe, hint=" (e.g. one with {rank})"
-    )
-
-
-def _write_manifest(
-    folder: JournaledFolder,
-    placement: Placement,
-    build: Path,
-    safetensors: dict[str, dict],
-    small: list[str],
-    seconds: float,
-    split: list[int] | None = None,
-) -> dict:
-    """``k3dist.json``, last: sha256 of the tensor files from the journal (computed
-    while writing; never a second read of the folder), of the small files here."""
-    out, ident = folder.path, folder.identity
-    files = {
-        name: {
-            "sha256": e["sha256"],
-            "bytes": e["bytes"],
-            "header_sha256": e["header_sha256"],
-            "tensors": e["tensor_sha256"],
-        }
-        for name, e in safetensors.items()
-    }
-    for name in small:
-        files[name] = {"sha256": sha256_file(out / name), "bytes": (out / name).stat().st_size}
-    manifest = {
-        "tool": f"k3dist {__version__}",
-        "kind": "rank",
-        "identity": ident,
-        "rank": ident["rank"],
-        "size": ident["size"],
-        "placement": placement.to_json(),
-        "placement_hash": placement.hash,
-        "build_hash": ident["build_hash"],
-        "build": str(build.resolve()),
-        "input": folder.source,
-        "expert_bytes": sum(_expert_bytes(read_header(out / n)) for n in safetensors),
-        # layers whose attention heads (and dense MLP) this rank holds a part of
-        "attention": {"mode": ident["attention"], "split_layers": sorted(split or [])},
-        "files": files,
-        "seconds": round(seconds, 2),
-    }
-    folder.finish(manifest)
-    verify.stamp_folder(out, manifest)  # hashed while written: the first start hashes nothing
-    return manifest
-
-
-def _check_placement(
-    placement: Placement, size: int, num_experts: int, layers: set[int], where: str
-) -> None:
-    placement.validate()
-    if placement.size != size:
-        raise PlacementError(
-            f"placement is for {placement.size} ranks but --size is {size}; "
-            "make the placement for this size (or pass --size "
-            f"{placement.size})"
-        )
-    if placement.num_experts != num_experts:
-        raise PlacementError(
-            f"placement maps {placement.num_experts} experts per layer but "
-            f"{where} has {num_experts}; make the placement from its config"
-        )
-    missing, extra = sorted(layers - set(placement.owners)), sorted(set(placement.owners) - layers)
-    if missing or extra:
-        raise PlacementError(
-            f"placement covers MoE layers {_short(placement.owners)} but {where} has expert "
-            f"stacks for {_short(layers)} (missing {_short(missing)}, extra {_short(extra)}); "
-            "make the placement from this model's config"
-        )
-
-
-def _short(xs, n: int = 8) -> str:
-    xs = sorted(xs)
-    return str(xs) if len(xs) <= n else f"{str(xs[:n])[:-1]}, ... ({len(xs)} in all)]"
-
 
 # ----------------------------------------------------------------------------- build input
 
@@ -320,7 +106,7 @@ class BuildSlicer:
         self.weight_map: dict[str, str] = {
             n: f
             for n, f in self.index["weight_map"].items()
-            if rank in vision_ranks(size) or not _is_vision(n)
+            if rank in vision_ranks(size) or not is_vision(n)
         }
         self.build_hash = (
             self.manifest["build_hash"]
@@ -356,7 +142,7 @@ class BuildSlicer:
                         f"map {'yes' if self.gmap else 'no'}); the leading dim must match "
                         "(a rank folder cannot be sliced again)"
                     )
-        _check_placement(placement, size, E, set(self.stacks.values()), str(build))
+        check_placement(placement, size, E, set(self.stacks.values()), str(build))
         if self.gmap is not None:
             for layer, ids in self.gmap.hi.items():
                 held = {placement.owners[layer][e] for e in ids}
@@ -379,7 +165,7 @@ class BuildSlicer:
         self.split_layers = (
             set(layout.split_layers(tc, size, shapes)) if self.attention == "split" else set()
         )
-        self.ident = _identity(self.build_hash, rank, size, placement, self.attention)
+        self.ident = rank_identity(self.build_hash, rank, size, placement, self.attention)
 
     def _build_manifest(self) -> dict | None:
         p = self.build / MANIFEST
@@ -411,16 +197,16 @@ class BuildSlicer:
                 else None
             )
             if rule is not None:
-                plan.append((t, *_split_reads(t, rule, self.rank, self.size)))
+                plan.append((t, *split_reads(t, rule, self.rank, self.size)))
             elif layer is None:
-                plan.append((t, t.shape, [(s, n, None) for s, n in _runs([0], t.nbytes)]))
+                plan.append((t, t.shape, [(s, n, None) for s, n in id_runs([0], t.nbytes)]))
             else:
                 mine = graded.local_rows(
                     self.gmap, t.name, self.placement.num_experts, self.placement, self.rank
                 )
                 per = t.nbytes // t.shape[0]
                 plan.append(
-                    (t, (len(mine), *t.shape[1:]), [(s, n, None) for s, n in _runs(mine, per)])
+                    (t, (len(mine), *t.shape[1:]), [(s, n, None) for s, n in id_runs(mine, per)])
                 )
         return plan
 
@@ -497,9 +283,9 @@ class BuildSlicer:
                 prev.get("build_hash") != previous
                 or {k: v for k, v in prev.items() if k != "build_hash"} != same
             ):
-                want = _describe({**self.ident, "build_hash": previous})
+                want = describe_identity({**self.ident, "build_hash": previous})
                 raise CheckpointError(
-                    f"{self.out}: holds {_describe(prev)}, not {want} to rewrite as build "
+                    f"{self.out}: holds {describe_identity(prev)}, not {want} to rewrite as build "
                     f"{self.build_hash}; slice the build it came from again into it, or "
                     "choose that build's rank folder"
                 )
@@ -580,7 +366,7 @@ class BuildSlicer:
 
     def open(self) -> bool:
         """Open (or resume) the rank folder; True when it is already complete."""
-        self.folder = _folder(self.out, self.ident, "build")
+        self.folder = rank_journal(self.out, self.ident, "build")
         self.t0 = time.perf_counter()
         return self.folder.open()
 
@@ -600,10 +386,10 @@ class BuildSlicer:
         meta = {**self.index.get("metadata", {}), "total_size": total_size}
         write_json_atomic(self.out / INDEX_NAME, {"metadata": meta, "weight_map": self.weight_map})
         small = self._small_files()
-        _copy_file(self.build / CONFIG_NAME, self.out / CONFIG_NAME)
+        copy_file(self.build / CONFIG_NAME, self.out / CONFIG_NAME)
         for name in small:
-            _copy_file(self.build / name, self.out / name)
-        _write_manifest(
+            copy_file(self.build / name, self.out / name)
+        write_manifest(
             folder,
             self.placement,
             self.build,
@@ -644,7 +430,7 @@ class SourceSlicer:
         self.src = Source(src)
         tc = self.src.text_config
         moe = set(layout.moe_layers(tc))
-        _check_placement(placement, size, tc.get("num_experts") or 0, moe, str(src))
+        check_placement(placement, size, tc.get("num_experts") or 0, moe, str(src))
         self.placement, self.rank, self.out, self.size = placement, rank, out, size
         self.conv = convert.Converter(
             self.src,
@@ -655,7 +441,7 @@ class SourceSlicer:
         )
         self.conv.preflight()  # every header and A_log tail before anything is written
         self.build_hash = convert.build_hash(self.conv.ident)
-        self.ident = _identity(self.build_hash, rank, size, placement)
+        self.ident = rank_identity(self.build_hash, rank, size, placement)
 
     def _unit_bytes(self, group: str) -> int:
         """Source bytes this rank reads for a unit (the progress bar's measure)."""
@@ -670,7 +456,7 @@ class SourceSlicer:
         return n
 
     def run(self, progress: bool = True) -> Path:
-        folder = _folder(self.out, self.ident, "source")
+        folder = rank_journal(self.out, self.ident, "source")
         if folder.open():
             return self.out
         groups = [
@@ -691,7 +477,7 @@ class SourceSlicer:
         bar.close()
         done = folder.done
         copied = self.conv.write_metadata(done, groups)
-        _write_manifest(
+        write_manifest(
             folder,
             self.placement,
             self.src.path,
