@@ -9,7 +9,7 @@ Prints JSON: per build profile and backend, each mode's bytes / FLOPs / collecti
 step and rank, time split, tok/s and per-box footprint; the published two-box anchors
 next to the model with what each implies; the constants with where each comes from.
 ``--calibrate`` also measures this machine (memory bandwidth, MLX matvecs, loopback
-all_sum under ``mlx.launch -n 2``). Model and equations: ``k3dist/bench/costmodel.py``.
+all_sum under ``mlx.launch -n 2``). Model and equations: ``k3dist.bench.costmodel``.
 ``--prefill`` adds time to first token (cold 2K / 20K / 100K prompts, EP-split and TP,
 at two prefill efficiencies), the inter-token latency of running requests per prefill
 chunk size, and a cached prefix restored from disk against recomputing it
