@@ -10,7 +10,7 @@ Kimi K3's routed experts ship per weight matrix ``[rows, cols]`` as
 MLX's mxfp4 (group_size 32, bits 4) stores uint32 ``[rows, cols // 8]`` where element ``j``
 of a word sits in bits ``4j .. 4j + 3``, and the same uint8 E8M0 scales. On a little-endian
 machine that is exactly the byte layout above, so the repack is a dtype *view*: no
-arithmetic, no rounding, nothing to get wrong. ``tests/test_mxfp4.py`` proves it bitwise
+arithmetic, no rounding, nothing to get wrong. ``tests/format/test_mxfp4.py`` proves it bitwise
 against MLX's own dequantize and quantized_matmul.
 
 How MLX 0.32.4 reads a scale byte (checked on CPU by the tests; the Metal ``fp8_e8m0``

@@ -2,7 +2,7 @@
 every quantization mode — affine 1–8 bits at group 32/64/128 (packed uint32 codes + one
 scale and one bias per group, in the model dtype: bf16 on disk), ``mxfp4`` (4-bit, group
 32, one uint8 E8M0 scale), ``mxfp8`` (8-bit, group 32, uint8 scale), ``nvfp4`` (4-bit,
-group 16, uint8 E4M3 scale). ``tests/test_plan.py`` checks each against ``mx.quantize``
+group 16, uint8 E4M3 scale). ``tests/pipeline/test_plan.py`` checks each against ``mx.quantize``
 output sizes. The planner, the converter and the grader all count and name formats here.
 """
 

@@ -2,7 +2,7 @@
 
 k3dist's server subclasses mlx_lm.server and overrides or reads a few of its private
 names; the EP model calls kimi_k3's router. ``missing()`` names whichever of them a
-new mlx-lm no longer has (tests/test_compat.py fails with that list).
+new mlx-lm no longer has (tests/model/test_compat.py fails with that list).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class TwoBankMoE(ExpertParallelMoE):
     choice needs them (the ``k_hi`` heaviest promoted routes), so this layer alone runs
     its own forward: mlx-lm's ``KimiK3SparseMoE.__call__`` with the routed step
     (``_routed_placeholder`` / ``_routed_local``) in place of ``switch_mlp`` and the
-    weighted sum; tests/test_banks.py holds it equal to the single-bank layer.
+    weighted sum; tests/model/test_banks.py holds it equal to the single-bank layer.
 
     Letting the parent's forward run instead would need the weights inside
     ``switch_mlp``: ranking by what it sees (``inds``) is not the weights' order, and

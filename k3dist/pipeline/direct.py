@@ -6,7 +6,7 @@ build's small files (config, index, tokenizer, a manifest naming its ``build_has
 ``scratch`` first, each tensor file is made there by ``GradedBuilder.grade_file`` when the
 rank slicers (``slicing.BuildSlicer``, one per rank) first read it, sliced into every rank
 folder, and deleted before the next is made. The rank folders are the ones ``slice_all`` of
-the written graded build gives (``tests/test_view.py``: every file's sha256), and resume
+the written graded build gives (``tests/pipeline/test_view.py``: every file's sha256), and resume
 like it (each rank folder's journal; a file not yet in every rank's journal is made again).
 Disk: the rank folders plus the largest graded file (a decoder layer: ~14 GB for the real
 K3).

@@ -42,7 +42,7 @@ other tensor's part copied from the file as it is, one file of one rank at a tim
 other files kept), each rank folder's manifest becoming a journal of the DWQ build first
 and the DWQ build's manifest last. ``out`` is then scratch: the journal of blocks, the
 propagated state, and the DWQ build's small files the slicers read (``out/build``). The
-rank folders are the ones slicing the written DWQ build gives (``tests/test_dwq.py``:
+rank folders are the ones slicing the written DWQ build gives (``tests/pipeline/test_dwq.py``:
 every file's sha256), and resume like it. Disk: the rank folders, one rank file being
 rewritten, the state.
 

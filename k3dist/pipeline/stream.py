@@ -10,7 +10,7 @@ real K3 layer (~17 GB of MXFP4 experts) is the weight working set, never the mod
 Between layers the token set is described completely by a :class:`State`: the hidden
 state ``h`` and K3's Attention Residuals block stack (``raw``, one entry per finished
 block, with its inverse RMS): running layer by layer from a state equals the full
-forward (``tests/test_stream.py``: bitwise on CPU, float32).
+forward (``tests/pipeline/test_stream.py``: bitwise on CPU, float32).
 
 Memory bound: the states of the whole token set, ``tokens x hidden x (blocks + 1) x 4``
 bytes at the deepest layer (float32; enforced: :func:`check_cap` refuses a token set over

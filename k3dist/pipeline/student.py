@@ -9,7 +9,7 @@ are taken as they are (hi bank), every other expert is re-quantized with
 stream runs; config and ``build_hash`` are the written graded build's.
 
 - :class:`LoView`: no promotions, the uniform lo-bank build: calibration's student
-  (``tests/test_view.py``: every tensor equal to the written student's bytes,
+  (``tests/pipeline/test_view.py``: every tensor equal to the written student's bytes,
   calibration's scores and routes equal).
 - a :class:`GradedView` of the graded map in the rank folders' config: DWQ's student
   when the graded build went straight into rank folders (``k3dist.pipeline.dwq``).

@@ -15,7 +15,7 @@ its structure only) and its small files (``write_small``: tokenizer files).
   :meth:`~k3dist.pipeline.convert.Converter.unit`: experts the source's MXFP4 bytes, stacked;
   non-experts sanitized and quantized to the plan's formats by mlx-lm's modules). Its
   ``build_hash`` is the written build's, so teacher and graded manifests name the same
-  base either way (``tests/test_view.py``: every tensor equal to the written build's
+  base either way (``tests/pipeline/test_view.py``: every tensor equal to the written build's
   bytes).
 - ``k3dist.pipeline.student.LoView``: the uniform lo-bank student of either, in memory.
 """

@@ -451,7 +451,7 @@ def validate(
 def handler_fields(req: ChatRequest | TextRequest, cli_args) -> dict[str, Any]:
     """What mlx-lm 0.32.2's ``APIHandler.do_POST`` sets on the handler for this request,
     with its defaults (``cli_args``' where it takes them from there; the others are
-    pinned against its own in tests/test_compat.py): ``handle_completion`` reads these."""
+    pinned against its own in tests/model/test_compat.py): ``handle_completion`` reads these."""
     so = req.stream_options
     return {
         "stream": bool(req.stream),

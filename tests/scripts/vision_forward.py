@@ -1,4 +1,4 @@
-"""One rank of an EP forward with images (tests/test_vision.py runs it under mlx.launch).
+"""One rank of an EP forward with images (tests/serve/test_vision.py runs it under mlx.launch).
 
 Each rank loads its folder, gives the model its image side (the tower only where the
 folder holds it: rank 0), and for each image renders ``--text`` with the image,

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "slicing" / "rank_split.py"
 MOE = [1, 2, 3, 4, 5]  # the mini config's MoE layers
 E = 16

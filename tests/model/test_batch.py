@@ -2,7 +2,7 @@
 decode eight prompts together and each gets the greedy tokens single-process mlx-lm
 gives it alone (the trained mini-K3, float32); the local form's host syncs are one
 per MoE layer per step whatever the batch. The server's batch path:
-tests/test_server_batch.py (test_batch_of_8_...)."""
+tests/serve/test_server_batch.py (test_batch_of_8_...)."""
 
 from __future__ import annotations
 

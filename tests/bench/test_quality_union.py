@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "quality_union.py"
 BASE = REPO / "benchmarks" / "results" / "quality-bits-2026-12-02-b.json"
 

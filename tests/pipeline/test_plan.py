@@ -18,7 +18,7 @@ from k3dist.pipeline import accounting, byte_budget, plan
 import mlx.core as mx
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # the real K3's tensor index, as the package ships it (a copy of ../shared/reference's)
 REAL_INDEX = REAL_K3_INDEX
 

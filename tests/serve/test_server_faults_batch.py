@@ -34,7 +34,7 @@ PROMPTS = [
 WATCHDOG_S = 15.0
 IDLE_S = 5.0
 # The ranks pause in their 30th decode step (60 s at most), so the kill finds all 8
-# requests still generating (tests/test_server_faults.py's PAUSED says why).
+# requests still generating (tests/serve/test_server_faults.py's PAUSED says why).
 ENTRY = REPO / "tests/scripts/serve_paused.py"
 PAUSE = ("--pause-after", "30", "--pause-s", "60")
 

@@ -539,7 +539,7 @@ def test_frozen_rank_mid_stream_ends_the_deployment(good_ranks, tmp_path):
         "-p",
         str(free_base_port(2)),
         # paused in the 20th decode step (60 s at most), so the SIGSTOP finds the request
-        # generating (tests/test_server_faults.py's PAUSED says why)
+        # generating (tests/serve/test_server_faults.py's PAUSED says why)
         script=REPO / "tests" / "scripts" / "serve_paused.py",
         args=(
             "--pause-after",

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from mlx._distributed_utils.common import Hostfile
 
-HOSTFILES = Path(__file__).resolve().parents[1] / "hostfiles"
+HOSTFILES = Path(__file__).resolve().parents[2] / "hostfiles"
 
 
 @pytest.mark.parametrize(
