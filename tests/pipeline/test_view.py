@@ -175,7 +175,7 @@ def _graded_inputs(built) -> tuple[dict, Path, list[Path]]:
     kw = dict(
         scores=cal / "scores-taylor.npz",
         routes=cal / "routes.npz",
-        plan_kw=runner.plan_kw(a),
+        plan=runner.make_plan(a, runner.account(a, *runner.read_config_index(a)[:2])),
         progress=False,
     )
     g1 = profiles.convert_profile(MINI, tmp / "g1", "graded", mxfp4_dir=base, **kw)
