@@ -547,7 +547,7 @@ def from_pipeline(summary_path: Path, out: str, count_overhead: Path | None = No
         "constants": constants(
             "bytes each stage writes on the real K3: the pipeline's own disk plan "
             "(python -m k3dist.pipeline.runner " + " ".join(REAL_PIPELINE_ARGS) + "); "
-            "a stage reads what its inputs wrote (k3dist.pipeline.runner.reads, plus the "
+            "a stage reads what its inputs wrote (k3dist.pipeline.runner.READS, plus the "
             "base the DWQ teacher runs on)"
         ),
         "stages": rows,

@@ -23,7 +23,6 @@ from mlx_lm.models.switch_layers import SwitchGLU
 # The trainable sizes: presets of the one table, ``k3dist.factory.synth.PRESETS`` (K3's
 # ratios, scaled; parameter counts: `describe(config)`).
 SIZES = ("s", "m", "sparse", "sparse256", "tiny")
-MAX_EXPORT_BYTES = 30 * 1024 * 1024
 PRETRAINED_FILE = "pretrained.safetensors"  # the run's float weights at the freeze
 
 

@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3dist.factory import corpus, train
+from k3dist.factory import corpus, curves, train
 from k3dist.format import layout, placement
 from k3dist.format import tokens as tokenizer
 from k3dist.format.folder import load_config
@@ -335,7 +335,7 @@ def report(
         for name, bf16 in (("float32", False), ("bf16", True)):
             say(f"{name} weights at the freeze: held-out split")
             out["perplexity"][name] = perplexity(load_float(run, bf16), seq, max_windows)
-        steps, events = train.read_log(Path(run) / "log.jsonl")
+        steps, events = curves.read_log(Path(run) / "log.jsonl")
         freeze = next((ev for ev in events if ev["event"] == "freeze"), None)
         out["run"] = {
             "steps": steps[-1]["step"] if steps else 0,

@@ -8,8 +8,9 @@ import json
 
 from k3dist import MINI_K3
 from k3dist.bench import greedy
-from k3dist.factory import quality, train
+from k3dist.factory import quality
 from k3dist.factory.corpus import DATA_DIR, TOKENIZER_DIR
+from k3dist.factory.export import MAX_EXPORT_BYTES
 from k3dist.format import layout, placement
 from k3dist.format import tokens as tokenizer
 from k3dist.format.folder import load_config
@@ -43,7 +44,7 @@ def test_shipped_checkpoint_audits():
     report = audit(SHIPPED)
     assert report.ok, format_table(report)
     assert report.expert_packed > 0 and report.a_log and set(report.a_log.values()) == {"ok"}
-    assert sum(f.stat().st_size for f in SHIPPED.iterdir()) <= train.MAX_EXPORT_BYTES
+    assert sum(f.stat().st_size for f in SHIPPED.iterdir()) <= MAX_EXPORT_BYTES
     tc = layout.text_config(load_config(SHIPPED))
     assert tc["num_experts"] >= 64 and tc["num_experts_per_token"] <= tc["num_experts"] // 8
     assert tc["num_shared_experts"] == 2

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import time
 
-from k3dist.factory import corpus, train
+from k3dist.factory import corpus, minimodel, train
+from k3dist.factory.export import MAX_EXPORT_BYTES
 from k3dist.format import layout, mxfp4
 from k3dist.format import tokens as tk
 from k3dist.format.sfile import read_numpy
@@ -24,6 +25,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models import kimi_k3
 from util import REPO, failed_ranks, feed_stdin, load_f32, mlx_launch
 
 VOCAB = corpus.BASE_VOCAB + tk.NUM_CONTROL_TOKENS
@@ -43,7 +45,7 @@ def batch() -> tuple[mx.array, mx.array]:
 
 def experts_frozen(model) -> bool:
     """The routed experts are MXFP4 (quantized modules with scales), as after the freeze."""
-    return any(hasattr(m.switch_mlp.gate_proj, "scales") for m in train.moe_layers(model))
+    return any(hasattr(m.switch_mlp.gate_proj, "scales") for m in minimodel.moe_layers(model))
 
 
 def _args(**kw) -> train.TrainArgs:
@@ -65,8 +67,8 @@ def test_topology_is_k3s(config):
     model = train.build_model(config)
     kinds = ["kda" if layer.is_linear else "mla" for layer in model.layers]
     assert kinds == ["kda", "kda", "kda", "mla", "mla"]  # every 4th and the last
-    assert not isinstance(model.layers[0].mlp, train.kimi_k3.KimiK3SparseMoE)
-    moes = train.moe_layers(model)
+    assert not isinstance(model.layers[0].mlp, kimi_k3.KimiK3SparseMoE)
+    moes = minimodel.moe_layers(model)
     assert len(moes) == tc["num_hidden_layers"] - 1
     assert tc["num_experts"] >= 64 and tc["num_shared_experts"] == 2
     assert (
@@ -79,7 +81,7 @@ def test_topology_is_k3s(config):
     assert not any("e_score_correction_bias" in k for k in trainable)
     for size in ("s", "m"):
         info = train.describe(train.model_config(size, VOCAB))
-        assert info["source_bytes"] <= train.MAX_EXPORT_BYTES, (size, info)
+        assert info["source_bytes"] <= MAX_EXPORT_BYTES, (size, info)
 
 
 def _trainer(config):
@@ -110,9 +112,9 @@ def test_bias_update_moves_load_toward_balance(config, batch):
 
     first = loads()
     # The rule itself: overloaded down, underloaded up, by exactly the rate.
-    before = [np.array(m.e_score_correction_bias) for m in train.moe_layers(model)]
+    before = [np.array(m.e_score_correction_bias) for m in minimodel.moe_layers(model)]
     train.update_router_bias(model, first, 0.01)
-    for m, b, load in zip(train.moe_layers(model), before, np.array(first), strict=True):
+    for m, b, load in zip(minimodel.moe_layers(model), before, np.array(first), strict=True):
         step = np.array(m.e_score_correction_bias) - b
         np.testing.assert_allclose(step, 0.01 * np.sign(load.mean() - load), atol=1e-7)
     for _ in range(40):
@@ -186,7 +188,7 @@ def test_export_audits_and_loads_to_the_same_logits(config, batch, tmp_path):
     report = audit(out)
     assert report.ok, format_table(report)
     total = sum(f.stat().st_size for f in out.iterdir())
-    assert total <= train.MAX_EXPORT_BYTES
+    assert total <= MAX_EXPORT_BYTES
 
     loaded, _ = load_f32(out)
     train.reset_caches(model)

@@ -11,6 +11,7 @@ import json
 from k3dist.bench.evaluate import expert_bytes
 from k3dist.bench.greedy import greedy
 from k3dist.factory import quality, synth
+from k3dist.factory.export import MAX_EXPORT_BYTES
 from k3dist.format import layout
 from k3dist.format.qformat import QFormat
 from k3dist.model import two_bank
@@ -110,7 +111,6 @@ def test_shipped_sparse_mini_k3():
     """data/mini-k3-sparse (issue 27): Moonshot's format, 128-wide experts and latent
     (2-bit g64/g128 exist), 128 experts top-8, 2 shared, trained and MXFP4-frozen, and
     held-out perplexity below the unigram floor in every domain (first 4 windows)."""
-    from k3dist.factory import train
     from k3dist.factory.corpus import DATA_DIR
     from k3dist.format.folder import load_config
     from k3dist.pipeline.audit import audit
@@ -119,7 +119,7 @@ def test_shipped_sparse_mini_k3():
     shipped = DATA_DIR / "mini-k3-sparse"
     report = audit(shipped)
     assert report.ok, format_table(report)
-    assert sum(f.stat().st_size for f in shipped.iterdir()) <= train.MAX_EXPORT_BYTES
+    assert sum(f.stat().st_size for f in shipped.iterdir()) <= MAX_EXPORT_BYTES
     tc = layout.text_config(load_config(shipped))
     assert tc["moe_intermediate_size"] % 128 == 0 and tc["routed_expert_hidden_size"] % 128 == 0
     assert (tc["num_experts"], tc["num_experts_per_token"], tc["num_shared_experts"]) == (128, 8, 2)
