@@ -89,7 +89,6 @@ OVER = {
     "k3dist/bench/compare.py:compare": 170,
     "k3dist/bench/compare.py:summarize": 113,
     "k3dist/bench/evaluate.py:evaluate": 122,
-    "k3dist/factory/train.py:run": 104,
     "k3dist/pipeline/byte_budget.py:make_plan": 146,
     "k3dist/pipeline/plan.py:main": 181,
     "k3dist/pipeline/profiles.py:convert_profile": 109,

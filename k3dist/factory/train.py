@@ -447,20 +447,7 @@ class Trainer:
                 if done > 1 and len(probe) < a.probe_steps:
                     probe.append(dt)  # a process's first step pays for setup: not timed
                 if s.horizon is None and len(probe) == a.probe_steps:
-                    per = sorted(probe)[len(probe) // 2]
-                    left = budget - (time.perf_counter() - t_start)
-                    # Rank 0's horizon for all: every rank must run the same steps.
-                    mine = max(warmup + 1, i + 1 + int(0.97 * left / per))
-                    s.horizon = self._from_rank0(mine)
-                    self.log(
-                        {
-                            "event": "horizon",
-                            "step": s.step,
-                            "phase": s.phase,
-                            "horizon": s.horizon,
-                            "step_s": per,
-                        }
-                    )
+                    self._set_horizon(i, probe, budget - (time.perf_counter() - t_start), warmup)
                 if a.eval_every and s.step % a.eval_every == 0:
                     rec["eval"] = self.evaluate()
                     self.model.train()
@@ -484,6 +471,23 @@ class Trainer:
             )
         self.save()
         return s
+
+    def _set_horizon(self, i: int, probe: list[float], left_s: float, warmup: int) -> None:
+        """The phase's horizon from the median timed step and the time left (rank 0's
+        for all: every rank must run the same steps)."""
+        s = self.state
+        per = sorted(probe)[len(probe) // 2]
+        mine = max(warmup + 1, i + 1 + int(0.97 * left_s / per))
+        s.horizon = self._from_rank0(mine)
+        self.log(
+            {
+                "event": "horizon",
+                "step": s.step,
+                "phase": s.phase,
+                "horizon": s.horizon,
+                "step_s": per,
+            }
+        )
 
     def _catch_signals(self) -> dict:
         """Ctrl-C / SIGTERM finish the current step, then save (checked between steps)."""
