@@ -93,7 +93,6 @@ OVER = {
     "k3dist/pipeline/plan.py:main": 181,
     "k3dist/pipeline/profiles.py:convert_profile": 109,
     "k3dist/pipeline/profiles.py:main": 129,
-    "k3dist/serve/responses_api.py:to_chat": 104,
     "k3dist/serve/supervise.py:run": 129,
 }
 

@@ -199,6 +199,34 @@ def _items(body: dict) -> list[dict]:
     return body.get("input")
 
 
+def _chat_tools(req: ResponsesRequest) -> list[dict]:
+    """The request's tools as chat-completion tools: only the named one when tool_choice
+    names one (it must be there); 'required' needs at least one."""
+    tools = req.tools or []
+    if isinstance(req.tool_choice, NamedChoice):  # only the named tool, and it must be called
+        tools = [t for t in tools if t.name == req.tool_choice.name][:1]
+        if not tools:
+            raise BadRequest(
+                400,
+                f"tool_choice names tool {req.tool_choice.name!r}, which is "
+                "not among the request's tools",
+                "tool_choice",
+            )
+    elif req.tool_choice == "required" and not tools:
+        raise BadRequest(400, "tool_choice 'required' needs at least one tool", "tool_choice")
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description or "",
+                "parameters": t.parameters or {"type": "object", "properties": {}},
+            },
+        }
+        for t in tools
+    ]
+
+
 def to_chat(body: dict) -> tuple[dict, ResponsesRequest]:
     """The chat-completion body for a Responses request body (and the parsed request)."""
     tools, namespaces, custom = _flatten_tools(body.get("tools"))
@@ -271,30 +299,9 @@ def to_chat(body: dict) -> tuple[dict, ResponsesRequest]:
     if effort in EFFORTS:
         kwargs["thinking_effort"] = EFFORTS[effort]
     chat: dict = {"model": req.model, "messages": messages, "chat_template_kwargs": kwargs}
-    tools = req.tools or []
-    if isinstance(req.tool_choice, NamedChoice):  # only the named tool, and it must be called
-        tools = [t for t in tools if t.name == req.tool_choice.name][:1]
-        if not tools:
-            raise BadRequest(
-                400,
-                f"tool_choice names tool {req.tool_choice.name!r}, which is "
-                "not among the request's tools",
-                "tool_choice",
-            )
-    elif req.tool_choice == "required" and not tools:
-        raise BadRequest(400, "tool_choice 'required' needs at least one tool", "tool_choice")
+    tools = _chat_tools(req)
     if tools:
-        chat["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": t.name,
-                    "description": t.description or "",
-                    "parameters": t.parameters or {"type": "object", "properties": {}},
-                },
-            }
-            for t in tools
-        ]
+        chat["tools"] = tools
         if req.tool_choice is not None and req.tool_choice != "auto":
             kwargs["tool_choice"] = "none" if req.tool_choice == "none" else "required"
     if req.max_output_tokens is not None:
