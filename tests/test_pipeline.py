@@ -1,4 +1,4 @@
-"""The one-command pipeline (k3dist.build.pipeline): the README's block run as written on
+"""The one-command pipeline (k3dist.build.pipeline): docs/build.md's block run as written on
 data/mini-k3 and its rank folders served on 2 ranks; the real K3's disk plan; calibration
 text through the source's own tokenizer; a published mlx-lm build audited, sliced and
 served equal to single-process mlx-lm; a non-loopback server without a key refused."""
@@ -35,19 +35,20 @@ MINI = REPO / "data" / "mini-k3"
 
 
 def readme_pipeline_block() -> str:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "build.md").read_text()
     blocks = [textwrap.dedent(b) for b in re.findall(r"```sh\n(.*?)```", text, re.S)]
-    found = [b for b in blocks if "k3dist.build.pipeline --src data/mini-k3" in b]
-    assert len(found) == 1, "README: one ```sh block runs the pipeline on data/mini-k3"
+    found = [b for b in blocks if "k3dist-pipeline --src data/mini-k3" in b]
+    assert len(found) == 1, "docs/build.md: one ```sh block runs the pipeline on data/mini-k3"
     return found[0]
 
 
 @pytest.fixture(scope="module")
 def readme_run(tmp_path_factory):
-    """The README's block, verbatim, in a fresh folder holding only data/ (python = this
-    venv's)."""
+    """docs/build.md's block, verbatim, in a fresh folder holding only data/ and .venv/
+    (this interpreter's)."""
     tmp = tmp_path_factory.mktemp("readme")
     (tmp / "data").symlink_to(REPO / "data")
+    (tmp / ".venv").symlink_to(Path(sys.executable).parent.parent)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     block = readme_pipeline_block()
     out = re.search(r"--out (\S+)", block).group(1)
@@ -94,7 +95,7 @@ def test_readme_block_again_skips_every_stage(readme_run):
 
 def test_adding_dwq_later_remakes_the_deleted_scratch_it_reads(readme_run):
     _, out, block, _, _ = readme_run
-    argv = shlex.split(block.split("k3dist.build.pipeline", 1)[1])
+    argv = shlex.split(block.split("k3dist-pipeline", 1)[1])
     state = json.loads((out / pipeline.STATE).read_text())
     a, _ = pipeline.parse(argv)
     a.out = str(out)
@@ -113,7 +114,7 @@ def test_dwq_rewrites_the_rank_folders_in_place(tmp_path):
     again skips every stage; without --dwq the graded rank folders come back."""
     from k3dist.format import manifest, verify
 
-    argv = shlex.split(readme_pipeline_block().split("k3dist.build.pipeline", 1)[1])
+    argv = shlex.split(readme_pipeline_block().split("k3dist-pipeline", 1)[1])
     i = argv.index("--out")
     argv[i + 1] = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "k3dist.build.pipeline", *argv, "--dwq", "--dwq-steps", "2"]

@@ -1,7 +1,11 @@
 """Moonshot's folder -> per-rank folders ready to serve, in one resumable command.
 
-    python -m k3dist.build.pipeline --src SRC --out OUT --ranks 2 --budget 480e9 \\
+    python -m k3dist.build.pipeline --src SRC --out OUT [--ranks 2] \\
+        [--budget B | --budget-total B | --target-bpw X] \\
         [--calib-text FILES... | --calib TOKENS.npz] [--dwq] [--dry-run] [--keep]
+
+Without a budget the plan is the planner's default (``k3dist.build.planner``: the box's
+usable memory), the plan whose lo bank the quality tables measure.
 
 Stages, in order (each one resumable, skipped when its output is current):
 
@@ -32,11 +36,8 @@ Stages, in order (each one resumable, skipped when its output is current):
    slicing the written DWQ build would give. Then the teacher and the DWQ scratch (its
    journal, state and small files) are deleted.
 
-Peak disk for the real K3 (``--real-k3 --budget 480e9 --dry-run``): 872.8 GB in OUT
-(the rank folders and one graded layer file), 2.434 TB with the source: the goal,
-source + 1.1 x rank folders = 2.511 TB, is met. With ``--dwq``: 881.8 GB in OUT (during
-dwq: the rank folders, the teacher, one rank file being rewritten, the state), 2.443 TB
-with the source: met too.
+Peak disk for the real K3: ``--real-k3 --dry-run`` prints it
+(``benchmarks/results/disk-plan-k3-*.json``, ``docs/build.md``).
 
 Scratch lives in ``OUT/work``; ``--keep`` keeps it. Each stage runs in its own process
 (its memory goes back to the system when it ends; its peak RSS and I/O bytes are its
@@ -227,9 +228,10 @@ def account(a: Args, config: dict, index: dict | None):
 def make_plan(a: Args, acc) -> dict:
     from k3dist.build import planner
 
-    if sum(x is not None for x in (a.budget, a.budget_total, a.target_bpw)) != 1:
+    if sum(x is not None for x in (a.budget, a.budget_total, a.target_bpw)) > 1:
         raise CheckpointError(
-            "give one of --budget BYTES (per rank), --budget-total BYTES or --target-bpw BITS"
+            "give at most one of --budget BYTES (per rank), --budget-total BYTES or "
+            "--target-bpw BITS (none: the planner's default, the box's usable memory)"
         )
     req = planner.PlanRequest(
         ranks=a.ranks,
@@ -844,7 +846,12 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     ap.add_argument("--out", help="output folder: OUT/rank{rank}, OUT/work (scratch)")
     ap.add_argument("--ranks", type=int, default=2)
     b = ap.add_mutually_exclusive_group()
-    b.add_argument("--budget", type=float, help="bytes per rank (weights + KV + activations)")
+    b.add_argument(
+        "--budget",
+        type=float,
+        help="bytes per rank (weights + KV + activations; default: the planner's, what a "
+        "512 GB box wires less its runtime reserve)",
+    )
     b.add_argument("--budget-total", type=float, help="bytes over all ranks")
     b.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
     c = ap.add_mutually_exclusive_group()

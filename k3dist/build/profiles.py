@@ -129,10 +129,10 @@ def plan_graded(
     index; ``context``, ``batch``, ``prompt_cache_tokens``: the serving limits it leaves
     KV/state for (None: the plan's defaults). ValueError with the numbers when nothing
     fits."""
-    if sum(x is not None for x in (budget, budget_total, target_bpw)) != 1:
+    if sum(x is not None for x in (budget, budget_total, target_bpw)) > 1:
         raise ValueError(
-            "--profile graded needs one of --budget BYTES (per rank), "
-            "--budget-total BYTES or --target-bpw BITS"
+            "--profile graded takes at most one of --budget BYTES (per rank), "
+            "--budget-total BYTES or --target-bpw BITS (none: the planner's default budget)"
         )
     index = read_index(src.index_path) if src.index_path.exists() else None
     acc = account(src.config, index, str(src.index_path))
