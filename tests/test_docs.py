@@ -287,11 +287,7 @@ def test_the_two_commands_are_what_ci_runs():
     readme = [b.body.strip() for b in blocks(README) if b.lang in COMMAND_LANGS]
     setup_and_serve, tests = readme[0], readme[1]
     assert setup_and_serve.startswith("scripts/setup && ")
-    ci = [
-        x
-        for x in (REPO / ".ci" / "run").read_text().splitlines()
-        if x and not x.startswith("#")
-    ]
+    ci = [x for x in (REPO / ".ci" / "run").read_text().splitlines() if x and not x.startswith("#")]
     assert "scripts/setup" in ci, ".ci/run installs through README's scripts/setup"
     assert ci[-1] == tests, ".ci/run's last line is README's test command"
     assert os.access(REPO / "scripts" / "setup", os.X_OK)
@@ -376,7 +372,10 @@ def test_guide_matches_hostfile_deployment_firewall_and_planner():
     assert serve[serve.index("--hostfile") + 1] == "hostfiles/tb5.json"
     assert serve[serve.index("--config") + 1] == "deploy/tb5.yaml"
     urls = [next(x for x in a if x.startswith("http")) for a in args_of("curl")]
-    assert urls == [f"http://{ips[0]}:{dep['port']}/health", f"http://{ips[0]}:{dep['port']}/v1/models"]
+    assert urls == [
+        f"http://{ips[0]}:{dep['port']}/health",
+        f"http://{ips[0]}:{dep['port']}/v1/models",
+    ]
     assert "--no-agents" in (REPO / "scripts" / "setup").read_text()
 
 
@@ -457,24 +456,49 @@ FIGURES = [
     F(R, "| {} | download", (DISK, "disk_plan.source_bytes", tb)),
     F(R, "{} in `/Volumes/models/k3` at its peak", (DISK, "disk_plan.peak_out", gb)),
     F(RB, "{} with the source", (DISK, "disk_plan.peak_with_source", tb)),
-    F(R, "peak {} ({} with the source)", (DISK, "disk_plan_dwq.peak_out", gb),
-      (DISK, "disk_plan_dwq.peak_with_source", tb)),
-    F(B, "With `--dwq`: {} in OUT, {} with the source", (DISK, "disk_plan_dwq.peak_out", gb),
-      (DISK, "disk_plan_dwq.peak_with_source", tb)),
+    F(
+        R,
+        "peak {} ({} with the source)",
+        (DISK, "disk_plan_dwq.peak_out", gb),
+        (DISK, "disk_plan_dwq.peak_with_source", tb),
+    ),
+    F(
+        B,
+        "With `--dwq`: {} in OUT, {} with the source",
+        (DISK, "disk_plan_dwq.peak_out", gb),
+        (DISK, "disk_plan_dwq.peak_with_source", tb),
+    ),
     F(B, "the peak in OUT {} during", (DISK, "disk_plan.peak_out", gb)),
     F(R, "{} free on the first Mac's disk", (DISK, "disk_plan_dwq.peak_with_source", tb)),
     F(R, "and {} on the second", (DISK, "disk_plan.rank_folders.1", gb)),
-    F(R, "({} and {})", (DISK, "disk_plan.rank_folders.0", gb), (DISK, "disk_plan.rank_folders.1", gb)),
+    F(
+        R,
+        "({} and {})",
+        (DISK, "disk_plan.rank_folders.0", gb),
+        (DISK, "disk_plan.rank_folders.1", gb),
+    ),
     F(R, "| {} on Mac 2 |", (DISK, "disk_plan.rank_folders.1", gb)),
     F(R, "loading ~{} a Mac", (DISK, "disk_plan.rank_folders.0", gb)),
-    F(B, "rank folders {} (rank 0, with the vision tower) and {}",
-      (DISK, "disk_plan.rank_folders.0", gb), (DISK, "disk_plan.rank_folders.1", gb)),
-    F(R, "routed experts at {} bits a weight, a {} lo bank with {} of the experts",
-      (DISK, "plan.expert_bpw", "{:.2f}".format), (DISK, "plan.lo.format", str),
-      (DISK, "plan.promoted_fraction", pct)),
-    F(B, "lo bank {}, {} of the\nrouted experts kept in MXFP4, routed experts at {} bits",
-      (DISK, "plan.lo.format", str), (DISK, "plan.promoted_fraction", pct),
-      (DISK, "plan.expert_bpw", "{:.2f}".format)),
+    F(
+        B,
+        "rank folders {} (rank 0, with the vision tower) and {}",
+        (DISK, "disk_plan.rank_folders.0", gb),
+        (DISK, "disk_plan.rank_folders.1", gb),
+    ),
+    F(
+        R,
+        "routed experts at {} bits a weight, a {} lo bank with {} of the experts",
+        (DISK, "plan.expert_bpw", "{:.2f}".format),
+        (DISK, "plan.lo.format", str),
+        (DISK, "plan.promoted_fraction", pct),
+    ),
+    F(
+        B,
+        "lo bank {}, {} of the\nrouted experts kept in MXFP4, routed experts at {} bits",
+        (DISK, "plan.lo.format", str),
+        (DISK, "plan.promoted_fraction", pct),
+        (DISK, "plan.expert_bpw", "{:.2f}".format),
+    ),
     # the pipeline's time on an M3 Ultra: projected from the 93-layer rehearsal
     F(R, "| {} (projected) |", (lambda: _pipeline_s(False), lambda s: f"~{s / 60:.0f} min")),
     F(R, "projected {} in all", (lambda: _pipeline_s(True), lambda s: f"~{s / 3600:.1f} h")),
@@ -485,51 +509,103 @@ FIGURES = [
     F(R, "sudo sysctl iogpu.wired_limit_mb={}`", (_wired_mb, str)),
     F(R, "echo iogpu.wired_limit_mb={} ", (_wired_mb, str)),
     # projected decode, the default plan, attention split (deploy/tb5.yaml), batch 1
-    F(R, "{} on ring, {} on JACCL",
-      (PROJECT, "summary_tok_s.plan-split.ring.ep-split", "{:.1f} tok/s".format),
-      (PROJECT, "summary_tok_s.plan-split.jaccl.ep-split", "{:.1f} tok/s".format)),
+    F(
+        R,
+        "{} on ring, {} on JACCL",
+        (PROJECT, "summary_tok_s.plan-split.ring.ep-split", "{:.1f} tok/s".format),
+        (PROJECT, "summary_tok_s.plan-split.jaccl.ep-split", "{:.1f} tok/s".format),
+    ),
     # the 93-layer rehearsal
     F(RB, "{} tensors", (REHEARSAL, "real_k3.tensors", "{:,}".format)),
-    F(R, "{} of {} requests answered", (SERVE93, "requests.answered_200", str),
-      (SERVE93, "requests.sent", str)),
-    F(B, "{} of {} requests answered", (SERVE93, "requests.answered_200", str),
-      (SERVE93, "requests.sent", str)),
+    F(
+        R,
+        "{} of {} requests answered",
+        (SERVE93, "requests.answered_200", str),
+        (SERVE93, "requests.sent", str),
+    ),
+    F(
+        B,
+        "{} of {} requests answered",
+        (SERVE93, "requests.answered_200", str),
+        (SERVE93, "requests.sent", str),
+    ),
     F(R, "({} experts,", (_experts, str)),
     F(B, "{} routed experts top-16", (_experts, str)),
     # coding agents
-    F(("docs/serving.md",), "Claude Code sends a {}-token prompt and asks\nfor {} output tokens",
-      (AGENTS, "clients.claude.count_tokens", "{:,}".format),
-      (AGENTS, "clients.claude.max_tokens_sent", str)),
-    F(("docs/serving.md",), "the default `max_context` ({})", (lambda: _default("max_context"), str)),
-    F(("docs/serving.md",), "`max_context` ({}) holds them",
-      (lambda: yaml.safe_load((REPO / "deploy/tb5.yaml").read_text())["max_context"], str)),
+    F(
+        ("docs/serving.md",),
+        "Claude Code sends a {}-token prompt and asks\nfor {} output tokens",
+        (AGENTS, "clients.claude.count_tokens", "{:,}".format),
+        (AGENTS, "clients.claude.max_tokens_sent", str),
+    ),
+    F(
+        ("docs/serving.md",),
+        "the default `max_context` ({})",
+        (lambda: _default("max_context"), str),
+    ),
+    F(
+        ("docs/serving.md",),
+        "`max_context` ({}) holds them",
+        (lambda: yaml.safe_load((REPO / "deploy/tb5.yaml").read_text())["max_context"], str),
+    ),
     # prefix caches and time to first token
-    F(("docs/prefix-cache.md",), "first turn of {} tokens took {} cold",
-      (PREFIX, "turn_cold.prompt_tokens", str), (PREFIX, "turn_cold.ttft_s", secs)),
-    F(("docs/prefix-cache.md",),
-      "with {} tokens reused: {} warm in memory, {} restored from disk after a restart,\n{} preloaded",
-      (PREFIX, "turn_warm_memory.cached_tokens", str),
-      (PREFIX, "turn_warm_memory.ttft_s", lambda x: secs(x, 2)),
-      (PREFIX, "turn_warm_after_restart.ttft_s", lambda x: secs(x, 2)),
-      (PREFIX, "turn_warm_after_restart_preloaded.ttft_s", lambda x: secs(x, 2))),
-    F(("docs/prefix-cache.md",), "entry is {} bytes per cached token",
-      (PREFIX, "bytes_per_cached_token_per_rank.0.0", "{:.0f}".format)),
-    F(("docs/prefix-cache.md",), "prefix is {} a rank", (PREFILL, _TTFT + ".bytes_per_rank",
-      lambda x: f"{x / 1e9:.2f} GB")),
-    F(("docs/prefix-cache.md",),
-      "token in {} warm in memory, {} restored at the turn, {} preloaded at the start,\nagainst {} cold",
-      (PREFILL, _NEW64.format("warm_in_memory"), "{:g} s".format),
-      (PREFILL, _NEW64.format("restored_after_restart"), "{:g} s".format),
-      (PREFILL, _NEW64.format("preloaded_at_restart"), "{:g} s".format),
-      (PREFILL, _TTFT + ".ttft.headline.warm_in_memory.new_turn_64.ttft_cold_s", "{:g} s".format)),
+    F(
+        ("docs/prefix-cache.md",),
+        "first turn of {} tokens took {} cold",
+        (PREFIX, "turn_cold.prompt_tokens", str),
+        (PREFIX, "turn_cold.ttft_s", secs),
+    ),
+    F(
+        ("docs/prefix-cache.md",),
+        "with {} tokens reused: {} warm in memory, "
+        "{} restored from disk after a restart, {} preloaded",
+        (PREFIX, "turn_warm_memory.cached_tokens", str),
+        (PREFIX, "turn_warm_memory.ttft_s", lambda x: secs(x, 2)),
+        (PREFIX, "turn_warm_after_restart.ttft_s", lambda x: secs(x, 2)),
+        (PREFIX, "turn_warm_after_restart_preloaded.ttft_s", lambda x: secs(x, 2)),
+    ),
+    F(
+        ("docs/prefix-cache.md",),
+        "entry is {} bytes per cached token",
+        (PREFIX, "bytes_per_cached_token_per_rank.0.0", "{:.0f}".format),
+    ),
+    F(
+        ("docs/prefix-cache.md",),
+        "prefix is {} a rank",
+        (PREFILL, _TTFT + ".bytes_per_rank", lambda x: f"{x / 1e9:.2f} GB"),
+    ),
+    F(
+        ("docs/prefix-cache.md",),
+        "token in {} warm in memory, {} restored at the turn, "
+        "{} preloaded at the start, against {} cold",
+        (PREFILL, _NEW64.format("warm_in_memory"), "{:g} s".format),
+        (PREFILL, _NEW64.format("restored_after_restart"), "{:g} s".format),
+        (PREFILL, _NEW64.format("preloaded_at_restart"), "{:g} s".format),
+        (PREFILL, _TTFT + ".ttft.headline.warm_in_memory.new_turn_64.ttft_cold_s", "{:g} s".format),
+    ),
     # vision
-    F(("docs/vision.md",), "projector are {} in BF16", (VISION, "kimi_k3.tower_bf16",
-      lambda x: f"{x / 1e9:.2f} GB")),
-    F(("docs/vision.md",), "the mini's {}", (VISION, "mini_k3.tower_bf16", lambda x: f"{x / 1e3:.0f} kB")),
+    F(
+        ("docs/vision.md",),
+        "projector are {} in BF16",
+        (VISION, "kimi_k3.tower_bf16", lambda x: f"{x / 1e9:.2f} GB"),
+    ),
+    F(
+        ("docs/vision.md",),
+        "the mini's {}",
+        (VISION, "mini_k3.tower_bf16", lambda x: f"{x / 1e3:.0f} kB"),
+    ),
     # the weights check
-    F(B, "restart took {} here ({} sparse files", (VERIFY, "real_scale_stamp.seconds_incl_manifest_parse",
-      lambda x: f"{x * 1e3:.0f} ms"), (VERIFY, "real_scale_stamp.files", str)),
-    F(B, "`full` is projected at {}", (VERIFY, "projection_450gb.full_ssd_bound_s", lambda x: f"{x} s")),
+    F(
+        B,
+        "restart took {} here ({} sparse files",
+        (VERIFY, "real_scale_stamp.seconds_incl_manifest_parse", lambda x: f"{x * 1e3:.0f} ms"),
+        (VERIFY, "real_scale_stamp.files", str),
+    ),
+    F(
+        B,
+        "`full` is projected at {}",
+        (VERIFY, "projection_450gb.full_ssd_bound_s", lambda x: f"{x} s"),
+    ),
 ]
 
 
