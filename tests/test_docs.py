@@ -595,6 +595,19 @@ FIGURES = [
         "the mini's {}",
         (VISION, "mini_k3.tower_bf16", lambda x: f"{x / 1e3:.0f} kB"),
     ),
+    # idle
+    F(
+        ("docs/faults.md",),
+        "| measured | {} | {} | {} | {} |",
+        *(
+            (
+                "benchmarks/results/idle-cpu-2026-12-02.json",
+                f"after.cpu_s_per_idle_minute.{p}",
+                "{:.2f}".format,
+            )
+            for p in ("supervisor", "launcher", "rank0", "rank1")
+        ),
+    ),
     # the weights check
     F(
         B,
