@@ -698,3 +698,49 @@ def test_disk_plan_file_is_what_the_code_plans():
     used = _json(plan_file)
     for key in ("lo", "promoted_total", "expert_bpw", "bytes_per_rank"):
         assert used[key] == now["plan"][key], f"{PROJECT} projects another plan ({key})"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    s = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return s.replace(" ", "-")
+
+
+def test_anchors_resolve():
+    missing = []
+    for p in DOCS:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", p.read_text()):
+            f = (p.parent / target).resolve() if target else p
+            if not f.exists() or f.suffix != ".md":
+                continue  # a pending page (test_links_resolve) or not markdown
+            slugs = {_slug(h) for h in re.findall(r"^#+ (.*)$", f.read_text(), re.M)}
+            if anchor not in slugs:
+                missing.append(f"{p.relative_to(REPO)} -> {target}#{anchor}")
+    assert not missing, missing
+
+
+def test_agent_recipes_are_complete():
+    """docs/serving.md's recipes carry what each client needs, as tests/test_agent_clients.py
+    gives it: the key's variable set, the context flag, aider's settings file."""
+    text = (REPO / "docs" / "serving.md").read_text()
+    section = text.split("## Coding agents", 1)[1].split("\n## ", 1)[0]
+    got = {b.body for b in blocks(REPO / "docs" / "serving.md") if b.body in section}
+    claude = next(b for b in got if "claude " in b)
+    codex = next(b for b in got if "codex " in b)
+    aider = next(b for b in got if "aider " in b)
+    for b in (claude, codex, aider):
+        assert re.search(r"export K3=\S+ K3_KEY=", b), "each recipe sets the server and key"
+    assert "ANTHROPIC_BASE_URL=$K3 " in claude and "ANTHROPIC_API_KEY=$K3_KEY" in claude
+    assert 'env_key=\\"K3_KEY\\"' in codex and 'wire_api=\\"responses\\"' in codex
+    assert "OPENAI_API_BASE=$K3/v1" in aider and "--model-metadata-file models.json" in aider
+    settings = next(
+        json.loads(b.body) for b in blocks(REPO / "docs" / "serving.md") if b.lang == "json"
+    )
+    tests = (REPO / "tests" / "test_agent_clients.py").read_text()
+    for key in settings["openai/kimi-k3"]:
+        assert f'"{key}"' in tests, f"aider's settings: {key} is not what the agent test gives"
+    # Claude Code's prompt needs the context the recipe's server command gives
+    need = _json(AGENTS)["clients"]["claude"]
+    ctx = int(re.search(r"--max-context (\d+)", section).group(1))
+    assert need["count_tokens"] + need["max_tokens_sent"] <= ctx
+    assert ctx == int(_json(AGENTS)["serve_args"][1])
