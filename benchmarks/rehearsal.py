@@ -250,13 +250,13 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
 
 
 # ----------------------------------------------------------------------------- projection
-# Constants for the real K3 on an M3 Ultra (assumptions, stated; the same as the README's
+# Constants for the real K3 on an M3 Ultra (assumptions, stated; the same as docs/build.md's
 # verify section: ~6.5 GB/s internal SSD, ~2 GB/s SHA-256 per performance core with
 # ARMv8 SHA-2; GPU: half of the 80-core M3 Ultra's ~28 TFLOP/s peak, achieved).
 SSD_BPS = 6.5e9
 SHA256_BPS = 2.0e9
 GPU_FLOPS = 14e12
-REAL_TOKENS = 4096  # the README's calibration set: 16 windows x 256 tokens
+REAL_TOKENS = 4096  # the pipeline's default calibration set: 16 windows x 256 tokens
 DWQ_STEPS, DWQ_BATCH, DWQ_SEQ = 240, 8, 256  # the DWQ that met issue 13's goal
 PLAN = REPO / "benchmarks/results/plan-k3-2026-12-02.json"
 
@@ -636,7 +636,7 @@ def write_report(args, prior: dict[str, dict]) -> dict:
 
 
 def table(report: dict) -> str:
-    """The README's table: measured on the preset, projected to the real K3."""
+    """The rehearsal table: measured on the preset, projected to the real K3."""
     lines = [
         "| stage | preset wall s (cpu s) | peak RSS MB | read / written MB | scales with "
         "| real K3: read / written GB | disk s | sha256 s | compute s | count overhead s "
@@ -685,7 +685,7 @@ def main() -> None:
     ap.add_argument(
         "--table",
         action="store_true",
-        help="print the README table from --out and exit (no stage runs)",
+        help="print the rehearsal table from --out and exit (no stage runs)",
     )
     ap.add_argument(
         "--from-pipeline",

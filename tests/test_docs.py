@@ -51,6 +51,7 @@ EXTERNAL = {
     "sysctl": "macOS (iogpu)",
     "pfctl": "macOS (pf)",
     "ssh-copy-id": "another machine",
+    "ssh-keygen": "the user's ssh key",
     "ping": "another machine",
     "rsync": "another machine",
     "curl": "a running server",
