@@ -52,6 +52,7 @@ EXTERNAL = {
     "pfctl": "macOS (pf)",
     "ssh-copy-id": "another machine",
     "ssh-keygen": "the user's ssh key",
+    "ssh": "another machine",
     "ping": "another machine",
     "rsync": "another machine",
     "curl": "a running server",
@@ -341,6 +342,7 @@ def test_guide_matches_hostfile_deployment_firewall_and_planner():
     rsync = args_of("rsync")[0]
     src, dst = rsync[-2], rsync[-1]
     rank = dep["rank_dir"]
+    assert args_of("ssh")[0] == [ips[1], "mkdir", "-p", str(Path(rank.format(rank=1)).parent)]
     assert src == rank.format(rank=1) + "/"
     assert dst == f"{ips[1]}:{rank.format(rank=1)}/"
     # the pipeline writes what the deployment serves, at the planner's default budget
