@@ -1,8 +1,8 @@
 """README.md and docs/*.md as a reader meets them.
 
-- Every figure that comes from a measurement or a plan is listed in FIGURES with its
-  source (a results file and key, or the code that defines it) and rendered from it: a
-  figure that drifts from its source fails here. Every number with a unit in README.md is
+- Every figure (README, docs/, deploy/tb5.yaml's comments) that comes from a measurement
+  or a plan is listed in FIGURES with its source (a results file and key, or the code that
+  defines it) and rendered from it: a figure that drifts from its source fails here. Every number with a unit in README.md is
   one of them or a stated constant (README_CONSTANTS).
 - Every fenced block has a language; every command block (sh, console, bash, shell) is run
   as written, or checked (`<!-- run: flags -->`: each k3dist command's flags against its
@@ -13,6 +13,8 @@
   names, addresses, ports, key and wired limit it uses are those of the hostfile,
   deployment, pf anchor and planner it names.
 - The disk plan the docs quote is what the code plans now (benchmarks/disk_plan.py).
+- docs/layout.md says what each layer imports; links and anchors resolve; the agent
+  recipes carry what each client needs.
 """
 
 from __future__ import annotations
@@ -399,6 +401,10 @@ def gb(x: float) -> str:
     return f"{x / 1e9:.1f} GB"
 
 
+def gb2(x: float) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
 def tb(x: float) -> str:
     return f"{x / 1e12:.3f} TB"
 
@@ -598,6 +604,18 @@ FIGURES = [
         "the mini's {}",
         (VISION, "mini_k3.tower_bf16", lambda x: f"{x / 1e3:.0f} kB"),
     ),
+    # deploy/tb5.yaml's comments: the default plan's bytes a rank
+    F(
+        ("deploy/tb5.yaml",),
+        "plans {} of weights a rank",
+        (
+            DISK,
+            "plan.bytes_per_rank",
+            lambda b: f"{(b['nonexpert'] + b['routed_experts']) / 2**30:.2f} GiB",
+        ),
+    ),
+    F(("deploy/tb5.yaml",), "KV {}.", (DISK, "plan.bytes_per_rank.kv_state", gb2)),
+    F(("deploy/tb5.yaml",), "{} of activations", (DISK, "plan.bytes_per_rank.activations", gb2)),
     # idle
     F(
         ("docs/faults.md",),
@@ -647,7 +665,10 @@ def test_figure_is_its_source(figure):
     docs, template, sources = figure
     want = _flat(render(template, sources))
     for d in docs:
-        assert want in _flat((REPO / d).read_text()), (
+        text = (REPO / d).read_text()
+        if d.endswith(".yaml"):
+            text = re.sub(r"(?m)^#\s?", "", text)  # a figure in comments may wrap
+        assert want in _flat(text), (
             f"{d}: expected {want!r} (from {[s[:2] for s in sources if not callable(s[0])]}); "
             "the source moved: update the page (or regenerate the results file)"
         )
@@ -747,3 +768,37 @@ def test_agent_recipes_are_complete():
     ctx = int(re.search(r"--max-context (\d+)", section).group(1))
     assert need["count_tokens"] + need["max_tokens_sent"] <= ctx
     assert ctx == int(_json(AGENTS)["serve_args"][1])
+
+
+def test_layout_page_says_what_each_layer_imports():
+    """docs/layout.md's "Imports ..." line of each subpackage is its real imports."""
+    import ast
+
+    text = _flat((REPO / "docs" / "layout.md").read_text())
+    packages = sorted(p.name for p in (REPO / "k3dist").iterdir() if (p / "__init__.py").exists())
+    for pkg in packages:
+        m = re.search(rf"- `k3dist/{pkg}/` — (.*?)(?= - `k3dist/|`launch/`|$)", text)
+        assert m, f"docs/layout.md: no bullet for k3dist/{pkg}/"
+        said = m.group(1)
+        if "May import every layer" in said:
+            continue
+        stated = (
+            set(re.findall(r"`(\w+)`", said.split("Imports", 1)[1])) if "Imports" in said else None
+        )
+        assert stated is not None, f"docs/layout.md: k3dist/{pkg}/ says nothing of its imports"
+        if "Imports nothing else" in said:
+            stated = set()
+        real = set()
+        for f in (REPO / "k3dist" / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                names = []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                for n in names:
+                    parts = n.split(".")
+                    if parts[0] == "k3dist" and len(parts) > 1 and parts[1] in packages:
+                        real.add(parts[1])
+        real.discard(pkg)
+        assert stated == real, f"docs/layout.md: k3dist/{pkg}/ imports {sorted(real)}"
