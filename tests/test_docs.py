@@ -2,8 +2,9 @@
 
 - Every figure (README, docs/, deploy/tb5.yaml's comments) that comes from a measurement
   or a plan is listed in FIGURES with its source (a results file and key, or the code that
-  defines it) and rendered from it: a figure that drifts from its source fails here. Every number with a unit in README.md is
-  one of them or a stated constant (README_CONSTANTS).
+  defines it) and rendered from it: a figure that drifts from its source fails here.
+  Every number with a unit in README.md is one of them or a stated constant
+  (README_CONSTANTS).
 - Every fenced block has a language; every command block (sh, console, bash, shell) is run
   as written, or checked (`<!-- run: flags -->`: each k3dist command's flags against its
   own --help), or is run by a named test (`<!-- tested by: tests/FILE.py::TEST -->`), or
