@@ -5,11 +5,11 @@
   defines it) and rendered from it: a figure that drifts from its source fails here.
   Every number with a unit in README.md is one of them or a stated constant
   (README_CONSTANTS).
-- Every fenced block has a language; every command block (sh, console, bash, shell) is run
-  as written, or checked (`<!-- run: flags -->`: each k3dist command's flags against its
-  own --help), or is run by a named test (`<!-- tested by: tests/FILE.py::TEST -->`), or
-  says in one line why it cannot run here (`<!-- not run: REASON -->`), the comment on the
-  line before the fence.
+- Every fenced block has a language; every command block (sh, console, bash, shell) says
+  on the line before it how the suite runs it: `<!-- run: as written -->` (from the
+  checkout, seconds), `<!-- run: flags -->` (each k3dist command's flags against its own
+  --help), `<!-- tested by: tests/FILE.py::TEST -->`, or `<!-- not run: REASON -->` (one
+  line: why it cannot run here).
 - The README's two-Mac guide: every command in its table is checked the same way, and the
   names, addresses, ports, key and wired limit it uses are those of the hostfile,
   deployment, pf anchor and planner it names.
@@ -273,10 +273,14 @@ def test_command_block_runs_or_says_why(block: Block):
         assert (REPO / path).is_file() and f"def {name}(" in (REPO / path).read_text(), (
             f"{block}: no test {block.arg}"
         )
-    elif block.mark == "run":
-        assert block.arg == "flags", f"{block}: unknown mode {block.arg!r}"
+    elif block.mark == "run" and block.arg == "flags":
         check_flags(block.body, str(block))
-    else:  # run as written, from the checkout
+    else:
+        assert block.mark == "run" and block.arg == "as written", (
+            f"{block}: say on the line before it how the suite runs it: <!-- run: as written -->, "
+            "<!-- run: flags -->, <!-- tested by: tests/FILE.py::TEST --> or "
+            "<!-- not run: REASON -->"
+        )
         r = subprocess.run(
             ["bash", "-ec", block.body],
             cwd=REPO,
