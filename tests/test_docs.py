@@ -637,7 +637,7 @@ FIGURES = [
     # the weights check
     F(
         B,
-        "restart took {} here ({} sparse files",
+        "restart took {} here ({}\nsparse files)",
         (VERIFY, "real_scale_stamp.seconds_incl_manifest_parse", lambda x: f"{x * 1e3:.0f} ms"),
         (VERIFY, "real_scale_stamp.files", str),
     ),
