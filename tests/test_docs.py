@@ -807,3 +807,16 @@ def test_layout_page_says_what_each_layer_imports():
                         real.add(parts[1])
         real.discard(pkg)
         assert stated == real, f"docs/layout.md: k3dist/{pkg}/ imports {sorted(real)}"
+
+
+def test_one_interpreter_convention():
+    """Commands name the venv's tools (`.venv/bin/k3dist-*`, `.venv/bin/python`), never a
+    bare `python`, `pip` or `mlx.launch` that may be another installation's."""
+    bare = re.compile(r"(?<![\w/.-])(python3?|pip3?|mlx\.launch)(?= )")
+    found = []
+    for p in DOCS:
+        text = p.read_text()
+        code = [b.body for b in blocks(p) if b.lang in COMMAND_LANGS]
+        code += re.findall(r"`([^`\n]+)`", FENCE.sub("", text))
+        found += [f"{p.relative_to(REPO)}: {c}" for c in code if bare.search(c)]
+    assert not found, found
