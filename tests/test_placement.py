@@ -145,3 +145,15 @@ def test_load_aware_within_memory_counts():
     assert m_la < m_cap
     with pytest.raises(PlacementError, match="give a capacity"):
         placement.load_aware({1: counts[:62]}, 3)
+
+
+def test_balance_hi_keeps_uneven_counts_and_shares():
+    """A graded build's promoted experts spread over ranks of a by-memory placement:
+    counts per rank and the boxes it records stay (the loader checks them)."""
+    from k3dist.format.graded import GradedMap, balance_hi
+
+    plc = placement.by_shares(16, [512, 256, 256], [1, 2])  # 8:4:4
+    out = balance_hi(plc, GradedMap(16, {1: (0, 1, 2, 3, 4, 5), 2: (15,)}, {1: 2, 2: 1}))
+    assert [out.counts(i) for i in (1, 2)] == [[8, 4, 4]] * 2 and out.shares == plc.shares
+    assert np.bincount(np.asarray(out.owners[1])[:6], minlength=3).tolist() == [2, 2, 2]
+    assert out.kind == "by-shares+hi-balanced"
