@@ -130,6 +130,11 @@ class Placement:
         return float(per_rank.max(-1).mean())
 
 
+def _size(n: int) -> str:
+    """Bytes in words: GB (1e9) with two decimals, exact bytes below 0.1 GB."""
+    return f"{n / 1e9:,.2f} GB" if abs(n) >= 1e8 else f"{int(n):,} bytes"
+
+
 def _fmt(xs) -> str:
     return ":".join(f"{x:g}" for x in xs)
 
@@ -312,25 +317,22 @@ def split_by_memory(
         else {layer: int(expert_bytes[layer]) for layer in layers}
     )
     room = [int(b) - n for b, n in zip(budgets, ne, strict=True)]
-    gb = 1e9
     short = [r for r in range(size) if room[r] <= 0]
     if short:
         raise PlacementError(
             "boxes "
             + ", ".join(
-                f"{r} ({budgets[r] / gb:,.2f} GB for weights, non-experts {ne[r] / gb:,.2f} GB)"
-                for r in short
+                f"{r} ({_size(budgets[r])} for weights, non-experts {_size(ne[r])})" for r in short
             )
             + " have nothing left for routed experts; give them more memory or drop them"
         )
     need = num_experts * sum(eb.values())
     if need > sum(room):
         raise PlacementError(
-            f"the routed experts need {need / gb:,.2f} GB but the {size} boxes leave "
-            f"{sum(room) / gb:,.2f} GB after their non-expert bytes (per box "
-            f"{', '.join(f'{x / gb:,.2f}' for x in room)} GB); "
-            f"{(need - sum(room)) / gb:,.2f} GB short: add a box, more memory, or a "
-            "smaller expert format"
+            f"the routed experts need {_size(need)} but the {size} boxes leave "
+            f"{_size(sum(room))} after their non-expert bytes (per box "
+            f"{', '.join(_size(x) for x in room)}); {_size(need - sum(room))} short: add a "
+            "box, more memory, or a smaller expert format"
         )
     counts = _apportion(num_experts, room, layers, eb, room)
     experts = [sum(counts[layer][r] * eb[layer] for layer in layers) for r in range(size)]
