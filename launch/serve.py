@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         dep.verify,
         peer_failure=wd.peer_failures.get if wd else None,
         attention=dep.attention,
+        boxes=dep.boxes,
     )
     log(rank, f"{folder}: {Report(**manifest['verify']).summary()}")
     tokenizer = load_tokenizer(folder, {"trust_remote_code": False})
