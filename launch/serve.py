@@ -25,8 +25,6 @@ from k3dist.format.verify import Report
 from k3dist.model.group import join
 from k3dist.serve import auth, keepawake, loader, metrics, preflight, server, warmup, watchdog
 
-from mlx_lm.utils import load_tokenizer
-
 # what serving takes of the deployment (the build's own keys are slicing/rank_split.py's)
 KEYS = deployment.keys("rank", "serving", "images", "access", "prefix cache")
 
@@ -133,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         attention=dep.attention,
     )
     log(rank, f"{folder}: {Report(**manifest['verify']).summary()}")
-    tokenizer = load_tokenizer(folder, {"trust_remote_code": False})
+    tokenizer = loader.load_tokenizer(folder)
     log(
         rank,
         f"loaded {folder} (build {manifest['build_hash']}, placement "

@@ -205,6 +205,7 @@ def browser(tmp_path):
 
 
 PAGE = """(() => {
+  if (!window.k3status) return {polls: 0};  // not loaded, or no read of /metrics yet
   const v = (id) => document.getElementById(id).dataset.value;
   const heat = document.getElementById("heat").dataset;
   return {
