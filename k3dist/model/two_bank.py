@@ -119,6 +119,7 @@ class TwoBankMoE(ExpertParallelMoE):
         # Opt-in route counting (lazy; route_stats() reads it): overflowing promoted
         # routes, dropped routes, token-layers with an overflow, routes, tokens.
         self.count_routes = False
+        self.record_routes = False  # keep the last ids (record_last_routes)
         self._counts = mx.zeros((5,), dtype=mx.int32)
 
     def _select_hi(self, inds: mx.array, w: mx.array):
@@ -166,6 +167,10 @@ class TwoBankMoE(ExpertParallelMoE):
     def last_routes(self) -> mx.array | None:
         return getattr(self, "_routes", None)
 
+    def record_last_routes(self, on: bool = True) -> None:
+        self.record_routes = on
+        self.forget_routes()
+
     def forget_routes(self) -> None:
         object.__setattr__(self, "_routes", None)
 
@@ -179,7 +184,8 @@ class TwoBankMoE(ExpertParallelMoE):
 
     def __call__(self, x: mx.array) -> mx.array:
         inds, w = self._route(x)
-        object.__setattr__(self, "_routes", inds)  # sampled by k3dist.serve.metrics
+        if self.record_routes:  # sampled by k3dist.serve.metrics (serving only)
+            object.__setattr__(self, "_routes", inds)
         y = self.routed_expert_down_proj(x) if self.latent_size is not None else x
         y = (self._routed_local if self.form == "local" else self._routed_placeholder)(y, inds, w)
         shared = self.shared_experts(x) if self.shared_experts is not None else None

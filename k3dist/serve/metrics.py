@@ -94,9 +94,9 @@ class RouteSampler:
         self.reset()
 
     def reset(self) -> None:
-        """Forget the routes warm-up left behind."""
+        """Keep each layer's last routes from now on (warm-up's are not counted)."""
         for _, m in self.layers:
-            m.forget_routes()
+            m.record_last_routes(True)
 
     def on_token(self) -> None:
         """Called by the generation thread for every generated token (rank 0)."""
