@@ -133,6 +133,9 @@ def test_progress_lines_and_eta_follow_a_reading_process(tmp_path):
         (t["bytes_total"] - t["bytes_done"]) / t["rate_bytes_per_s"], rel=0.01
     )
     assert mid["eta_s"] == pytest.approx(t["eta_s"] + g["eta_s"], abs=0.2)
+    # a tenth of the way in, the ETA was recorded (a run's estimate checked at its end)
+    at = progress.read(tmp_path)["stages"][0]["at_10pct"]
+    assert at["elapsed_s"] > 0 and at["eta_s"] > 0
     end = progress.read(tmp_path)
     assert end["stages"][0]["state"] == "done" and end["stages"][0]["bytes_done"] == 8 << 20
     assert end["eta_s"] is not None and end["stages"][1]["eta_s"] > 0  # graded: from the rate

@@ -175,6 +175,12 @@ class Watch(threading.Thread):
                 rec["bytes_done"] = now
                 if rec["seconds"] > 0 and now:
                     rec["rate_bytes_per_s"] = round(now / rec["seconds"])
+                total = rec["bytes_total"]
+                if total and now >= total / 10 and "at_10pct" not in rec:
+                    # what the ETA said a tenth of the way in: against the stage's
+                    # final seconds, how good the estimate was
+                    eta = self.p._eta(rec)
+                    rec["at_10pct"] = {"elapsed_s": rec["seconds"], "eta_s": eta}
             return self.p._write()
 
     def run(self) -> None:
