@@ -322,6 +322,15 @@ COUNTERS = (
     ),
 )
 
+# the on-disk prefix store's own counts (PrefixStore.stats) exported as counters
+DISK_COUNTS = {
+    "hits": "lookups restored from disk",
+    "misses": "lookups with no entry on disk",
+    "saved": "entries written",
+    "evicted": "entries evicted for space",
+    "corrupt": "entries found corrupt (dropped)",
+}
+
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
@@ -384,6 +393,12 @@ class _Collector:
                     "Entries of the on-disk prefix store",
                     len(store.entries),
                 )
+                for key, doc in DISK_COUNTS.items():
+                    yield CounterMetricFamily(
+                        f"k3dist_prefix_cache_disk_{key}",
+                        f"On-disk prefix store: {doc}",
+                        value=store.stats.get(key, 0),
+                    )
         if m.routes is not None:
             layers, counts, samples = m.routes.snapshot()
             yield CounterMetricFamily(

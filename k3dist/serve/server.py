@@ -645,7 +645,7 @@ class K3APIHandler(mlx_server.APIHandler):
             return self.handle_health_check()
         if path == "/":  # a client's probe of the base URL (HEAD / too)
             return self._json(200, {"status": "ok"})
-        if path in status_page.FILES:  # the page and its script: no data, no key
+        if path in status_page.FILES and self.metrics is not None:  # no data: no key
             return self._static(*status_page.FILES[path])
         if not self._authorized():
             return
