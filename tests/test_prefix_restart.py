@@ -120,7 +120,7 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
             return fams[name].samples[0].value
 
         assert one("k3dist_prefix_cache_disk_hits") >= 1
-        assert one("k3dist_prefix_cache_disk_entries") == 2
+        assert one("k3dist_prefix_cache_disk_entries") >= 2  # the two prefixes, turns
         assert one("k3dist_prefix_cache_disk_bytes") > 0
         assert one("k3dist_prefix_cache_hits") >= 1
         assert one("k3dist_prefix_cache_cached_tokens") >= cached

@@ -90,6 +90,8 @@ class RouteSampler:
         self.overflow = 0  # graded: promoted routes beyond k_hi, in the samples
         self.dropped = 0  # of those, the ones with no lo copy
         self.every, self._tokens = every, 0
+        self._seen, self._steps = None, 0  # layer 0's last routes seen; steps counted
+        self._pending: tuple[int, list] | None = None  # (step, the layers' routes)
         self.lock = threading.Lock()
         self.reset()
 
@@ -99,14 +101,26 @@ class RouteSampler:
             m.record_last_routes(True)
 
     def on_token(self) -> None:
-        """Called by the generation thread for every generated token (rank 0)."""
+        """Called by the generation thread for every generated token (rank 0).
+
+        Every ``every`` tokens it takes references to the layers' latest routes (those
+        of the step just built, in flight); it copies them to the host once two newer
+        steps have been built: the loop builds step n+2 only after reading step n's
+        tokens, so the copy never waits for the device."""
         self._tokens += 1
-        if self._tokens % self.every:
-            return
+        latest = self.layers[0][1].last_routes if self.layers else None
+        if latest is not None and latest is not self._seen:
+            self._seen, self._steps = latest, self._steps + 1
+        if self._pending is not None and self._steps >= self._pending[0] + 2:
+            self._count(self._pending[1])
+            self._pending = None
+        if self._pending is None and self._tokens % self.every == 0 and latest is not None:
+            self._pending = (self._steps, [m.last_routes for _, m in self.layers])
+
+    def _count(self, refs: list) -> None:
         got = []
-        for _, m in self.layers:
-            r = m.last_routes
-            try:  # the step in flight: the copy waits for it (this thread runs it)
+        for r in refs:
+            try:
                 got.append(None if r is None else np.asarray(r).reshape(-1, r.shape[-1]))
             except (RuntimeError, ValueError):  # not a concrete array (a traced call)
                 got.append(None)
