@@ -11,10 +11,11 @@ exports every rank's series without a collective on the decode path.
 Expert routes are sampled off the hot path: each MoE layer keeps a reference to the
 expert ids of its last call (``ExpertParallelMoE.last_routes``, evaluated by the step
 anyway); every ``ROUTE_SAMPLE_EVERY`` generated tokens rank 0's generation thread
-copies them to the host and counts them per (layer, expert). The router runs on every
-rank on the same input, so rank 0's counts are every rank's. For graded builds the
-same sample gives the ``k_hi`` overflows (promoted routes of a token beyond ``k_hi``)
-and the drops among them (those with no lo copy).
+takes them and, two steps later (evaluated by then), copies them to the host and
+counts them per (layer, expert). The router runs on every rank on the same input, so
+rank 0's counts are every rank's. For graded builds the same sample gives the ``k_hi``
+overflows (promoted routes of a token beyond ``k_hi``) and the drops among them (those
+with no lo copy).
 
 Not measured: collective wait per step (telling it apart from compute needs a host
 sync per layer; the decode benchmarks measure it).
