@@ -20,11 +20,10 @@ import k3dist
 from k3dist.format import deployment, manifest
 from k3dist.format.deployment import Deployment
 from k3dist.format.kvmemory import GiB
+from k3dist.format.placement import Placement
 from k3dist.format.verify import Report
 from k3dist.model.group import join
-from k3dist.serve import auth, keepawake, loader, preflight, server, warmup, watchdog
-
-from mlx_lm.utils import load_tokenizer
+from k3dist.serve import auth, keepawake, loader, metrics, preflight, server, warmup, watchdog
 
 # what serving takes of the deployment (the build's own keys are slicing/rank_split.py's)
 KEYS = deployment.keys("rank", "serving", "images", "access", "prefix cache")
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         boxes=dep.boxes,
     )
     log(rank, f"{folder}: {Report(**manifest['verify']).summary()}")
-    tokenizer = load_tokenizer(folder, {"trust_remote_code": False})
+    tokenizer = loader.load_tokenizer(folder)
     log(
         rank,
         f"loaded {folder} (build {manifest['build_hash']}, placement "
@@ -153,6 +152,22 @@ def main(argv: list[str] | None = None) -> None:
             dep.max_batch,
         )
         log(rank, f"warm-up: {json.dumps(warm)}")
+    counted = (
+        None
+        if not dep.metrics
+        else metrics.ServeMetrics(
+            rank,
+            size,
+            preflight=pre,
+            warm=warm is not None,
+            peers=(lambda: dict(wd.peer_stats)) if wd else None,
+            peer_timeout_s=dep.watchdog_timeout_s,
+        )
+    )
+    if wd is not None and counted is not None:
+        wd.stats = counted.rank_stats  # rank 1's figures reach rank 0 with its heartbeat
+    if rank == 0 and counted is not None:  # every rank routes alike: rank 0's counts are all's
+        counted.attach_routes(model, Placement.from_json(manifest["placement"]).owners)
     beat = keepawake.DeviceHeartbeat(dep.heartbeat_s)
     beat.start()
 
@@ -241,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         prefix_store=store,
         prefix_preload_bytes=int(dep.prefix_cache_preload_gb * 1e9),
         idle_gate=wd,
+        serve_metrics=counted,
     )
 
 

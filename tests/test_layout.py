@@ -56,6 +56,7 @@ SERVING = {
     "k3dist.serve.keepawake",
     "k3dist.serve.loader",
     "k3dist.serve.lockstep",
+    "k3dist.serve.metrics",
     "k3dist.serve.notices",
     "k3dist.serve.openai_api",
     "k3dist.serve.preflight",
@@ -63,6 +64,7 @@ SERVING = {
     "k3dist.serve.relay",
     "k3dist.serve.responses_api",
     "k3dist.serve.server",
+    "k3dist.serve.status_page",
     "k3dist.serve.warmup",
     "k3dist.serve.watchdog",
 }

@@ -13,10 +13,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from k3dist.bench.greedy import greedy
-from k3dist.build import calibtext, mlxbuild, pipeline, slicing
+from k3dist.build import calibtext, mlxbuild, pipeline, progress, slicing
 from k3dist.format import tokens
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX
 from k3dist.format.sfile import CheckpointError
@@ -82,6 +83,66 @@ def test_readme_block_makes_rank_folders_and_a_summary(readme_run):
     assert any("zh" in w for w in tokens["warnings"])
     # the peak the plan promised holds what was written
     assert summary["disk_plan"]["rank_folders_total"] > 0
+    # OUT/progress.json: every stage done, the streaming ones with the bytes they read
+    # (the stage's own rchar) against the planned bytes; quiet off a terminal
+    prog = progress.read(out)
+    assert [x["stage"] for x in prog["stages"]] == stages
+    assert prog["current"] is None and prog["eta_s"] == 0
+    by = {x["stage"]: x for x in prog["stages"]}
+    for s in summary["stages"]:
+        x = by[s["stage"]]
+        assert x["state"] == "done" and x["eta_s"] == 0, x
+        if s["stage"] in progress.READS_PER_SOURCE_BYTE:
+            assert x["bytes_done"] == s["rchar"] and x["bytes_total"] > 0, x
+            assert x["rate_bytes_per_s"] > 0
+    assert "ETA" not in r.stdout and "\r" not in r.stdout
+
+
+def test_progress_lines_and_eta_follow_a_reading_process(tmp_path):
+    """A stage's progress on a terminal: its process's bytes read against the plan, the
+    ETA from its rate; the next stage estimated at the run's rate."""
+    import io
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(8 << 20))
+    shown = progress.Progress(
+        tmp_path, ["teacher", "graded"], {"teacher": 8 << 20, "graded": 16 << 20},
+        stream=io.StringIO(), tty=True, every_s=0.05,
+    )  # fmt: skip
+    # reads 1 MiB every 0.05 s
+    code = (
+        "import sys, time\n"
+        "with open(sys.argv[1], 'rb', buffering=0) as f:\n"
+        "    while f.read(1 << 20):\n"
+        "        time.sleep(0.05)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(src)])
+    watch = shown.watch("teacher", child.pid)
+    mid = None
+    while child.poll() is None:
+        snap = progress.read(tmp_path)
+        t = snap["stages"][0]
+        if t["bytes_done"] >= 2 << 20 and mid is None and t["eta_s"] is not None:
+            mid = snap
+        time.sleep(0.02)
+    watch.finish(True, src.stat().st_size)
+    assert mid is not None
+    t, g = mid["stages"]
+    assert t["state"] == "running" and g["state"] == "pending"
+    # ETA = bytes left / the rate so far; the pending stage at the run's rate
+    assert t["eta_s"] == pytest.approx(
+        (t["bytes_total"] - t["bytes_done"]) / t["rate_bytes_per_s"], rel=0.01
+    )
+    assert mid["eta_s"] == pytest.approx(t["eta_s"] + g["eta_s"], abs=0.2)
+    # a tenth of the way in, the ETA was recorded (a run's estimate checked at its end)
+    at = progress.read(tmp_path)["stages"][0]["at_10pct"]
+    assert at["elapsed_s"] > 0 and at["eta_s"] > 0
+    end = progress.read(tmp_path)
+    assert end["stages"][0]["state"] == "done" and end["stages"][0]["bytes_done"] == 8 << 20
+    assert end["eta_s"] is not None and end["stages"][1]["eta_s"] > 0  # graded: from the rate
+    text = shown.stream.getvalue()
+    assert "[1/2] teacher" in text and "ETA" in text and "of 8.4 MB" in text
+    assert text.endswith("\n")  # the stage's last line is left in place
 
 
 def test_readme_block_again_skips_every_stage(readme_run):

@@ -66,6 +66,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from k3dist.build import progress as progress_mod
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX
 from k3dist.format.journal import write_json_atomic
 from k3dist.format.manifest import MANIFEST
@@ -661,8 +662,17 @@ def run(a: Args, dry_run: bool = False) -> dict:
     load0 = os.getloadavg()
     disk = DiskWatch(out)
     disk.start()
+    shown = progress_mod.Progress(
+        out,
+        order,
+        {
+            s: round(source_bytes * progress_mod.READS_PER_SOURCE_BYTE[s])
+            for s in order
+            if s in progress_mod.READS_PER_SOURCE_BYTE
+        },
+    )
     try:
-        _run_stages(a, plan, state, sp, ks, order, summary, first_to_run(a, state, ks))
+        _run_stages(a, plan, state, sp, ks, order, summary, first_to_run(a, state, ks), shown)
     finally:
         disk.stop()
     result = {
@@ -722,14 +732,18 @@ def _run_stages(
     order: list[str],
     summary: list,
     first: int,
+    shown: progress_mod.Progress,
 ) -> None:
-    """Each stage in order: skipped when current, else run in a child process."""
+    """Each stage in order: skipped when current, else run in a child process;
+    ``shown``: where each stands (progress.json, and the terminal when there is one)."""
     out = Path(a.out)
     for n, stage in enumerate(order, 1):
         key = ks[stage]
         if n - 1 < first:
             rec = state["stages"][stage]
-            print(f"[{n}/{len(order)}] {stage}: current, skipped")
+            if not shown.tty:  # on a terminal the progress line says it
+                print(f"[{n}/{len(order)}] {stage}: current, skipped")
+            shown.skipped(stage)
             summary.append(
                 {
                     "stage": stage,
@@ -755,11 +769,14 @@ def _run_stages(
         if writes_ranks(a, stage):  # dwq: rewrites the graded rank folders in place
             state["ranks_by"] = want
             write_json_atomic(sp, state)
-        print(f"[{n}/{len(order)}] {stage} ...", flush=True)
+        if not shown.tty:
+            print(f"[{n}/{len(order)}] {stage} ...", flush=True)
         t0 = time.perf_counter()
         if stage == "plan":
+            watch = shown.watch(stage, None)
             write_json_atomic(a.path("plan"), plan)
             stats = {"seconds": 0.0, "peak_rss": None, "io": {}, "facts": {}}
+            watch.finish()
         else:
             stats_path = out / f".stage-{stage}.json"
             stats_path.unlink(missing_ok=True)
@@ -774,7 +791,14 @@ def _run_stages(
                 "--_stats",
                 str(stats_path),
             ]
-            rc = subprocess.call(cmd)
+            child = subprocess.Popen(cmd)
+            watch = shown.watch(stage, child.pid)
+            try:
+                rc = child.wait()
+            finally:
+                ok = child.returncode == 0 and stats_path.exists()
+                got = json.loads(stats_path.read_text()) if ok else {}
+                watch.finish(ok, got.get("io", {}).get("rchar"))
             if rc != 0 or not stats_path.exists():
                 write_json_atomic(sp, state)
                 raise CheckpointError(

@@ -148,6 +148,12 @@ class Deployment(BaseModel):
         "serving (--no-warmup: tests only)",
         "serving",
     )
+    metrics: bool = _key(
+        True,
+        "count requests, tokens, latencies, memory and sampled expert routes for "
+        "GET /metrics and the /status page (--no-metrics: off, for benchmarks)",
+        "serving",
+    )
     token_log: str | None = _key(
         None, "per-rank JSONL of generated tokens ({rank} allowed); none: off", "serving"
     )

@@ -260,3 +260,15 @@ def load_rank(
     if size > 1:
         mx.eval(mx.distributed.all_sum(mx.zeros(1), group=group))  # barrier: all loaded
     return model, config, manifest
+
+
+def load_tokenizer(folder: str | Path):
+    """mlx-lm's tokenizer of ``folder``, given its config: without one, transformers'
+    AutoTokenizer fails to map ``kimi_k3`` to a config class, falls back to the base
+    class and warns on every rank ("You are using a model of type `kimi_k3` to
+    instantiate a model of type ``"); the tokenizer it makes is the same."""
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig.from_dict(PretrainedConfig.get_config_dict(str(folder))[0])
+    return mlx_load_tokenizer(folder, {"trust_remote_code": False, "config": config})

@@ -38,7 +38,17 @@ from pathlib import Path
 from typing import Any
 
 from k3dist import __version__ as k3dist_version
-from k3dist.serve import anthropic_api, auth, lockstep, openai_api, relay, responses_api, warmup
+from k3dist.serve import (
+    anthropic_api,
+    auth,
+    lockstep,
+    metrics,
+    openai_api,
+    relay,
+    responses_api,
+    status_page,
+    warmup,
+)
 from k3dist.serve.lockstep import ClientGone, K3ModelProvider, K3ResponseGenerator
 from k3dist.serve.openai_api import IMAGE_PART_TYPES, RequestError
 from k3dist.serve.prompt_cache import K3PromptCache
@@ -146,6 +156,22 @@ class K3APIHandler(mlx_server.APIHandler):
     _in_completion = False
     api_key: str | None = None  # every endpoint but /health asks for it when set
     _api = None  # the agent API module of this request (Anthropic's: errors in its shape)
+    metrics: metrics.ServeMetrics | None = None  # /metrics, and requests counted by API
+    _status: int | None = None  # the last status this request was answered with
+    _route_path = ""
+
+    def send_response(self, code, message=None):
+        self._status = code
+        super().send_response(code, message)
+
+    def handle_one_request(self):
+        """mlx-lm's, then the request counted once by API and final status."""
+        self._status, self._route_path = None, ""
+        super().handle_one_request()
+        if self.metrics is not None and self._status is not None:
+            api = metrics.api_of(self._route_path)
+            if api != "other":
+                self.metrics.requests.labels(api, str(self._status)).inc()
 
     def _set_cors_headers(self):
         origins = self.response_generator.cli_args.allowed_origins
@@ -395,7 +421,7 @@ class K3APIHandler(mlx_server.APIHandler):
         path = self.path.partition("?")[0].partition("#")[0]
         if "://" in path:  # absolute-form (through a proxy): its path
             path = "/" + path.split("://", 1)[1].partition("/")[2]
-        self.path = path
+        self.path = self._route_path = path
         if path == "/v1/messages" or path.startswith("/v1/messages/"):
             self._api = anthropic_api
         elif path == "/v1/responses" or path.startswith("/v1/responses/"):
@@ -597,6 +623,14 @@ class K3APIHandler(mlx_server.APIHandler):
         self.end_headers()
         self.wfile.write(raw)
 
+    def _static(self, body: bytes, content_type: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
     def _is_local(self) -> bool:
         try:
             addr = ipaddress.ip_address(self.client_address[0])
@@ -611,8 +645,14 @@ class K3APIHandler(mlx_server.APIHandler):
             return self.handle_health_check()
         if path == "/":  # a client's probe of the base URL (HEAD / too)
             return self._json(200, {"status": "ok"})
+        if path in status_page.FILES and self.metrics is not None:  # no data: no key
+            return self._static(*status_page.FILES[path])
         if not self._authorized():
             return
+        if path in ("/metrics", status_page.PLACEMENT_PATH) and self.metrics is not None:
+            if path == "/metrics":
+                return self._static(self.metrics.render(), metrics.CONTENT_TYPE)
+            return self._static(self.metrics.placement_json(), "application/json")
         if self.path.startswith("/v1/models"):
             self._set_completion_headers(200)
             self.end_headers()
@@ -778,12 +818,14 @@ def serve(
     prefix_store=None,
     prefix_preload_bytes: int = 0,
     idle_gate=None,
+    serve_metrics: metrics.ServeMetrics | None = None,
 ) -> None:
     """mlx_lm.server.run with our generator, handler and HTTP server; rank 0 serves.
     ``prefix_store``: prefix caches on disk (k3dist.serve.prefix_store) or None; its
     most recently used entries, up to ``prefix_preload_bytes`` a rank, go into memory
     before the first request (every rank, here, before the generation loop starts);
-    ``idle_gate``: the watchdog (multi-rank): idle ranks wait on it, not in a collective."""
+    ``idle_gate``: the watchdog (multi-rank): idle ranks wait on it, not in a collective;
+    ``serve_metrics``: what every rank counts (rank 0 serves it at ``/metrics``)."""
     group = mx.distributed.init()
     prompt_cache = K3PromptCache(
         provider.cli_args.prompt_cache_size,
@@ -794,6 +836,7 @@ def serve(
     if prefix_store is not None and prefix_preload_bytes > 0:
         prompt_cache.preload(provider.model_key, prefix_preload_bytes)
     generator = K3ResponseGenerator(provider, prompt_cache, token_log, idle_gate)
+    generator.metrics = serve_metrics
     if group.rank() != 0:
         generator.join()
         if prefix_store is not None:
@@ -810,8 +853,11 @@ def serve(
             "admission": Admission(max_queued_requests),
             "vision_limits": vision_limits,
             "api_key": api_key,
+            "metrics": serve_metrics,
         },
     )
+    if serve_metrics is not None:
+        serve_metrics.admission, serve_metrics.prompt_cache = handler.admission, prompt_cache
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, address = infos[0]
     server_class = type("Server", (K3HTTPServer,), {"address_family": family})
