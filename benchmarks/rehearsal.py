@@ -248,13 +248,13 @@ def stages(work: Path, target_bpw: float, dwq_steps: int) -> list[Stage]:
 
 
 # ----------------------------------------------------------------------------- projection
-# Constants for the real K3 on an M3 Ultra (assumptions, stated; the same as the README's
+# Constants for the real K3 on an M3 Ultra (assumptions, stated; the same as docs/build.md's
 # verify section: ~6.5 GB/s internal SSD, ~2 GB/s SHA-256 per performance core with
 # ARMv8 SHA-2; GPU: half of the 80-core M3 Ultra's ~28 TFLOP/s peak, achieved).
 SSD_BPS = 6.5e9
 SHA256_BPS = 2.0e9
 GPU_FLOPS = 14e12
-REAL_TOKENS = 4096  # the README's calibration set: 16 windows x 256 tokens
+REAL_TOKENS = 4096  # the pipeline's default calibration set: 16 windows x 256 tokens
 DWQ_STEPS, DWQ_BATCH, DWQ_SEQ = 240, 8, 256  # the DWQ that met issue 13's goal
 PLAN = REPO / "benchmarks/results/plan-k3-2026-12-02.json"
 
@@ -433,13 +433,13 @@ def real_pipeline_writes() -> dict[str, int]:
     """Bytes each pipeline stage writes on the real K3: the pipeline's own disk plan
     (``python -m k3dist.pipeline.runner`` + REAL_PIPELINE_ARGS: the real config and
     index shipped in k3dist/data, the real plan's expert bpw, 4,096 calibration tokens)."""
-    from k3dist.pipeline import runner
+    from k3dist.pipeline import diskplan, runner
 
     a, _ = runner.parse(REAL_PIPELINE_ARGS)
-    config, index, source_bytes = runner.read_config_index(a)
-    acc = runner.account(a, config, index)
-    plan = runner.make_plan(a, acc)
-    d = runner.disk_plan(a, acc, plan, source_bytes)
+    config, index, source_bytes = diskplan.read_config_index(a)
+    acc = diskplan.account(a, config, index)
+    plan = diskplan.make_plan(a, acc)
+    d = diskplan.disk_plan(a, acc, plan, source_bytes)
     return {
         "source": source_bytes,
         "rank_folders": d["rank_folders_total"],
@@ -547,7 +547,7 @@ def from_pipeline(summary_path: Path, out: str, count_overhead: Path | None = No
         "constants": constants(
             "bytes each stage writes on the real K3: the pipeline's own disk plan "
             "(python -m k3dist.pipeline.runner " + " ".join(REAL_PIPELINE_ARGS) + "); "
-            "a stage reads what its inputs wrote (k3dist.pipeline.runner.READS, plus the "
+            "a stage reads what its inputs wrote (k3dist.pipeline.stage_graph.READS, plus the "
             "base the DWQ teacher runs on)"
         ),
         "stages": rows,
@@ -634,7 +634,7 @@ def write_report(args, prior: dict[str, dict]) -> dict:
 
 
 def table(report: dict) -> str:
-    """The README's table: measured on the preset, projected to the real K3."""
+    """The rehearsal table: measured on the preset, projected to the real K3."""
     lines = [
         "| stage | preset wall s (cpu s) | peak RSS MB | read / written MB | scales with "
         "| real K3: read / written GB | disk s | sha256 s | compute s | count overhead s "
@@ -683,7 +683,7 @@ def main() -> None:
     ap.add_argument(
         "--table",
         action="store_true",
-        help="print the README table from --out and exit (no stage runs)",
+        help="print the rehearsal table from --out and exit (no stage runs)",
     )
     ap.add_argument(
         "--from-pipeline",

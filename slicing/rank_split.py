@@ -3,6 +3,11 @@ routed experts the rank owns, and a manifest naming rank, size, placement and bu
 
     python slicing/rank_split.py --rank 1              # deploy/local.yaml, mini build
     python slicing/rank_split.py --all --size 2 --build BUILD --out 'runs/ranks/rank{rank}'
+    python slicing/rank_split.py --all --boxes 512,256,256 --out 'runs/ranks3/rank{rank}'
+
+Any --size works (16 experts over 3 ranks: 6:5:5, rotated over the layers); --boxes
+places each layer's experts by each box's memory (GiB it gives the weights, one per
+rank, in rank order; --size follows it).
 
 --build takes an MLX build (k3dist.pipeline.convert, or an mlx-community K3 build) or a
 Moonshot-format checkpoint. Flags override the deployment YAML (--config, by default
@@ -40,8 +45,8 @@ def main() -> None:
         if build == default.DEFAULT_BUILD and not (build / "k3dist.json").exists():
             print(f"{build}: missing; making the default mini build")
             default.ensure_default_build(progress=True)
-        placement = slicing.placement_for(build, d.size, d.placement_counts)
-        print(f"build {build}, {d.size} ranks, placement {placement.kind} ({placement.hash})")
+        placement = slicing.placement_for(build, d.size, d.placement_counts, d.boxes, d.attention)
+        print(f"build {build}, {d.size} ranks, placement {placement.describe()} ({placement.hash})")
         if args.all:
             paths = slicing.slice_all(build, d.rank_dir, d.size, placement, attention=d.attention)
         else:

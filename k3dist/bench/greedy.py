@@ -125,7 +125,13 @@ def main() -> None:
     rank = group.rank()
     t0 = time.perf_counter()
     model, config, manifest = loader.load_rank(
-        dep.rank_path(rank), group, dep.dtype, dep.moe_form, dep.verify, attention=dep.attention
+        dep.rank_path(rank),
+        group,
+        dep.dtype,
+        dep.moe_form,
+        dep.verify,
+        attention=dep.attention,
+        boxes=dep.boxes,
     )
     t_load = time.perf_counter() - t0
     vocab = config["text_config"]["vocab_size"]

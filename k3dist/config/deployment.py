@@ -75,6 +75,14 @@ class Deployment(BaseModel):
     placement_counts: str | None = _key(
         None, "routing counts (.npz / .json) for a load-aware placement; none: contiguous", "build"
     )
+    boxes: list[float] | None = _key(
+        None,
+        "GiB each box gives the weights, one per rank in rank order (e.g. 512,256,256): "
+        "routed experts placed per layer in proportion to what each box has left after its "
+        "non-expert bytes (k3dist.format.placement.split_by_memory); rank folders are "
+        "sliced for one list and refused under another; none: equal counts",
+        "build",
+    )
     # -- one rank's model --
     rank_dir: str = _key(
         "runs/ranks/rank{rank}", "per-rank folders; {rank} is replaced by the rank", "rank"
@@ -158,6 +166,12 @@ class Deployment(BaseModel):
         True,
         "warm up every prefill chunk and decode batch shape before "
         "serving (--no-warmup: tests only)",
+        "serving",
+    )
+    metrics: bool = _key(
+        True,
+        "count requests, tokens, latencies, memory and sampled expert routes for "
+        "GET /metrics and the /status page (--no-metrics: off, for benchmarks)",
         "serving",
     )
     token_log: str | None = _key(
@@ -313,10 +327,40 @@ class Deployment(BaseModel):
             )
         return v
 
+    @field_validator("boxes", mode="before")
+    @classmethod
+    def _box_list(cls, v: Any) -> Any:
+        """``512,256,256`` (a flag, or YAML's string) or a list; repeated flags append."""
+        if isinstance(v, str):
+            v = [v]
+        if isinstance(v, list) and any(isinstance(x, str) for x in v):
+            v = [p.strip() for x in v for p in str(x).split(",") if p.strip()]
+        return v
+
+    @field_validator("boxes")
+    @classmethod
+    def _positive(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or any(not 0 < x < float("inf") for x in v)):
+            raise ValueError("boxes must be one positive number (GiB) per rank")
+        return v
+
     @model_validator(mode="after")
     def _one_key_source(self) -> Deployment:
         if self.api_key and self.api_key_file:
             raise ValueError("give api_key or api_key_file, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _size_of_boxes(self) -> Deployment:
+        """``boxes`` names the ranks: ``size`` follows it, or must agree when given."""
+        if self.boxes is not None and len(self.boxes) != self.size:
+            if "size" in self.model_fields_set:
+                raise ValueError(
+                    f"size is {self.size} but boxes names {len(self.boxes)} boxes "
+                    f"({', '.join(f'{b:g}' for b in self.boxes)}); give size "
+                    f"{len(self.boxes)} (--size {len(self.boxes)}) or one box per rank"
+                )
+            self.size = len(self.boxes)
         return self
 
     def rank_path(self, rank: int) -> Path:
@@ -360,7 +404,7 @@ def allowed(key: str) -> str:
         float: "a number",
         str: "a string",
         bool: "true or false",
-        list: "a list of strings",
+        list: "a list of numbers" if _items(f.annotation) is float else "a list of strings",
     }[kind]
     return (
         name
@@ -373,6 +417,14 @@ def _optional(annotation: Any) -> bool:
     return type(None) in get_args(annotation)
 
 
+def _items(annotation: Any) -> type | None:
+    """The item type of a list key (``list[float] | None`` -> float), else None."""
+    for a in (annotation, *get_args(annotation)):
+        if get_origin(a) is list:
+            return get_args(a)[0]
+    return None
+
+
 def _choices(annotation: Any) -> tuple[str, ...]:
     return get_args(annotation) if get_origin(annotation) is Literal else ()
 
@@ -383,6 +435,8 @@ def _scalar(annotation: Any) -> type:
     if get_origin(annotation) in (Literal, list):
         return str if get_origin(annotation) is Literal else list
     args = [a for a in get_args(annotation) if a is not type(None)]
+    if args and get_origin(args[0]) is list:  # an optional list
+        return list
     return args[0] if args else annotation
 
 
@@ -444,6 +498,8 @@ def load_deployment(path: str | Path | None = None, **overrides: Any) -> Deploym
     path = Path(path) if path is not None else None
     values = _renamed(read_yaml(path), str(path)) if path is not None else {}
     flags = _renamed({k: v for k, v in overrides.items() if v is not None}, "flags")
+    if "boxes" in flags and "size" not in flags:  # --boxes names the ranks the YAML's size did
+        values.pop("size", None)
     try:
         return Deployment(**{**values, **flags})
     except ValidationError as e:

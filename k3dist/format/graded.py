@@ -159,4 +159,4 @@ def balance_hi(placement: Placement, gmap: GradedMap) -> Placement:
             own[a], own[b] = under, over
         owners[layer] = tuple(own)
     kind = placement.kind if owners == placement.owners else f"{placement.kind}+hi-balanced"
-    return Placement(placement.size, placement.num_experts, owners, kind)
+    return Placement(placement.size, placement.num_experts, owners, kind, placement.shares)

@@ -61,8 +61,13 @@ class OwnedExperts(SwitchGLU):
         self._table_np = np.asarray(local_table, dtype=np.int32)
         self._table = mx.array(self._table_np)
         self._owns_all = n_local == len(local_table)
+        # keep the last call's ids (``ExpertParallelMoE.last_routes``): serving only, so
+        # no traced call (calibration, DWQ) holds on to its graph through them
+        self.record_routes = False
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        if self.record_routes:  # a plain attribute, not a module member
+            object.__setattr__(self, "_routes", inds)
         if self._owns_all:
             return super().__call__(x, inds)
         if self.form == "local":
@@ -123,6 +128,26 @@ class ExpertParallelMoE(kimi_k3.KimiK3SparseMoE):
             a.routed_scaling_factor,
             a.moe_renormalize,
         )
+
+    @property
+    def last_routes(self) -> mx.array | None:
+        """The global expert ids ``[.., k]`` of this layer's last call: a reference to
+        an array the step evaluates anyway, which ``k3dist.serve.metrics`` copies to the
+        host now and then (off the hot path)."""
+        return getattr(self.switch_mlp, "_routes", None)
+
+    def record_last_routes(self, on: bool = True) -> None:
+        """Keep (or stop keeping) the last call's expert ids for ``last_routes``."""
+        self.switch_mlp.record_routes = on
+        self.forget_routes()
+
+    def forget_routes(self) -> None:
+        object.__setattr__(self.switch_mlp, "_routes", None)
+
+    def sampled_overflow(self, ids: np.ndarray) -> tuple[int, int]:
+        """(promoted routes beyond ``k_hi``, those dropped) among routes ``ids``
+        ``[tokens, k]``: none with a single bank (``TwoBankMoE`` counts them)."""
+        return 0, 0
 
     def set_collectives(self, on: bool) -> None:
         """Off only during warm-up: shapes compile on each rank without a peer."""

@@ -97,6 +97,7 @@ class TwoBankMoE(ExpertParallelMoE):
         self._hi_table = mx.array(self._hi_table_np)
         self._promoted = mx.array(promoted)
         self._in_lo = mx.array(in_lo)
+        self._promoted_np, self._lo_fallback = promoted, bool(lo_fallback)
         self.k_hi = min(int(k_hi), args.num_experts_per_token) if promoted.any() else 0
         n_hi = int((self._hi_table_np >= 0).sum())
         if self.k_hi and n_hi == 0:
@@ -118,6 +119,7 @@ class TwoBankMoE(ExpertParallelMoE):
         # Opt-in route counting (lazy; route_stats() reads it): overflowing promoted
         # routes, dropped routes, token-layers with an overflow, routes, tokens.
         self.count_routes = False
+        self.record_routes = False  # keep the last ids (record_last_routes)
         self._counts = mx.zeros((5,), dtype=mx.int32)
 
     def _select_hi(self, inds: mx.array, w: mx.array):
@@ -161,8 +163,29 @@ class TwoBankMoE(ExpertParallelMoE):
     def reset_route_stats(self) -> None:
         self._counts = mx.zeros((5,), dtype=mx.int32)
 
+    @property
+    def last_routes(self) -> mx.array | None:
+        return getattr(self, "_routes", None)
+
+    def record_last_routes(self, on: bool = True) -> None:
+        self.record_routes = on
+        self.forget_routes()
+
+    def forget_routes(self) -> None:
+        object.__setattr__(self, "_routes", None)
+
+    def sampled_overflow(self, ids: np.ndarray) -> tuple[int, int]:
+        """A token's promoted routes beyond ``k_hi`` overflow (the hi bank takes the
+        ``k_hi`` heaviest); with no lo fallback every one of them is dropped: both
+        counts follow from the ids alone."""
+        n_prom = self._promoted_np[ids].sum(axis=-1)
+        over = int(np.maximum(n_prom - self.k_hi, 0).sum())
+        return over, 0 if self._lo_fallback else over
+
     def __call__(self, x: mx.array) -> mx.array:
         inds, w = self._route(x)
+        if self.record_routes:  # sampled by k3dist.serve.metrics (serving only)
+            object.__setattr__(self, "_routes", inds)
         y = self.routed_expert_down_proj(x) if self.latent_size is not None else x
         y = (self._routed_local if self.form == "local" else self._routed_placeholder)(y, inds, w)
         shared = self.shared_experts(x) if self.shared_experts is not None else None

@@ -141,6 +141,7 @@ def plan_graded(
         budget,
         budget_total,
         target_bpw,
+        auto=True,
         lo=lo,
         nonexpert=dict(nonexpert or byte_budget.DEFAULT_NONEXPERT),
         nonexpert_from=dict(nonexpert_from or {}),
@@ -286,7 +287,7 @@ def main() -> None:
     )
     add_nonexpert_args(ap)
     g = ap.add_argument_group("graded profile")
-    byte_budget.add_budget_args(g)
+    byte_budget.add_budget_args(g, auto=True)
     g.add_argument(
         "--scores",
         help="per-expert scores, npz of layer_L arrays (as grade "

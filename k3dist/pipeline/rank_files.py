@@ -13,9 +13,15 @@ from pathlib import Path
 
 from k3dist import __version__
 from k3dist.format import graded, layout, manifest, verify
-from k3dist.format.folder import INDEX_NAME, load_config
+from k3dist.format.folder import INDEX_NAME, load_config, weight_map
 from k3dist.format.journal import JournaledFolder
-from k3dist.format.placement import Placement, PlacementError, for_config
+from k3dist.format.placement import (
+    Placement,
+    PlacementError,
+    by_memory,
+    for_config,
+    split_by_memory,
+)
 from k3dist.format.sfile import (
     CHUNK_BYTES,
     CheckpointError,
@@ -28,6 +34,7 @@ from k3dist.format.sfile import (
 import numpy as np
 
 FORMAT_VERSION = manifest.RANK_FORMAT_VERSION
+GIB = 1 << 30  # a box's memory as --boxes names it
 # a stacked routed-expert tensor of an mlx-lm build: leading dim = num_experts (a graded
 # build's two banks: the rows k3dist.format.graded.stack_rows names)
 _STACK_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.switch_(?:mlp|hi)\.")
@@ -63,13 +70,79 @@ def check_rank(rank: int, size: int) -> None:
         )
 
 
-def placement_for(build: str | Path, size: int, counts_path: str | Path | None = None) -> Placement:
-    """The placement for a build or source folder: contiguous, or load-aware from
-    routing counts."""
+def placement_for(
+    build: str | Path,
+    size: int,
+    counts_path: str | Path | None = None,
+    boxes: list[float] | None = None,
+    attention: str | None = None,
+) -> Placement:
+    """The placement for a build or source folder: contiguous (equal counts within one
+    where ``size`` does not divide the experts), or by each box's memory (``boxes``:
+    GiB each box gives the weights, in rank order; :func:`rank_bytes` says what each
+    rank holds besides routed experts, with ``attention`` as sliced); load-aware within
+    those counts from routing counts. A graded build's promoted experts are then spread
+    evenly (``graded.balance_hi``: counts per rank unchanged)."""
     config = load_config(build)
-    placement = for_config(layout.text_config(config), size, counts_path)
+    tc = layout.text_config(config)
+    capacity = None
+    if boxes is not None:
+        if len(boxes) != size:
+            raise PlacementError(
+                f"{len(boxes)} boxes ({', '.join(f'{b:g}' for b in boxes)} GiB) for {size} "
+                f"ranks; name one box per rank (or --size {len(boxes)})"
+            )
+        nonexpert, per_expert = rank_bytes(build, size, attention)
+        moe = layout.moe_layers(tc)
+        split = split_by_memory(
+            [int(b * GIB) for b in boxes], nonexpert, per_expert, tc["num_experts"], moe
+        )
+        capacity = by_memory(boxes, split, tc["num_experts"], moe)
+    placement = for_config(tc, size, counts_path, capacity)
     gmap = graded.GradedMap.from_config(config)
     return placement if gmap is None else graded.balance_hi(placement, gmap)
+
+
+def rank_bytes(
+    build: str | Path, size: int, attention: str | None = None
+) -> tuple[list[int], dict[int, int]]:
+    """(bytes each of ``size`` rank folders holds besides routed experts, one routed
+    expert's bytes per MoE layer), from the headers: replicated tensors on every rank,
+    a split layer's attention (``layout.split_layers``) divided, the vision tower on
+    rank 0 only. A graded layer's expert bytes are its two banks' mean; a
+    Moonshot-format source counts its non-expert bytes as stored (a 16-bit slicing
+    keeps them), attention replicated (how a source is sliced)."""
+    build = Path(build)
+    src = is_source(build)
+    tc = layout.text_config(load_config(build))
+    wm = weight_map(build)
+    headers = {f: read_header(build / f) for f in dict.fromkeys(wm.values())}
+    infos = {n: headers[f].tensors[n] for n, f in wm.items() if n in headers[f].tensors}
+
+    def expert_layer(name: str) -> int | None:
+        if src:
+            key = layout.parse_expert_key(name)
+            return key[0] if key else None
+        return stacked_layer(name)
+
+    mode = "replicated" if src else resolve_attention(attention, size)
+    shapes = {n: t.shape for n, t in infos.items() if expert_layer(n) is None}
+    split = set(layout.split_layers(tc, size, shapes)) if mode == "split" else set()
+    nonexpert = [0] * size
+    experts: dict[int, int] = {}
+    for n, t in infos.items():
+        layer = expert_layer(n)
+        if layer is not None:
+            experts[layer] = experts.get(layer, 0) + t.nbytes
+        elif is_vision(n):
+            for r in vision_ranks(size):
+                nonexpert[r] += t.nbytes
+        elif layout.layer_of(n) in split and layout.split_rule(tc, n) is not None:
+            nonexpert = [x + t.nbytes // size for x in nonexpert]
+        else:
+            nonexpert = [x + t.nbytes for x in nonexpert]
+    E = tc.get("num_experts") or 1
+    return nonexpert, {layer: -(-b // E) for layer, b in sorted(experts.items())}
 
 
 def vision_ranks(size: int) -> set[int]:

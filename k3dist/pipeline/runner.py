@@ -1,7 +1,11 @@
 """Moonshot's folder -> per-rank folders ready to serve, in one resumable command.
 
-    python -m k3dist.pipeline.runner --src SRC --out OUT --ranks 2 --budget 480e9 \\
+    python -m k3dist.pipeline.runner --src SRC --out OUT [--ranks 2] \\
+        [--budget B | --budget-total B | --target-bpw X] \\
         [--calib-text FILES... | --calib TOKENS.npz] [--dwq] [--dry-run] [--keep]
+
+Without a budget the plan is the planner's default (``k3dist.pipeline.byte_budget``: the box's
+usable memory), the plan whose lo bank the quality tables measure.
 
 Stages, in order (each one resumable, skipped when its output is current):
 
@@ -32,11 +36,8 @@ Stages, in order (each one resumable, skipped when its output is current):
    slicing the written DWQ build would give. Then the teacher and the DWQ scratch (its
    journal, state and small files) are deleted.
 
-Peak disk for the real K3 (``--real-k3 --budget 480e9 --dry-run``): 872.8 GB in OUT
-(the rank folders and one graded layer file), 2.434 TB with the source: the goal,
-source + 1.1 x rank folders = 2.511 TB, is met. With ``--dwq``: 881.8 GB in OUT (during
-dwq: the rank folders, the teacher, one rank file being rewritten, the state), 2.443 TB
-with the source: met too.
+Peak disk for the real K3: ``--real-k3 --dry-run`` prints it
+(``benchmarks/results/disk-plan-k3-*.json``, ``docs/build.md``).
 
 Scratch lives in ``OUT/work``; ``--keep`` keeps it. Each stage runs in its own process
 (its memory goes back to the system when it ends; its peak RSS and I/O bytes are its
@@ -54,7 +55,6 @@ the real K3 from ``k3dist/data``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -62,349 +62,40 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX
 from k3dist.format.journal import write_json_atomic
 from k3dist.format.manifest import MANIFEST
 from k3dist.format.sfile import CheckpointError
-
-STATE = "pipeline.json"
-SUMMARY = "summary.json"
-# what summary.json keeps of each stage's record, run or skipped
-STAGE_FACTS = (
-    "seconds",
-    "cpu_s",
-    "peak_rss",
-    "read_bytes",
-    "written_bytes",
-    "rchar",
-    "wchar",
-    "output_bytes",
+from k3dist.pipeline import progress as progress_mod
+from k3dist.pipeline.diskplan import (
+    account,
+    calib_tokens,
+    check_memory_caps,
+    disk_plan,
+    du,
+    free_bytes,
+    make_plan,
+    print_disk_plan,
+    read_config_index,
+    tb,
 )
-RANK_PATTERN = "rank{rank}"
-DWQ_FACTS = ("layers", "valid_before", "valid_after", "steps")  # per block, in pipeline.json
-GOAL_FACTOR = 1.1  # peak disk <= source + 1.1 x rank folders
-
-
-@dataclass
-class Args:
-    src: str | None
-    out: str
-    ranks: int = 2
-    budget: float | None = None
-    budget_total: float | None = None
-    target_bpw: float | None = None
-    calib: str | None = None
-    calib_text: list[str] | None = None
-    windows: int = 16
-    seq: int = 256
-    batch: int = 4
-    cap: str = "2GiB"
-    top_k: int = 0
-    dwq: bool = False
-    dwq_steps: int = 60
-    dwq_batch: int = 2
-    keep: bool = False
-    config: str | None = None
-    index: str | None = None
-
-    @property
-    def work(self) -> Path:
-        return Path(self.out) / "work"
-
-    def path(self, stage: str) -> Path:
-        return {
-            "plan": Path(self.out) / "plan.json",
-            "tokens": self.work / "tokens.npz",
-            "teacher": self.work / "teacher",
-            "calibrate": self.work / "calib",
-            "graded": self.work / "graded",
-            "dwq": self.work / "dwq",
-        }[stage]
-
-    def rank_dirs(self) -> list[Path]:
-        return [Path(self.out) / RANK_PATTERN.format(rank=r) for r in range(self.ranks)]
-
-
-def stages(a: Args) -> list[str]:
-    s = ["plan", "tokens", "teacher", "calibrate", "graded"]
-    return [*s, "dwq"] if a.dwq else s
-
-
-def writes_ranks(stage: str) -> bool:
-    """The stages whose output is the rank folders: ``graded`` (written straight into
-    them, ``k3dist.pipeline.direct``) and ``dwq`` (rewrites them in place)."""
-    return stage in ("graded", "dwq")
-
-
-def ranks_by(ks: dict[str, str], upto: str) -> list[list[str]]:
-    """What state["ranks_by"] holds once ``upto`` has written the rank folders: the
-    stages that wrote them, in order, with their keys."""
-    return [[s, ks[s]] for s in ("graded", "dwq")[: 1 + (upto == "dwq")]]
-
-
-# scratch -> the stage after which nothing reads it any more
-def consumers_end(a: Args) -> dict[str, str]:
-    out = {"teacher": "dwq" if a.dwq else "calibrate"}
-    return out | {"dwq": "dwq"} if a.dwq else out
-
-
-def stage_params(a: Args, stage: str) -> dict:
-    """What shapes a stage's output (besides the stages before it)."""
-    return {
-        "plan": {
-            "src": a.src,
-            "ranks": a.ranks,
-            "budget": a.budget,
-            "budget_total": a.budget_total,
-            "target_bpw": a.target_bpw,
-        },
-        "tokens": {
-            "calib": _file_id(a.calib) if a.calib else None,
-            "calib_text": [_file_id(p) for p in a.calib_text or []],
-            "windows": a.windows,
-            "seq": a.seq,
-        },
-        "teacher": {"batch": a.batch, "top_k": a.top_k},
-        "calibrate": {"batch": a.batch},
-        "graded": {"ranks": a.ranks},  # the rank folders
-        "dwq": {"steps": a.dwq_steps, "batch": a.dwq_batch},
-    }[stage]
-
-
-def _file_id(p: str) -> str:
-    """A path with its size and mtime: a changed input file changes the key."""
-    q = Path(p)
-    if q.is_file():
-        st = q.stat()
-        return f"{q.resolve()}:{st.st_size}:{int(st.st_mtime)}"
-    return str(q.resolve())
-
-
-def keys(a: Args) -> dict[str, str]:
-    out, prev = {}, ""
-    for s in stages(a):
-        blob = json.dumps([prev, s, stage_params(a, s)], sort_keys=True)
-        prev = out[s] = hashlib.sha256(blob.encode()).hexdigest()[:16]
-    return out
-
-
-# ------------------------------------------------------------------------- disk plan
-
-
-def read_config_index(a: Args) -> tuple[dict, dict | None, int]:
-    """(config, index, source bytes on disk) from --src or --config/--index."""
-    if a.src:
-        from k3dist.format.folder import INDEX_NAME, load_config, read_index
-
-        src = Path(a.src)
-        config = load_config(src)
-        ip = src / INDEX_NAME
-        index = read_index(ip) if ip.exists() else None
-        files = [p for p in src.iterdir() if p.is_file()]
-        on_disk = sum(p.stat().st_size for p in files)
-        if not any(p.suffix == ".safetensors" for p in files) and index:
-            on_disk = index.get("metadata", {}).get("total_size", on_disk)
-        return config, index, on_disk
-    if not (a.config and a.index):
-        raise CheckpointError("give --src SRC, or --config C --index I (a plan without weights)")
-    from k3dist.format.folder import read_index, read_json
-
-    config, _ = read_json(a.config, "config")
-    index = read_index(a.index)
-    return config, index, index.get("metadata", {}).get("total_size", 0)
-
-
-def account(a: Args, config: dict, index: dict | None):
-    """Every tensor of the checkpoint in its planner class (once: the real K3 takes s)."""
-    from k3dist.pipeline import accounting
-
-    return accounting.account(config, index, str(a.index or a.src))
-
-
-def make_plan(a: Args, acc) -> dict:
-    from k3dist.config.box import Box
-    from k3dist.pipeline import byte_budget
-
-    try:
-        req = byte_budget.plan_request(a.ranks, a.budget, a.budget_total, a.target_bpw)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
-    return byte_budget.make_plan(acc, Box(), byte_budget.Limits.of(byte_budget.shipped()), req)
-
-
-def calib_tokens(a: Args) -> int:
-    """Tokens of the calibration set: --calib's, else --windows x --seq."""
-    from k3dist.pipeline import teacher
-
-    if a.calib and Path(a.calib).exists():
-        return int(teacher.read_tokens(a.calib).size)
-    return a.windows * a.seq
-
-
-def largest_graded_file(acc, plan: dict) -> int:
-    """Bytes of the largest file of the graded build (one conversion unit: a decoder
-    layer, the head, the vision tower): its experts in the plan's banks, its non-expert
-    tensors at their class's planned bytes (a class's bytes shared by source size)."""
-    from k3dist.format.qformat import MXFP4, QFormat
-
-    hi_b = acc.expert_bytes(MXFP4)
-    lo_b = acc.expert_bytes(QFormat.parse(plan["lo"]["format"]))
-    unit: dict[str, float] = {}
-    for c, specs in acc.tensors.items():
-        if c == "experts":
-            continue
-        total = sum(t.nbytes for t in specs) or 1
-        planned = plan["nonexpert"].get(c, {}).get("bytes", total)
-        for t in specs:
-            unit[t.group] = unit.get(t.group, 0) + planned * t.nbytes / total
-    for layer in acc.moe_layers:
-        p = int(plan["promoted_per_layer"].get(str(layer), 0))
-        g = f"layer.{layer}"
-        unit[g] = unit.get(g, 0) + p * hi_b + (acc.num_experts - p) * lo_b
-    return int(max(unit.values())) + (1 << 20)  # + its header
-
-
-def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
-    """Bytes each stage writes, what is freed after it, the peak beside the source."""
-    from k3dist.pipeline import stream, teacher
-
-    tc = acc.tc
-    vision = acc.classes.get("vision", {}).get("source_bytes", 0)
-    ntok = calib_tokens(a)
-    H, V = tc["hidden_size"], tc["vocab_size"]
-    states = 0
-    for b in teacher.boundaries(tc):
-        d = stream.blocks_before(tc, b)
-        states += ntok * (H * 4 * (d + 1) + 4 * d)
-    logits = ntok * (V * 4 if a.top_k == 0 else a.top_k * 8)
-    per_rank = [
-        plan["bytes_per_rank"]["nonexpert"] + plan["bytes_per_rank"]["routed_experts"]
-        for _ in range(a.ranks)
-    ]
-    per_rank[0] += vision
-    writes = {
-        "plan": 1 << 20,
-        "tokens": ntok * 8 + (1 << 20),
-        "teacher": states + logits,
-        # the student's block-input states and their cotangents, deleted at the end
-        "calibrate": 2 * stream.state_bytes(tc, ntok) * (len(teacher.boundaries(tc)) - 1),
-        # the rank folders, plus one graded file of scratch
-        "graded": sum(per_rank) + largest_graded_file(acc, plan),
-        # rank files rewritten in place: one at a time beside its old self (at most a
-        # graded file), the propagated state, the DWQ build's small files
-        "dwq": largest_graded_file(acc, plan) + stream.state_bytes(tc, ntok) + (1 << 20),
-    }
-    keep_after = {"calibrate": 1 << 20}  # scores + routes stay; its work folder goes
-    keep_after["graded"] = sum(per_rank)  # its graded file of scratch goes
-    keep_after["dwq"] = 1 << 20  # the rewritten file replaced its old self
-    frees = consumers_end(a)
-    rows, held, peak, peak_at = [], 0, 0, ""
-    alive: dict[str, int] = {}
-    for s in stages(a):
-        alive[s] = writes[s]
-        held = sum(alive.values())
-        if held > peak:
-            peak, peak_at = held, s
-        if s in keep_after:
-            alive[s] = keep_after[s]
-        freed = 0
-        if not a.keep:
-            for scratch, last in frees.items():
-                if last == s and scratch in alive:
-                    freed += alive.pop(scratch)
-        rows.append(
-            {
-                "stage": s,
-                "writes": writes[s],
-                "held_after": sum(alive.values()),
-                "freed_after": freed,
-            }
-        )
-    ranks_total = sum(per_rank)
-    goal = source_bytes + int(GOAL_FACTOR * ranks_total)
-    return {
-        "source_bytes": source_bytes,
-        "stages": rows,
-        "peak_out": peak,
-        "peak_stage": peak_at,
-        "peak_with_source": source_bytes + peak,
-        "rank_folders": per_rank,
-        "rank_folders_total": ranks_total,
-        "goal_bytes": goal,
-        "goal_met": source_bytes + peak <= goal,
-        "tokens": ntok,
-        "keep": a.keep,
-    }
-
-
-def check_memory_caps(a: Args, config: dict, tokens: int) -> None:
-    """Before anything runs: the token set's states fit --cap in every stage that holds
-    them (teacher 1 copy, calibration 2, DWQ 3), not hours later in the stage itself."""
-    from k3dist.format import layout
-    from k3dist.pipeline import stream
-
-    tc = layout.text_config(config)
-    copies = 3 if a.dwq else 2
-    try:
-        stream.check_cap(
-            tc,
-            tokens,
-            stream.parse_bytes(a.cap),
-            copies,
-            "the token set's states in " + ("DWQ" if a.dwq else "calibration"),
-        )
-    except stream.StreamError as e:
-        raise CheckpointError(f"{e} (--windows x --seq tokens, --cap)") from None
-
-
-def _free_bytes(out: Path) -> int:
-    p = out.resolve()
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
-def _du(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    if not path.exists():
-        return 0
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def _tb(n: float) -> str:
-    if n >= 1e12:
-        return f"{n / 1e12:,.3f} TB"
-    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.2f} MB"
-
-
-def print_disk_plan(d: dict, free: int | None, already: int = 0) -> None:
-    print(
-        f"disk plan ({d['tokens']:,} calibration tokens; scratch "
-        f"{'kept (--keep)' if d['keep'] else 'deleted once read'}):"
-    )
-    print(f"  {'stage':<10} {'writes':>12} {'freed after':>12} {'held after':>12}")
-    for r in d["stages"]:
-        print(
-            f"  {r['stage']:<10} {_tb(r['writes']):>12} {_tb(r['freed_after']):>12} "
-            f"{_tb(r['held_after']):>12}"
-        )
-    print(
-        f"  peak in OUT {_tb(d['peak_out'])} (during {d['peak_stage']}); with the source "
-        f"({_tb(d['source_bytes'])}) {_tb(d['peak_with_source'])}"
-    )
-    print(
-        f"  rank folders {' + '.join(_tb(x) for x in d['rank_folders'])} = "
-        f"{_tb(d['rank_folders_total'])}; goal source + {GOAL_FACTOR} x rank folders = "
-        f"{_tb(d['goal_bytes'])}: {'met' if d['goal_met'] else 'NOT met'} "
-        f"({(d['peak_with_source']) / max(d['goal_bytes'], 1):.2f} x the goal)"
-    )
-    if free is not None:
-        print(f"  free on OUT's filesystem {_tb(free)} (+ {_tb(already)} already in OUT)")
-
+from k3dist.pipeline.stage_graph import (
+    DWQ_FACTS,
+    RANK_PATTERN,
+    READS,
+    STAGE_FACTS,
+    STATE,
+    SUMMARY,
+    Args,
+    consumers_end,
+    keys,
+    ranks_by,
+    stages,
+    writes_ranks,
+)
 
 # ------------------------------------------------------------------------- stages
 
@@ -550,17 +241,6 @@ def child(a: Args, stage: str, stats: Path) -> None:
     )
 
 
-# stage -> the earlier outputs it reads
-READS = {
-    "plan": [],
-    "tokens": [],
-    "teacher": ["tokens"],
-    "calibrate": ["teacher", "tokens"],
-    "graded": ["calibrate"],
-    "dwq": ["teacher", "graded", "tokens"],
-}
-
-
 def first_to_run(a: Args, state: dict, ks: dict[str, str]) -> int:
     """Index of the first stage to run: the first one not current, moved back to the
     stage that made any scratch a stage from there on reads and that was deleted (e.g.
@@ -616,8 +296,8 @@ def run(a: Args, dry_run: bool = False) -> dict:
     acc = account(a, config, index)
     plan = make_plan(a, acc)
     d = disk_plan(a, acc, plan, source_bytes)
-    free = _free_bytes(out)
-    already = _du(out) if out.exists() else 0
+    free = free_bytes(out)
+    already = du(out) if out.exists() else 0
     print_disk_plan(d, free, already)
     if dry_run:
         return {"disk_plan": d, "free": free}
@@ -625,9 +305,9 @@ def run(a: Args, dry_run: bool = False) -> dict:
         raise CheckpointError("--config/--index plan only (--dry-run); give --src to build")
     if d["peak_out"] > free + already:
         raise CheckpointError(
-            f"{out}: the pipeline needs {_tb(d['peak_out'])} at its peak (during "
-            f"{d['peak_stage']}) and OUT's filesystem has {_tb(free)} free (+ "
-            f"{_tb(already)} already written there); free space, choose another --out, or "
+            f"{out}: the pipeline needs {tb(d['peak_out'])} at its peak (during "
+            f"{d['peak_stage']}) and OUT's filesystem has {tb(free)} free (+ "
+            f"{tb(already)} already written there); free space, choose another --out, or "
             "drop --keep"
         )
     out.mkdir(parents=True, exist_ok=True)
@@ -641,8 +321,17 @@ def run(a: Args, dry_run: bool = False) -> dict:
     load0 = os.getloadavg()
     disk = DiskWatch(out)
     disk.start()
+    shown = progress_mod.Progress(
+        out,
+        order,
+        {
+            s: round(source_bytes * progress_mod.READS_PER_SOURCE_BYTE[s])
+            for s in order
+            if s in progress_mod.READS_PER_SOURCE_BYTE
+        },
+    )
     try:
-        _run_stages(a, plan, state, sp, ks, order, summary, first_to_run(a, state, ks))
+        _run_stages(a, plan, state, sp, ks, order, summary, first_to_run(a, state, ks), shown)
     finally:
         disk.stop()
     result = {
@@ -663,8 +352,8 @@ def run(a: Args, dry_run: bool = False) -> dict:
     write_json_atomic(out / SUMMARY, result)
     print_summary(summary)
     print(
-        f"peak disk in OUT, sampled every {DiskWatch.every_s} s: {_tb(disk.peak)} (planned "
-        f"{_tb(d['peak_out'])})"
+        f"peak disk in OUT, sampled every {DiskWatch.every_s} s: {tb(disk.peak)} (planned "
+        f"{tb(d['peak_out'])})"
     )
     print(f"rank folders: {', '.join(result['ranks'])}; summary: {out / SUMMARY}")
     return result
@@ -677,20 +366,20 @@ class DiskWatch(threading.Thread):
 
     def __init__(self, out: Path):
         super().__init__(daemon=True)
-        self.out, self.peak = out, _du(out)
+        self.out, self.peak = out, du(out)
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(self.every_s):
             try:
-                self.peak = max(self.peak, _du(self.out))
+                self.peak = max(self.peak, du(self.out))
             except OSError:  # a file went between listing and stat
                 pass
 
     def stop(self) -> None:
         self._stop_event.set()
         self.join()
-        self.peak = max(self.peak, _du(self.out))
+        self.peak = max(self.peak, du(self.out))
 
 
 def _run_stages(
@@ -702,14 +391,18 @@ def _run_stages(
     order: list[str],
     summary: list,
     first: int,
+    shown: progress_mod.Progress,
 ) -> None:
-    """Each stage in order: skipped when current, else run in a child process."""
+    """Each stage in order: skipped when current, else run in a child process;
+    ``shown``: where each stands (progress.json, and the terminal when there is one)."""
     out = Path(a.out)
     for n, stage in enumerate(order, 1):
         key = ks[stage]
         if n - 1 < first:
             rec = state["stages"][stage]
-            print(f"[{n}/{len(order)}] {stage}: current, skipped")
+            if not shown.tty:  # on a terminal the progress line says it
+                print(f"[{n}/{len(order)}] {stage}: current, skipped")
+            shown.skipped(stage)
             summary.append(
                 {
                     "stage": stage,
@@ -735,11 +428,14 @@ def _run_stages(
         if writes_ranks(stage):  # dwq: rewrites the graded rank folders in place
             state["ranks_by"] = want
             write_json_atomic(sp, state)
-        print(f"[{n}/{len(order)}] {stage} ...", flush=True)
+        if not shown.tty:
+            print(f"[{n}/{len(order)}] {stage} ...", flush=True)
         t0 = time.perf_counter()
         if stage == "plan":
+            watch = shown.watch(stage, None)
             write_json_atomic(a.path("plan"), plan)
             stats = {"seconds": 0.0, "peak_rss": None, "io": {}, "facts": {}}
+            watch.finish()
         else:
             stats_path = out / f".stage-{stage}.json"
             stats_path.unlink(missing_ok=True)
@@ -754,7 +450,14 @@ def _run_stages(
                 "--_stats",
                 str(stats_path),
             ]
-            rc = subprocess.call(cmd)
+            child = subprocess.Popen(cmd)
+            watch = shown.watch(stage, child.pid)
+            try:
+                rc = child.wait()
+            finally:
+                ok = child.returncode == 0 and stats_path.exists()
+                got = json.loads(stats_path.read_text()) if ok else {}
+                watch.finish(ok, got.get("io", {}).get("rchar"))
             if rc != 0 or not stats_path.exists():
                 write_json_atomic(sp, state)
                 raise CheckpointError(
@@ -764,7 +467,7 @@ def _run_stages(
                 )
             stats = json.loads(stats_path.read_text())
             stats_path.unlink()
-        outb = sum(_du(r) for r in a.rank_dirs()) if writes_ranks(stage) else _du(a.path(stage))
+        outb = sum(du(r) for r in a.rank_dirs()) if writes_ranks(stage) else du(a.path(stage))
         rec = {
             "key": key,
             "done": True,
@@ -827,7 +530,7 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     )
     ap.add_argument("--out", help="output folder: OUT/rank{rank}, OUT/work (scratch)")
     ap.add_argument("--ranks", type=int, default=2)
-    byte_budget.add_budget_args(ap)
+    byte_budget.add_budget_args(ap, auto=True)
     c = ap.add_mutually_exclusive_group()
     c.add_argument("--calib", help="a token set (.npy/.npz 'inputs') in the source's vocabulary")
     c.add_argument(

@@ -4,5 +4,7 @@ Rank start-up (``rank``: what ``launch/serve.py`` runs), the rank-folder loader 
 checks (``loader``), preflight, warm-up, watchdog, keep-awake, the supervisor and its
 command (``supervise``, ``launch``), the lockstep generation core (``lockstep``), one
 thin module per HTTP API (``openai_api``, ``anthropic_api``, ``responses_api``,
-``prefix_api``) under one handler (``server``), prompt caches (``prompt_cache``,
-``prefix_store``) and images (``vision``). Imports format, config and model only."""
+``prefix_api``) under one handler (``handler``, ``admission``) and server (``server``),
+prompt caches (``prompt_cache``, ``prefix_store``), metrics and the status page
+(``metrics``, ``status_page``) and images (``vision``). Imports format, config and model
+only."""

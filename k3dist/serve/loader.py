@@ -88,12 +88,34 @@ def check_attention(folder: Path, m: dict, attention: str | None) -> None:
         )
 
 
+def check_boxes(folder: Path, placement: Placement, boxes: list[float] | None) -> None:
+    """A deployment naming its boxes serves only folders placed for those boxes (the
+    folder's placement records them); one placed otherwise is refused with the fix."""
+    if boxes is None:
+        return
+    have = placement.shares if placement.kind.startswith("by-memory") else None
+    if have is None or [float(b) for b in boxes] != list(have):
+        shown = ",".join(f"{b:g}" for b in boxes)
+        raise RankMismatch(
+            f"{folder}: its experts are placed {placement.describe()}, not by memory for "
+            f"boxes {shown} as the deployment names them; slice again with --boxes "
+            f"{shown} (python slicing/rank_split.py --all --boxes {shown}), or deploy "
+            "with the boxes it was sliced for"
+        )
+
+
 def check_rank_folder(
-    folder: str | Path, rank: int, size: int, verify: str = "stamp", attention: str | None = None
+    folder: str | Path,
+    rank: int,
+    size: int,
+    verify: str = "stamp",
+    attention: str | None = None,
+    boxes: list[float] | None = None,
 ) -> tuple[dict, Placement]:
     """Everything that can be checked without talking to the other ranks; last, the
     content against the manifest (``k3dist.format.verify``; report in ``manifest["verify"]``).
-    ``attention``: the mode the deployment asks for (None: whatever the folder holds)."""
+    ``attention``: the mode the deployment asks for (None: whatever the folder holds);
+    ``boxes``: the boxes it names (``check_boxes``; None: any placement)."""
     folder = Path(folder)
     m = manifest.verify(folder, "rank")  # kind, every file's size
     if m["size"] != size:
@@ -111,6 +133,7 @@ def check_rank_folder(
     placement = Placement.from_json(m["placement"])
     if placement.size != size:
         raise RankMismatch(f"{folder}: placement is for {placement.size} ranks, group has {size}")
+    check_boxes(folder, placement, boxes)
     config = load_config(folder)
     tc = layout.text_config(config)
     index = weight_map(folder)
@@ -194,13 +217,15 @@ def load_rank(
     verify: str = "stamp",
     peer_failure: Callable[[int], str | None] | None = None,
     attention: str | None = None,
+    boxes: list[float] | None = None,
 ):
     """Load this rank's folder as an expert-parallel K3; returns (model, config, manifest).
     ``peer_failure``: see ``_handshake``; ``attention``: the mode the deployment asks
-    for (``check_attention``; None: the folder's)."""
+    for (``check_attention``; None: the folder's); ``boxes``: the deployment's
+    (``check_boxes``)."""
     group = group or mx.distributed.init()
     rank, size = group.rank(), group.size()
-    manifest, placement = check_rank_folder(folder, rank, size, verify, attention)
+    manifest, placement = check_rank_folder(folder, rank, size, verify, attention, boxes)
     if size > 1:  # before minutes of loading: refuse mismatched folders now
         _handshake(manifest, group, peer_failure)
     gmap = graded.GradedMap.from_config(load_config(folder))
@@ -235,3 +260,15 @@ def load_rank(
     if size > 1:
         mx.eval(mx.distributed.all_sum(mx.zeros(1), group=group))  # barrier: all loaded
     return model, config, manifest
+
+
+def load_tokenizer(folder: str | Path):
+    """mlx-lm's tokenizer of ``folder``, given its config: without one, transformers'
+    AutoTokenizer fails to map ``kimi_k3`` to a config class, falls back to the base
+    class and warns on every rank ("You are using a model of type `kimi_k3` to
+    instantiate a model of type ``"); the tokenizer it makes is the same."""
+    from mlx_lm.utils import load_tokenizer as mlx_load_tokenizer
+    from transformers import PretrainedConfig
+
+    config = PretrainedConfig.from_dict(PretrainedConfig.get_config_dict(str(folder))[0])
+    return mlx_load_tokenizer(folder, {"trust_remote_code": False, "config": config})

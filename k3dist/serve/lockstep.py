@@ -35,6 +35,7 @@ import logging
 import select
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Empty as QueueEmpty
@@ -134,6 +135,7 @@ class _Requests(Queue):
 
     def put(self, item, block=True, timeout=None):
         item[0].client_socket = getattr(SUBMITTER, "socket", None)
+        item[0].submitted = time.perf_counter()  # time to first token counts from here
         super().put(item, block, timeout)
 
 
@@ -161,6 +163,7 @@ class _RequestQueue(Queue):
         batched: bool = True,
         client_socket: socket.socket | None = None,
         budget: _CuttableBudget | None = None,
+        timer=None,
     ):
         super().__init__()
         self.inner, self.rank, self.size = inner, rank, size
@@ -171,6 +174,7 @@ class _RequestQueue(Queue):
         self.batched = batched
         self.client_socket = client_socket  # rank 0: the client's connection
         self.budget = budget  # the batch loop's pass, ended at once by a stop
+        self.timer = timer  # k3dist.serve.metrics.RequestTimer, or None
         self.tokens: list[int] = []
         self.progress: tuple[int, int] | None = None
         self.ctx = None
@@ -208,6 +212,8 @@ class _RequestQueue(Queue):
             mx.async_eval(self.pending)
             return False
         self.stopped = True
+        if self.timer is not None:
+            self.timer.end()
         compat.stop_generation(self.ctx)
         where = (
             f"after {len(self.tokens)} generated tokens"
@@ -243,7 +249,11 @@ class _RequestQueue(Queue):
         if isinstance(item, mlx_server.GenerationContext):
             self.ctx = item
             item.stop = self._client_gone  # shadows the method, for this request only
+            if self.timer is not None:
+                self.timer.start(len(item.prompt), item.prompt_cache_count)
         elif isinstance(item, tuple):
+            if self.timer is not None:
+                self.timer.chunk()
             if self.on_progress is not None:
                 self.on_progress(*item)
             self.progress = item
@@ -256,12 +266,16 @@ class _RequestQueue(Queue):
             return
         elif isinstance(item, mlx_server.Response):
             self.tokens.append(int(item.token))
+            if self.timer is not None:
+                self.timer.token()
             if self.inner is not None:
                 self.inner.put(item, block, timeout)
             if len(self.tokens) % STOP_CHECK_EVERY == 0 and item.finish_reason is None:
                 self._agree_on_stop()
             return
         elif item is None or isinstance(item, Exception):
+            if self.timer is not None:
+                self.timer.end()
             self._write_log(None if item is None else (str(item) or type(item).__name__))
         if self.inner is not None:
             self.inner.put(item, block, timeout)
@@ -289,6 +303,7 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
         self.token_log = token_log
         self._request_no = 0
         self.idle_gate = idle_gate  # k3dist.serve.watchdog.IdleGate (multi-rank)
+        self.metrics = None  # k3dist.serve.metrics.ServeMetrics, when counted
         super().__init__(model_provider, prompt_cache)
         self.requests = _Requests()
         self._time_budget = _CuttableBudget()
@@ -359,6 +374,9 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
                 batched=batched,
                 client_socket=getattr(rq, "client_socket", None),
                 budget=self._time_budget,
+                timer=None
+                if self.metrics is None
+                else self.metrics.timer(getattr(rq, "submitted", None)),
             ),
             *shared[1:],
         )

@@ -24,11 +24,20 @@ from k3dist.config import deployment
 from k3dist.config.deployment import Deployment
 from k3dist.format import manifest as manifests
 from k3dist.format.kvmemory import GiB
+from k3dist.format.placement import Placement
 from k3dist.format.verify import Report
 from k3dist.model.group import join
-from k3dist.serve import auth, keepawake, loader, preflight, server, warmup, watchdog
-
-from mlx_lm.utils import load_tokenizer
+from k3dist.serve import (
+    auth,
+    handler,
+    keepawake,
+    loader,
+    metrics,
+    preflight,
+    server,
+    warmup,
+    watchdog,
+)
 
 # what serving takes of the deployment (the build's own keys are slicing/rank_split.py's)
 KEYS = deployment.keys("rank", "serving", "images", "access", "prefix cache")
@@ -91,7 +100,7 @@ class Rank:
         return self.group.size()
 
     def on_stop(self, why: str, origin: int) -> None:
-        server.abort_streams(f"server stopping: {why} (from rank {origin})")
+        handler.abort_streams(f"server stopping: {why} (from rank {origin})")
         for store in self.stores:  # every rank, the same bound (prefix_cache_drain_s)
             store.drain()
 
@@ -108,7 +117,7 @@ def start_watchdog(r: Rank) -> None:
         port,
         timeout_s=dep.watchdog_timeout_s,
         parent_pid=os.getppid() if dep.stop_with_launcher else None,
-        on_lost=lambda lost, why: server.abort_streams(f"rank {lost} was lost ({why})"),
+        on_lost=lambda lost, why: handler.abort_streams(f"rank {lost} was lost ({why})"),
         on_stop=r.on_stop,
         stop_work_s=dep.prefix_cache_drain_s if dep.prefix_cache_dir else 0.0,
     )
@@ -144,9 +153,10 @@ def load(r: Rank, folder: Path) -> tuple[Any, dict, dict, Any]:
         dep.verify,
         peer_failure=r.wd.peer_failures.get if r.wd else None,
         attention=dep.attention,
+        boxes=dep.boxes,
     )
     log(r.rank, f"{folder}: {Report(**manifest['verify']).summary()}")
-    tokenizer = load_tokenizer(folder, {"trust_remote_code": False})
+    tokenizer = loader.load_tokenizer(folder)
     log(
         r.rank,
         f"loaded {folder} (build {manifest['build_hash']}, placement "
@@ -169,6 +179,27 @@ def warm(r: Rank, model, vocab_size: int) -> dict | None:
     )
     log(r.rank, f"warm-up: {json.dumps(out)}")
     return out
+
+
+def count(r: Rank, model, manifest: dict, pre: dict, warmed) -> metrics.ServeMetrics | None:
+    """What every rank counts for ``/metrics`` (the deployment's ``metrics``); rank 1's
+    figures reach rank 0 with its heartbeat, rank 0 counts routes for all (every rank
+    routes alike)."""
+    if not r.dep.metrics:
+        return None
+    counted = metrics.ServeMetrics(
+        r.rank,
+        r.size,
+        preflight=pre,
+        warm=warmed is not None,
+        peers=(lambda: dict(r.wd.peer_stats)) if r.wd else None,
+        peer_timeout_s=r.dep.watchdog_timeout_s,
+    )
+    if r.wd is not None:
+        r.wd.stats = counted.rank_stats
+    if r.rank == 0:
+        counted.attach_routes(model, Placement.from_json(manifest["placement"]).owners)
+    return counted
 
 
 def describe(r: Rank, model, config: dict, manifest: dict, warmed, pre: dict) -> dict:
@@ -265,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     model, config, manifest, tokenizer = load(r, folder)
     vocab_size = config["text_config"]["vocab_size"]
     warmed = warm(r, model, vocab_size)
+    counted = count(r, model, manifest, pre, warmed)
     keepawake.DeviceHeartbeat(dep.heartbeat_s).start()
     info = describe(r, model, config, manifest, warmed, pre)
     provider = server.K3ModelProvider(server.cli_args(dep), model, tokenizer, dep.model_id)
@@ -282,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         api_key=api_key,
         prefix_store=store,
         idle_gate=r.wd,
+        serve_metrics=counted,
     )
 
 

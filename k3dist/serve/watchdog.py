@@ -195,6 +195,9 @@ class Watchdog:
       backend's collectives spin while they wait); rank 0 sends ``W`` just before
       the collective that shares a request, and each other rank enters it after
       taking one ``W``.
+    - Stats (``stats``, ranks other than 0): a small dict of this rank's figures sent
+      with every heartbeat as ``M <json>``; rank 0 keeps each peer's latest with the
+      time it came (``peer_stats``) for ``k3dist.serve.metrics``: no collective.
     - A silent peer on the same machine (frozen: SIGSTOP, a debugger, a wedged
       driver) is ended before the survivor exits: SIGTERM + SIGCONT (a stopped
       process resumes, sees the group gone and exits), SIGKILL after
@@ -251,6 +254,9 @@ class Watchdog:
         self.kill_silent_peers = kill_silent_peers
         self.peer_failures: dict[int, str] = {}  # rank -> the reason it sent with FAIL
         self.conns: dict[int, _Conn] = {}
+        # this rank's figures for rank 0 (set after start-up); rank 0: what peers sent
+        self.stats: Callable[[], dict] | None = None
+        self.peer_stats: dict[int, tuple[float, dict]] = {}
         self.exit_code: int | None = None  # what the watchdog exited (or would exit) with
         self.events: list[str] = []  # every line it logged, for tests and post-mortems
         self._decided = threading.Event()  # set once exit_code is final
@@ -559,6 +565,16 @@ class Watchdog:
         except OSError:
             pass
 
+    def _beat_line(self) -> str:
+        """``H``, or on a rank with ``stats`` ``M <json>`` (a heartbeat that also
+        carries the figures). A failing callback costs the figures, never the beat."""
+        if self.stats is None or self.rank == 0:
+            return "H"
+        try:
+            return "M " + json.dumps(self.stats(), separators=(",", ":"))
+        except Exception:  # noqa: BLE001 - liveness first
+            return "H"
+
     def _failed(self, reason: str) -> None:
         """This rank failed (``fail``): tell the peers, then stop watching (exit 1)."""
         # A peer that is already gone (or failed first) is a loss, exit 3, not this
@@ -616,6 +632,12 @@ class Watchdog:
         """Handle one message; True when the loop must end (the process exits)."""
         kind, _, rest = line.partition(" ")
         if kind == "H":
+            return False
+        if kind == "M":
+            try:
+                self.peer_stats[c.rank] = (time.monotonic(), json.loads(rest))
+            except ValueError:
+                pass  # a garbled report is not a loss: the next beat brings another
             return False
         if kind == "W":
             self._wakes.release()
@@ -704,9 +726,10 @@ class Watchdog:
             if gap > self.timeout_s / 2:
                 self._log(f"this rank did not run for {gap:.1f} s (stopped, or starved of CPU)")
             if now >= next_beat:
+                beat = self._beat_line()
                 for c in list(self.conns.values()):
                     try:
-                        c.send("H")
+                        c.send(beat)
                     except OSError as e:
                         if not (c.left or c.acked or (self._stopping and self.rank != 0)):
                             self._lost(c.rank, f"heartbeat send failed: {e}")

@@ -185,6 +185,16 @@ def test_overflow_counting(single):
     assert s["overflow_token_layers"] == (over > 0).sum()
     assert s["routes"] == inds.size and s["tokens"] == 50
     assert s_fb["overflow_routes"] == over.sum() and s_fb["dropped_routes"] == 0
+    # the serving metrics' sample (k3dist.serve.metrics): the same counts from the ids the
+    # layer kept of its last call, without counting in the graph
+    assert two.last_routes is None  # kept only once asked (serving)
+    two.record_last_routes(True)
+    two_fb.record_last_routes(True)
+    mx.eval(two(x), two_fb(x))
+    kept = np.array(two.last_routes).reshape(-1, inds.shape[-1])
+    assert (kept == inds.reshape(-1, inds.shape[-1])).all()
+    assert two.sampled_overflow(kept) == (over.sum(), over.sum())
+    assert two_fb.sampled_overflow(kept) == (over.sum(), 0)
     two.reset_route_stats()
     assert two.route_stats()["routes"] == 0
     _, quiet = _pair(single, "mxfp4", PROMOTED, 1, fallback=False)

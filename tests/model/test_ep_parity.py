@@ -2,21 +2,37 @@
 mlx-lm's single-process kimi_k3 on the unsliced build, ranks agree bitwise, with
 attention split across ranks (the default) or replicated; each run also reports the
 collectives one decode token issued and the bytes each rank holds, read from the
-running model (k3dist.serve.introspect)."""
+running model (k3dist.serve.introspect).
+
+At 2, 3 and 4 ranks (one mlx.launch per size, tests/scripts/parity_runs.py), on the
+factory's mini checkpoint (k3dist.factory.synth: 16 experts, 4 heads) and the trained
+mini (k3dist/data/mini-k3: 64 experts, 2 KDA and 3 MLA heads), with uneven placements: by
+each box's memory (``--boxes``: e.g. 512:256:256 gives 32:16:16 of 64 experts), by
+equal shares where the size does not divide the experts (16 over 3: 6:5:5 rotated
+over the layers), and load-aware within those counts (the trained mini's own routing
+counts). Attention splits only where heads divide by the size (the trained
+mini at 3 ranks: its 3-head MLA layers, not its 2-head KDA layers)."""
 
 from __future__ import annotations
 
 import json
 
+from k3dist import MINI_K3
 from k3dist.bench.greedy import greedy
+from k3dist.factory.corpus import DATA_DIR
 from k3dist.format import layout, placement
-from k3dist.pipeline import convert, slicing
+from k3dist.format.graded import GradedMap
+from k3dist.model import two_bank
+from k3dist.pipeline import convert, promote, slicing
 
 import numpy as np
 import pytest
 from util import failed_ranks, load_f32, mlx_launch
 
 PROMPT, STEPS = 40, 32
+# 3 and 4 ranks on the suite's 2 cores spend most of their time waiting in collectives:
+# half the greedy steps (the oracle's first 16), the same prefill
+STEPS_OVER_2 = 16
 # Float32 sums in another order (per-rank partial sums, then all_sum) move logits
 # by a few ULPs of their magnitude (~4); 1e-4 is ~100x the differences seen.
 ATOL = 1e-4
@@ -30,8 +46,8 @@ def _slice_all(build, out, size, plc, attention="split"):
     return str(out / "rank{rank}")
 
 
-def _oracle(build):
-    model, config = load_f32(build)
+def _oracle(build, load=load_f32):
+    model, config = load(build)
     vocab = config["text_config"]["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab - 256, size=PROMPT).tolist()
     tokens, logits = greedy(model, prompt, STEPS)
@@ -53,10 +69,25 @@ def builds(mini_src, mini_build, tmp_path_factory):
         group_size=32,
         progress=False,
     )
+    trained = convert.convert(MINI_K3, tmp_path_factory.mktemp("trained") / "b", progress=False)
+    # a graded build (two banks, k3dist.model.two_bank): 6 of 16 experts promoted per layer
+    moe = layout.moe_layers(
+        layout.text_config(json.loads((mini_build / "config.json").read_text()))
+    )
+    graded = promote.grade(
+        mini_build,
+        tmp_path_factory.mktemp("graded") / "g",
+        {i: [0, 3, 5, 9, 12, 14] for i in moe},
+        2,
+        "2bit-g32",
+        progress=False,
+    )
     return {
         16: (mini_build, _oracle(mini_build)),
         8: (b8, _oracle(b8)),
         "8g32": (b8g32, _oracle(b8g32)),
+        "trained": (trained, _oracle(trained)),
+        "graded": (graded, _oracle(graded, two_bank.load_build)),
     }
 
 
@@ -70,28 +101,66 @@ def _skewed_placement(build, size):
     return plc
 
 
-# (size, placement, MoE form, build, attention, layers expected split)
+# (size, placement, MoE form, build, attention, layers expected split). Placements:
+# "boxes:A,B,..": by each box's memory (GiB); "shares": placement_for's default where the
+# size does not divide the experts; "+routing": load-aware within those counts (the
+# trained mini: its routing counts, data/mini-k3-routing.npz; else skewed counts).
 ALL = list(range(6))
 CASES = [
     (2, "contiguous", "placeholder", 16, "split", ALL),
     (2, "contiguous", "local", 16, "split", ALL),
     (2, "load-aware", "placeholder", 16, "replicated", []),
-    (4, "contiguous", "local", 16, "split", ALL),
     (2, "load-aware", "local", 8, "split", []),  # o_proj: one group of 64, no split
     (2, "contiguous", "placeholder", "8g32", "split", ALL),
+    # trained mini at 3: its MLA layers (3 heads) split, KDA layers (2 heads) replicated
+    (3, "boxes:512,256,256", "placeholder", "trained", "split", [3, 5]),
+    (3, "shares+routing", "local", 16, "replicated", []),  # 16 experts: 6:5:5 rotated
+    # two banks: 8:4:4 experts, the promoted ones spread 2:2:2 (graded.balance_hi)
+    (3, "boxes:512,256,256", "local", "graded", "split", []),
+    (4, "boxes:512,256,256,256", "local", 16, "split", ALL),
+    # trained mini at 4: no layer's heads divide by 4, every layer stays replicated
+    (4, "boxes:512,512,256,128+routing", "placeholder", "trained", "split", []),
 ]
+
+
+def _steps(size: int) -> int:
+    return STEPS if size <= 2 else STEPS_OVER_2
+
+
+def _placement(build, size: int, kind: str, attention: str) -> placement.Placement:
+    tc = layout.text_config(json.loads((build / "config.json").read_text()))
+    moe = layout.moe_layers(tc)
+    if kind == "contiguous":
+        return placement.contiguous(tc["num_experts"], size, moe)
+    if kind == "load-aware":
+        return _skewed_placement(build, size)
+    base, _, routing = kind.partition("+")
+    if base == "shares":
+        plc = slicing.placement_for(build, size)
+        assert plc.kind == "by-shares" and tc["num_experts"] % size
+        if routing:
+            rng = np.random.default_rng(7)
+            counts = {i: rng.pareto(1.0, tc["num_experts"]) for i in moe}
+            plc = placement.load_aware(counts, size, plc)
+    else:
+        counts = DATA_DIR / "mini-k3-routing.npz" if routing else None
+        boxes = [float(b) for b in base.removeprefix("boxes:").split(",")]
+        plc = slicing.placement_for(build, size, counts, boxes, attention)
+        assert plc.kind.startswith("by-memory" + ("+load-aware" if routing else ""))
+        total = [sum(plc.counts(i)[r] for i in moe) for r in range(size)]
+        share = np.array(boxes) / sum(boxes) * len(moe) * tc["num_experts"]
+        assert np.abs(np.array(total) - share).max() < 0.05 * share.max(), (total, share)
+    assert any(len(set(plc.counts(i))) > 1 for i in moe)  # really uneven
+    gmap = GradedMap.from_config(json.loads((build / "config.json").read_text()))
+    for i in moe if gmap is not None else []:  # every rank holds some of the hi bank
+        own = np.asarray(plc.owners[i])[list(gmap.hi_ids(i))]
+        assert np.bincount(own, minlength=size).tolist() == [2] * size, plc.kind
+    return plc
 
 
 def _slice_case(builds, out, size, kind, bits, attention):
     build = builds[bits][0]
-    tc = layout.text_config(json.loads((build / "config.json").read_text()))
-    moe = layout.moe_layers(tc)
-    plc = (
-        _skewed_placement(build, size)
-        if kind == "load-aware"
-        else placement.contiguous(tc["num_experts"], size, moe)
-    )
-    return _slice_all(build, out, size, plc, attention)
+    return _slice_all(build, out, size, _placement(build, size, kind, attention), attention)
 
 
 def _reports(r, size: int, run: int | None = None) -> list[dict]:
@@ -103,66 +172,56 @@ def _reports(r, size: int, run: int | None = None) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(builds, tmp_path_factory):
-    """Every 2-rank case in one mlx.launch start-up (tests/scripts/parity_runs.py: each
-    run as launch/generate.py runs one); the 4-rank case runs launch/generate.py itself.
-    Returns the launch's result and, by index in CASES, its run index and dump pattern."""
-    tmp = tmp_path_factory.mktemp("ep2")
-    runs, where = [], {}
-    for case, (size, kind, form, bits, attention, _) in enumerate(CASES):
-        if size != 2:
-            continue
-        d = tmp / f"run{len(runs)}"
-        where[case] = (len(runs), str(d / "out" / "rank{rank}.npz"))
-        runs.append(
-            {
-                "rank_dir": _slice_case(builds, d / "ranks", size, kind, bits, attention),
-                "moe_form": form,
-                "attention": attention,
-                "prompt": builds[bits][1][0],
-                "max_tokens": STEPS,
-                "dump": where[case][1],
-            }
+def launches(builds, tmp_path_factory):
+    """Every case of one size in one mlx.launch start-up (tests/scripts/parity_runs.py:
+    each run as launch/generate.py runs one), started when a test first needs that
+    size. Returns size -> (the launch's result, by index in CASES: its run index and
+    dump pattern)."""
+    done = {}
+
+    def run(size: int):
+        if size in done:
+            return done[size]
+        tmp = tmp_path_factory.mktemp(f"ep{size}")
+        runs, where = [], {}
+        for case, (n, kind, form, bits, attention, _) in enumerate(CASES):
+            if n != size:
+                continue
+            d = tmp / f"run{len(runs)}"
+            where[case] = (len(runs), str(d / "out" / "rank{rank}.npz"))
+            boxes = kind.partition("+")[0].removeprefix("boxes:") if "boxes:" in kind else None
+            runs.append(
+                {
+                    "rank_dir": _slice_case(builds, d / "ranks", size, kind, bits, attention),
+                    "moe_form": form,
+                    "attention": attention,
+                    # the loader checks the folders were placed for these boxes
+                    "boxes": boxes,
+                    "prompt": builds[bits][1][0],
+                    "max_tokens": _steps(size),
+                    "dump": where[case][1],
+                }
+            )
+        (tmp / "runs.json").write_text(json.dumps(runs))
+        r = mlx_launch(
+            size, "tests/scripts/parity_runs.py", str(tmp / "runs.json"), timeout=300 * size
         )
-    (tmp / "runs.json").write_text(json.dumps(runs))
-    r = mlx_launch(2, "tests/scripts/parity_runs.py", str(tmp / "runs.json"), timeout=600)
-    return r, where
+        done[size] = (r, where)
+        return done[size]
+
+    return run
 
 
 @pytest.mark.parametrize("size,kind,form,bits,attention,split", CASES)
-def test_ep_matches_single_process(
-    builds, request, tmp_path, size, kind, form, bits, attention, split
-):
+def test_ep_matches_single_process(builds, launches, size, kind, form, bits, attention, split):
     mini_build, oracle = builds[bits]
     tc = layout.text_config(json.loads((mini_build / "config.json").read_text()))
     moe = layout.moe_layers(tc)
     prompt, tokens, logits = oracle
-    if size == 2:
-        r, where = request.getfixturevalue("two_rank_runs")
-        run, dump = where[CASES.index((size, kind, form, bits, attention, split))]
-        reports = _reports(r, size, run)
-    else:
-        pattern = _slice_case(builds, tmp_path / "ranks", size, kind, bits, attention)
-        dump = str(tmp_path / "out" / "rank{rank}.npz")
-        r = mlx_launch(
-            size,
-            "launch/generate.py",
-            "--rank-dir",
-            pattern,
-            "--moe-form",
-            form,
-            "--attention",
-            attention,
-            "--count",
-            "--prompt-ids",
-            ",".join(map(str, prompt)),
-            "--max-tokens",
-            str(STEPS),
-            "--dump",
-            dump,
-            timeout=150 * size,
-        )
-        reports = _reports(r, size)
+    tokens, logits = tokens[: _steps(size)], logits[: _steps(size)]
+    r, where = launches(size)
+    run, dump = where[CASES.index((size, kind, form, bits, attention, split))]
+    reports = _reports(r, size, run)
     # One all_sum per MoE layer, one more per split layer (after its attention; the
     # dense layer's second is its MLP's): counted from the running model.
     want = len(moe) + len(split) + (0 in split and 0 not in moe)
@@ -172,11 +231,12 @@ def test_ep_matches_single_process(
         assert rep["tokens"] == tokens
     runs = [np.load(dump.format(rank=i)) for i in range(size)]
     diff = max(float(np.abs(x["logits"] - logits).max()) for x in runs)
-    held = reports[0]["bytes_held"]
+    held = [rep["bytes_held"] for rep in sorted(reports, key=lambda x: x["rank"])]
     print(
-        f"\nN={size} {kind} {form} {bits}-bit {attention}: max |logit - single-process| = "
-        f"{diff:.3g}; {want} collectives/token; rank 0 holds {held['attention']:,} "
-        f"attention bytes of {held['total']:,}"
+        f"\nN={size} {kind} {form} {bits} {attention}: max |logit - single-process| = "
+        f"{diff:.3g}; {want} collectives/token; rank 0 holds {held[0]['attention']:,} "
+        f"attention bytes of {held[0]['total']:,}; totals by rank "
+        f"{[h['total'] for h in held]}"
     )
     for x in runs:
         assert x["tokens"].tolist() == tokens

@@ -1,4 +1,4 @@
-"""The one-command pipeline (k3dist.pipeline.runner): the README's block run as written on
+"""The one-command pipeline (k3dist.pipeline.runner): docs/build.md's block run as written on
 k3dist/data/mini-k3 and its rank folders served on 2 ranks; the real K3's disk plan; calibration
 text through the source's own tokenizer; a published mlx-lm build audited, sliced and
 served equal to single-process mlx-lm; a non-loopback server without a key refused."""
@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from k3dist import MINI_K3
@@ -20,7 +21,7 @@ from k3dist.bench.greedy import greedy
 from k3dist.format import tokens
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX
 from k3dist.format.sfile import CheckpointError
-from k3dist.pipeline import calibtext, mlxbuild, runner, slicing
+from k3dist.pipeline import calibtext, diskplan, mlxbuild, progress, runner, slicing, stage_graph
 from k3dist.serve import auth
 
 import mlx.core as mx
@@ -36,21 +37,22 @@ MINI = MINI_K3
 
 
 def readme_pipeline_block() -> str:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "build.md").read_text()
     blocks = [textwrap.dedent(b) for b in re.findall(r"```sh\n(.*?)```", text, re.S)]
-    found = [b for b in blocks if "k3dist.pipeline.runner --src k3dist/data/mini-k3" in b]
-    assert len(found) == 1, "README: one ```sh block runs the pipeline on k3dist/data/mini-k3"
+    found = [b for b in blocks if "k3dist-pipeline --src k3dist/data/mini-k3" in b]
+    assert len(found) == 1, "docs/build.md: one ```sh block runs the pipeline on the mini-K3"
     return found[0]
 
 
 @pytest.fixture(scope="module")
 def readme_run(tmp_path_factory):
-    """The README's block, verbatim, in a fresh folder holding only data/ and the
-    package's k3dist/data/ (python = this venv's)."""
+    """docs/build.md's block, verbatim, in a fresh folder holding only data/, the
+    package's k3dist/data/ and .venv/ (this interpreter's)."""
     tmp = tmp_path_factory.mktemp("readme")
     (tmp / "data").symlink_to(REPO / "data")
     (tmp / "k3dist").mkdir()
     (tmp / "k3dist" / "data").symlink_to(REPO / "k3dist" / "data")
+    (tmp / ".venv").symlink_to(Path(sys.executable).parent.parent)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     block = readme_pipeline_block()
     out = re.search(r"--out (\S+)", block).group(1)
@@ -64,7 +66,7 @@ def readme_run(tmp_path_factory):
 def test_readme_block_makes_rank_folders_and_a_summary(readme_run):
     tmp, out, _, _, r = readme_run
     print("\n" + r.stdout[-1500:])
-    summary = json.loads((out / runner.SUMMARY).read_text())
+    summary = json.loads((out / stage_graph.SUMMARY).read_text())
     stages = [s["stage"] for s in summary["stages"]]
     # no base build and no student build: both are read from the source in memory; the
     # graded build goes straight into the rank folders
@@ -84,6 +86,66 @@ def test_readme_block_makes_rank_folders_and_a_summary(readme_run):
     assert any("zh" in w for w in tokens["warnings"])
     # the peak the plan promised holds what was written
     assert summary["disk_plan"]["rank_folders_total"] > 0
+    # OUT/progress.json: every stage done, the streaming ones with the bytes they read
+    # (the stage's own rchar) against the planned bytes; quiet off a terminal
+    prog = progress.read(out)
+    assert [x["stage"] for x in prog["stages"]] == stages
+    assert prog["current"] is None and prog["eta_s"] == 0
+    by = {x["stage"]: x for x in prog["stages"]}
+    for s in summary["stages"]:
+        x = by[s["stage"]]
+        assert x["state"] == "done" and x["eta_s"] == 0, x
+        if s["stage"] in progress.READS_PER_SOURCE_BYTE:
+            assert x["bytes_done"] == s["rchar"] and x["bytes_total"] > 0, x
+            assert x["rate_bytes_per_s"] > 0
+    assert "ETA" not in r.stdout and "\r" not in r.stdout
+
+
+def test_progress_lines_and_eta_follow_a_reading_process(tmp_path):
+    """A stage's progress on a terminal: its process's bytes read against the plan, the
+    ETA from its rate; the next stage estimated at the run's rate."""
+    import io
+
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(8 << 20))
+    shown = progress.Progress(
+        tmp_path, ["teacher", "graded"], {"teacher": 8 << 20, "graded": 16 << 20},
+        stream=io.StringIO(), tty=True, every_s=0.05,
+    )  # fmt: skip
+    # reads 1 MiB every 0.05 s
+    code = (
+        "import sys, time\n"
+        "with open(sys.argv[1], 'rb', buffering=0) as f:\n"
+        "    while f.read(1 << 20):\n"
+        "        time.sleep(0.05)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(src)])
+    watch = shown.watch("teacher", child.pid)
+    mid = None
+    while child.poll() is None:
+        snap = progress.read(tmp_path)
+        t = snap["stages"][0]
+        if t["bytes_done"] >= 2 << 20 and mid is None and t["eta_s"] is not None:
+            mid = snap
+        time.sleep(0.02)
+    watch.finish(True, src.stat().st_size)
+    assert mid is not None
+    t, g = mid["stages"]
+    assert t["state"] == "running" and g["state"] == "pending"
+    # ETA = bytes left / the rate so far; the pending stage at the run's rate
+    assert t["eta_s"] == pytest.approx(
+        (t["bytes_total"] - t["bytes_done"]) / t["rate_bytes_per_s"], rel=0.01
+    )
+    assert mid["eta_s"] == pytest.approx(t["eta_s"] + g["eta_s"], abs=0.2)
+    # a tenth of the way in, the ETA was recorded (a run's estimate checked at its end)
+    at = progress.read(tmp_path)["stages"][0]["at_10pct"]
+    assert at["elapsed_s"] > 0 and at["eta_s"] > 0
+    end = progress.read(tmp_path)
+    assert end["stages"][0]["state"] == "done" and end["stages"][0]["bytes_done"] == 8 << 20
+    assert end["eta_s"] is not None and end["stages"][1]["eta_s"] > 0  # graded: from the rate
+    text = shown.stream.getvalue()
+    assert "[1/2] teacher" in text and "ETA" in text and "of 8.4 MB" in text
+    assert text.endswith("\n")  # the stage's last line is left in place
 
 
 def test_readme_block_again_skips_every_stage(readme_run):
@@ -97,17 +159,17 @@ def test_readme_block_again_skips_every_stage(readme_run):
 
 def test_adding_dwq_later_remakes_the_deleted_scratch_it_reads(readme_run):
     _, out, block, _, _ = readme_run
-    argv = shlex.split(block.split("k3dist.pipeline.runner", 1)[1])
-    state = json.loads((out / runner.STATE).read_text())
+    argv = shlex.split(block.split("k3dist-pipeline", 1)[1])
+    state = json.loads((out / stage_graph.STATE).read_text())
     a, _ = runner.parse(argv)
     a.out = str(out)
-    assert runner.first_to_run(a, state, runner.keys(a)) == len(runner.stages(a))
+    assert runner.first_to_run(a, state, stage_graph.keys(a)) == len(stage_graph.stages(a))
     a, _ = runner.parse([*argv, "--dwq"])
     a.out = str(out)
     # DWQ reads the teacher (deleted once calibration read it) and a graded build (never
     # written without --dwq): everything from the teacher runs again
-    first = runner.first_to_run(a, state, runner.keys(a))
-    assert runner.stages(a)[first] == "teacher"
+    first = runner.first_to_run(a, state, stage_graph.keys(a))
+    assert stage_graph.stages(a)[first] == "teacher"
 
 
 def test_dwq_rewrites_the_rank_folders_in_place(tmp_path):
@@ -116,14 +178,14 @@ def test_dwq_rewrites_the_rank_folders_in_place(tmp_path):
     again skips every stage; without --dwq the graded rank folders come back."""
     from k3dist.format import manifest, verify
 
-    argv = shlex.split(readme_pipeline_block().split("k3dist.pipeline.runner", 1)[1])
+    argv = shlex.split(readme_pipeline_block().split("k3dist-pipeline", 1)[1])
     i = argv.index("--out")
     argv[i + 1] = str(tmp_path / "out")
     cmd = [sys.executable, "-m", "k3dist.pipeline.runner", *argv, "--dwq", "--dwq-steps", "2"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = tmp_path / "out"
-    summary = json.loads((out / runner.SUMMARY).read_text())
+    summary = json.loads((out / stage_graph.SUMMARY).read_text())
     stages = ["plan", "tokens", "teacher", "calibrate", "graded", "dwq"]  # no slice stage
     assert [s["stage"] for s in summary["stages"]] == stages
     ranks = [out / f"rank{r_}" for r_ in (0, 1)]
@@ -132,12 +194,12 @@ def test_dwq_rewrites_the_rank_folders_in_place(tmp_path):
         m = manifest.verify(rank, "rank")
         verify.verify_folder(rank, m, "full")
         hashes.add(m["build_hash"])
-    state = json.loads((out / runner.STATE).read_text())
+    state = json.loads((out / stage_graph.STATE).read_text())
     assert [s for s, _ in state["ranks_by"]] == ["graded", "dwq"]
     assert state["stages"]["dwq"]["dwq_blocks"]
     # scratch gone: no graded build, no DWQ build, no teacher
     assert sorted(p.name for p in (out / "work").iterdir()) == ["calib", "tokens.npz"]
-    folders = sum(runner._du(r_) for r_ in ranks)
+    folders = sum(diskplan.du(r_) for r_ in ranks)
     teacher_b = state["stages"]["teacher"]["output_bytes"]
     # the measured peak: the rank folders, the teacher DWQ reads, a few files of scratch
     # (a whole build beside them would be another ~folders)
@@ -168,7 +230,7 @@ def test_pipeline_rank_folders_serve_on_two_ranks(readme_run):
 
 
 def test_real_k3_disk_plan_from_config_and_index():
-    a = runner.Args(
+    a = stage_graph.Args(
         src=None,
         out="/nonexistent-k3dist-out",
         budget=480e9,
@@ -210,10 +272,10 @@ def test_refuses_with_the_numbers_when_the_disk_is_too_small(tmp_path):
         f.write(gzip.decompress(REAL_K3_INDEX.read_bytes()))
     if shutil.disk_usage(tmp_path).free > 900_000_000_000:
         pytest.skip("this filesystem holds the real K3's peak")
-    a = runner.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9, dwq=True)
+    a = stage_graph.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9, dwq=True)
     with pytest.raises(CheckpointError, match=r"need 2\.95 GiB .* in DWQ .* raise --cap"):
         runner.run(a)  # 3 copies of 4,096 tokens' states: refused before any stage
-    a = runner.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9)
+    a = stage_graph.Args(src=str(src), out=str(tmp_path / "out"), budget=480e9)
     with pytest.raises(CheckpointError, match=r"needs 872\.8 GB at its peak \(during graded\)"):
         runner.run(a)
     assert not (tmp_path / "out").exists()  # nothing written

@@ -18,11 +18,12 @@ from k3dist.pipeline import (
     calibtext,
     convert,
     direct,
+    diskplan,
     dwq,
     profiles,
     promote,
-    runner,
     slicing,
+    stage_graph,
     student,
     teacher,
     view,
@@ -40,9 +41,9 @@ def built(tmp_path_factory):
     """The pipeline's plan for the mini, its base and student written the old way, the
     token set and the teacher."""
     tmp = tmp_path_factory.mktemp("view")
-    a = runner.Args(src=str(MINI), out=str(tmp), target_bpw=3)
-    config, index, _ = runner.read_config_index(a)
-    plan = runner.make_plan(a, runner.account(a, config, index))
+    a = stage_graph.Args(src=str(MINI), out=str(tmp), target_bpw=3)
+    config, index, _ = diskplan.read_config_index(a)
+    plan = diskplan.make_plan(a, diskplan.account(a, config, index))
     ne = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
     assert any(f != "bf16" for f in ne.values())  # the plan quantizes non-experts
     base = convert.convert(MINI, tmp / "base", nonexpert=ne, progress=False)
@@ -175,7 +176,7 @@ def _graded_inputs(built) -> tuple[dict, Path, list[Path]]:
     kw = dict(
         scores=cal / "scores-taylor.npz",
         routes=cal / "routes.npz",
-        plan=runner.make_plan(a, runner.account(a, *runner.read_config_index(a)[:2])),
+        plan=diskplan.make_plan(a, diskplan.account(a, *diskplan.read_config_index(a)[:2])),
         progress=False,
     )
     g1 = profiles.convert_profile(MINI, tmp / "g1", "graded", mxfp4_dir=base, **kw)

@@ -5,6 +5,7 @@ one (the same calls: ``loader.load_rank``, ``greedy.greedy``, ``introspect``).
 
 RUNS.json is a list of runs: ``rank_dir`` (with ``{rank}``), ``moe_form`` and
 ``attention`` (optional: the deployment's defaults, as generate.py's without the flags),
+``boxes`` (optional: the folders must be placed by memory for these boxes),
 ``prompt`` (token ids), ``max_tokens``, ``dump`` (an .npz path with ``{rank}``). For each
 run every rank loads its own folder, runs prefill and the greedy steps, saves its tokens
 and logits, and prints one JSON line: ``run`` (its index), ``rank``, the collectives per
@@ -38,9 +39,17 @@ def main() -> None:
             rank_dir=run["rank_dir"],
             moe_form=run.get("moe_form"),
             attention=run.get("attention"),
+            boxes=run.get("boxes"),
+            size=group.size(),
         )
         model, _, manifest = loader.load_rank(
-            dep.rank_path(rank), group, dep.dtype, dep.moe_form, dep.verify, attention=dep.attention
+            dep.rank_path(rank),
+            group,
+            dep.dtype,
+            dep.moe_form,
+            dep.verify,
+            attention=dep.attention,
+            boxes=dep.boxes,
         )
         tokens, logits = greedy.greedy(model, run["prompt"], run["max_tokens"])
         path = Path(run["dump"].format(rank=rank))

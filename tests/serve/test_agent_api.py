@@ -632,7 +632,7 @@ def test_api_key_required_everywhere_but_health_and_localhost_only(keyed):
                 assert err["error"]["type"] == "authentication_error"
             else:
                 assert err["error"]["code"] == "invalid_api_key"
-        for path in ("/v1/models", "/v1/k3dist", "/v1/nothing"):
+        for path in ("/v1/models", "/v1/k3dist", "/v1/nothing", "/metrics", "/status/placement"):
             req = urllib.request.Request(keyed.url + path, headers=headers)
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(req, timeout=10)
@@ -653,6 +653,12 @@ def test_api_key_required_everywhere_but_health_and_localhost_only(keyed):
         _openai(keyed, KEY).responses.create(model="kimi-k3", input="x", max_output_tokens=2).output
     )
     assert [m.id for m in _openai(keyed, KEY).models.list().data] == ["kimi-k3"]
+    # /metrics takes the same key; the status page's files carry no data and need none
+    req = urllib.request.Request(keyed.url + "/metrics", headers={"x-api-key": KEY})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert b"k3dist_requests_total" in r.read()
+    with urllib.request.urlopen(keyed.url + "/status", timeout=10) as r:
+        assert b"status/app.js" in r.read()
 
 
 # -- tool calls out, through the real handler (a generator that writes K3 tool calls) ---

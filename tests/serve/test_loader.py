@@ -96,3 +96,22 @@ def test_folder_of_the_other_attention_mode_refused(ranks2):
     with pytest.raises(loader.RankMismatch, match="slice again with --attention split"):
         loader.check_attention(folder, rep, "split")
     loader.check_attention(folder, dict(rep, size=1), "split")
+
+
+def test_folder_of_another_placement_refused(mini_build, tmp_path):
+    """A deployment naming its boxes takes only folders placed by memory for those
+    boxes (in that order); a folder placed otherwise is refused naming the fix."""
+    boxes = [512.0, 256.0, 256.0]
+    by_mem = slicing.placement_for(mini_build, 3, boxes=boxes)
+    mem = slicing.slice_rank(mini_build, tmp_path / "mem0", 0, 3, by_mem, progress=False)
+    _, plc = loader.check_rank_folder(mem, 0, 3, boxes=boxes)
+    assert plc == by_mem and plc.counts(1) == [8, 4, 4]
+    with pytest.raises(loader.RankMismatch) as e:
+        loader.check_rank_folder(mem, 0, 3, boxes=[256, 256, 512])
+    msg = str(e.value)
+    assert str(mem) in msg and "by-memory for shares 512:256:256" in msg
+    assert "slice again with --boxes 256,256,512" in msg
+    even = slicing.slice_rank(mini_build, tmp_path / "even0", 0, 3, progress=False)
+    with pytest.raises(loader.RankMismatch, match="placed by-shares for shares 1:1:1"):
+        loader.check_rank_folder(even, 0, 3, boxes=boxes)
+    loader.check_rank_folder(even, 0, 3)  # a deployment naming no boxes takes either

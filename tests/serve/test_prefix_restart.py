@@ -13,9 +13,11 @@ import os
 import re
 import signal
 import time
+import urllib.request
 
 from k3dist.serve.prefix_store import file_sha256
 
+from prometheus_client.parser import text_string_to_metric_families
 from serving import Server, post_raw, wait_logs
 from test_agent_api import TOOLS_C, _greedy
 from util import REPO
@@ -110,6 +112,18 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
         assert logs[0] == logs[1] and logs[0][0]["cached"] == cached
         want = _greedy(mini_build, [*a, {"role": "user", "content": user}], 6)
         assert logs[0][0]["tokens"] == want  # the restored cache: the tokens of no cache
+        # /metrics: the restore counted as a disk hit and a prefix-cache hit (rank 0's store)
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
+            fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+
+        def one(name: str) -> float:
+            return fams[name].samples[0].value
+
+        assert one("k3dist_prefix_cache_disk_hits") >= 1
+        assert one("k3dist_prefix_cache_disk_entries") >= 2  # the two prefixes, turns
+        assert one("k3dist_prefix_cache_disk_bytes") > 0
+        assert one("k3dist_prefix_cache_hits") >= 1
+        assert one("k3dist_prefix_cache_cached_tokens") >= cached
         # Bob's entry corrupted on rank 1 only: rank 0's is whole, yet neither uses it
         bad = next(p for p in files[1] if p.stem == pb["key"])
         raw = bytearray(bad.read_bytes())
