@@ -46,12 +46,13 @@ def readme_pipeline_block() -> str:
 
 @pytest.fixture(scope="module")
 def readme_run(tmp_path_factory):
-    """docs/build.md's block, verbatim, in a fresh folder holding only data/, the
-    package's k3dist/data/ and .venv/ (this interpreter's)."""
+    """docs/build.md's block, verbatim, in a fresh folder holding only data/, the package
+    (its k3dist/data/ is the block's source; a k3dist/ folder in the working directory is
+    what the stages' python -m imports, so it is the package itself) and .venv/ (this
+    interpreter's)."""
     tmp = tmp_path_factory.mktemp("readme")
     (tmp / "data").symlink_to(REPO / "data")
-    (tmp / "k3dist").mkdir()
-    (tmp / "k3dist" / "data").symlink_to(REPO / "k3dist" / "data")
+    (tmp / "k3dist").symlink_to(REPO / "k3dist")
     (tmp / ".venv").symlink_to(Path(sys.executable).parent.parent)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     block = readme_pipeline_block()
