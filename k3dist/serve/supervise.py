@@ -80,6 +80,14 @@ LOCAL_HOST = "127.0.0.1"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NODE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 _PID = re.compile(r"\[k3dist watchdog rank (\d+)\] .*; pid (\d+)\)")
+_LOST = re.compile(r"\[k3dist watchdog rank (\d+)\] lost rank (\d+) \((.*)\); exiting with code")
+_FILES = re.compile(r"\[k3dist rank (\d+)\] mlx\.launch files on this host: (.*)")
+# ssh's own exit code when the connection failed or was lost (a remote rank's "code")
+SSH_FAILED = 255
+# mlx.launch's temp files (ring hostfile, pid file) are mktemp's: only such names are removed
+_MKTEMP = re.compile(r"^/[^\s'\"]*/tmp\.[A-Za-z0-9]+$")
+# where the ssh shim lives (k3dist/serve/ssh_shim/ssh): first on mlx.launch's PATH
+SSH_SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ssh_shim")
 
 
 class HostUnreachable(RuntimeError):
@@ -207,6 +215,8 @@ class _State:
     failures: list[tuple[int, int]] = field(default_factory=list)  # (rank, code) as reported
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid on its host
     ended: set[int] = field(default_factory=set)  # ranks whose exit mlx.launch saw
+    lost: dict[int, tuple[int, str]] = field(default_factory=dict)  # reporter -> (rank, why)
+    files: dict[int, list[str]] = field(default_factory=dict)  # rank -> mlx.launch's temp files
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake_fd: int | None = None  # written when a line changed the state (run's wait)
 
@@ -230,6 +240,13 @@ class _State:
         if m := _PID.search(line):
             with self.lock:
                 self.pids[int(m[1])] = int(m[2])
+        if lost := _LOST.search(line):
+            with self.lock:
+                self.lost.setdefault(int(lost[1]), (int(lost[2]), lost[3]))
+        if files := _FILES.search(line):
+            paths = [f for f in files[2].split() if _MKTEMP.match(f)]
+            with self.lock:
+                self.files[int(files[1])] = paths
         if self.failures or m:
             self.wake()
 
@@ -243,6 +260,54 @@ class _State:
         with self.lock:
             causes = [f for f in self.failures if f[1] != LOST_EXIT_CODE]
             return (causes or self.failures or [None])[0]
+
+    def lost_peer(self) -> tuple[int, int, str] | None:
+        """(lost rank, reporting rank, why) when the failures are all the watchdog's
+        "a peer was lost" (3) and a survivor named a rank that reported nothing else:
+        the peer whose own exit never reached mlx.launch (its host or cable gone)."""
+        with self.lock:
+            if not self.failures or any(c != LOST_EXIT_CODE for _, c in self.failures):
+                return None
+            failed = {r for r, _ in self.failures}
+            for reporter, (rank, why) in sorted(self.lost.items()):
+                if rank not in failed:
+                    return rank, reporter, why
+            return None
+
+
+def launch_files(pid: int | None = None) -> list[str]:
+    """mlx.launch's temp files for this rank (call in the rank): the ring hostfile it
+    exported as ``MLX_HOSTFILE`` and the pid file its start script wrote with this
+    process's pid (``mktemp`` names, beside each other); [] when not started by it."""
+    pid = os.getpid() if pid is None else pid
+    hostfile = os.environ.get("MLX_HOSTFILE", "")
+    if not _MKTEMP.match(hostfile):
+        return []
+    found = [hostfile]
+    folder = os.path.dirname(hostfile)
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith("tmp.")]
+    except OSError:
+        return found
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if path != hostfile and os.path.getsize(path) <= 16:
+                with open(path) as f:
+                    if f.read().strip() == str(pid):
+                        found.append(path)
+        except OSError:
+            continue
+    return found
+
+
+def announce_launch_files(rank: int) -> None:
+    """Say which mlx.launch temp files this rank has (the supervisor removes them when
+    the run ends, on whichever host the rank ran)."""
+    files = launch_files()
+    if files:
+        sys.stderr.write(f"[k3dist rank {rank}] mlx.launch files on this host: {' '.join(files)}\n")
+        sys.stderr.flush()
 
 
 def exit_code(code: int) -> int:
@@ -327,12 +392,16 @@ def run(
     state = _State(wake_fd=wake_w)
     # Its own process group: the wrapper can end mlx.launch and everything it started
     # on this machine at once; stdin a pipe only the stdin release below writes.
+    # mlx.launch starts ``ssh`` from PATH: k3dist's shim first (SSH_SHIM_DIR's ssh).
+    env = dict(os.environ)
+    env["PATH"] = f"{SSH_SHIM_DIR}:{env.get('PATH', os.defpath)}"
     proc = subprocess.Popen(
         list(launch_cmd),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         process_group=0,
+        env=env,
     )
     pumps = [
         threading.Thread(target=_pump, args=(src, dst, state), daemon=True)
@@ -417,17 +486,33 @@ def run(
                 pass
 
     cause = state.cause()
+    lost = state.lost_peer()
+    if lost is not None:
+        rank, reporter, why = lost
+        log(
+            f"exit code {LOST_EXIT_CODE}: lost rank {rank} on host {_where(hosts, rank)}: "
+            f"rank {reporter} reported it ({why}); rank {rank}'s own exit never reached "
+            f"this machine (every report: {state.failures})"
+        )
+        return LOST_EXIT_CODE
     if cause is not None:
         rank, code = cause
         rc = exit_code(code)
+        how = f"it exited with {code}"
+        if code == SSH_FAILED and rank < len(hosts) and not hosts[rank].local:
+            how = f"the ssh connection to it ended with code {code}: host or cable lost"
         log(
-            f"exit code {rc}: rank {rank} failed (it exited with {code}; every report: "
-            f"{state.failures})"
+            f"exit code {rc}: rank {rank} on host {_where(hosts, rank)} failed ({how}; "
+            f"every report: {state.failures})"
         )
         return rc
     if proc.returncode != 0:
         return exit_code(proc.returncode)
     return 0
+
+
+def _where(hosts: Sequence[Host], rank: int) -> str:
+    return hosts[rank].ssh if rank < len(hosts) else "?"
 
 
 def _release_stdin(proc: subprocess.Popen) -> bool:
@@ -474,27 +559,52 @@ def _request_stop(pgid: int, signum: int, hosts: Sequence[Host], state: _State, 
 def _end_remote(
     hosts: Sequence[Host], state: _State, kill_grace_s: float, log, failed: bool
 ) -> None:
-    if not failed:
-        return
+    """Ranks on other machines that mlx.launch did not see end (after a failure), and
+    every rank's mlx.launch temp files (its ring hostfile and pid file, which it never
+    removes after a clean end, nor under ``ssh -tt``): one ssh per host, all at once."""
     with state.lock:
         left = {
             r: pid
             for r, pid in state.pids.items()
-            if r < len(hosts) and not hosts[r].local and r not in state.ended
+            if failed and r < len(hosts) and not hosts[r].local and r not in state.ended
         }
-    procs = []
+        files = {r: list(f) for r, f in state.files.items() if r < len(hosts) and f}
+    scripts: dict[str, list[str]] = {}
+    for r, paths in files.items():
+        if hosts[r].local:
+            for f in paths:
+                try:
+                    os.unlink(f)
+                except OSError:
+                    pass
+        else:
+            scripts.setdefault(hosts[r].ssh, []).append(f"rm -f {shlex.join(paths)}")
     for r, pid in left.items():
         log(
             f"rank {r} (pid {pid} on {hosts[r].ssh}) was not reported ended: ending it over "
             f"ssh (SIGTERM, SIGKILL after {kill_grace_s:g} s)"
         )
-        procs.append(
-            subprocess.Popen(
-                end_remote_rank_command(hosts[r].ssh, pid, kill_grace_s), stdin=subprocess.DEVNULL
-            )
+        scripts.setdefault(hosts[r].ssh, []).append(
+            f"({end_remote_rank_command(hosts[r].ssh, pid, kill_grace_s)[-1]})"
         )
-    for p in procs:
+    procs = {
+        host: subprocess.Popen(
+            _ssh(host, 5.0, "; ".join(parts)),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for host, parts in scripts.items()
+    }
+    for host, p in procs.items():
         try:
-            p.wait(kill_grace_s + 15)
+            _, err = p.communicate(timeout=kill_grace_s + 15)
         except subprocess.TimeoutExpired:
             p.kill()
+            err = b"no answer"
+        if p.returncode != 0:
+            why = err.decode(errors="replace").strip().splitlines()
+            log(
+                f"could not clean up on {host} over ssh ({why[-1] if why else p.returncode}):"
+                f" when it is back, run: ssh {host} {shlex.quote('; '.join(scripts[host]))}"
+            )
