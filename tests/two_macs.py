@@ -83,7 +83,6 @@ def make_site(rig: rigmod.Rig, build: Path, work: Path, **deploy) -> Site:
         "watchdog_port": WATCHDOG_PORT,
         "watchdog_timeout_s": 5.0,
         "blas_threads": 1,
-        "max_tokens": 64,
         **deploy,
     }
     site.deploy.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in conf.items()))

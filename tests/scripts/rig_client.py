@@ -18,13 +18,65 @@ import urllib.error
 import urllib.request
 
 
+def stream(base: str, key: str, max_tokens: int, timeout_s: float) -> dict:
+    """One streamed chat completion read as raw SSE: when each chunk came, and how the
+    stream ended (``[DONE]``, an error event, or the connection gone)."""
+    body = json.dumps(
+        {
+            "model": "kimi-k3",
+            "messages": [{"role": "user", "content": "Count."}],
+            "max_tokens": max_tokens,
+            "stream": True,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{base}/v1/chat/completions",
+        data=body,
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    t0 = time.monotonic()
+    out: dict = {"chunks": 0, "end": None, "error": None}
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            for raw in r:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    out["end"] = "done"
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    out["end"], out["error"] = "error event", event["error"]
+                    continue
+                out["chunks"] += 1
+                if out["chunks"] == 1:
+                    out["first_chunk_s"] = round(time.monotonic() - t0, 2)
+                    print("FIRST", flush=True)
+    except urllib.error.HTTPError as e:
+        out["end"], out["error"] = f"http {e.code}", e.read().decode(errors="replace")[:300]
+    except OSError as e:
+        out["end"] = out["end"] or "connection error"
+        out["error"] = out["error"] or f"{type(e).__name__}: {e}"
+    out["end"] = out["end"] or "closed without [DONE]"
+    out["s"] = round(time.monotonic() - t0, 2)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("base")
     ap.add_argument("key_file")
     ap.add_argument("--timeout-s", type=float, default=120.0)
+    ap.add_argument(
+        "--stream", type=int, default=0, help="only stream one chat of this many tokens"
+    )
     args = ap.parse_args()
     key = open(args.key_file).read().strip()
+    if args.stream:
+        print(json.dumps(stream(args.base, key, args.stream, args.timeout_s)), flush=True)
+        return 0
     out: dict = {}
     with urllib.request.urlopen(f"{args.base}/health", timeout=args.timeout_s) as r:
         out["health"] = r.status
@@ -53,9 +105,7 @@ def main() -> int:
         "s": round(time.monotonic() - t0, 2),
     }
     t0 = time.monotonic()
-    an = anthropic.Anthropic(
-        base_url=args.base, api_key=key, timeout=args.timeout_s, max_retries=0
-    )
+    an = anthropic.Anthropic(base_url=args.base, api_key=key, timeout=args.timeout_s, max_retries=0)
     msg = an.messages.create(
         model="kimi-k3",
         max_tokens=8,
