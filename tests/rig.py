@@ -40,6 +40,7 @@ HOSTS = ("k3h-mac1", "k3h-mac2")
 ADDRS = ("10.77.0.1", "10.77.0.2")
 CABLE = ("k3h-cable0", "k3h-cable1")  # mac1's end, mac2's end
 NFT_TABLE = "k3h_loss"
+NFT_BLOCK = "k3h_block"
 LOCK = Path("/tmp/k3h-rig.lock")
 STATE = Path("/tmp/k3h-rig.json")  # where `up` left its folder (for `down`)
 
@@ -99,7 +100,30 @@ class Rig:
         kw.setdefault("env", self.env())
         return subprocess.run([*self.netns(host), *cmd], **kw)
 
+    def set_env(self, host: int, env: dict[str, str]) -> None:
+        """The environment of mac``host``'s ssh sessions beyond its own HOME (as a Mac's
+        shell profile sets it); takes effect on the next session."""
+        keys = self.root / "keys"
+        opts = ",".join(
+            f'environment="{k}={v}"' for k, v in {"HOME": self.home(host), **env}.items()
+        )
+        (keys / f"authorized_keys_{HOSTS[host - 1]}").write_text(
+            f"{opts} " + (keys / "client.pub").read_text()
+        )
+
     # ---------------------------------------------------------------- faults
+
+    def block_ports(self, host: int, low: int | None, high: int | None = None) -> None:
+        """Drop TCP to ports low..high on mac``host`` (a firewall); None: unblock."""
+        ns = self.netns(host)
+        _sh(*ns, "nft", "delete", "table", "inet", NFT_BLOCK, check=False)
+        if low is None:
+            return
+        rules = (
+            f"table inet {NFT_BLOCK} {{\n  chain in {{ type filter hook input priority 0; "
+            f"tcp dport {low}-{high or low} drop; }}\n}}\n"
+        )
+        subprocess.run([*ns, "nft", "-f", "-"], input=rules, text=True, check=True, timeout=30)
 
     def cable(self, up: bool) -> None:
         """Plug or pull the cable (both ends, as a pulled cable drops both links)."""
@@ -188,10 +212,8 @@ class Rig:
             pub = (keys / f"{ns}.pub").read_text().split()
             known.append(f"{ns},{addr} {pub[0]} {pub[1]}")
         (keys / "known_hosts").write_text("\n".join(known) + "\n")
-        for host, ns in enumerate(HOSTS, 1):  # each host's sessions get its own HOME
-            (keys / f"authorized_keys_{ns}").write_text(
-                f'environment="HOME={self.home(host)}" ' + (keys / "client.pub").read_text()
-            )
+        for host in (1, 2):  # each host's sessions get its own HOME
+            self.set_env(host, {})
         cfg = [
             f"Host {ns}\n  HostName {addr}\n  User root\n  IdentityFile {keys / 'client'}\n"
             f"  IdentitiesOnly yes\n  UserKnownHostsFile {keys / 'known_hosts'}\n"
@@ -233,7 +255,7 @@ class Rig:
             "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
             "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
             "PrintMotd no\nPrintLastLog no\nMaxStartups 64\nMaxSessions 64\n"
-            "ClientAliveInterval 0\nPermitUserEnvironment HOME\n"
+            "ClientAliveInterval 0\nPermitUserEnvironment yes\n"
         )
         log = open(self.root / f"sshd_{ns}.log", "ab")  # noqa: SIM115 - sshd holds it
         p = subprocess.Popen(
