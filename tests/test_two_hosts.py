@@ -122,3 +122,105 @@ def test_two_macs_walkthrough_then_cable_pulled_mid_stream(rig, site):
     assert two_macs.launch_files_left(out) == [], out
     left = [p for p in two_macs.rig_pids(2) if not two_macs.is_sshd(p)]
     assert left == [], left
+
+
+def _doctor(rig, site, *args: str, config=None) -> tuple[int, str]:
+    r = rig.on(
+        1,
+        [
+            PY,
+            "-m",
+            "k3dist.serve.doctor",
+            "--hostfile",
+            str(rig.hostfile),
+            "--config",
+            str(config or site.deploy),
+            "-p",
+            str(two_macs.RING_PORT),
+            *args,
+        ],
+        cwd=REPO,
+        timeout=120,
+    )
+    return r.returncode, r.stdout + r.stderr
+
+
+def _line(out: str, host: str, check: str) -> str:
+    hits = [x for x in out.splitlines() if x.startswith("[") and f"] {host}: {check}" in x]
+    assert len(hits) == 1, (host, check, out)
+    return hits[0]
+
+
+def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
+    """k3dist-doctor on the rig: clean, then each Linux-visible misconfiguration made
+    for real (several at once, each its own line), then mac2's sshd gone."""
+    rc, out = _doctor(rig, site)
+    assert rc == 0, out
+    assert "[FAIL]" not in out and "ready to launch" in out, out
+
+    key = rig.home(1) / ".k3dist-key"
+    shard = sorted((site.work / "k3" / "rank1").glob("*.safetensors"))[0]
+    original = shard.read_bytes()
+    fake = tmp_path / "site"
+    (fake / "mlx_lm-0.31.0.dist-info").mkdir(parents=True)
+    (fake / "mlx_lm-0.31.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: mlx-lm\nVersion: 0.31.0\n"
+    )
+    big = site.work / "deploy-big.yaml"
+    big.write_text(site.deploy.read_text() + "memory_headroom_gb: 100000\n")
+    squatter = subprocess.Popen(
+        [
+            *rig.netns(2),
+            PY,
+            "-c",
+            "import socket, sys, time; s = socket.socket(); "
+            f"s.bind(('{rigmod.ADDRS[1]}', {two_macs.RING_PORT + 1})); s.listen(); "
+            "print('up', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert squatter.stdout.readline().strip() == "up"
+        key.rename(key.with_suffix(".gone"))  # the key file missing on rank 0's host
+        shard.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # one bit flipped
+        rig.block_ports(1, two_macs.RING_PORT)  # mac1's ring port behind a firewall
+        # mac2's shell profile: another mlx-lm first on its path, an MLX_ variable
+        rig.set_env(2, {"PYTHONPATH": str(fake), "MLX_METAL_FAST_SYNCH": "1"})
+        rc, out = _doctor(rig, site, config=big)
+        assert rc == 1, out
+        for host, check, says in (
+            ("k3h-mac1", "API key (rank 0)", "missing"),
+            ("k3h-mac2", "rank 1 folder", shard.name),
+            ("k3h-mac2", f"port {rigmod.ADDRS[1]}:{two_macs.RING_PORT + 1}", "cannot bind"),
+            ("k3h-mac2", f"reaches {rigmod.ADDRS[0]}:{two_macs.RING_PORT}", ""),
+            ("k3h-mac2", "mlx-lm version", "0.31.0"),
+            ("k3h-mac2", "MLX_*/JACCL_* environment", "MLX_METAL_FAST_SYNCH"),
+            ("k3h-mac1", "free memory", "the plan needs"),
+        ):
+            line = _line(out, host, check)
+            assert line.startswith("[FAIL]") and says in line and "-- fix: " in line, line
+        assert _line(out, "k3h-mac1", "mlx-lm version").startswith("[ok")
+        # launch/run.py runs the fast subset first: nothing starts
+        served = Served(rig, site)
+        assert served.wait_exit(60) == 2, served.output()
+        assert "k3dist-doctor --fast" in served.output(), served.output()
+        assert "API key (rank 0)" in served.output(), served.output()
+    finally:
+        squatter.kill()
+        key.with_suffix(".gone").rename(key)
+        shard.write_bytes(original)
+        rig.block_ports(1, None)
+        rig.set_env(2, {})
+
+    rig.stop_sshd(2)
+    try:
+        rc, out = _doctor(rig, site, "--fast")
+        assert rc == 1, out
+        line = _line(out, "k3h-mac2", "ssh")
+        assert line.startswith("[FAIL]") and "refused" in line and "Remote Login" in line, line
+    finally:
+        rig.start_sshd(2)
+        rig.wait_ssh()
+    rc, out = _doctor(rig, site, "--fast")
+    assert rc == 0, out
