@@ -15,6 +15,7 @@ tests/two_macs.py` runs the walkthrough with it).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 
@@ -85,6 +86,7 @@ def test_two_macs_walkthrough_then_cable_pulled_mid_stream(rig, site):
 
         # the cable pulled while a stream decodes
         stream = _stream_on_mac1(rig, 3000)
+        assert stream.stdout.readline().strip() == "SENT"
         assert stream.stdout.readline().strip() == "FIRST"
         t0 = time.monotonic()
         rig.cable(False)
@@ -99,6 +101,8 @@ def test_two_macs_walkthrough_then_cable_pulled_mid_stream(rig, site):
             stream.kill()
     assert rc == 3, out
     assert "lost rank 1 on host k3h-mac2" in out, out
+    left = two_macs.launch_files_left(out)  # rank 1's, behind the pulled cable
+    assert "could not clean up on k3h-mac2" in out and left, out
     assert got["end"] == "error event", got
     assert "rank 1 was lost" in json.dumps(got["error"]), got
     bound = WATCHDOG_TIMEOUT_S + 10
@@ -119,6 +123,8 @@ def test_two_macs_walkthrough_then_cable_pulled_mid_stream(rig, site):
         again.stop()
     out = again.output()
     assert again.proc.returncode == 0, out
+    assert "temp file(s) an earlier run left on k3h-mac2" in out, out
+    assert [f for f in left if os.path.exists(f)] == [], left
     assert two_macs.launch_files_left(out) == [], out
     left = [p for p in two_macs.rig_pids(2) if not two_macs.is_sshd(p)]
     assert left == [], left
@@ -224,3 +230,59 @@ def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
         rig.wait_ssh()
     rc, out = _doctor(rig, site, "--fast")
     assert rc == 0, out
+
+
+# ---------------------------------------------------------------- no rig needed
+
+
+def test_supervisor_names_the_lost_peer_not_the_survivor():
+    from k3dist.serve import supervise
+
+    state = supervise._State()
+    state.scan("[k3dist watchdog rank 0] lost rank 1 (silent for 5.0 s); exiting with code 3: x\n")
+    state.scan("\x1b[33m[WARN] Node with rank 0 exited with code 3\x1b[0m\n")
+    assert state.lost_peer() == (1, 0, "silent for 5.0 s")
+    state.scan("[WARN] Node with rank 1 exited with code 1\n")  # rank 1's own report came
+    assert state.lost_peer() is None and state.cause() == (1, 1)
+
+
+def test_launch_files_are_found_beside_the_ring_hostfile(tmp_path, monkeypatch):
+    from k3dist.serve import supervise
+
+    hostfile = tmp_path / "tmp.AbC123"
+    hostfile.write_text('[["10.77.0.1:22100"], ["10.77.0.2:22101"]]\n')
+    pidfile = tmp_path / "tmp.XyZ789"
+    pidfile.write_text(f"{os.getpid()}\n")
+    (tmp_path / "tmp.Other1").write_text("1\n")  # another rank's pid file
+    monkeypatch.setenv("MLX_HOSTFILE", str(hostfile))
+    assert supervise.launch_files() == [str(hostfile), str(pidfile)]
+    monkeypatch.setenv("MLX_HOSTFILE", str(tmp_path / "my-hostfile.json"))  # the user's own
+    assert supervise.launch_files() == []
+
+
+def test_ssh_shim_detaches_stdin_and_keeps_the_pid_path_clean(tmp_path):
+    """The shim (first on mlx.launch's PATH) runs the next ssh on PATH: a rank's
+    ``ssh -tt`` with stdin from /dev/null and ``stty -onlcr``; other calls with a connect
+    timeout."""
+    from k3dist.serve import supervise
+
+    fake = tmp_path / "ssh"
+    fake.write_text('#!/bin/sh\nprintf "%s|" "$@"; readlink /proc/self/fd/0\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{supervise.SSH_SHIM_DIR}:{tmp_path}:{os.environ['PATH']}")
+    shim = os.path.join(supervise.SSH_SHIM_DIR, "ssh")
+    r = subprocess.run(
+        ["bash", "-c", f"{shim} -tt -o LogLevel=QUIET mac2 'stty -echo; pidfile=$(mktemp)'"],
+        env=env,
+        input="x",
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.stdout == (
+        "-tt|-o|LogLevel=QUIET|mac2|stty -echo -onlcr 2>/dev/null; pidfile=$(mktemp)|/dev/null\n"
+    ), r
+    r = subprocess.run(
+        ["bash", "-c", f"{shim} mac2 'kill 1'"], env=env, capture_output=True, text=True
+    )
+    assert r.stdout.startswith("-o|ConnectTimeout=5|mac2|kill 1|"), r

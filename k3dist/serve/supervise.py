@@ -23,7 +23,9 @@ group; its output passes through and two kinds of line are read from it:
   first that is not 3 (the watchdog's "a peer was lost", which only says that rank
   went because another did: the other's code names the cause), else the first;
 - the watchdog's ``[k3dist watchdog rank R] ... pid P)``: rank R's process on its
-  host (ranks are the hostfile's hosts in order).
+  host (ranks are the hostfile's hosts in order);
+- the watchdog's ``lost rank L (why)``: when every report is a survivor's 3, the exit
+  message names rank L and its host (its own exit never crossed a pulled cable).
 
 Why read the output rather than have ranks write status files: it works unchanged
 across machines (ssh hands the remote rank's exit status to mlx.launch, which
@@ -36,8 +38,17 @@ stdin pipe, which is always writable, so it spins a core while its ranks run; it
 lets go of that pipe once a write to it fails. So each rank closes its stdin at
 start (``launch/serve.py``), and once every rank has announced its pid the wrapper
 writes one line to mlx.launch's stdin: forwarded, it meets the closed pipe and
-mlx.launch's threads then sleep in select (ranks started over ssh keep the pipe
-open in their ssh client: there the spin stays, mlx.launch's to fix).
+mlx.launch's threads then sleep in select. Ranks started over ssh: mlx.launch finds
+``ssh`` on PATH, and the PATH it gets here starts with k3dist's shim
+(``ssh_shim/ssh``), which gives the rank's ``ssh -tt`` stdin from /dev/null (the pipe
+breaks at once), adds ``stty -onlcr`` (mlx.launch's pid-file path then comes back
+without ``\r``, so its own remote kill works) and a connect timeout to its other ssh
+calls.
+
+Temp files: each rank announces mlx.launch's two temp files on its host (ring hostfile,
+pid file; ``launch_files``), which mlx.launch leaves behind; they are removed when the
+run ends (one ssh per host), or, for a host unreachable then, by the next run that
+reaches it (``PENDING``).
 
 A stop asked of the wrapper (SIGTERM, SIGINT, SIGHUP) goes to the ranks as SIGTERM
 (those on this machine, else one over ssh): the watchdog stops the whole group, every
@@ -55,6 +66,7 @@ SIGTERM, which a stopped process never acts on).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -68,6 +80,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import BinaryIO
 
 from k3dist.serve.exit_codes import LOST_EXIT_CODE
@@ -275,6 +288,66 @@ class _State:
             return None
 
 
+# where the supervisor keeps clean-ups it could not do (a host unreachable at the end)
+PENDING = Path.home() / ".cache" / "k3dist" / "pending-cleanup.json"
+
+
+def _pending() -> dict[str, list[str]]:
+    try:
+        return json.loads(PENDING.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_pending(pending: dict[str, list[str]]) -> None:
+    try:
+        if pending:
+            PENDING.parent.mkdir(parents=True, exist_ok=True)
+            tmp = PENDING.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(pending))
+            os.replace(tmp, PENDING)
+        else:
+            PENDING.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def remember_cleanup(host: str, paths: Sequence[str]) -> None:
+    """mlx.launch temp files on ``host`` that could not be removed: the next run that
+    reaches ``host`` removes them (``clean_pending``)."""
+    pending = _pending()
+    pending[host] = sorted(set(pending.get(host, [])) | set(paths))
+    _save_pending(pending)
+
+
+def clean_pending(hosts: Sequence[Host], log) -> None:
+    """Remove the temp files an earlier run left on these hosts (bounded: one ssh per
+    host, all at once; a host still unreachable keeps its entry)."""
+    pending = _pending()
+    todo = {h.ssh: pending[h.ssh] for h in hosts if h.ssh in pending and not h.local}
+    if not todo:
+        return
+    procs = {
+        host: subprocess.Popen(
+            _ssh(host, 5.0, f"rm -f {shlex.join(paths)}"),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for host, paths in todo.items()
+    }
+    for host, p in procs.items():
+        try:
+            ok = p.wait(15) == 0
+        except subprocess.TimeoutExpired:
+            p.kill()
+            ok = False
+        if ok:
+            log(f"removed {len(todo[host])} temp file(s) an earlier run left on {host}")
+            pending.pop(host, None)
+    _save_pending(pending)
+
+
 def launch_files(pid: int | None = None) -> list[str]:
     """mlx.launch's temp files for this rank (call in the rank): the ring hostfile it
     exported as ``MLX_HOSTFILE`` and the pid file its start script wrote with this
@@ -386,6 +459,7 @@ def run(
         except (BrokenPipeError, ValueError):
             pass
 
+    clean_pending(hosts, log)  # temp files an earlier run could not remove
     wake_r, wake_w = os.pipe()
     for fd in (wake_r, wake_w):
         os.set_blocking(fd, False)
@@ -604,7 +678,10 @@ def _end_remote(
             err = b"no answer"
         if p.returncode != 0:
             why = err.decode(errors="replace").strip().splitlines()
+            files_here = [f for r, paths in files.items() if hosts[r].ssh == host for f in paths]
+            remember_cleanup(host, files_here)
             log(
                 f"could not clean up on {host} over ssh ({why[-1] if why else p.returncode}):"
-                f" when it is back, run: ssh {host} {shlex.quote('; '.join(scripts[host]))}"
+                f" the next run that reaches it removes the temp files; or, when it is back: "
+                f"ssh {host} {shlex.quote('; '.join(scripts[host]))}"
             )

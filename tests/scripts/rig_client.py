@@ -18,17 +18,18 @@ import urllib.error
 import urllib.request
 
 
-def stream(base: str, key: str, max_tokens: int, timeout_s: float) -> dict:
+def stream(base: str, key: str, max_tokens: int, timeout_s: float, prompt_words: int = 1) -> dict:
     """One streamed chat completion read as raw SSE: when each chunk came, and how the
     stream ended (``[DONE]``, an error event, or the connection gone)."""
     body = json.dumps(
         {
             "model": "kimi-k3",
-            "messages": [{"role": "user", "content": "Count."}],
+            "messages": [{"role": "user", "content": " ".join(["Count."] * prompt_words)}],
             "max_tokens": max_tokens,
             "stream": True,
         }
     ).encode()
+    print("SENT", flush=True)
     req = urllib.request.Request(
         f"{base}/v1/chat/completions",
         data=body,
@@ -64,6 +65,72 @@ def stream(base: str, key: str, max_tokens: int, timeout_s: float) -> dict:
     return out
 
 
+def _post(base: str, path: str, key: str, body: dict, timeout_s: float) -> tuple[str, str]:
+    """(outcome, detail): ok, http NNN, error event, or the transport error."""
+    req = urllib.request.Request(
+        f"{base}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            text = r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return f"http {e.code}", e.read().decode(errors="replace")[:200]
+    except OSError as e:
+        return "transport error", f"{type(e).__name__}: {e}"[:200]
+    if body.get("stream"):
+        if '"error"' in text:
+            return "error event", text[-200:]
+        return ("ok", "") if "[DONE]" in text else ("closed without [DONE]", text[-200:])
+    return "ok", ""
+
+
+def mixed(base: str, key: str, n: int, concurrency: int, timeout_s: float) -> dict:
+    """``n`` requests, ``concurrency`` at a time, in turn a chat completion, an
+    Anthropic Messages request and a streamed chat; every one bounded by ``timeout_s``.
+    Counts each outcome: none may be missing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> tuple[str, str, float]:
+        t0 = time.monotonic()
+        kind = i % 3
+        text = f"Request {i}: say something."
+        if kind == 1:
+            body = {
+                "model": "kimi-k3",
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": text}],
+            }
+            got = _post(base, "/v1/messages", key, body, timeout_s)
+        else:
+            body = {
+                "model": "kimi-k3",
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": text}],
+                "stream": kind == 2,
+            }
+            got = _post(base, "/v1/chat/completions", key, body, timeout_s)
+        return got[0], got[1], time.monotonic() - t0
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, range(n)))
+    outcomes: dict[str, int] = {}
+    for o, _, _ in results:
+        outcomes[o] = outcomes.get(o, 0) + 1
+    lat = sorted(r[2] for r in results)
+    return {
+        "requests": n,
+        "answered": len(results),
+        "outcomes": outcomes,
+        "errors": sorted({d for o, d, _ in results if o != "ok"})[:5],
+        "p50_s": round(lat[len(lat) // 2], 2),
+        "max_s": round(lat[-1], 2),
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("base")
@@ -72,10 +139,20 @@ def main() -> int:
     ap.add_argument(
         "--stream", type=int, default=0, help="only stream one chat of this many tokens"
     )
+    ap.add_argument("--prompt-words", type=int, default=1, help="the streamed prompt's length")
+    ap.add_argument(
+        "--mixed", type=int, default=0, help="only N mixed requests (chat, messages, stream)"
+    )
+    ap.add_argument("--concurrency", type=int, default=4)
     args = ap.parse_args()
     key = open(args.key_file).read().strip()
     if args.stream:
-        print(json.dumps(stream(args.base, key, args.stream, args.timeout_s)), flush=True)
+        got = stream(args.base, key, args.stream, args.timeout_s, args.prompt_words)
+        print(json.dumps(got), flush=True)
+        return 0
+    if args.mixed:
+        got = mixed(args.base, key, args.mixed, args.concurrency, args.timeout_s)
+        print(json.dumps(got), flush=True)
         return 0
     out: dict = {}
     with urllib.request.urlopen(f"{args.base}/health", timeout=args.timeout_s) as r:
