@@ -7,7 +7,7 @@
 Before any rank starts, every host reached over ssh must answer within
 --host-timeout-s (+5 s); with a hostfile naming other machines, k3dist-doctor's fast
 checks (k3dist.serve.doctor: versions, repo path, rank folders, the API key, ports,
-ring addresses) must pass too, for the script's --config (--no-doctor skips them).
+ring addresses) must pass too when the script has a --config (--no-doctor skips them).
 Exit code: 0 when every rank ended cleanly (a stop asked with SIGTERM/SIGINT/SIGHUP
 included), else the first failing rank's own code (128 + N for a rank killed by signal
 N; 3 naming the lost rank's host when only survivors reported), or 2 when nothing was
@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     except (supervise.HostUnreachable, ValueError) as e:
         print(f"[k3dist run] {e}", file=sys.stderr, flush=True)
         return supervise.START_FAILED_EXIT_CODE
-    if args.hostfile and not all(h.local for h in hosts) and not args.no_doctor:
+    remote = args.hostfile and not all(h.local for h in hosts)
+    has_config = any(a == "--config" or a.startswith("--config=") for a in command)
+    if remote and has_config and not args.no_doctor:
         failed = doctor_fast(args.hostfile, args.python, passthrough, command)
         if failed:
             print(

@@ -576,8 +576,8 @@ def run(
         if code == SSH_FAILED and rank < len(hosts) and not hosts[rank].local:
             how = f"the ssh connection to it ended with code {code}: host or cable lost"
         log(
-            f"exit code {rc}: rank {rank} on host {_where(hosts, rank)} failed ({how}; "
-            f"every report: {state.failures})"
+            f"exit code {rc}: rank {rank} failed ({how}; every report: {state.failures}); "
+            f"its host: {_where(hosts, rank)}"
         )
         return rc
     if proc.returncode != 0:
