@@ -63,6 +63,7 @@ SERVING = {
     "k3dist.serve.relay",
     "k3dist.serve.responses_api",
     "k3dist.serve.server",
+    "k3dist.serve.supervise",  # a rank announces mlx.launch's temp files (issue 39)
     "k3dist.serve.warmup",
     "k3dist.serve.watchdog",
 }

@@ -356,9 +356,9 @@ def run_checks(plan: Plan, timeout_s: float = 5.0) -> list[Check]:
                 Check(h, "ssh", True, "answers without a password; python and repo there")
             )
             continue
-        from k3dist.serve.supervise import _fix
+        from k3dist.serve.supervise import ssh_fix
 
-        fix = _fix(h, err, plan.python)
+        fix = ssh_fix(h, err, plan.python)
         if "repo path" in err:
             fix = f"put this checkout at {plan.repo} on {h} (git clone, the same path)"
         checks.append(Check(h, "ssh", False, err, fix))

@@ -140,7 +140,7 @@ def _ssh(host: str, timeout_s: float, command: str) -> list[str]:
     ]
 
 
-def _fix(host: str, error: str, python: str) -> str:
+def ssh_fix(host: str, error: str, python: str) -> str:
     e = error.lower()
     if "could not resolve" in e or "name or service not known" in e:
         return (
@@ -212,7 +212,7 @@ def preflight_hosts(
             ranks = ", ".join(str(x.rank) for x in hosts if x.ssh == h)
             lines.append(
                 f"host {h} (rank {ranks} in {source}) is unreachable over ssh ({e}); "
-                f"fix: {_fix(h, e, python)}"
+                f"fix: {ssh_fix(h, e, python)}"
             )
         raise HostUnreachable("; ".join(lines) + f" [checked in {dt:.1f} s; no rank was started]")
     return dt
