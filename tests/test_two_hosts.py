@@ -180,6 +180,7 @@ def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
             PY,
             "-c",
             "import socket, sys, time; s = socket.socket(); "
+            "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
             f"s.bind(('{rigmod.ADDRS[1]}', {two_macs.RING_PORT + 1})); s.listen(); "
             "print('up', flush=True); time.sleep(120)",
         ],
@@ -214,7 +215,8 @@ def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
         assert "API key (rank 0)" in served.output(), served.output()
     finally:
         squatter.kill()
-        key.with_suffix(".gone").rename(key)
+        if key.with_suffix(".gone").exists():
+            key.with_suffix(".gone").rename(key)
         shard.write_bytes(original)
         rig.block_ports(1, None)
         rig.set_env(2, {})
