@@ -229,12 +229,77 @@ def run_fault(rig, site, name: str, n: int) -> dict:
     return res
 
 
+MADE = {
+    "decode": "cable pulled while a stream decodes",
+    "prefill": "cable pulled 1 s into a ~3,000-token prefill",
+    "warmup": "cable pulled during warm-up",
+    "flap": "cable down 2 s, then up, while a stream decodes",
+    "loss1": "1 % loss on mac2, 100 mixed requests",
+    "loss5": "5 % loss on mac2, 100 mixed requests",
+    "kill": "mac2's rank SIGKILLed while a stream decodes",
+    "nosshd": "mac2's sshd stopped before the launch",
+}
+
+
+def _client(res: dict) -> str:
+    c = res.get("client")
+    if not c:
+        return "(no client open)"
+    if "outcomes" in c:
+        return (
+            f"{c['answered']}/{c['requests']} answered: "
+            + ", ".join(f"{k} {v}" for k, v in c["outcomes"].items())
+            + f" (p50 {c['p50_s']} s, max {c['max_s']} s)"
+        )
+    err = c.get("error")
+    msg = err.get("message", "") if isinstance(err, dict) else (err or "")
+    return f"{c['end']}" + (f": {msg}" if msg else "") + f" ({c.get('chunks', 0)} chunks)"
+
+
+def table(result: dict) -> str:
+    """The Markdown table docs/two-hosts.md shows (tests check it matches the JSON)."""
+    rows = [
+        "| fault | exit after | exit code | the supervisor says | the open client got | "
+        "restart (cable back) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in FAULTS:
+        res = result["faults"].get(name)
+        if res is None:
+            continue
+        if "failed" in res:
+            rows.append(f"| {MADE[name]} | run failed: {res['failed'][:120]} | | | | |")
+            continue
+        after = f"{res['exit_s']} s" if "exit_s" in res else "kept serving"
+        msg = res.get("message", "").replace("[k3dist run] ", "").replace("|", "/")
+        msg = msg.split(" (every report")[0].split("; rank 1's own exit")[0]
+        msg = msg if len(msg) <= 200 else msg[:197] + "..."
+        r = res.get("restart", {})
+        restart = (
+            f"ready {r.get('ready_s')} s, served from mac2: {r.get('served_from_mac2')}, "
+            f"stop exit {r.get('exit_code')}"
+        )
+        if r.get("prefix_cache"):
+            restart += f", prefix entries {[p['entries'] for p in r['prefix_cache']]}"
+        if r.get("removed_earlier_files"):
+            restart += ", the temp files left behind the cable removed"
+        rows.append(
+            f"| {MADE[name]} | {after} | {res.get('exit_code')} | {msg} | {_client(res)} | "
+            f"{restart} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", choices=FAULTS, default=list(FAULTS))
     ap.add_argument("--requests", type=int, default=100, help="the loss runs' requests")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", help="print the Markdown table of this results file and exit")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())), end="")
+        return 0
     from k3dist.build import default
 
     build = default.ensure_default_build()

@@ -288,3 +288,16 @@ def test_ssh_shim_detaches_stdin_and_keeps_the_pid_path_clean(tmp_path):
         ["bash", "-c", f"{shim} mac2 'kill 1'"], env=env, capture_output=True, text=True
     )
     assert r.stdout.startswith("-o|ConnectTimeout=5|mac2|kill 1|"), r
+
+
+def test_cable_fault_table_in_docs_matches_its_results_file():
+    """docs/two-hosts.md's table is benchmarks/cable_faults.py's rendering of its JSON."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "cable_faults", REPO / "benchmarks" / "cable_faults.py"
+    )
+    cable_faults = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cable_faults)
+    result = json.loads((REPO / "benchmarks/results/cable-faults-2026-12-05.json").read_text())
+    assert cable_faults.table(result) in (REPO / "docs/two-hosts.md").read_text()

@@ -574,7 +574,10 @@ def run(
         rc = exit_code(code)
         how = f"it exited with {code}"
         if code == SSH_FAILED and rank < len(hosts) and not hosts[rank].local:
-            how = f"the ssh connection to it ended with code {code}: host or cable lost"
+            how = (
+                f"its ssh client exited with {code}: the rank was killed by a signal on "
+                "its host, or the connection to the host was lost"
+            )
         log(
             f"exit code {rc}: rank {rank} failed ({how}; every report: {state.failures}); "
             f"its host: {_where(hosts, rank)}"
