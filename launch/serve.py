@@ -23,7 +23,17 @@ from k3dist.format.kvmemory import GiB
 from k3dist.format.placement import Placement
 from k3dist.format.verify import Report
 from k3dist.model.group import join
-from k3dist.serve import auth, keepawake, loader, metrics, preflight, server, warmup, watchdog
+from k3dist.serve import (
+    auth,
+    keepawake,
+    loader,
+    metrics,
+    preflight,
+    server,
+    supervise,
+    warmup,
+    watchdog,
+)
 
 # what serving takes of the deployment (the build's own keys are slicing/rank_split.py's)
 KEYS = deployment.keys("rank", "serving", "images", "access", "prefix cache")
@@ -68,18 +78,38 @@ def close_stdin() -> None:
         pass
 
 
+def launch_rank() -> int:
+    """This process's rank as mlx.launch numbers it (``MLX_RANK``), known before the
+    group is joined; 0 when started without a launcher."""
+    try:
+        return int(os.environ.get("MLX_RANK", "0"))
+    except ValueError:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     close_stdin()
     dep = parse_args(argv)
-    try:  # a bad key file, or another machine's reach without a key, stops us here
-        api_key = auth.load_key(dep.api_key, dep.api_key_file)
-        auth.check_exposure(dep.host, api_key, dep.allow_no_api_key)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"launch/serve.py: refusing to start: {e}") from None
+    api_key = None
+    # Only rank 0 answers HTTP, so only its Mac needs the key file (README, deploy/tb5.yaml).
+    # Checked before the group is joined: a bad key file, or another machine's reach
+    # without a key, stops us here (mlx.launch then ends the other ranks).
+    if launch_rank() == 0:
+        try:
+            api_key = auth.load_key(dep.api_key, dep.api_key_file)
+            auth.check_exposure(dep.host, api_key, dep.allow_no_api_key)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"launch/serve.py: refusing to start: {e}") from None
     if dep.blas_threads:
         k3dist.set_blas_threads(dep.blas_threads)
     group = join(dep.ring_connect_s)
     rank, size = group.rank(), group.size()
+    if rank != launch_rank():
+        raise SystemExit(
+            f"launch/serve.py: MLX_RANK={launch_rank()} but the group made this rank {rank}: "
+            "the API key was checked on the wrong rank; start the ranks with mlx.launch"
+        )
+    supervise.announce_launch_files(rank)
 
     stores: list = []  # the prefix store, once made: a stop drains its writer
 

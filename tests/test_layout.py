@@ -65,6 +65,7 @@ SERVING = {
     "k3dist.serve.responses_api",
     "k3dist.serve.server",
     "k3dist.serve.status_page",
+    "k3dist.serve.supervise",  # a rank announces mlx.launch's temp files (issue 39)
     "k3dist.serve.warmup",
     "k3dist.serve.watchdog",
 }
