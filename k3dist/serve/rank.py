@@ -35,6 +35,7 @@ from k3dist.serve import (
     metrics,
     preflight,
     server,
+    supervise,
     warmup,
     watchdog,
 )
@@ -80,6 +81,29 @@ def close_stdin() -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def launch_rank() -> int:
+    """This process's rank as mlx.launch numbers it (``MLX_RANK``), known before the
+    group is joined; 0 when started without a launcher."""
+    try:
+        return int(os.environ.get("MLX_RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def api_key_of(dep: Deployment) -> str | None:
+    """The API key, on the rank that answers HTTP (only rank 0's Mac needs the key file),
+    checked before the group is joined: a bad key file, or another machine's reach
+    without a key, stops us here (mlx.launch then ends the other ranks)."""
+    if launch_rank() != 0:
+        return None
+    try:
+        api_key = auth.load_key(dep.api_key, dep.api_key_file)
+        auth.check_exposure(dep.host, api_key, dep.allow_no_api_key)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"launch/serve.py: refusing to start: {e}") from None
+    return api_key
 
 
 @dataclass
@@ -280,14 +304,16 @@ def token_log_path(dep: Deployment, rank: int) -> Path | None:
 def main(argv: list[str] | None = None) -> None:
     close_stdin()
     dep = parse_args(argv)
-    try:  # a bad key file, or another machine's reach without a key, stops us here
-        api_key = auth.load_key(dep.api_key, dep.api_key_file)
-        auth.check_exposure(dep.host, api_key, dep.allow_no_api_key)
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"launch/serve.py: refusing to start: {e}") from None
+    api_key = api_key_of(dep)
     if dep.blas_threads:
         k3dist.set_blas_threads(dep.blas_threads)
     r = Rank(dep, join(dep.ring_connect_s))
+    if r.rank != launch_rank():
+        raise SystemExit(
+            f"launch/serve.py: MLX_RANK={launch_rank()} but the group made this rank {r.rank}: "
+            "the API key was checked on the wrong rank; start the ranks with mlx.launch"
+        )
+    supervise.announce_launch_files(r.rank)
     if r.size > 1:
         start_watchdog(r)
     folder = rank_folder(dep, r.rank, r.size)

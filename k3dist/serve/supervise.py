@@ -23,7 +23,9 @@ group; its output passes through and two kinds of line are read from it:
   first that is not 3 (the watchdog's "a peer was lost", which only says that rank
   went because another did: the other's code names the cause), else the first;
 - the watchdog's ``[k3dist watchdog rank R] ... pid P)``: rank R's process on its
-  host (ranks are the hostfile's hosts in order).
+  host (ranks are the hostfile's hosts in order);
+- the watchdog's ``lost rank L (why)``: when every report is a survivor's 3, the exit
+  message names rank L and its host (its own exit never crossed a pulled cable).
 
 Why read the output rather than have ranks write status files: it works unchanged
 across machines (ssh hands the remote rank's exit status to mlx.launch, which
@@ -36,8 +38,17 @@ stdin pipe, which is always writable, so it spins a core while its ranks run; it
 lets go of that pipe once a write to it fails. So each rank closes its stdin at
 start (``launch/serve.py``), and once every rank has announced its pid the wrapper
 writes one line to mlx.launch's stdin: forwarded, it meets the closed pipe and
-mlx.launch's threads then sleep in select (ranks started over ssh keep the pipe
-open in their ssh client: there the spin stays, mlx.launch's to fix).
+mlx.launch's threads then sleep in select. Ranks started over ssh: mlx.launch finds
+``ssh`` on PATH, and the PATH it gets here starts with k3dist's shim
+(``ssh_shim/ssh``), which gives the rank's ``ssh -tt`` stdin from /dev/null (the pipe
+breaks at once), adds ``stty -onlcr`` (mlx.launch's pid-file path then comes back
+without ``\r``, so its own remote kill works) and a connect timeout to its other ssh
+calls.
+
+Temp files: each rank announces mlx.launch's two temp files on its host (ring hostfile,
+pid file; ``launch_files``), which mlx.launch leaves behind; they are removed when the
+run ends (one ssh per host), or, for a host unreachable then, by the next run that
+reaches it (``PENDING``).
 
 A stop asked of the wrapper (SIGTERM, SIGINT, SIGHUP) goes to the ranks as SIGTERM
 (those on this machine, else one over ssh): the watchdog stops the whole group, every
@@ -55,6 +66,7 @@ SIGTERM, which a stopped process never acts on).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -68,6 +80,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import BinaryIO
 
 from k3dist.serve.exit_codes import LOST_EXIT_CODE
@@ -80,6 +93,14 @@ LOCAL_HOST = "127.0.0.1"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NODE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 _PID = re.compile(r"\[k3dist watchdog rank (\d+)\] .*; pid (\d+)\)")
+_LOST = re.compile(r"\[k3dist watchdog rank (\d+)\] lost rank (\d+) \((.*)\); exiting with code")
+_FILES = re.compile(r"\[k3dist rank (\d+)\] mlx\.launch files on this host: (.*)")
+# ssh's own exit code when the connection failed or was lost (a remote rank's "code")
+SSH_FAILED = 255
+# mlx.launch's temp files (ring hostfile, pid file) are mktemp's: only such names are removed
+_MKTEMP = re.compile(r"^/[^\s'\"]*/tmp\.[A-Za-z0-9]+$")
+# where the ssh shim lives (k3dist/serve/ssh_shim/ssh): first on mlx.launch's PATH
+SSH_SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ssh_shim")
 
 
 class HostUnreachable(RuntimeError):
@@ -119,7 +140,7 @@ def _ssh(host: str, timeout_s: float, command: str) -> list[str]:
     ]
 
 
-def _fix(host: str, error: str, python: str) -> str:
+def ssh_fix(host: str, error: str, python: str) -> str:
     e = error.lower()
     if "could not resolve" in e or "name or service not known" in e:
         return (
@@ -191,7 +212,7 @@ def preflight_hosts(
             ranks = ", ".join(str(x.rank) for x in hosts if x.ssh == h)
             lines.append(
                 f"host {h} (rank {ranks} in {source}) is unreachable over ssh ({e}); "
-                f"fix: {_fix(h, e, python)}"
+                f"fix: {ssh_fix(h, e, python)}"
             )
         raise HostUnreachable("; ".join(lines) + f" [checked in {dt:.1f} s; no rank was started]")
     return dt
@@ -207,6 +228,8 @@ class _State:
     failures: list[tuple[int, int]] = field(default_factory=list)  # (rank, code) as reported
     pids: dict[int, int] = field(default_factory=dict)  # rank -> pid on its host
     ended: set[int] = field(default_factory=set)  # ranks whose exit mlx.launch saw
+    lost: dict[int, tuple[int, str]] = field(default_factory=dict)  # reporter -> (rank, why)
+    files: dict[int, list[str]] = field(default_factory=dict)  # rank -> mlx.launch's temp files
     lock: threading.Lock = field(default_factory=threading.Lock)
     wake_fd: int | None = None  # written when a line changed the state (run's wait)
 
@@ -230,6 +253,13 @@ class _State:
         if m := _PID.search(line):
             with self.lock:
                 self.pids[int(m[1])] = int(m[2])
+        if lost := _LOST.search(line):
+            with self.lock:
+                self.lost.setdefault(int(lost[1]), (int(lost[2]), lost[3]))
+        if files := _FILES.search(line):
+            paths = [f for f in files[2].split() if _MKTEMP.match(f)]
+            with self.lock:
+                self.files[int(files[1])] = paths
         if self.failures or m:
             self.wake()
 
@@ -243,6 +273,114 @@ class _State:
         with self.lock:
             causes = [f for f in self.failures if f[1] != LOST_EXIT_CODE]
             return (causes or self.failures or [None])[0]
+
+    def lost_peer(self) -> tuple[int, int, str] | None:
+        """(lost rank, reporting rank, why) when the failures are all the watchdog's
+        "a peer was lost" (3) and a survivor named a rank that reported nothing else:
+        the peer whose own exit never reached mlx.launch (its host or cable gone)."""
+        with self.lock:
+            if not self.failures or any(c != LOST_EXIT_CODE for _, c in self.failures):
+                return None
+            failed = {r for r, _ in self.failures}
+            for reporter, (rank, why) in sorted(self.lost.items()):
+                if rank not in failed:
+                    return rank, reporter, why
+            return None
+
+
+# where the supervisor keeps clean-ups it could not do (a host unreachable at the end)
+PENDING = Path.home() / ".cache" / "k3dist" / "pending-cleanup.json"
+
+
+def _pending() -> dict[str, list[str]]:
+    try:
+        return json.loads(PENDING.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_pending(pending: dict[str, list[str]]) -> None:
+    try:
+        if pending:
+            PENDING.parent.mkdir(parents=True, exist_ok=True)
+            tmp = PENDING.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(pending))
+            os.replace(tmp, PENDING)
+        else:
+            PENDING.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def remember_cleanup(host: str, paths: Sequence[str]) -> None:
+    """mlx.launch temp files on ``host`` that could not be removed: the next run that
+    reaches ``host`` removes them (``clean_pending``)."""
+    pending = _pending()
+    pending[host] = sorted(set(pending.get(host, [])) | set(paths))
+    _save_pending(pending)
+
+
+def clean_pending(hosts: Sequence[Host], log) -> None:
+    """Remove the temp files an earlier run left on these hosts (bounded: one ssh per
+    host, all at once; a host still unreachable keeps its entry)."""
+    pending = _pending()
+    todo = {h.ssh: pending[h.ssh] for h in hosts if h.ssh in pending and not h.local}
+    if not todo:
+        return
+    procs = {
+        host: subprocess.Popen(
+            _ssh(host, 5.0, f"rm -f {shlex.join(paths)}"),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for host, paths in todo.items()
+    }
+    for host, p in procs.items():
+        try:
+            ok = p.wait(15) == 0
+        except subprocess.TimeoutExpired:
+            p.kill()
+            ok = False
+        if ok:
+            log(f"removed {len(todo[host])} temp file(s) an earlier run left on {host}")
+            pending.pop(host, None)
+    _save_pending(pending)
+
+
+def launch_files(pid: int | None = None) -> list[str]:
+    """mlx.launch's temp files for this rank (call in the rank): the ring hostfile it
+    exported as ``MLX_HOSTFILE`` and the pid file its start script wrote with this
+    process's pid (``mktemp`` names, beside each other); [] when not started by it."""
+    pid = os.getpid() if pid is None else pid
+    hostfile = os.environ.get("MLX_HOSTFILE", "")
+    if not _MKTEMP.match(hostfile):
+        return []
+    found = [hostfile]
+    folder = os.path.dirname(hostfile)
+    try:
+        names = [n for n in os.listdir(folder) if n.startswith("tmp.")]
+    except OSError:
+        return found
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if path != hostfile and os.path.getsize(path) <= 16:
+                with open(path) as f:
+                    if f.read().strip() == str(pid):
+                        found.append(path)
+        except OSError:
+            continue
+    return found
+
+
+def announce_launch_files(rank: int) -> None:
+    """Say which mlx.launch temp files this rank has (the supervisor removes them when
+    the run ends, on whichever host the rank ran)."""
+    files = launch_files()
+    if files:
+        sys.stderr.write(f"[k3dist rank {rank}] mlx.launch files on this host: {' '.join(files)}\n")
+        sys.stderr.flush()
 
 
 def exit_code(code: int) -> int:
@@ -321,18 +459,23 @@ def run(
         except (BrokenPipeError, ValueError):
             pass
 
+    clean_pending(hosts, log)  # temp files an earlier run could not remove
     wake_r, wake_w = os.pipe()
     for fd in (wake_r, wake_w):
         os.set_blocking(fd, False)
     state = _State(wake_fd=wake_w)
     # Its own process group: the wrapper can end mlx.launch and everything it started
     # on this machine at once; stdin a pipe only the stdin release below writes.
+    # mlx.launch starts ``ssh`` from PATH: k3dist's shim first (SSH_SHIM_DIR's ssh).
+    env = dict(os.environ)
+    env["PATH"] = f"{SSH_SHIM_DIR}:{env.get('PATH', os.defpath)}"
     proc = subprocess.Popen(
         list(launch_cmd),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         process_group=0,
+        env=env,
     )
     pumps = [
         threading.Thread(target=_pump, args=(src, dst, state), daemon=True)
@@ -417,17 +560,36 @@ def run(
                 pass
 
     cause = state.cause()
+    lost = state.lost_peer()
+    if lost is not None:
+        rank, reporter, why = lost
+        log(
+            f"exit code {LOST_EXIT_CODE}: lost rank {rank} on host {_where(hosts, rank)}: "
+            f"rank {reporter} reported it ({why}); rank {rank}'s own exit never reached "
+            f"this machine (every report: {state.failures})"
+        )
+        return LOST_EXIT_CODE
     if cause is not None:
         rank, code = cause
         rc = exit_code(code)
+        how = f"it exited with {code}"
+        if code == SSH_FAILED and rank < len(hosts) and not hosts[rank].local:
+            how = (
+                f"its ssh client exited with {code}: the rank was killed by a signal on "
+                "its host, or the connection to the host was lost"
+            )
         log(
-            f"exit code {rc}: rank {rank} failed (it exited with {code}; every report: "
-            f"{state.failures})"
+            f"exit code {rc}: rank {rank} failed ({how}; every report: {state.failures}); "
+            f"its host: {_where(hosts, rank)}"
         )
         return rc
     if proc.returncode != 0:
         return exit_code(proc.returncode)
     return 0
+
+
+def _where(hosts: Sequence[Host], rank: int) -> str:
+    return hosts[rank].ssh if rank < len(hosts) else "?"
 
 
 def _release_stdin(proc: subprocess.Popen) -> bool:
@@ -474,27 +636,55 @@ def _request_stop(pgid: int, signum: int, hosts: Sequence[Host], state: _State, 
 def _end_remote(
     hosts: Sequence[Host], state: _State, kill_grace_s: float, log, failed: bool
 ) -> None:
-    if not failed:
-        return
+    """Ranks on other machines that mlx.launch did not see end (after a failure), and
+    every rank's mlx.launch temp files (its ring hostfile and pid file, which it never
+    removes after a clean end, nor under ``ssh -tt``): one ssh per host, all at once."""
     with state.lock:
         left = {
             r: pid
             for r, pid in state.pids.items()
-            if r < len(hosts) and not hosts[r].local and r not in state.ended
+            if failed and r < len(hosts) and not hosts[r].local and r not in state.ended
         }
-    procs = []
+        files = {r: list(f) for r, f in state.files.items() if r < len(hosts) and f}
+    scripts: dict[str, list[str]] = {}
+    for r, paths in files.items():
+        if hosts[r].local:
+            for f in paths:
+                try:
+                    os.unlink(f)
+                except OSError:
+                    pass
+        else:
+            scripts.setdefault(hosts[r].ssh, []).append(f"rm -f {shlex.join(paths)}")
     for r, pid in left.items():
         log(
             f"rank {r} (pid {pid} on {hosts[r].ssh}) was not reported ended: ending it over "
             f"ssh (SIGTERM, SIGKILL after {kill_grace_s:g} s)"
         )
-        procs.append(
-            subprocess.Popen(
-                end_remote_rank_command(hosts[r].ssh, pid, kill_grace_s), stdin=subprocess.DEVNULL
-            )
+        scripts.setdefault(hosts[r].ssh, []).append(
+            f"({end_remote_rank_command(hosts[r].ssh, pid, kill_grace_s)[-1]})"
         )
-    for p in procs:
+    procs = {
+        host: subprocess.Popen(
+            _ssh(host, 5.0, "; ".join(parts)),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for host, parts in scripts.items()
+    }
+    for host, p in procs.items():
         try:
-            p.wait(kill_grace_s + 15)
+            _, err = p.communicate(timeout=kill_grace_s + 15)
         except subprocess.TimeoutExpired:
             p.kill()
+            err = b"no answer"
+        if p.returncode != 0:
+            why = err.decode(errors="replace").strip().splitlines()
+            files_here = [f for r, paths in files.items() if hosts[r].ssh == host for f in paths]
+            remember_cleanup(host, files_here)
+            log(
+                f"could not clean up on {host} over ssh ({why[-1] if why else p.returncode}):"
+                f" the next run that reaches it removes the temp files; or, when it is back: "
+                f"ssh {host} {shlex.quote('; '.join(scripts[host]))}"
+            )

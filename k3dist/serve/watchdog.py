@@ -796,9 +796,13 @@ class Watchdog:
 
 
 def install_signal_handlers(
-    watchdog: Watchdog, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+    watchdog: Watchdog,
+    signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP),
 ) -> None:
-    """SIGTERM/SIGINT on this rank stop every rank (exit 0). Call from the main thread.
+    """SIGTERM/SIGINT/SIGHUP on this rank stop every rank (exit 0). Call from the main
+    thread. SIGHUP: a rank started over ``ssh -tt`` (mlx.launch on another Mac) gets it
+    from sshd when its ssh client goes (mlx.launch ended, the supervisor's clean-up),
+    and that is a stop, not a crash with Python's default action.
 
     A Python signal handler runs only when the main thread is back in Python, which
     a rank blocked in a collective never is. So the signal is also delivered through
