@@ -37,13 +37,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quality_bits import MXFP4_BPW, lo_bpw, promoted_per_layer, run  # noqa: E402
-
 from k3dist.bench import evaluate  # noqa: E402
 from k3dist.format import layout  # noqa: E402
 from k3dist.format.folder import load_config  # noqa: E402
 
 import numpy as np  # noqa: E402
+from quality_bits import MXFP4_BPW, lo_bpw, promoted_per_layer, run  # noqa: E402
 
 SCORE = "taylor"
 
