@@ -185,6 +185,16 @@ def main() -> None:
         old = json.loads(a.out.read_text())
         if old["provenance"]["windows_per_domain"] == a.windows:
             rep["rows"] = old["rows"]
+            # every command that wrote rows, each with its commit
+            prev = old["provenance"].get("runs") or [
+                {k: old["provenance"][k] for k in ("command", "commit")}
+            ]
+            rep["provenance"]["runs"] = prev + [
+                {k: rep["provenance"][k] for k in ("command", "commit")}
+            ]
+            rep["provenance"]["grid"] = old["provenance"]["grid"] + [
+                s for s in rep["provenance"]["grid"] if s not in old["provenance"]["grid"]
+            ]
     done = {r["id"] for r in rep["rows"]}
     for target, lo, student in specs:
         rid = f"{lo}@{target}" + ("" if student == "-" else f"/scores:{student}")
