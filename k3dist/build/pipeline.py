@@ -98,6 +98,7 @@ class Args:
     budget: float | None = None
     budget_total: float | None = None
     target_bpw: float | None = None
+    lo: str = "auto"  # the lo-bank format; auto: the quality grid's best at the plan's bytes
     calib: str | None = None
     calib_text: list[str] | None = None
     windows: int = 16
@@ -162,6 +163,7 @@ def stage_params(a: Args, stage: str) -> dict:
             "budget": a.budget,
             "budget_total": a.budget_total,
             "target_bpw": a.target_bpw,
+            **({"lo": a.lo} if a.lo != "auto" else {}),
         },
         "tokens": {
             "calib": _file_id(a.calib) if a.calib else None,
@@ -240,6 +242,7 @@ def make_plan(a: Args, acc) -> dict:
         if a.budget is not None
         else (int(a.budget_total) // a.ranks if a.budget_total is not None else None),
         target_expert_bpw=a.target_bpw,
+        lo=a.lo,
     )
     return planner.make_plan(acc, planner.Box(), req)
 
@@ -251,6 +254,7 @@ def plan_kw(a: Args) -> dict:
         "budget": int(a.budget) if a.budget is not None else None,
         "budget_total": int(a.budget_total) if a.budget_total is not None else None,
         "target_bpw": a.target_bpw,
+        "lo": a.lo,
     }
 
 
@@ -486,7 +490,9 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
 
         base = base_view(a, plan)
         calibrate.calibrate(
-            student.LoView(base, plan["lo"]["format"]),  # the student, quantized a layer at a time
+            # the score student, quantized a layer at a time: the one the quality grid's
+            # best row at the plan's bytes used (planner: calib_student)
+            student.LoView(base, plan.get("calib_student") or plan["lo"]["format"]),
             base,
             a.path("teacher"),
             teacher.read_tokens(tok),
@@ -637,6 +643,15 @@ def run(a: Args, dry_run: bool = False) -> dict:
     acc = account(a, config, index)
     plan = make_plan(a, acc)
     d = disk_plan(a, acc, plan, source_bytes)
+    from k3dist.build.planner import quality_line
+
+    print(
+        f"plan: lo {plan['lo']['format']}, {100 * plan['promoted_fraction']:.1f}% promoted, "
+        f"expert bpw {plan['expert_bpw']}, {plan['bytes_per_rank']['total'] / 1e9:,.1f} GB per "
+        f"rank; {quality_line(plan)}"
+    )
+    if plan["quality"]["warning"]:
+        print(f"warning: {plan['quality']['warning']}", file=sys.stderr)
     free = _free_bytes(out)
     already = _du(out) if out.exists() else 0
     print_disk_plan(d, free, already)
@@ -878,6 +893,12 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     )
     b.add_argument("--budget-total", type=float, help="bytes over all ranks")
     b.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
+    ap.add_argument(
+        "--lo",
+        default="auto",
+        help="lo-bank format; auto (default): the lowest KL the quality grid measured at the "
+        "plan's bytes (a format or bytes outside the grid only when named here, warned)",
+    )
     c = ap.add_mutually_exclusive_group()
     c.add_argument("--calib", help="a token set (.npy/.npz 'inputs') in the source's vocabulary")
     c.add_argument(
@@ -921,6 +942,7 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
         budget=ns.budget,
         budget_total=ns.budget_total,
         target_bpw=ns.target_bpw,
+        lo=ns.lo,
         calib=ns.calib,
         calib_text=ns.calib_text,
         windows=ns.windows,

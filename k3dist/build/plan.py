@@ -27,6 +27,7 @@ from k3dist.build.planner import (
     PlanRequest,
     make_plan,
     measured_nonexpert,
+    quality_line,
     read_sensitivity,
 )
 from k3dist.format.classes import CLASSES
@@ -58,6 +59,7 @@ def summary(plan: dict) -> str:
         f"lo bank {plan['lo']['format']}, hi bank mxfp4 ({plan['hi']['expert_bytes']:,} B "
         f"per expert); promoted {plan['promoted_total']:,} "
         f"({100 * plan['promoted_fraction']:.1f}%), expert bpw {plan['expert_bpw']}",
+        quality_line(plan),
         "per rank: " + ", ".join(f"{k} {_gb(v)}" for k, v in pr.items()),
         f"KV/state: batch {kv['batch']} x {kv['context']:,} tokens "
         f"({_gb(kv['per_request'])} a request) {_gb(kv['requests'])} + prompt cache "
@@ -72,7 +74,9 @@ def summary(plan: dict) -> str:
         "alternatives: "
         + "; ".join(
             f"{o['lo']}: {'fits' if o['fits'] else 'no'} {o['promoted_total']:,} promoted "
-            f"({o['expert_bpw']} bpw)"
+            f"({o['expert_bpw']} bpw"
+            + (f", KL {o['expected']['kl']:.4f}" if o.get("expected") else ", not in grid")
+            + ")"
             for o in plan["alternatives"]
         ),
     ]
@@ -99,11 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--target-bpw", type=float, help="routed-expert bits per weight")
     ap.add_argument("--lo", default="auto", help="lo-bank format (e.g. 2bit-g128) or auto")
     ap.add_argument(
-        "--min-promoted",
-        type=float,
-        default=PlanRequest.min_promoted_fraction,
-        help="auto lo: richest format that still promotes this fraction (default 0.15, "
-        "measured: benchmarks/results/quality-bits-2026-12-02.md)",
+        "--grid",
+        default=None,
+        help="quality grid JSON (benchmarks/quality_grid.py --package); default the "
+        "shipped k3dist/data/quality-grid.json. auto lo: the lowest measured KL at the "
+        "plan's bytes; a --lo outside the grid is warned about",
     )
     ap.add_argument(
         "--nonexpert",
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         budget_per_rank=budget,
         target_expert_bpw=args.target_bpw,
         lo=args.lo,
-        min_promoted_fraction=args.min_promoted,
+        grid=args.grid,
         nonexpert=nonexpert,
         nonexpert_from=origin,
         attention=args.attention,
@@ -258,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         else None,
         **plan,
     }
+    if plan["quality"]["warning"]:
+        print(f"warning: {plan['quality']['warning']}", file=sys.stderr)
     text = json.dumps(plan, indent=1)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
