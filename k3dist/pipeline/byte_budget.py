@@ -74,6 +74,7 @@ from k3dist.format.classes import CLASSES
 from k3dist.format.kvmemory import GiB
 from k3dist.format.qformat import MXFP4, SOURCE, QFormat
 from k3dist.pipeline.accounting import Accounting
+from k3dist.pipeline.quality import QualityGrid
 
 # A starting point, not a measurement (sensitivity scoring replaces it): every class
 # that every token reads at <= ~6 bits (the cost model's 12 tok/s condition), the
@@ -236,10 +237,13 @@ ASSUMPTIONS = [
     "each class's 'from' says which",
     "MLA kv_b_proj counted as its source matrix; mlx-lm splits it into embed_q / "
     "unembed_out at load (same element count; group boundaries may differ slightly)",
-    "lo-format choice 'auto': the richest lo format that still promotes "
-    "min_promoted_fraction (0.15: at 2.594 expert bpw, 2-bit g128 with 17% promoted gave "
-    "a third of the KL of 2-bit g64 with 5% promoted on the 128-expert mini-K3, "
-    "benchmarks/results/quality-bits-2026-12-02.md)",
+    "lo-format choice 'auto': of the lo formats that fit, the one with the lowest KL "
+    "measured (interpolated) at the plan's expert bpw in the quality grid "
+    "(k3dist/data/quality-grid.json, benchmarks/quality_grid.py: the trained sparse "
+    "mini-K3, graded builds at expert bpw x lo format x score student); the plan's "
+    "'quality' cites the grid rows and the score student the pipeline calibrates with. "
+    "Expert bpw carries over from the mini-K3 (same MXFP4 hi bank, same promoted share at "
+    "a given bpw); the real model's KL at that bpw may differ, the ranking is what is used",
 ]
 
 
@@ -248,13 +252,9 @@ class PlanRequest:
     ranks: int = FIELDS["size"].default
     budget_per_rank: int | None = None  # weights + KV + activations; None: the box's
     target_expert_bpw: float | None = None  # instead of a budget
-    lo: str = "auto"  # a QFormat name, or "auto"
+    lo: str = "auto"  # a QFormat name, or "auto": the grid's lowest KL at the plan's bytes
     lo_candidates: tuple[str, ...] = ("3bit-g64", "2bit-g32", "2bit-g64", "2bit-g128", "1bit-g64")
-    # "auto": the richest lo format leaving this promoted. 0.15, measured (issue 27,
-    # benchmarks/results/quality-bits-2026-12-02.md, data/mini-k3-sparse, equal bytes at
-    # 2.594 expert bpw): 2-bit g128 + 17.2% promoted, mean KL 0.0059 / p95 0.020, against
-    # 2-bit g64 + 5.3% promoted, 0.0163 / 0.051 (uniform 2-bit g64: 0.0203 / 0.061).
-    min_promoted_fraction: float = 0.15
+    grid: str | None = None  # the quality grid file; None: k3dist/data/quality-grid.json
     nonexpert: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_NONEXPERT))
     nonexpert_from: dict[str, str] = field(default_factory=dict)  # class -> why its format
     # "split" (deploy/tb5.yaml's and every deployment's default: each rank holds its share
@@ -446,14 +446,25 @@ def make_plan(acc: Accounting, box: Box, limits: Limits, req: PlanRequest) -> di
     cands = [QFormat.parse(s) for s in req.lo_candidates]
     cands = [f for f in cands if all(f.fits(c) for _, c in acc.expert_mats)]
     options = [option(f) for f in cands]
+    grid = QualityGrid.load(req.grid)
+    for o in options:
+        e = grid.expected(o["lo"], o["expert_bpw"])
+        o["expected"] = e.asdict() if e is not None else None
+    warning = None
     if req.lo != "auto":
         chosen = option(QFormat.parse(req.lo))
+        e = grid.expected(chosen["lo"], chosen["expert_bpw"])
+        chosen["expected"] = e.asdict() if e is not None else None
+        if e is None:
+            near = grid.nearest(chosen["lo"], chosen["expert_bpw"])
+            warning = (
+                f"--lo {chosen['lo']} at {chosen['expert_bpw']} expert bpw is outside the "
+                f"measured quality grid ({grid.summary()['file']}); nearest measured row "
+                f"{near.id} ({near.expert_bpw} bpw): KL {near.kl:.4f}, p95 {near.kl_p95:.4f}"
+            )
     else:
-        ok = [
-            o for o in options if o["fits"] and o["promoted_fraction"] >= req.min_promoted_fraction
-        ]
-        ok = ok or [o for o in options if o["fits"]]
-        if not ok:
+        fit = [o for o in options if o["fits"]]
+        if not fit:
             raise ValueError(
                 f"nothing fits {budget} bytes per rank: non-experts {ne_rank}, KV/state "
                 f"{kv['total']}, activations {act['total']} (batch join {need['joining']}) leave "
@@ -462,7 +473,19 @@ def make_plan(acc: Accounting, box: Box, limits: Limits, req: PlanRequest) -> di
                 f"{min(o['experts_per_rank'] for o in options)}; lower the context, the "
                 "batch or the prompt cache, quantize non-experts further or add ranks"
             )
-        chosen = max(ok, key=lambda o: (o["lo_bpw"], o["promoted_total"]))
+        ok = [o for o in fit if o["expected"] is not None]
+        if not ok:
+            near = [grid.nearest(o["lo"], o["expert_bpw"]) for o in fit]
+            raise ValueError(
+                "no lo format that fits lies in the measured quality grid "
+                f"({grid.summary()['file']}) at its bytes: "
+                + "; ".join(
+                    f"{o['lo']} at {o['expert_bpw']} bpw (nearest measured: {r.id})"
+                    for o, r in zip(fit, near, strict=True)
+                )
+                + "; measure it (benchmarks/quality_grid.py) or name the format with --lo"
+            )
+        chosen = min(ok, key=lambda o: o["expected"]["kl"])
     if not chosen["fits"]:
         raise ValueError(
             f"lo format {chosen['lo']} does not fit {budget} bytes per rank "
@@ -500,6 +523,14 @@ def make_plan(acc: Accounting, box: Box, limits: Limits, req: PlanRequest) -> di
         "budget_per_rank": budget,
         "attention": req.attention,
         "lo": {"format": chosen["lo"], **QFormat.parse(chosen["lo"]).qconfig()},
+        # what the grid measured at these bytes, and the score student the pipeline
+        # calibrates with (the grid's best row's; the lo format itself outside the grid)
+        "quality": {
+            "expected": chosen["expected"],
+            "warning": warning,
+            "grid": grid.summary(),
+        },
+        "calib_student": (chosen["expected"] or {}).get("calib_student") or chosen["lo"],
         "hi": {
             "format": "mxfp4",
             **MXFP4.qconfig(),
@@ -529,3 +560,18 @@ def make_plan(acc: Accounting, box: Box, limits: Limits, req: PlanRequest) -> di
             {k2: v for k2, v in o.items() if k2 != "promoted_per_layer"} for o in options
         ],
     }
+
+
+def quality_line(plan: dict) -> str:
+    """Expected KL / p95 at the plan's bytes from the quality grid, with the rows cited
+    (or the warning of a --lo outside it)."""
+    q = plan.get("quality") or {}
+    e = q.get("expected")
+    if e is None:
+        return f"quality: outside the measured grid: {q.get('warning')}"
+    how = "measured" if e["measured"] else "interpolated"
+    return (
+        f"quality (mini-K3 grid, {q['grid']['windows_per_domain']} windows/domain): expected "
+        f"KL {e['kl']:.4f}, p95 {e['kl_p95']:.4f}, flip {e['flip']:.3f} ({how}: "
+        f"{' .. '.join(e['grid_rows'])}); scores from the {e['calib_student']} student"
+    )

@@ -47,7 +47,9 @@ def make_plan(a: Args, acc) -> dict:
     from k3dist.pipeline import byte_budget
 
     try:
-        req = byte_budget.plan_request(a.ranks, a.budget, a.budget_total, a.target_bpw, auto=True)
+        req = byte_budget.plan_request(
+            a.ranks, a.budget, a.budget_total, a.target_bpw, auto=True, lo=a.lo
+        )
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     return byte_budget.make_plan(acc, Box(), byte_budget.Limits.of(byte_budget.shipped()), req)

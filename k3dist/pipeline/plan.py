@@ -37,6 +37,7 @@ from k3dist.pipeline.byte_budget import (
     make_plan,
     measured_nonexpert,
     plan_request,
+    quality_line,
     read_sensitivity,
     shipped,
 )
@@ -64,6 +65,7 @@ def summary(plan: dict) -> str:
         f"lo bank {plan['lo']['format']}, hi bank mxfp4 ({plan['hi']['expert_bytes']:,} B "
         f"per expert); promoted {plan['promoted_total']:,} "
         f"({100 * plan['promoted_fraction']:.1f}%), expert bpw {plan['expert_bpw']}",
+        quality_line(plan),
         "per rank: " + ", ".join(f"{k} {_gb(v)}" for k, v in pr.items()),
         f"KV/state: batch {kv['batch']} x {kv['context']:,} tokens "
         f"({_gb(kv['per_request'])} a request) {_gb(kv['requests'])} + prompt cache "
@@ -78,7 +80,9 @@ def summary(plan: dict) -> str:
         "alternatives: "
         + "; ".join(
             f"{o['lo']}: {'fits' if o['fits'] else 'no'} {o['promoted_total']:,} promoted "
-            f"({o['expert_bpw']} bpw)"
+            f"({o['expert_bpw']} bpw"
+            + (f", KL {o['expected']['kl']:.4f}" if o.get("expected") else ", not in grid")
+            + ")"
             for o in plan["alternatives"]
         ),
     ]
@@ -97,11 +101,11 @@ def main(argv: list[str] | None = None) -> None:
     add_budget_args(ap, auto=True)
     ap.add_argument("--lo", default="auto", help="lo-bank format (e.g. 2bit-g128) or auto")
     ap.add_argument(
-        "--min-promoted",
-        type=float,
-        default=PlanRequest.min_promoted_fraction,
-        help="auto lo: richest format that still promotes this fraction (default 0.15, "
-        "measured: benchmarks/results/quality-bits-2026-12-02.md)",
+        "--grid",
+        default=None,
+        help="quality grid JSON (benchmarks/quality_grid.py --package); default the "
+        "shipped k3dist/data/quality-grid.json. auto lo: the lowest measured KL at the "
+        "plan's bytes; a --lo outside the grid is warned about",
     )
     ap.add_argument(
         "--nonexpert",
@@ -228,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             args.target_bpw,
             auto=True,
             lo=args.lo,
-            min_promoted_fraction=args.min_promoted,
+            grid=args.grid,
             nonexpert=nonexpert,
             nonexpert_from=origin,
             attention=args.attention,
@@ -261,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         else None,
         **plan,
     }
+    if plan["quality"]["warning"]:
+        print(f"warning: {plan['quality']['warning']}", file=sys.stderr)
     text = json.dumps(plan, indent=1)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -204,6 +205,14 @@ def convert_profile(
             kw["nonexpert"] = {c: f.name if f.quantized else "bf16" for c, f in fmts.items()}
             kw["nonexpert_from"] = dict.fromkeys(fmts, "--nonexpert")
         plan = plan_graded(source, **kw) if plan is None else dict(plan)
+        if progress:
+            print(
+                f"plan: lo {plan['lo']['format']}, expert bpw {plan['expert_bpw']}, "
+                f"{plan['bytes_per_rank']['total'] / 1e9:,.1f} GB per rank; "
+                + byte_budget.quality_line(plan)
+            )
+            if plan["quality"]["warning"]:
+                print(f"warning: {plan['quality']['warning']}", file=sys.stderr)
         nonexpert = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
         nonexpert_bits = 16
     if base is not None:  # the source read as its MXFP4 base build: nothing written

@@ -158,7 +158,9 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
 
         base = base_view(a, plan)
         calibrate.calibrate(
-            student.LoView(base, plan["lo"]["format"]),  # the student, quantized a layer at a time
+            # the score student, quantized a layer at a time: the one the quality grid's
+            # best row at the plan's bytes used (planner: calib_student)
+            student.LoView(base, plan.get("calib_student") or plan["lo"]["format"]),
             base,
             a.path("teacher"),
             teacher.read_tokens(tok),
@@ -296,6 +298,15 @@ def run(a: Args, dry_run: bool = False) -> dict:
     acc = account(a, config, index)
     plan = make_plan(a, acc)
     d = disk_plan(a, acc, plan, source_bytes)
+    from k3dist.pipeline.byte_budget import quality_line
+
+    print(
+        f"plan: lo {plan['lo']['format']}, {100 * plan['promoted_fraction']:.1f}% promoted, "
+        f"expert bpw {plan['expert_bpw']}, {plan['bytes_per_rank']['total'] / 1e9:,.1f} GB per "
+        f"rank; {quality_line(plan)}"
+    )
+    if plan["quality"]["warning"]:
+        print(f"warning: {plan['quality']['warning']}", file=sys.stderr)
     free = free_bytes(out)
     already = du(out) if out.exists() else 0
     print_disk_plan(d, free, already)
@@ -531,6 +542,12 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     ap.add_argument("--out", help="output folder: OUT/rank{rank}, OUT/work (scratch)")
     ap.add_argument("--ranks", type=int, default=2)
     byte_budget.add_budget_args(ap, auto=True)
+    ap.add_argument(
+        "--lo",
+        default="auto",
+        help="lo-bank format; auto (default): the lowest KL the quality grid measured at the "
+        "plan's bytes (a format or bytes outside the grid only when named here, warned)",
+    )
     c = ap.add_mutually_exclusive_group()
     c.add_argument("--calib", help="a token set (.npy/.npz 'inputs') in the source's vocabulary")
     c.add_argument(
@@ -574,6 +591,7 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
         budget=ns.budget,
         budget_total=ns.budget_total,
         target_bpw=ns.target_bpw,
+        lo=ns.lo,
         calib=ns.calib,
         calib_text=ns.calib_text,
         windows=ns.windows,

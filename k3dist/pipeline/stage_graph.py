@@ -34,6 +34,7 @@ class Args:
     budget: float | None = None
     budget_total: float | None = None
     target_bpw: float | None = None
+    lo: str = "auto"  # the lo-bank format; auto: the quality grid's best at the plan's bytes
     calib: str | None = None
     calib_text: list[str] | None = None
     windows: int = 16
@@ -98,6 +99,7 @@ def stage_params(a: Args, stage: str) -> dict:
             "budget": a.budget,
             "budget_total": a.budget_total,
             "target_bpw": a.target_bpw,
+            **({"lo": a.lo} if a.lo != "auto" else {}),
         },
         "tokens": {
             "calib": _file_id(a.calib) if a.calib else None,

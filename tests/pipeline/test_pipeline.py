@@ -241,26 +241,27 @@ def test_real_k3_disk_plan_from_config_and_index():
     d = runner.run(a, dry_run=True)["disk_plan"]
     writes = {s["stage"]: s["writes"] for s in d["stages"]}
     assert d["source_bytes"] == 1_560_860_324_864
+    # (at 480e9 the quality grid's best lo is 2-bit g128: k3dist/data/quality-grid.json)
     # no base (1.495 TB) and no 2-bit student (559 GB): read from the source in memory;
     # the graded build written into the rank folders with one graded file of scratch
     assert list(writes) == ["plan", "tokens", "teacher", "calibrate", "graded"]
-    assert d["rank_folders_total"] == 863_469_838_336
-    assert writes["graded"] == 863_469_838_336 + 9_304_589_824  # + the largest layer
-    assert (d["peak_out"], d["peak_stage"]) == (872_777_606_656, "graded")
-    assert d["goal_bytes"] == 1_560_860_324_864 + int(1.1 * 863_469_838_336)
-    assert d["peak_with_source"] == 2_433_637_931_520 and d["goal_met"]
+    assert d["rank_folders_total"] == 863_457_452_032
+    assert writes["graded"] == 863_457_452_032 + 9_300_461_056  # + the largest layer
+    assert (d["peak_out"], d["peak_stage"]) == (872_761_091_584, "graded")
+    assert d["goal_bytes"] == 1_560_860_324_864 + int(1.1 * 863_457_452_032)
+    assert d["peak_with_source"] == 2_433_621_416_448 and d["goal_met"]
     # --dwq: DWQ rewrites the rank folders in place, one rank file at a time (at most the
     # largest graded file), beside the teacher and the propagated state: met too
     a.dwq = True
     d = runner.run(a, dry_run=True)["disk_plan"]
     writes = {s["stage"]: s["writes"] for s in d["stages"]}
     assert list(writes) == ["plan", "tokens", "teacher", "calibrate", "graded", "dwq"]
-    assert writes["graded"] == 863_469_838_336 + 9_304_589_824
+    assert writes["graded"] == 863_457_452_032 + 9_300_461_056
     teacher_b = writes["teacher"]
-    assert writes["dwq"] == 9_304_589_824 + 1_057_095_680 + (1 << 20)  # + states + small
-    assert (d["peak_out"], d["peak_stage"]) == (881_805_518_336, "dwq")
-    assert d["peak_out"] == 863_469_838_336 + teacher_b + writes["dwq"] + (1 << 20) + 2_129_920
-    assert d["peak_with_source"] == 2_442_665_843_200 and d["goal_met"]
+    assert writes["dwq"] == 9_300_461_056 + 1_057_095_680 + (1 << 20)  # + states + small
+    assert (d["peak_out"], d["peak_stage"]) == (881_789_003_264, "dwq")
+    assert d["peak_out"] == 863_457_452_032 + teacher_b + writes["dwq"] + (1 << 20) + 2_129_920
+    assert d["peak_with_source"] == 2_442_649_328_128 and d["goal_met"]
 
 
 def test_refuses_with_the_numbers_when_the_disk_is_too_small(tmp_path):

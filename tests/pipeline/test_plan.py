@@ -13,7 +13,7 @@ from k3dist.factory.synth import real_config
 from k3dist.format import kvmemory, layout, qformat
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX, read_index
 from k3dist.format.kvmemory import GiB
-from k3dist.pipeline import accounting, byte_budget, plan
+from k3dist.pipeline import accounting, byte_budget, plan, quality
 
 import mlx.core as mx
 import pytest
@@ -252,7 +252,7 @@ def test_k3_plan_fits_two_boxes(acc):
     p = byte_budget.make_plan(acc, Box(), _limits(), byte_budget.PlanRequest(ranks=2))
     per = p["bytes_per_rank"]
     assert per["total"] + p["headroom_requested"] <= p["budget_per_rank"]
-    assert p["promoted_total"] > 0 and p["lo"]["format"] in ("2bit-g64", "2bit-g128")
+    assert p["promoted_total"] > 0 and p["quality"]["expected"] is not None  # in the grid
     counts = [int(c) for c in p["promoted_per_layer"].values()]
     assert all(c % 2 == 0 for c in counts)  # hi bytes split evenly over the two ranks
     assert sum(counts) == p["promoted_total"]
@@ -421,3 +421,95 @@ def test_real_k3_plan_with_measured_formats(tmp_path):
     assert m["bytes_per_rank"]["nonexpert"] < d["bytes_per_rank"]["nonexpert"]
     assert m["nonexpert_read_per_token_per_rank"] < d["nonexpert_read_per_token_per_rank"]
     assert m["promoted_total"] > d["promoted_total"]
+
+
+# ----------------------------------------------------------------- the quality grid
+
+
+def _grid(tmp_path, rows: list[tuple]) -> Path:
+    """A grid file (benchmarks/quality_grid.py --package's shape) of (lo, student, bpw, kl)."""
+    p = tmp_path / "grid.json"
+    p.write_text(
+        json.dumps(
+            {
+                "provenance": {"command": "test", "commit": "-", "windows_per_domain": 1},
+                "rows": [
+                    {
+                        "id": f"{lo}@{bpw}/{s}",
+                        "lo": lo,
+                        "student": s,
+                        "expert_bpw": bpw,
+                        "kl": kl,
+                        "kl_p95": 3 * kl,
+                        "flip": kl,
+                    }
+                    for lo, s, bpw, kl in rows
+                ],
+            }
+        )
+    )
+    return p
+
+
+def test_shipped_grid_says_where_it_comes_from():
+    g = quality.QualityGrid.load()
+    p = g.provenance
+    assert p["command"].startswith("python benchmarks/quality_grid.py")
+    assert p["commit"] and p["windows_per_domain"] >= 1 and p["src"] == "data/mini-k3-sparse"
+    assert {"1bit-g64", "2bit-g128"} <= set(g.formats)
+
+
+def test_grid_interpolates_and_keeps_the_best_student(tmp_path):
+    g = quality.QualityGrid.load(
+        _grid(
+            tmp_path,
+            [
+                ("1bit-g64", None, 1.5, 0.08),
+                ("1bit-g64", "1bit-g64", 2.5, 0.06),
+                ("1bit-g64", "2bit-g64", 2.5, 0.02),
+            ],
+        )
+    )
+    e = g.expected("1bit-g64", 2.0)
+    assert e.student == "2bit-g64" and e.kl == pytest.approx(0.05)  # half way 0.08 -> 0.02
+    assert e.rows == ("1bit-g64@1.5/None", "1bit-g64@2.5/2bit-g64")
+    assert g.expected("1bit-g64", 2.51).rows == ("1bit-g64@2.5/2bit-g64",)  # at the edge
+    assert g.expected("1bit-g64", 2.6) is None and g.expected("2bit-g128", 2.2) is None
+    assert g.nearest("1bit-g64", 2.6).id == "1bit-g64@2.5/2bit-g64"
+
+
+def test_auto_is_the_grids_best_at_every_budget(acc):
+    """440e9..520e9 a rank: the chosen lo format has the lowest expected KL of the
+    formats that fit, read from the shipped grid, and the pipeline's score student is
+    that row's."""
+    grid = quality.QualityGrid.load()
+    for budget in range(440 * 10**9, 520 * 10**9 + 1, 10 * 10**9):
+        p = byte_budget.make_plan(
+            acc, Box(), _limits(), byte_budget.PlanRequest(ranks=2, budget_per_rank=budget)
+        )
+        e = p["quality"]["expected"]
+        assert e is not None and p["quality"]["warning"] is None, budget
+        fits = [o for o in p["alternatives"] if o["fits"]]
+        best = min(
+            (
+                (grid.expected(o["lo"], o["expert_bpw"]), o["lo"])
+                for o in fits
+                if grid.expected(o["lo"], o["expert_bpw"]) is not None
+            ),
+            key=lambda x: x[0].kl,
+        )
+        assert p["lo"]["format"] == best[1] and e["kl"] == pytest.approx(best[0].kl, abs=1e-6)
+        assert p["calib_student"] == best[0].student == e["calib_student"]
+        assert "expected KL" in plan.summary(p)
+
+
+def test_out_of_grid_refused_unless_named(acc, tmp_path):
+    grid = str(_grid(tmp_path, [("3bit-g64", None, 3.5, 0.004)]))
+    with pytest.raises(ValueError, match="no lo format that fits lies in the measured quality"):
+        byte_budget.make_plan(acc, Box(), _limits(), byte_budget.PlanRequest(ranks=2, grid=grid))
+    p = byte_budget.make_plan(
+        acc, Box(), _limits(), byte_budget.PlanRequest(ranks=2, grid=grid, lo="2bit-g128")
+    )
+    assert p["quality"]["expected"] is None and p["calib_student"] == "2bit-g128"
+    assert "nearest measured row 3bit-g64@3.5/None" in p["quality"]["warning"]
+    assert "outside the measured grid" in plan.summary(p)

@@ -39,6 +39,9 @@ def _graded_plan_kw(src: Source) -> dict:
         "batch": 1,
         "prompt_cache_tokens": 256,
         "headroom": 0,
+        # the mini's 96-wide experts take only g32 lo formats, outside the quality grid:
+        # named, as a user must (planner: auto refuses a point the grid has not measured)
+        "lo": "2bit-g32",
     }
 
 
