@@ -41,6 +41,9 @@ PRIVATE = {
     "mlx_lm.models.cache:LRUPromptCache._trie": "read by k3dist.serve.prompt_cache: the prefix copy is looked up in mlx-lm's trie",
     "mlx_lm.models.cache:LRUPromptCache._lru": "read by k3dist.serve.prompt_cache: tokens held, for the prompt_cache_tokens bound",
     "mlx_lm.models.cache:LRUPromptCache.CacheOrder._lrus": "read with _lru (tokens held)",
+    "mlx_lm.models.cache:LRUPromptCache._n_bytes": "kept by k3dist.serve.prompt_cache when it drops "
+    "a superseded abandoned prefill (as mlx-lm's eviction does)",
+    "mlx_lm.models.cache:LRUPromptCache._n_bytes_by_type": "kept with _n_bytes",
     "mlx_lm.server:_image_url": "called by k3dist.serve.vision: an image part's URL",
     "mlx_lm.models.kimi_k3:KimiK3DeltaAttention._step": "reset by k3dist.model.ep / k3dist.serve.introspect: the compiled KDA decode core "
     "is dropped so warm-up and kernel counts start clean",
