@@ -518,3 +518,24 @@ def test_prefill_progress_reaches_agent_streams():
         sink.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
         assert out.getvalue().count(f'"type": "{opening}"'.encode()) == 1, out.getvalue()
         assert out.getvalue().count(b"HTTP/1.0") == 1
+
+
+def test_claude_codes_billing_header_is_not_prompt():
+    """Claude Code's first system block changes with every request (its attribution
+    header): left in, no two of its requests shared a prefix for the prompt cache."""
+    from k3dist.serve import anthropic_api
+
+    def body(header: str) -> dict:
+        return {
+            "model": "kimi-k3",
+            "max_tokens": 8,
+            "system": [
+                {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1; {header}"},
+                {"type": "text", "text": "You are Claude Code."},
+            ],
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+
+    a = anthropic_api.to_chat(body("cc_prev_msg=1;"))
+    assert a == anthropic_api.to_chat(body("cc_prev_msg=2; cc_prev_turn_index=1;"))
+    assert a["messages"][0] == {"role": "system", "content": "You are Claude Code."}
