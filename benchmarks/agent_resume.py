@@ -104,9 +104,20 @@ def run_client(url: str, tmp: Path, max_output_tokens: int, timeout_s: float) ->
         if result is None
         else {
             k: result.get(k)
-            for k in ("subtype", "is_error", "num_turns", "duration_ms", "duration_api_ms")
+            for k in (
+                "subtype",
+                "is_error",
+                "terminal_reason",
+                "result",
+                "num_turns",
+                "duration_ms",
+                "duration_api_ms",
+            )
         },
-        "completed": result is not None and result.get("subtype") == "success",
+        # a turn that ended as Claude Code's own success, not with its error result
+        "completed": result is not None
+        and result.get("subtype") == "success"
+        and not result.get("is_error"),
         "stderr_tail": err[-2000:],
     }
 
