@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> None:
         prefix_preload_bytes=int(dep.prefix_cache_preload_gb * 1e9),
         idle_gate=wd,
         serve_metrics=counted,
+        keepalive_s=dep.keepalive_s,
     )
 
 

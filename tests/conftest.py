@@ -67,11 +67,12 @@ SLOW = {
     "tests/test_train.py": 140,
     "tests/test_costmodel.py": 130,
     "tests/test_banks.py": 120,
-    "tests/test_server_abandon.py": 120,
+    "tests/test_server_abandon.py": 140,
     "tests/test_launch.py": 120,
     "tests/test_deployment.py": 85,
     "tests/test_vision.py": 85,
     "tests/test_server_batch.py": 80,
+    "tests/test_agent_streams.py": 75,
 }
 
 
