@@ -67,11 +67,12 @@ SLOW = {
     "tests/factory/test_train.py": 140,
     "tests/bench/test_costmodel.py": 130,
     "tests/model/test_banks.py": 120,
-    "tests/serve/test_server_abandon.py": 120,
+    "tests/serve/test_server_abandon.py": 140,
     "tests/serve/test_launch.py": 120,
     "tests/config/test_deployment.py": 85,
     "tests/serve/test_vision.py": 85,
     "tests/serve/test_server_batch.py": 80,
+    "tests/serve/test_agent_streams.py": 75,
 }
 
 

@@ -161,6 +161,15 @@ class Deployment(BaseModel):
     temperature: float = _key(
         0.0, "sampling temperature of a request that names none", "serving", ge=0
     )
+    keepalive_s: float = _key(
+        5.0,
+        "a streamed request with nothing to send for this long (its prefill, a wait "
+        "for the loop) gets a keep-alive in its API's form: Anthropic ping, Responses "
+        "response.in_progress, an SSE comment on chat/completions (docs/agents.md)",
+        "serving",
+        gt=0,
+        le=60,
+    )
     top_p: float = _key(1.0, "top-p of a request that names none", "serving", gt=0, le=1)
     warmup: bool = _key(
         True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import types
 
 from mlx_lm.models import kimi_k3
 
@@ -26,6 +27,13 @@ PRIVATE = {
     "mlx_lm.server:ResponseGenerator._tokenize": "called once per request by rank 0's handler (k3dist.serve.lockstep.tokenize) and "
     "overridden: every rank takes the tokens the request carries",
     "mlx_lm.server:_image_parts": "called by has_images",
+    "mlx_lm.server:ResponseGenerator._generate": "run by k3dist.serve.lockstep through with_names: its "
+    "BatchGenerator keeps an abandoned prefill",
+    "mlx_lm.server:BatchGenerator": "the global name mlx-lm's _generate builds its batch with (with_names)",
+    "mlx_lm.generate:BatchGenerator._find_uids": "read by k3dist.serve.lockstep: which removed requests "
+    "are still in their prefill",
+    "mlx_lm.server:ResponseGenerator._await_response": "overridden (k3dist.serve.lockstep): the handler "
+    "is called back while it waits (timed keep-alives)",
     "mlx_lm.server:ResponseGenerator._time_budget": "replaced (k3dist.serve.lockstep): a stopped request ends the batch loop's pass",
     "mlx_lm.models.kimi_k3:_group_expert_select": "called by group_expert_select",
     "mlx_lm.models.kimi_k3:_attn_res_mix": "called by attn_res_mix (k3dist.pipeline.stream)",
@@ -33,6 +41,9 @@ PRIVATE = {
     "mlx_lm.models.cache:LRUPromptCache._trie": "read by k3dist.serve.prompt_cache: the prefix copy is looked up in mlx-lm's trie",
     "mlx_lm.models.cache:LRUPromptCache._lru": "read by k3dist.serve.prompt_cache: tokens held, for the prompt_cache_tokens bound",
     "mlx_lm.models.cache:LRUPromptCache.CacheOrder._lrus": "read with _lru (tokens held)",
+    "mlx_lm.models.cache:LRUPromptCache._n_bytes": "kept by k3dist.serve.prompt_cache when it drops "
+    "a superseded abandoned prefill (as mlx-lm's eviction does)",
+    "mlx_lm.models.cache:LRUPromptCache._n_bytes_by_type": "kept with _n_bytes",
     "mlx_lm.server:_image_url": "called by k3dist.serve.vision: an image part's URL",
     "mlx_lm.models.kimi_k3:KimiK3DeltaAttention._step": "reset by k3dist.model.ep / k3dist.serve.introspect: the compiled KDA decode core "
     "is dropped so warm-up and kernel counts start clean",
@@ -59,6 +70,18 @@ def _has(path: str) -> bool:
 def missing() -> list[str]:
     """The names of ``PRIVATE`` this mlx-lm does not have, with what k3dist uses each for."""
     return [f"{p} ({why})" for p, why in PRIVATE.items() if not _has(p)]
+
+
+def with_names(fn, **names):
+    """mlx-lm's function ``fn`` with some of its module's global names replaced, for the
+    calls of the returned function only: mlx-lm's own code, no copy of it, and no
+    change to its module that another user of it would see."""
+    missing_names = [n for n in names if n not in fn.__code__.co_names]
+    if missing_names:
+        raise RuntimeError(f"{fn.__qualname__} no longer reads {missing_names} (mlx-lm changed)")
+    return types.FunctionType(
+        fn.__code__, {**fn.__globals__, **names}, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
 
 def holds_request(generator) -> bool:

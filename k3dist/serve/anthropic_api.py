@@ -132,6 +132,14 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
 
 
+# Claude Code's first system block, ``x-anthropic-billing-header: cc_version=...;
+# cc_prev_msg=...``: it changes with every request, and rendered first in the prompt it
+# left no prefix for the prompt cache to reuse across a session's requests (each of Claude
+# Code's 17K-token requests prefilled from zero); Anthropic's API takes it as request
+# metadata, so it is left out of the prompt here.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
 def _text(content: str | list | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -215,8 +223,11 @@ def to_chat(body: dict, *, count_only: bool = False) -> dict:
     except ValidationError as e:
         raise BadRequest(400, validation_message(e)) from None
     messages: list[dict] = []
-    if req.system:
-        messages.append({"role": "system", "content": _text(req.system)})
+    system = req.system
+    if isinstance(system, list):  # Claude Code's per-request header is metadata, not prompt
+        system = [b for b in system if not b.text.startswith(BILLING_HEADER)]
+    if system:
+        messages.append({"role": "system", "content": _text(system)})
     calls: set[str] = set()  # tool_use ids of the latest assistant message
     for i, m in enumerate(req.messages):
         blocks = (

@@ -62,6 +62,11 @@ PUBLIC_INFO = (
 )
 
 
+class _LateFailure(Exception):
+    """mlx-lm answers a request its generator refused with an error head, but this
+    stream's head was sent already: the failure becomes an error event (``_fail``)."""
+
+
 def _error_body(message: str, kind: str = "server_error", code: str | None = None) -> bytes:
     return json.dumps(
         {"error": {"message": message, "type": kind, "param": None, "code": code}}
@@ -126,6 +131,10 @@ class K3APIHandler(mlx_server.APIHandler):
             if api != "other":
                 self.metrics.requests.labels(api, str(self._status)).inc()
 
+    keepalive_s: float  # the deployment's: the longest a stream stays silent
+    _stream_open = False  # chat/completions: our head and first chunk are sent
+    _last_beat = 0.0
+
     def _set_cors_headers(self):
         origins = self.response_generator.cli_args.allowed_origins
         origin = self.headers.get("Origin")
@@ -143,6 +152,8 @@ class K3APIHandler(mlx_server.APIHandler):
         )
 
     def _set_completion_headers(self, status_code: int = 200):
+        if self._stream_open:
+            raise _LateFailure(f"status {status_code} after the stream began")
         if self._in_completion and status_code == 404:
             # mlx-lm answers 404 when generate() fails (the request was valid): the
             # generation loop is gone (503) or failed on this request (500).
@@ -150,27 +161,75 @@ class K3APIHandler(mlx_server.APIHandler):
         super()._set_completion_headers(status_code)
 
     def _set_stream_headers(self, status_code: int = 200):
+        if self._stream_open:  # sent at once by _open_stream
+            return
         super()._set_stream_headers(status_code)
         with _OPEN_LOCK:
             if self in _OPEN:
                 _OPEN[self] = "stream"
+
+    def end_headers(self):
+        if self._stream_open and not getattr(self, "_headers_buffer", None):
+            return  # mlx-lm ends the head _open_stream sent already
+        super().end_headers()
+
+    def _open_stream(self) -> None:
+        """A streamed answer begins at once: its head and opening event, before the
+        request reaches the generation loop (the agent APIs' through their relay)."""
+        self._last_beat = time.monotonic()
+        if isinstance(self.wfile, relay.Relay):
+            self.wfile.open()
+            return
+        self._set_stream_headers(200)
+        self.end_headers()
+        first = self.generate_response("", None)
+        delta = first["choices"][0].get("delta")
+        if delta is not None:
+            delta["content"] = ""
+        self.wfile.write(f"data: {json.dumps(first)}\n\n".encode())
+        self.wfile.flush()
+        self._stream_open = True
+
+    def _idle(self) -> None:
+        """Called by the generator while this handler waits for its request's next event
+        (lockstep.SUBMITTER.idle): a keep-alive once nothing was sent for keepalive_s. A
+        client that went away is found by the ranks' next check of its socket."""
+        now = time.monotonic()
+        if now - self._last_beat < self.keepalive_s:
+            return
+        self._last_beat = now
+        try:
+            if isinstance(self.wfile, relay.Relay):
+                self.wfile.beat()
+            elif self._stream_open:
+                self.wfile.write(b": keep-alive\n\n")
+                self.wfile.flush()
+        except OSError:
+            pass
 
     def handle_completion(self, request, stop_words):
         with _OPEN_LOCK:
             _OPEN[self] = "queued"
         self._in_completion = True
         lockstep.SUBMITTER.socket = self.connection
+        lockstep.SUBMITTER.idle = self._idle if self.stream else None
         try:
+            if self.stream:
+                self._open_stream()
             super().handle_completion(request, stop_words)
         except (BrokenPipeError, ConnectionResetError, ClientGone) as e:
             # the client went away: ctx.stop() (in mlx-lm's finally) ends the request on
             # every rank at the next agreed check, which logs it (one line)
             logging.debug("client %s went away mid-request (%r)", self.address_string(), e)
+        except _LateFailure as e:  # the generator refused it after our head was sent
+            logging.error("request failed: %s", e.__context__ or e)
+            self._fail(e.__context__ or e)
         except Exception as e:  # noqa: BLE001 - the client must hear about it
             logging.exception("request failed")
             self._fail(e)
         finally:
             lockstep.SUBMITTER.socket = None
+            lockstep.SUBMITTER.idle = None
             with _OPEN_LOCK:
                 _OPEN.pop(self, None)
 
@@ -608,6 +667,8 @@ class K3APIHandler(mlx_server.APIHandler):
                     else sorted(set(loaded) - warmed),
                     shapes_seen=sorted(getattr(model, "shapes_seen", set()).copy()),
                 )
+                # the requests in flight, each with its prefill's progress
+                info["requests"] = self.response_generator.progress()
                 store = getattr(self.response_generator.prompt_cache, "store", None)
                 if store is not None:  # now, not at start: its writes so far
                     info["prefix_cache"] = store.report()

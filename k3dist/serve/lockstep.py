@@ -22,6 +22,18 @@ client's socket at each check (a closed connection reads as EOF), so a client th
 hangs up during a long prefill, or while a non-streamed answer is generated, stops
 its request too.
 
+Abandoned prefill is kept: a request stopped during its prefill leaves the whole chunks
+it processed in the prompt cache (``K3PromptCache.keep_abandoned``), on every rank at the
+same request and chunk, so its client's retry (or a longer prompt sharing it) resumes
+there. On the batch path the request's rows are extracted from mlx-lm's prompt batch as
+it is removed (``_KeepingBatchGenerator``); on the single path its own cache list, which
+``stream_generate`` filled up to the chunk where every rank stopped.
+
+Progress: rank 0 logs a prefill's progress at most every ``PROGRESS_LOG_S`` (and where it
+resumed from), and ``K3ResponseGenerator.in_flight`` reports each request's progress for
+``/v1/k3dist``. The handler waiting on a request is called back (``SUBMITTER.idle``)
+whenever nothing came for ``IDLE_POLL_S``: its keep-alives are timed, not per chunk.
+
 Idle: a rank other than 0 waiting for the next request blocks on the watchdog's
 side channel (``IdleGate``) and enters the collective only when rank 0 says a
 request is coming; the ring backend's collectives spin while they wait.
@@ -34,8 +46,10 @@ import json
 import logging
 import select
 import socket
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from queue import Empty as QueueEmpty
@@ -43,15 +57,21 @@ from queue import Queue
 from types import SimpleNamespace
 
 from k3dist.model import compat
+from k3dist.serve.prompt_cache import ABANDONED
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 # Tokens between the ranks' checks whether a request's client went away.
 STOP_CHECK_EVERY = 8
 # Idle: how long a rank waits (blocked) for a request before it looks at its stop flag.
 IDLE_WAIT_S = 0.5
+# Rank 0: at most one prefill progress line a request this often (and one at its end).
+PROGRESS_LOG_S = 10.0
+# A handler waiting for its request's next event is called back (SUBMITTER.idle) this often.
+IDLE_POLL_S = 0.25
 
 
 @dataclass
@@ -87,6 +107,12 @@ class K3ModelProvider(mlx_server.ModelProvider):
 
     def load_default(self):
         pass
+
+
+def _say(line: str) -> None:
+    """A line of rank 0's server log (the deployment's own lines, as the prefix store's:
+    the logging module's INFO is not shown)."""
+    print(f"k3dist: {line}", file=sys.stderr, flush=True)
 
 
 class ClientGone(Exception):
@@ -164,10 +190,21 @@ class _RequestQueue(Queue):
         client_socket: socket.socket | None = None,
         budget: _CuttableBudget | None = None,
         timer=None,
+        prompt_cache=None,
+        in_flight: dict | None = None,
     ):
         super().__init__()
         self.inner, self.rank, self.size = inner, rank, size
         self.on_progress = on_progress  # the prompt cache's prefill snapshot
+        # the prompt cache (K3PromptCache): where the prompt resumed from, and (single
+        # path) the abandoned prefill it keeps
+        self.prompt_cache = prompt_cache
+        self.in_flight = in_flight  # rank 0: the generator's requests in flight, by number
+        if in_flight is not None:
+            in_flight[request_no] = self
+        self.resumed: tuple[int, str] | None = None  # (cached tokens, where from)
+        self.started = self.last_log = time.monotonic()
+        self.progress_logged = False
         self.log, self.no = log, request_no
         # mlx-lm's batch loop (stops a request it finds marked) or its single path
         # (stream_generate: only an exception ends a prefill)
@@ -218,12 +255,15 @@ class _RequestQueue(Queue):
         where = (
             f"after {len(self.tokens)} generated tokens"
             if self.tokens
-            else f"at prompt token {self.progress[0]} of {self.progress[1]}"
+            else f"at prompt token {self.prefilled()} of {self.prompt_tokens()}"
             if self.progress
             else "before its prefill"
         )
         (logging.warning if self.rank == 0 else logging.debug)(
-            "request %d: the client went away; stopped on every rank %s", self.no, where
+            "request %d: the client went away; stopped on every rank %s%s",
+            self.no,
+            where,
+            "" if self.tokens or not self.progress else "; its prefill is kept for a retry",
         )
         self._write_log("client went away")
         if self.batched:
@@ -251,15 +291,22 @@ class _RequestQueue(Queue):
             item.stop = self._client_gone  # shadows the method, for this request only
             if self.timer is not None:
                 self.timer.start(len(item.prompt), item.prompt_cache_count)
+            if self.batched:  # mlx-lm's batch loop fetched the prompt cache just now
+                self._fetched()
         elif isinstance(item, tuple):
             if self.timer is not None:
                 self.timer.chunk()
+            if self.progress is None and not self.batched:
+                self._fetched()  # the single path fetches after it sends the context
             if self.on_progress is not None:
                 self.on_progress(*item)
             self.progress = item
+            self._log_progress()
             if self.inner is not None:
                 self.inner.put(item, block, timeout)
             if self._agree_on_stop() and not self.batched:
+                if self.prompt_cache is not None and not self.tokens:
+                    self.prompt_cache.prefill_abandoned(item[0])  # every rank, this chunk
                 # stream_generate's prefill ends only by an exception; every rank
                 # raises at this same chunk, and _serve_single reports it here
                 raise ClientGone("the client went away")
@@ -280,7 +327,63 @@ class _RequestQueue(Queue):
         if self.inner is not None:
             self.inner.put(item, block, timeout)
 
+    def cached(self) -> int:
+        return int(getattr(self.ctx, "prompt_cache_count", 0) or 0)
+
+    def prompt_tokens(self) -> int:
+        prompt = getattr(self.ctx, "prompt", None)
+        return len(prompt) if prompt is not None else 0
+
+    def prefilled(self) -> int:
+        """Prompt tokens in this request's cache now: those it found cached and those
+        its prefill processed (mlx-lm counts the prefill's progress from the cache hit)."""
+        return self.cached() + (self.progress[0] if self.progress else 0)
+
+    def report(self) -> dict:
+        """This request as ``/v1/k3dist`` shows it (rank 0)."""
+        total = self.prompt_tokens()
+        return {
+            "request": self.no,
+            "prompt_tokens": total,
+            "cached_tokens": self.cached(),
+            "cached_from": self.resumed[1] if self.resumed and self.resumed[0] else None,
+            "prefilled_tokens": min(self.prefilled(), total) if self.ctx else 0,
+            "generated_tokens": len(self.tokens),
+            "seconds": round(time.monotonic() - self.started, 1),
+        }
+
+    def _fetched(self) -> None:
+        """Rank 0: where this prompt's cache came from (the fetch just made), said once."""
+        fetch = getattr(self.prompt_cache, "last_fetch", None)
+        if self.rank != 0 or fetch is None or self.resumed is not None:
+            return
+        n, source = fetch
+        self.resumed = (n, source)
+        if n:
+            _say(
+                f"request {self.no}: {n} of {self.prompt_tokens()} prompt tokens cached "
+                f"({source})" + ("; resumes an abandoned prefill" if source == ABANDONED else "")
+            )
+
+    def _log_progress(self) -> None:
+        """Rank 0: the prefill's progress, at most every PROGRESS_LOG_S, and its end."""
+        if self.rank != 0 or self.ctx is None:
+            return
+        done, total = self.prefilled(), self.prompt_tokens()
+        now = time.monotonic()
+        if done < total and now - self.last_log < PROGRESS_LOG_S:
+            return
+        if done >= total and not self.progress_logged:
+            return  # a prefill shorter than one interval: no line
+        self.last_log, self.progress_logged = now, True
+        _say(
+            f"request {self.no}: prefill {min(done, total)} of {total} prompt tokens "
+            f"({now - self.started:.0f} s)"
+        )
+
     def _write_log(self, error: str | None) -> None:
+        if self.in_flight is not None:
+            self.in_flight.pop(self.no, None)
         if self.log is None or self.logged:
             return
         self.logged = True
@@ -298,15 +401,69 @@ class _RequestQueue(Queue):
             )
 
 
+class _KeepingBatchGenerator(BatchGenerator):
+    """mlx-lm's BatchGenerator, but a request removed during its prefill (its client
+    went away: the ranks agreed, so this runs at the same step on every rank) first hands
+    its cache so far, and the tokens it holds, to ``keep``."""
+
+    keep: Callable[[list[int], list], None] | None = None
+
+    def remove(self, uids, return_prompt_caches=False):
+        if self.keep is not None:
+            prefilling = [u for u, (stage, _) in self._find_uids(uids).items() if stage == 1]
+            for cache, tokens in self.extract_cache(prefilling).values():
+                self.keep(list(tokens), cache)
+        return super().remove(uids, return_prompt_caches)
+
+
 class K3ResponseGenerator(mlx_server.ResponseGenerator):
     def __init__(self, model_provider, prompt_cache, token_log: Path | None = None, idle_gate=None):
         self.token_log = token_log
         self._request_no = 0
         self.idle_gate = idle_gate  # k3dist.serve.watchdog.IdleGate (multi-rank)
         self.metrics = None  # k3dist.serve.metrics.ServeMetrics, when counted
+        self.in_flight: dict[int, _RequestQueue] = {}  # rank 0: by request number
         super().__init__(model_provider, prompt_cache)
         self.requests = _Requests()
         self._time_budget = _CuttableBudget()
+
+    def _generate(self):
+        """mlx-lm's generation loop, building its batch with ``_KeepingBatchGenerator``
+        (the one name it is read by is swapped for this loop only)."""
+        cache = self.prompt_cache
+        key = self.model_provider.model_key
+
+        def keep(tokens: list[int], prompt_cache: list) -> None:
+            if hasattr(cache, "keep_abandoned"):
+                cache.keep_abandoned(key, tokens, prompt_cache)
+
+        batch_class = type(
+            "BatchGenerator", (_KeepingBatchGenerator,), {"keep": staticmethod(keep)}
+        )
+        compat.with_names(mlx_server.ResponseGenerator._generate, BatchGenerator=batch_class)(self)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        """mlx-lm's, without the handler's progress callback: it logged every prefill
+        chunk and wrote a keep-alive per chunk; rank 0 logs progress at a bounded rate
+        (``_RequestQueue``) and the handler's keep-alives are timed (``SUBMITTER.idle``)."""
+        return super().generate(request, generation_args, None)
+
+    def _await_response(self, response_queue):
+        """mlx-lm's wait for the request's next event (the handler's thread), calling the
+        handler's ``SUBMITTER.idle`` every IDLE_POLL_S that nothing comes."""
+        idle = getattr(SUBMITTER, "idle", None)
+        while True:
+            try:
+                return response_queue.get(timeout=IDLE_POLL_S)
+            except QueueEmpty:
+                if not self.generation_available():
+                    raise RuntimeError("generation thread died") from None
+                if idle is not None:
+                    idle()
+
+    def progress(self) -> list[dict]:
+        """Rank 0: the requests in flight, each with its prefill's progress."""
+        return [rq.report() for rq in sorted(list(self.in_flight.values()), key=lambda r: r.no)]
 
     def tokenize(
         self, request: mlx_server.CompletionRequest, chat_template_kwargs: dict | None
@@ -377,6 +534,8 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
                 timer=None
                 if self.metrics is None
                 else self.metrics.timer(getattr(rq, "submitted", None)),
+                prompt_cache=self.prompt_cache,
+                in_flight=self.in_flight if group.rank() == 0 else None,
             ),
             *shared[1:],
         )

@@ -29,6 +29,15 @@ MLA layers keep 27,648 B/token, so 4 x 4,096 tokens is ~0.45 GB per rank, 4 x 12
 ~14.5 GB; every entry also holds a whole KDA state (0.45 GB, 0.22 GB a rank with attention
 split), up to 8 entries and one more while it is inserted.
 
+A request whose client went away during its prefill leaves what its prefill did as an
+entry (``keep_abandoned``, called by ``k3dist.serve.lockstep`` at the same chunk on every
+rank): the tokens of the whole chunks processed, kept as a ``user`` entry, so the
+client's retry of the same prompt, or a longer one that starts with it, prefills only
+the rest (at most one chunk of the work done is lost: the one in flight when the ranks
+stopped). An abandoned entry that a later entry extends is dropped: the retry that
+resumed from it holds all of it. The same bounds and eviction apply as to any entry;
+the store (below) takes it when it is long enough, so a restart mid-prefill resumes too.
+
 With a ``store`` (``k3dist.serve.prefix_store.PrefixStore``, deployment
 ``prefix_cache_dir``), the prefixes mlx-lm keeps as ``system`` entries (a chat's system
 prompt and tools) and this cache's ``user`` snapshots are also written to disk, and a
@@ -46,6 +55,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+# Where a prompt's cached tokens came from (``K3PromptCache.last_fetch``).
+MEMORY, ABANDONED, STORE = "prompt cache", "an abandoned prefill", "prefix store"
+
 
 def cache_tokens(cache: list) -> int | None:
     """Tokens a model's cache list holds: its KV layers' (MLA) offset, the same in each;
@@ -62,6 +74,9 @@ class K3PromptCache(LRUPromptCache):
         self.make_cache, self.max_tokens = make_cache, max_tokens
         self.store = store  # prefix caches on disk (PrefixStore) or None
         self._current: tuple[Any, list[int], int, list] | None = None
+        self._abandoned: set[tuple[int, ...]] = set()  # keys of abandoned prefills
+        # the last fetch: (tokens found cached, where from: MEMORY, ABANDONED or STORE)
+        self.last_fetch: tuple[int, str] | None = None
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
         cache, rest = super().fetch_nearest_cache(model, tokens)
@@ -71,13 +86,16 @@ class K3PromptCache(LRUPromptCache):
                 rest = tokens[-1:]
             else:
                 cache, rest = self._shorter(model, tokens)
+        n = len(tokens) - len(rest) if cache is not None else 0
+        source = ABANDONED if tuple(tokens[:n]) in self._abandoned else MEMORY
         if self.store is not None:  # every rank, every request: the store agrees
-            stored, n = self.store.lookup(tokens, len(tokens) - len(rest))
+            stored, n_stored = self.store.lookup(tokens, n)
             if stored is not None:
-                cache, rest = stored, tokens[n:]
+                cache, rest, n, source = stored, tokens[n_stored:], n_stored, STORE
         if cache is None:
-            cache = self.make_cache()
+            cache, rest = self.make_cache(), tokens
         self._current = (model, list(tokens), len(tokens) - len(rest), cache)
+        self.last_fetch = (n, source)
         return cache, rest
 
     def preload(self, model: Any, max_bytes: int) -> int:
@@ -110,10 +128,62 @@ class K3PromptCache(LRUPromptCache):
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        key = tuple(tokens)
+        self._abandoned.discard(key)  # whatever it was, it is now this entry
+        for old in [k for k in self._abandoned if key[: len(k)] == k]:
+            self._drop(model, old)  # superseded: what resumed from it holds all of it
         if self.store is not None and cache_type in ("system", "user"):
             self.store.save(list(tokens), prompt_cache)
         while len(self) > 1 and self.tokens() > self.max_tokens:
             self.trim_to(n_sequences=len(self) - 1)  # in mlx-lm's eviction order
+        self._abandoned = {k for k in self._abandoned if self._holds(model, k)}
+
+    def _holds(self, model: Any, key: tuple[int, ...]) -> bool:
+        return self._trie.search(model, list(key)).exact is not None
+
+    def _drop(self, model: Any, key: tuple[int, ...]) -> None:
+        """Remove one entry (as mlx-lm's eviction removes one)."""
+        self._abandoned.discard(key)
+        if not self._holds(model, key):
+            return
+        entry = self._trie.pop(model, list(key))
+        self._lru.remove(model, list(key))
+        self._n_bytes -= entry.nbytes
+        self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+
+    def keep_abandoned(self, model: Any, tokens: list[int], cache: list) -> bool:
+        """Keep the cache of a prefill its client abandoned: ``cache`` holds the state
+        after ``tokens`` (whole chunks; the request is gone, so it is kept as it is, not
+        copied). Every rank calls it at the same request and chunk; returns whether it
+        was kept (the same answer on every rank)."""
+        held = cache_tokens(cache)
+        if not tokens or self._agreed_stale(held is not None and held != len(tokens)):
+            logging.warning(
+                "prompt cache: abandoned prefill of %d tokens holds %s: not kept", len(tokens), held
+            )
+            return False
+        self.insert_cache(model, list(tokens), cache, cache_type="user")
+        if self._holds(model, tuple(tokens)):
+            self._abandoned.add(tuple(tokens))
+        return True
+
+    def prefill_abandoned(self, processed: int) -> None:
+        """The single path's abandoned prefill (``processed`` tokens past the cache hit,
+        every rank at the same chunk): its own cache list, which the prefill filled."""
+        if self._current is None or processed <= 0:
+            return
+        model, tokens, start, cache = self._current
+        self._current = None
+        if start + processed < len(tokens):
+            self.keep_abandoned(model, tokens[: start + processed], cache)
+
+    @staticmethod
+    def _agreed_stale(stale: bool) -> bool:
+        """Whether any rank found its copy stale (every rank keeps a copy or none does)."""
+        group = mx.distributed.init()
+        if group.size() > 1:
+            return mx.distributed.all_sum(mx.array(int(stale)), group=group).item() > 0
+        return stale
 
     def prefill_progress(self, processed: int, total: int) -> None:
         """mlx-lm's prompt progress: at the last token but one, keep a copy of the cache
@@ -123,11 +193,7 @@ class K3PromptCache(LRUPromptCache):
         model, tokens, start, cache = self._current
         self._current = None
         held = cache_tokens(cache)
-        stale = held is not None and held != start + processed
-        group = mx.distributed.init()
-        if group.size() > 1:  # every rank keeps the copy or none does (lockstep)
-            stale = mx.distributed.all_sum(mx.array(int(stale)), group=group).item() > 0
-        if stale:
+        if self._agreed_stale(held is not None and held != start + processed):
             # the request's cache object did not follow the prefill (seen on the batch
             # path: 4,044 tokens holding 4,014, or 0): kept under these tokens it would
             # serve a later prompt with tokens skipped

@@ -166,7 +166,8 @@ class Translator:
         raise NotImplementedError
 
     def keepalive(self) -> list[bytes]:
-        """An event while the prompt is prefilled (agents drop a silent stream)."""
+        """An event while the prompt is prefilled (agents drop a silent stream); sent
+        when nothing else was for the handler's ``keepalive_s``."""
         return []
 
 
@@ -213,16 +214,25 @@ class Relay:
                 first = self.buf[:end].split(b"\r\n", 1)[0].split()
                 self.status = int(first[1]) if len(first) > 1 and first[1].isdigit() else 500
                 self.buf = self.buf[end + 4 :]
-            if self.status == 200:
+            if self.status == 200 and not self.started:
                 self._send(self.t.start())
         if self.status == 200:
             while (end := self.buf.find(b"\n\n")) >= 0:
                 event, self.buf = self.buf[:end], self.buf[end + 2 :]
                 if event.startswith(b"data: "):
                     self._chunk(event[6:].decode("utf-8", "replace"))
-                elif event.startswith(b": keepalive") and not self.done:
-                    self._send(self.t.keepalive())  # prefill progress: clients' idle timers
         return len(data)
+
+    def open(self) -> None:
+        """A streamed answer's head and opening events, sent at once (before the request
+        reaches the generation loop): a client sees the stream begin while it waits."""
+        if self.status is None and not self.started:
+            self._send(self.t.start())
+
+    def beat(self) -> None:
+        """A keep-alive in the API's own form, while nothing else is sent (the prefill)."""
+        if self.started and not self.done:
+            self._send(self.t.keepalive())
 
     def flush(self) -> None:
         try:

@@ -15,6 +15,13 @@ the answer.
   at once, ``/v1/models`` lists the served model without scanning a Hugging Face
   cache, and ``/v1/k3dist`` reports the deployment (in full to loopback callers
   only); CORS is off unless origins are configured.
+- Streams show life at once: a streamed request's head and opening event
+  (chat/completions: a first chunk with the assistant role; Anthropic:
+  ``message_start``; Responses: ``response.created``) are sent before the request
+  reaches the generation loop, and while nothing else is sent (a long prefill, a wait
+  for the loop) a keep-alive every ``keepalive_s`` in the API's own form (an SSE
+  comment ``: keep-alive``, Anthropic ``ping``, Responses ``response.in_progress``),
+  so a client's idle time-out does not fire while the server works (docs/agents.md).
 - ``K3HTTPServer``: a deep listen backlog and a bounded number of handler threads,
   so a burst of clients is queued, never reset; past ``max_queued_requests``
   completions in flight a request gets 429 with ``Retry-After``.
@@ -154,6 +161,7 @@ def handler_class(
             "vision_limits": vision_limits,
             "api_key": api_key,
             "metrics": serve_metrics,
+            "keepalive_s": dep.keepalive_s,
         },
     )
 

@@ -2,7 +2,9 @@
 ``--pause-s`` seconds in its ``--pause-after``-th decode step, so a signal sent while the
 client reads the stream reliably arrives while the request is still generating (without
 it, the server can finish all of a short request's tokens before the client has read its
-third chunk, and the stop then rightly ends nothing). Everything else is the real
+third chunk, and the stop then rightly ends nothing). With ``--prefill-pause-s``, every
+rank sleeps that long in each prefill chunk instead: a short prompt's prefill outlasts a
+client's idle time-out without minutes of CPU. Everything else is the real
 server: the real model, lockstep, watchdog and signal paths. Every other argument is
 launch/serve.py's.
 
@@ -26,8 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
-    ap.add_argument("--pause-after", type=int, required=True, help="decode steps before")
-    ap.add_argument("--pause-s", type=float, required=True)
+    ap.add_argument("--pause-after", type=int, default=0, help="decode steps before (0: none)")
+    ap.add_argument("--pause-s", type=float, default=0.0)
+    ap.add_argument("--prefill-pause-s", type=float, default=0.0, help="in each prefill chunk")
     mine, rest = ap.parse_known_args()
     sys.argv[1:] = rest  # launch/serve.py parses the rest
     make = loader.make_model_class
@@ -43,6 +46,8 @@ def main() -> None:
                     Paused.decode_steps += 1
                     if Paused.decode_steps == mine.pause_after:
                         time.sleep(mine.pause_s)
+                else:
+                    time.sleep(mine.prefill_pause_s)
                 return super().__call__(inputs, cache, input_embeddings)
 
         return Paused

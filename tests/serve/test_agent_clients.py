@@ -484,24 +484,58 @@ def test_agent_tool_kinds_and_system_messages_translate():
 
 
 def test_prefill_progress_reaches_agent_streams():
-    """mlx-lm's keepalive comments during prefill become events the agents count as
-    activity (Codex drops a stream idle for its stream_idle_timeout_ms): Anthropic's
-    ping, Responses' response.in_progress; none once output has begun."""
+    """The handler's timed keep-alives during prefill (``Relay.beat``) become events the
+    agents count as activity (Codex drops a stream idle for its stream_idle_timeout_ms):
+    Anthropic's ping, Responses' response.in_progress; the stream's head and opening
+    events go out at once (``Relay.open``), and not again when mlx-lm's head follows."""
     import io
 
     from k3dist.serve import anthropic_api, relay, responses_api
 
-    for t, kind in (
-        (anthropic_api.MessagesTranslator(model="k", stream=True, prompt_tokens=1), "ping"),
+    for t, opening, kind in (
+        (
+            anthropic_api.MessagesTranslator(model="k", stream=True, prompt_tokens=1),
+            "message_start",
+            "ping",
+        ),
         (
             responses_api.ResponsesTranslator(model="k", stream=True, prompt_tokens=1),
+            "response.created",
             "response.in_progress",
         ),
     ):
         out = io.BytesIO()
         sink = relay.Relay(out, t)
-        sink.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+        sink.beat()  # nothing before the stream is open
+        assert out.getvalue() == b""
+        sink.open()
+        assert out.getvalue().startswith(b"HTTP/1.0 200 OK\r\n")
         typed = f'"type": "{kind}"'.encode()
         before = out.getvalue().count(typed)
-        sink.write(b": keepalive 512/4096\n\n: keepalive 1024/4096\n\n")
+        sink.beat()
+        sink.beat()
         assert out.getvalue().count(typed) == before + 2, out.getvalue()
+        sink.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+        assert out.getvalue().count(f'"type": "{opening}"'.encode()) == 1, out.getvalue()
+        assert out.getvalue().count(b"HTTP/1.0") == 1
+
+
+def test_claude_codes_billing_header_is_not_prompt():
+    """Claude Code's first system block changes with every request (its attribution
+    header): left in, no two of its requests shared a prefix for the prompt cache."""
+    from k3dist.serve import anthropic_api
+
+    def body(header: str) -> dict:
+        return {
+            "model": "kimi-k3",
+            "max_tokens": 8,
+            "system": [
+                {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1; {header}"},
+                {"type": "text", "text": "You are Claude Code."},
+            ],
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+
+    a = anthropic_api.to_chat(body("cc_prev_msg=1;"))
+    assert a == anthropic_api.to_chat(body("cc_prev_msg=2; cc_prev_turn_index=1;"))
+    assert a["messages"][0] == {"role": "system", "content": "You are Claude Code."}

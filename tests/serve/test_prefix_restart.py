@@ -2,7 +2,8 @@
 loopback): two agents' system prompts + tools pre-computed (POST /v1/k3dist/prefix),
 the server stopped and started again on the same folder; the first turn then restores
 its prefix from disk on both ranks and gives the tokens single-process mlx-lm gives with
-no cache; an entry corrupted on one rank only is skipped by both (a miss, same tokens). A SIGTERM
+no cache; an entry corrupted on one rank only is skipped by both (a miss, same tokens). A prefill
+its client abandoned is stored too: after the restart its retry resumes from disk. A SIGTERM
 stop right after an entry is stored drains the writers of both ranks (within the
 deployment's bound), so the restart is warm; a write past the bound is abandoned."""
 
@@ -18,8 +19,9 @@ import urllib.request
 from k3dist.serve.prefix_store import file_sha256
 
 from prometheus_client.parser import text_string_to_metric_families
-from serving import Server, post_raw, wait_logs
+from serving import Server, post_conn, post_raw, wait_logs
 from test_agent_api import TOOLS_C, _greedy
+from test_server_abandon import _in_flight, _logged, _long_prompt, _send
 from util import REPO
 
 SLOW_DISK = REPO / "tests/scripts/serve_slow_disk.py"
@@ -96,6 +98,14 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
             json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
         )
         assert status == 400 and b"system" in raw
+        # a long completion abandoned a third of the way into its prefill: kept, stored
+        long = {"prompt": "# stored\n" + _long_prompt(ranks, 800), "max_tokens": 4}
+        s = _send(srv.port, "/v1/completions", {**long, "stream": True})
+        n = _in_flight(srv, 0)["prompt_tokens"]
+        _in_flight(srv, n // 3)
+        s.close()
+        line = _logged(srv, 1)[0]
+        stopped = int(re.search(r"at prompt token (\d+) of", line)[1])
     finally:
         srv.stop()
     files = {r: sorted(store.glob(f"*/rank{r}-of-2/*.safetensors")) for r in range(2)}
@@ -137,6 +147,12 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
         )
         assert _turn(srv, a, "Again.") >= pa["prefix_tokens"]  # still serving, in lockstep
         assert wait_logs(srv, 2, 1)[0] == wait_logs(srv, 2, 1)[1]
+        # the abandoned prefill's retry, after the restart: resumed from disk
+        status, _, raw = post_conn(srv.port, {**long, "temperature": 0})
+        assert status == 200, raw
+        cached = json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert stopped - 32 <= cached <= stopped, (cached, stopped)  # --prefill-chunk 32
+        assert f"{cached} of {n} prompt tokens cached (prefix store)" in srv.output()
     finally:
         srv.stop()
     # rank 1 dropped what it could not verify; the miss prefilled Bob's prefix again and
