@@ -305,7 +305,6 @@ def test_links_resolve():
             if re.match(r"^[a-z]+:", target):
                 continue
             f = (p.parent / target).resolve()
-            rel = str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f)
             if not f.exists():
                 missing.append(f"{p.relative_to(REPO)} -> {target}")
     assert not missing, missing
