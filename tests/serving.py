@@ -152,6 +152,14 @@ class Server:
             self.log.flush()
         return (self.tmp / "server.log").read_text()
 
+    def wait_output(self, text: str, count: int, timeout: float = 10.0) -> str:
+        """The log once `text` is in it `count` times (or at the deadline): /health can
+        answer before mlx.launch has relayed a rank's earlier start-up lines."""
+        deadline = time.time() + timeout
+        while (out := self.output()).count(text) < count and time.time() < deadline:
+            time.sleep(0.1)
+        return out
+
     def rank_pids(self) -> dict[int, int]:
         """PIDs of the rank processes (children of mlx.launch), by MLX_RANK."""
         out = {}

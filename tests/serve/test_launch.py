@@ -341,8 +341,9 @@ def test_frozen_rank_on_another_machine_is_ended_over_ssh(tmp_path):
     (first on PATH), which runs the command here in its own session so that, as over
     real ssh, killing the client leaves the "remote" rank running. The watchdog sees
     rank 1 as local (loopback), so --no-kill-silent stands in for another machine.
-    mlx.launch's own teardown only sends the frozen rank SIGTERM ("was killed"); the
-    wrapper ends it over ssh. Not covered: a real sshd and its pty hangup."""
+    mlx.launch's own teardown (through k3dist's ssh shim, then the fake ssh) may or may
+    not end the frozen rank's client within the grace; either way the wrapper ends the
+    rank over ssh. A real sshd and its pty hangup: tests/serve/test_two_hosts.py."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(
         json.dumps(
@@ -369,7 +370,6 @@ def test_frozen_rank_on_another_machine_is_ended_over_ssh(tmp_path):
         os.kill(run.pids[1], signal.SIGSTOP)
         dt = run.wait_all_gone(t0, PEER_TIMEOUT_S + 3 * grace + 10.0)
         out = run.output()
-        assert "Node with rank 1 was killed" in out, out
         assert (
             f"rank 1 (pid {run.pids[1]} on fake-mac-2) was not reported ended: ending it "
             "over ssh" in out

@@ -113,7 +113,7 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
 
     srv = Server(ranks, tmp_path / "second", extra)
     try:
-        log = srv.output()
+        log = srv.wait_output('"entries": ', 2)
         assert log.count('"entries": ') == 2, log  # both ranks list their entries
         user = "Show me the tests."
         cached = _turn(srv, a, user)  # restored from disk: nothing in memory yet
