@@ -73,6 +73,7 @@ SLOW = {
     "tests/serve/test_vision.py": 85,
     "tests/serve/test_server_batch.py": 80,
     "tests/serve/test_agent_streams.py": 75,
+    "tests/serve/test_two_hosts.py": 120,  # the two-host rig: sshd in two namespaces
 }
 
 
