@@ -13,7 +13,7 @@
 - The README's two-Mac guide: every command in its table is checked the same way, and the
   names, addresses, ports, key and wired limit it uses are those of the hostfile,
   deployment, pf anchor and planner it names.
-- The disk plan the docs quote is what the code plans now (benchmarks/disk_plan.py).
+- The disk plan the docs quote is what the code plans now (benchmarks/pipeline/disk_plan.py).
 - docs/layout.md says what each layer imports; links and anchors resolve; the agent
   recipes carry what each client needs.
 """
@@ -417,15 +417,15 @@ def secs(x: float, nd: int = 1) -> str:
     return f"{x:.{nd}f} s"
 
 
-DISK = "benchmarks/results/disk-plan-k3-2026-12-05.json"
-PROJECT = "benchmarks/results/project-2026-12-05.json"
-REHEARSAL = "benchmarks/results/rehearsal-pipeline-2026-12-04.json"
-SERVE93 = "benchmarks/results/rehearsal-serve-2026-12-04.json"
-AGENTS = "benchmarks/results/agent-clients-2026-12-02.json"
-PREFIX = "benchmarks/results/prefix-cache-2026-12-03.json"
-PREFILL = "benchmarks/results/project-prefill-2026-12-03.json"
-VISION = "benchmarks/results/vision-memory-2026-12-02.json"
-VERIFY = "benchmarks/results/verify-rate-2026-12-01.json"
+DISK = "benchmarks/results/2026-12-05/disk-plan-k3.json"
+PROJECT = "benchmarks/results/2026-12-05/project.json"
+REHEARSAL = "benchmarks/results/2026-12-04/rehearsal-pipeline.json"
+SERVE93 = "benchmarks/results/2026-12-04/rehearsal-serve.json"
+AGENTS = "benchmarks/results/2026-12-02/agent-clients.json"
+PREFIX = "benchmarks/results/2026-12-03/prefix-cache.json"
+PREFILL = "benchmarks/results/2026-12-03/project-prefill.json"
+VISION = "benchmarks/results/2026-12-02/vision-memory.json"
+VERIFY = "benchmarks/results/2026-12-01/verify-rate.json"
 
 
 def _pipeline_s(dwq: bool) -> float:
@@ -622,7 +622,7 @@ FIGURES = [
         "| measured | {} | {} | {} | {} |",
         *(
             (
-                "benchmarks/results/idle-cpu-2026-12-02.json",
+                "benchmarks/results/2026-12-02/idle-cpu.json",
                 f"after.cpu_s_per_idle_minute.{p}",
                 "{:.2f}".format,
             )
@@ -700,13 +700,13 @@ def test_every_readme_number_has_a_source():
 
 def test_disk_plan_file_is_what_the_code_plans():
     """The committed plan is what the planner and the pipeline make now: a change to
-    either fails here until `python benchmarks/disk_plan.py --out FILE` is run again and
+    either fails here until `python benchmarks/pipeline/disk_plan.py --out FILE` is run again and
     the figures above follow."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks" / "pipeline"))
     try:
         import disk_plan
     finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+        sys.path.remove(str(REPO / "benchmarks" / "pipeline"))
     import contextlib
     import io
 

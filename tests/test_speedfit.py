@@ -12,7 +12,7 @@ from k3dist.bench import speedfit as sf
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-RESULT = REPO / "benchmarks" / "results" / "speed-2026-12-05.json"
+RESULT = REPO / "benchmarks" / "results" / "2026-12-05" / "speed.json"
 
 
 def _synthetic(th: dict) -> sf.Counts:
@@ -69,7 +69,7 @@ def test_every_anchor_names_its_source():
 
 def test_shipped_result_within_20_percent_and_docs_quote_it():
     rep = json.loads(RESULT.read_text())
-    assert rep["command"].startswith("python benchmarks/speed.py")
+    assert rep["command"].startswith("python benchmarks/speed/published_fit.py")
     for r in rep["fit"]["anchors"]:
         assert abs(r["residual"]) <= 0.20, r["anchor"]
     doc = (REPO / "docs" / "speed.md").read_text()

@@ -1,6 +1,6 @@
 """This machine's memory bandwidth, as the cost model's ``bw_fraction`` would need it:
 a streaming read (numpy) and what MLX's matvec kernels achieve on the same memory
-(``benchmarks/project.py --calibrate``)."""
+(``benchmarks/speed/project.py --calibrate``)."""
 
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def allsum_timings(
 ) -> dict:
     """Per-all_sum time in us of a ``dtype`` vector of each width, alone (one eval
     each) and ``chain`` in one graph; keyed by payload bytes (``--calibrate`` of
-    ``benchmarks/project.py``)."""
+    ``benchmarks/speed/project.py``)."""
     out: dict = {"size": group.size()}
     for n in sizes:
         single = time_all_sum(group, n, trials=trials, dtype=dtype, warmup=20)

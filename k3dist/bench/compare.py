@@ -1,5 +1,5 @@
 """k3dist expert parallelism against mlx-lm's own tensor- and pipeline-parallel modes
-and a single process, in one ``mlx.launch`` run (``benchmarks/compare.py``).
+and a single process, in one ``mlx.launch`` run (``benchmarks/speed/ep_vs_tp_pp.py``).
 
 Method:
 

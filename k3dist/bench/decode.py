@@ -1,4 +1,4 @@
-"""One expert-parallel deployment per box (``benchmarks/decode.py``): prefill tok/s
+"""One expert-parallel deployment per box (``benchmarks/speed/ep_decode.py``): prefill tok/s
 per prompt length, the decode step with its MoE ``all_sum`` and bypassed (compute),
 their difference (communication, measured) and an ``all_sum`` microbenchmark at the
 step's payload."""

@@ -96,7 +96,7 @@ class Deployment(BaseModel):
         "auto",
         "how non-owned (token, expert) pairs are handled: placeholder (sync-free), "
         "local (one host sync per MoE layer, only owned pairs computed) or auto: placeholder "
-        "on Metal, local on CPU (benchmarks/moe_step.py measured it faster)",
+        "on Metal, local on CPU (benchmarks/speed/moe_step.py measured it faster)",
         "rank",
     )
     attention: Literal[ATTENTION_MODES] = _key(
@@ -259,7 +259,7 @@ class Deployment(BaseModel):
     )
     max_images: int = _key(4, "images a request may hold", "images", ge=0)
     # The default keeps the vision tower's running peak within memory_headroom_gib (2 GiB):
-    # measured (benchmarks/vision_memory.py --activations) 1.48 GB at 64x64 patches with
+    # measured (benchmarks/memory/vision_memory.py --activations) 1.48 GB at 64x64 patches with
     # the real tower's width on CPU float32, where attention's scores grow as patches^2
     # (48.5 B per patch pair); 1008x1008 px (5,184 patches) fits, 4096x4096 would take
     # ~219 GB

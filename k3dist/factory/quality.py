@@ -15,8 +15,8 @@ Windows are consecutive, non-overlapping ``seq``-token slices of each domain's d
 joined as in training (``[BOS]`` + text); each is scored from an empty state.
 
     python -m k3dist.factory.quality --teacher k3dist/data/mini-k3 --float runs/train \\
-        --counts data/mini-k3-routing.npz --out benchmarks/results/quality-2026-11-29.json \\
-        --markdown benchmarks/results/quality-2026-11-29.md
+        --counts data/mini-k3-routing.npz --out benchmarks/results/2026-11-29/quality.json \\
+        --markdown benchmarks/results/2026-11-29/quality.md
 """
 
 from __future__ import annotations

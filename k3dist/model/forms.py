@@ -11,7 +11,7 @@ MOE_FORMS = ("placeholder", "local")
 
 def resolve_form(form: str) -> str:
     """``auto``: sync-free on Metal (a host sync per layer cost the published graded
-    build 2.06x decode there), local-only on CPU (benchmarks/moe_step.py)."""
+    build 2.06x decode there), local-only on CPU (benchmarks/speed/moe_step.py)."""
     if form not in ("auto", *MOE_FORMS):
         raise ValueError(f"moe form must be 'auto' or one of {MOE_FORMS}, not {form!r}")
     if form != "auto":

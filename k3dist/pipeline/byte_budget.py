@@ -50,7 +50,7 @@ GB, i.e. roughly half the promotions, for routes that ``k_hi`` from calibration 
 rare (~4e-6 of token-layers at ``k_hi`` = 6 under uniform routing).
 
 Non-expert formats come from measurement with ``--nonexpert-sensitivity FILE`` (the
-JSON of ``benchmarks/nonexpert.py``: KL(teacher || student) with one class quantized at a
+JSON of ``benchmarks/quality/nonexpert.py``: KL(teacher || student) with one class quantized at a
 time): each class takes the fewest bits whose KL is at most ``--kl-tolerance``
 (default :data:`DEFAULT_KL_TOLERANCE` = 0.002 nats/token; why: ``DEFAULT_KL_TOLERANCE_WHY``);
 without the file, :data:`DEFAULT_NONEXPERT`. Each class's ``from`` in the plan says which.
@@ -97,8 +97,8 @@ DEFAULT_KL_TOLERANCE = 0.002
 DEFAULT_KL_TOLERANCE_WHY = (
     "0.002 nats/token per class: were KL additive over the seven classes, at most 0.014 "
     "together, under half the 0.036 of 2-bit routed experts and near the 0.0096 of 3-bit "
-    "ones (quality-2026-12-01): the non-experts never dominate the expert error the budget "
-    "is spent on. Measured on the mini-K3 (nonexpert-2026-12-01) it is sub-additive: the "
+    "ones (2026-12-01/quality): the non-experts never dominate the expert error the budget "
+    "is spent on. Measured on the mini-K3 (2026-12-01/nonexpert) it is sub-additive: the "
     "pick at 0.002 sums to 0.0065 class by class and measures 0.0042 whole, the same as "
     "DEFAULT_NONEXPERT (0.0043) with 7-11% fewer non-expert bytes read per token on the "
     "real K3. 0.001 would keep the router in bf16 as well as the embedding; 0.005 takes "
@@ -108,7 +108,7 @@ DEFAULT_KL_TOLERANCE_WHY = (
 
 
 def read_sensitivity(path: str | Path) -> dict[str, dict[str, float]]:
-    """``{class: {format: KL}}`` from a ``benchmarks/nonexpert.py`` result (its rows
+    """``{class: {format: KL}}`` from a ``benchmarks/quality/nonexpert.py`` result (its rows
     that quantize one class; combined rows are ignored)."""
     rep = json.loads(Path(path).read_text())
     out: dict[str, dict[str, float]] = {}
@@ -118,7 +118,7 @@ def read_sensitivity(path: str | Path) -> dict[str, dict[str, float]]:
     if not out:
         raise ValueError(
             f"{path}: no per-class rows (class, format, kl); write it with "
-            "python benchmarks/nonexpert.py"
+            "python benchmarks/quality/nonexpert.py"
         )
     return out
 
@@ -239,7 +239,7 @@ ASSUMPTIONS = [
     "unembed_out at load (same element count; group boundaries may differ slightly)",
     "lo-format choice 'auto': of the lo formats that fit, the one with the lowest KL "
     "measured (interpolated) at the plan's expert bpw in the quality grid "
-    "(k3dist/data/quality-grid.json, benchmarks/quality_grid.py: the trained sparse "
+    "(k3dist/data/quality-grid.json, benchmarks/quality/quality_grid.py: the trained sparse "
     "mini-K3, graded builds at expert bpw x lo format x score student); the plan's "
     "'quality' cites the grid rows and the score student the pipeline calibrates with. "
     "Expert bpw carries over from the mini-K3 (same MXFP4 hi bank, same promoted share at "
@@ -483,7 +483,7 @@ def make_plan(acc: Accounting, box: Box, limits: Limits, req: PlanRequest) -> di
                     f"{o['lo']} at {o['expert_bpw']} bpw (nearest measured: {r.id})"
                     for o, r in zip(fit, near, strict=True)
                 )
-                + "; measure it (benchmarks/quality_grid.py) or name the format with --lo"
+                + "; measure it (benchmarks/quality/quality_grid.py) or name the format with --lo"
             )
         chosen = min(ok, key=lambda o: o["expected"]["kl"])
     if not chosen["fits"]:

@@ -26,7 +26,7 @@ float32 footprint instead of three times it.
 Memory: one student block (weights in float32 where floating, the Adam moments and the
 best-so-far copy of its trainable tensors), the token set's states three times (teacher
 input and output, student input: ``stream.check_cap`` with 3 copies), one batch's block
-backward and one chunk of expert gradients (``benchmarks/dwq_memory.py`` measures it on
+backward and one chunk of expert gradients (``benchmarks/memory/dwq_memory.py`` measures it on
 ``bench`` and prints the real-K3 bound: a 12-layer block, 2-bit g64 lo bank).
 
 Output: a normal build (the student's files, trained tensors rewritten in bf16), resumable

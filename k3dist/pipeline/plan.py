@@ -5,7 +5,7 @@ JSON. Every field of the box (``k3dist.config.box.Box``) and of the serving limi
 
     python -m k3dist.pipeline.plan --config CONFIG --index INDEX [--budget auto|BYTES] \
         --dry-run --json
-        [--nonexpert-sensitivity benchmarks/results/nonexpert-2026-12-01.json]
+        [--nonexpert-sensitivity benchmarks/results/2026-12-01/nonexpert.json]
         [--context TOKENS] [--max-batch N] [--prompt-cache-tokens TOKENS] [--prefill-chunk TOKENS]
         [--attention split|replicated]
 """
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--grid",
         default=None,
-        help="quality grid JSON (benchmarks/quality_grid.py --package); default the "
+        help="quality grid JSON (benchmarks/quality/quality_grid.py --package); default the "
         "shipped k3dist/data/quality-grid.json. auto lo: the lowest measured KL at the "
         "plan's bytes; a --lo outside the grid is warned about",
     )
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--nonexpert-sensitivity",
         metavar="JSON",
-        help="per-class measurements (benchmarks/nonexpert.py): each class takes the "
+        help="per-class measurements (benchmarks/quality/nonexpert.py): each class takes the "
         "fewest bits within --kl-tolerance; without it DEFAULT_NONEXPERT",
     )
     ap.add_argument(

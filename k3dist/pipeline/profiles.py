@@ -12,7 +12,7 @@ experts (hi bank, MXFP4 source bytes) and stores the plan in the manifest.
 
     python -m k3dist.pipeline.profiles --src SRC --out OUT --profile 2bit|3bit|mixed2
     python -m k3dist.pipeline.profiles --src SRC --out OUT --profile graded --budget 480e9 \
-        --scores SCORES.npz [--nonexpert-sensitivity benchmarks/results/nonexpert-DATE.json]
+        --scores SCORES.npz [--nonexpert-sensitivity benchmarks/results/DATE/nonexpert.json]
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ def main() -> None:
         "--allocation",
         choices=("global", "per-layer"),
         default="global",
-        help="global (default, measured better: benchmarks/results/quality-*): "
+        help="global (default, measured better: benchmarks/results/*/quality*): "
         "the plan's promotions go to the highest scores over all layers; "
         "per-layer: the plan's count in every layer",
     )

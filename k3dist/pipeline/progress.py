@@ -25,7 +25,7 @@ from k3dist.format.journal import write_json_atomic
 
 PROGRESS = "progress.json"
 # Bytes a stage reads per byte of the source (its rchar / the source's bytes), measured
-# on the rehearsal preset (benchmarks/results/rehearsal-pipeline-2026-12-04.json:
+# on the rehearsal preset (benchmarks/results/2026-12-04/rehearsal-pipeline.json:
 # read_mb / 805.5 MB of source): teacher streams the source once (+ the token set),
 # calibrate twice (student and teacher) with the teacher's states, graded re-quantizes
 # lo and copies hi, DWQ reads the source for its student and the rank folders.

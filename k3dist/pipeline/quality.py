@@ -1,6 +1,6 @@
 """The measured quality grid the planner chooses the lo bank by (issue 40).
 
-``k3dist/data/quality-grid.json`` (written by ``benchmarks/quality_grid.py``, its
+``k3dist/data/quality-grid.json`` (written by ``benchmarks/quality/quality_grid.py``, its
 provenance inside: command, commit, teacher, windows) holds, for the trained sparse
 mini-K3, KL(teacher || graded build) at expert bits per weight x lo-bank format x the
 student the sensitivity scores were computed on. Expert bpw is the coordinate that
@@ -90,7 +90,7 @@ class QualityGrid:
             for r in data["rows"]
         ]
         if not self.rows:
-            raise ValueError(f"{self.path}: no rows; run benchmarks/quality_grid.py")
+            raise ValueError(f"{self.path}: no rows; run benchmarks/quality/quality_grid.py")
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> QualityGrid:
@@ -99,7 +99,7 @@ class QualityGrid:
             return cls(json.loads(p.read_text()), p)
         except (OSError, KeyError, json.JSONDecodeError) as e:
             raise ValueError(
-                f"{p}: not a quality grid ({e}); write it with benchmarks/quality_grid.py"
+                f"{p}: not a quality grid ({e}); write it with benchmarks/quality/quality_grid.py"
             ) from None
 
     @property

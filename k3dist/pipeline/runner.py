@@ -37,7 +37,7 @@ Stages, in order (each one resumable, skipped when its output is current):
    journal, state and small files) are deleted.
 
 Peak disk for the real K3: ``--real-k3 --dry-run`` prints it
-(``benchmarks/results/disk-plan-k3-*.json``, ``docs/build.md``).
+(``benchmarks/results/*/disk-plan-k3.json``, ``docs/build.md``).
 
 Scratch lives in ``OUT/work``; ``--keep`` keeps it. Each stage runs in its own process
 (its memory goes back to the system when it ends; its peak RSS and I/O bytes are its

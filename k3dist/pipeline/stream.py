@@ -20,7 +20,7 @@ state per token until evaluated (heads x head_dim^2 x 4 B). Real K3 (hidden 7168
 AttnRes blocks, 96 KDA heads of 128): states 258 KB per token (1.06 GB for 4,096 tokens),
 the largest layer ~19.5 GB, KDA prefill 6.3 MB per token (1.6 GB for a 256-token window):
 ~23 GB for 16 windows at ``--window-batch 1``, where the whole model is 1.56 TB.
-``benchmarks/stream_memory.py`` measures it on the ``bench`` preset.
+``benchmarks/memory/stream_memory.py`` measures it on the ``bench`` preset.
 """
 
 from __future__ import annotations

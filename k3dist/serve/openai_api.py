@@ -29,7 +29,7 @@ MAX_TEMPLATE_KWARGS = 16
 SEED_MAX = 2**64 - 1  # mx.random.seed takes a uint64
 # A smaller top_p times the float32 probability mass is 0: mlx-lm's apply_top_p then drops
 # every token and takes its threshold one past the vocabulary, an out-of-bounds read that
-# gave each rank another first token (found by the fuzzer: benchmarks/fuzz.py).
+# gave each rank another first token (found by the fuzzer: benchmarks/faults/fuzz_requests.py).
 MIN_TOP_P = 1e-30
 MAX_JSON_DEPTH = 64  # the request is pickled to the other ranks: no deep recursion
 MAX_JSON_VALUES = 100_000

@@ -14,7 +14,7 @@ splits off the last token, and the segment before it is extracted from the batch
 cache), while the request's own list is never filled there, so no copy is taken
 (``k3dist.serve.lockstep``): before, every batched request logged "prefill copy of N
 tokens holds M: not kept". A turn that appends a second user message without an
-assistant turn between (``benchmarks/agent_clients.py``'s warm session) diverges from
+assistant turn between (``benchmarks/agents/agent_clients.py``'s warm session) diverges from
 the previous prompt inside its generation header (``<|open|>response<|sep|>`` ...), so
 only the system segment is reused there; a real next turn (assistant reply, then user)
 extends the previous prompt and reuses all of it but its last token.

@@ -1,4 +1,4 @@
-"""benchmarks/compare.py's core on mini-K3 under mlx.launch -n 2: the report's
+"""benchmarks/speed/ep_vs_tp_pp.py's core on mini-K3 under mlx.launch -n 2: the report's
 structure, greedy agreement of every mode, positive ratios. No timing assertions."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def mini_tp_build(tmp_path_factory):
 def _compare(build, out, *extra):
     r = mlx_launch(
         2,
-        "benchmarks/compare.py",
+        "benchmarks/speed/ep_vs_tp_pp.py",
         "--build",
         str(build),
         *FAST,
@@ -79,7 +79,7 @@ def test_compare_all_modes(mini_tp_build, tmp_path):
     assert rep["command"] == shlex.join(
         [
             "python",
-            "benchmarks/compare.py",
+            "benchmarks/speed/ep_vs_tp_pp.py",
             "--build",
             str(mini_tp_build),
             *FAST,

@@ -156,7 +156,7 @@ def test_sampled_routing_with_load_aware_placement(f):
 
 def test_cli_writes_json(tmp_path):
     out = tmp_path / "p.json"
-    script = Path(__file__).parents[2] / "benchmarks" / "project.py"
+    script = Path(__file__).parents[2] / "benchmarks" / "speed" / "project.py"
     r = subprocess.run(
         [
             sys.executable,
@@ -209,7 +209,7 @@ def test_batch_reads_weights_once_and_the_union_of_experts(f):
 def test_plan_profile_reproduces_the_planner(cfg):
     """A graded plan (issue 12's planner, measured non-expert formats) read as a profile
     gives the planner's own build size and non-expert bytes read per token."""
-    path = Path(__file__).parents[2] / "benchmarks/results/plan-k3-2026-12-01-measured.json"
+    path = Path(__file__).parents[2] / "benchmarks/results/2026-12-01/plan-k3-measured.json"
     plan = json.loads(path.read_text())["plans"]["replicated"]
     prof = cm.plan_profile(plan)
     assert prof.hi_fraction == plan["promoted_fraction"] and prof.lo_bits == 2.5

@@ -3,7 +3,7 @@ fuzzer (k3dist.bench.fuzz) over chat/completions, completions, messages, count_t
 and responses against the 2-rank server with vision on (mlx.launch on loopback).
 Every answer a 2xx with a well-formed body or stream, or a 4xx in that API's error
 shape; no 5xx, no reset; both ranks alive and in lockstep afterwards. The long run is
-benchmarks/fuzz.py.
+benchmarks/faults/fuzz_requests.py.
 """
 
 from __future__ import annotations

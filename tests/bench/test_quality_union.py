@@ -1,4 +1,4 @@
-"""benchmarks/quality_union.py: the union of quality reports on one teacher and one set of
+"""benchmarks/quality/quality_union.py: the union of quality reports on one teacher and one set of
 windows, rows that reproduce kept once, rows that do not listed (or refused), reports on
 other windows refused; run as the script, on a committed report."""
 
@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "quality_union.py"
-BASE = REPO / "benchmarks" / "results" / "quality-bits-2026-12-02-b.json"
+SCRIPT = REPO / "benchmarks" / "quality" / "quality_union.py"
+BASE = REPO / "benchmarks" / "results" / "2026-12-02" / "quality-bits-b.json"
 
 
 def _run(tmp_path: Path, reports: list[dict], *flags: str) -> subprocess.CompletedProcess:

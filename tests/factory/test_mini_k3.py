@@ -28,7 +28,7 @@ SHIPPED = MINI_K3
 COUNTS = DATA_DIR / "mini-k3-routing.npz"
 SEQ, WINDOWS = 256, 16  # the first 16 x 256 held-out tokens of each domain
 # Measured on those windows (2026-11-29, through the build, float32): code 80.62,
-# prose 145.30 (the whole eval split: benchmarks/results/quality-2026-11-29.json).
+# prose 145.30 (the whole eval split: benchmarks/results/2026-11-29/quality.json).
 # Bound: 3% above that. A uniform guess is 4,352; a conversion that breaks experts or
 # attention lands far above.
 PPL_BOUND = {"code": 83.0, "prose": 149.7}

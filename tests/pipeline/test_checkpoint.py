@@ -197,7 +197,7 @@ def test_real_size_headers_in_seconds(tmp_path, gc_paused):
     assert r.family_bytes["experts"] == 92 * 896 * 17_547_264  # one MXFP4 expert: 17.5 MB
     assert len(r.a_log) == 69 and set(r.a_log.values()) == {"ok"}
     # CPU seconds, not wall: a scaling guard (5 ms a tensor would be 41 min) that a busy
-    # machine cannot fail; the audit's wall time is benchmarks/rehearsal.py's to report.
+    # machine cannot fail; the audit's wall time is benchmarks/pipeline/rehearsal.py's to report.
     assert cpu < 20, f"audit took {cpu:.1f} CPU s ({r.seconds:.1f} s wall)"
 
 

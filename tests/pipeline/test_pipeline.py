@@ -74,7 +74,7 @@ def test_readme_block_makes_rank_folders_and_a_summary(readme_run):
     assert stages == ["plan", "tokens", "teacher", "calibrate", "graded"]
     for s in summary["stages"][1:]:
         assert not s["skipped"] and s["seconds"] > 0 and s["peak_rss"] > 0, s
-        # the stage's own CPU and bytes through read/write (benchmarks/rehearsal.py
+        # the stage's own CPU and bytes through read/write (benchmarks/pipeline/rehearsal.py
         # --from-pipeline projects from them)
         assert 0 < s["cpu_s"] and s["rchar"] > 0 and s["wchar"] > 0, s
     for r_ in (0, 1):

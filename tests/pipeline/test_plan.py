@@ -343,7 +343,7 @@ def test_cli_json(mini_src, tmp_path):
 
 
 def _sensitivity(tmp_path, kl: dict[str, dict[int, float]]) -> Path:
-    """A benchmarks/nonexpert.py-shaped file (rows: one class, one format, its KL)."""
+    """A benchmarks/quality/nonexpert.py-shaped file (rows: one class, one format, its KL)."""
     rows = [
         {"build": f"{c}-{b}bit", "class": c, "format": f"{b}bit-g64", "kl": v}
         for c, per in kl.items()
@@ -427,7 +427,8 @@ def test_real_k3_plan_with_measured_formats(tmp_path):
 
 
 def _grid(tmp_path, rows: list[tuple]) -> Path:
-    """A grid file (benchmarks/quality_grid.py --package's shape) of (lo, student, bpw, kl)."""
+    """A grid file (benchmarks/quality/quality_grid.py --package's shape) of (lo, student, bpw,
+    kl)."""
     p = tmp_path / "grid.json"
     p.write_text(
         json.dumps(
@@ -454,7 +455,7 @@ def _grid(tmp_path, rows: list[tuple]) -> Path:
 def test_shipped_grid_says_where_it_comes_from():
     g = quality.QualityGrid.load()
     p = g.provenance
-    assert p["command"].startswith("python benchmarks/quality_grid.py")
+    assert p["command"].startswith("python benchmarks/quality/quality_grid.py")
     assert p["commit"] and p["windows_per_domain"] >= 1 and p["src"] == "data/mini-k3-sparse"
     assert {"1bit-g64", "2bit-g128"} <= set(g.formats)
 

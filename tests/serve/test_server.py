@@ -396,7 +396,7 @@ def test_out_of_range_field_gets_400_naming_it(srv, name):
 def test_smallest_top_p_samples_the_same_token_on_both_ranks(srv):
     """top_p at its floor keeps only the top token, on both ranks. Below it, top_p times
     the float32 mass is 0 and mlx-lm's top-p filter read one past the vocabulary: the
-    fuzzer saw the ranks sample different first tokens (benchmarks/fuzz.py)."""
+    fuzzer saw the ranks sample different first tokens (benchmarks/faults/fuzz_requests.py)."""
     seen = len(token_log(srv, 0))
     for t in (0.7, 1.5):
         got, _, raw = post_conn(srv.port, {**HI, "max_tokens": 3, "temperature": t, "top_p": 1e-30})

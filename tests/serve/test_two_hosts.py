@@ -291,13 +291,13 @@ def test_ssh_shim_detaches_stdin_and_keeps_the_pid_path_clean(tmp_path):
 
 
 def test_cable_fault_table_in_docs_matches_its_results_file():
-    """docs/two-hosts.md's table is benchmarks/cable_faults.py's rendering of its JSON."""
+    """docs/two-hosts.md's table is benchmarks/faults/cable_faults.py's rendering of its JSON."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "cable_faults", REPO / "benchmarks" / "cable_faults.py"
+        "cable_faults", REPO / "benchmarks" / "faults" / "cable_faults.py"
     )
     cable_faults = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cable_faults)
-    result = json.loads((REPO / "benchmarks/results/cable-faults-2026-12-05.json").read_text())
+    result = json.loads((REPO / "benchmarks/results/2026-12-05/cable-faults.json").read_text())
     assert cable_faults.table(result) in (REPO / "docs/two-hosts.md").read_text()

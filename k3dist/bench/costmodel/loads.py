@@ -100,7 +100,7 @@ def routed_loads(
     skew: dict[str, float] | None = None,
 ) -> dict[int, Load]:
     """Per MoE layer: experts per rank under EP. Uniform routing unless counts are
-    given; batch > 1 is sampled (``samples`` steps). ``skew`` (``benchmarks/routing.py``:
+    given; batch > 1 is sampled (``samples`` steps). ``skew`` (``benchmarks/speed/routing_skew.py``:
     measured over uniform on real routing; keys ``skew``, ``skew_pairs``, ``skew_union``)
     scales the busiest rank's experts read, its pairs and the experts read in all."""
     out = _routed_loads(f, size, pl, counts, samples, seed, batch)

@@ -1,0 +1,112 @@
+"""What counting costs decode: tok/s of a 2-rank server with metrics on (the default:
+/metrics, latencies, rank 1's heartbeat report, sampled expert routes) and with
+``--no-metrics``, side by side in one run.
+
+    nice -n 10 .venv/bin/python benchmarks/serving/metrics_overhead.py [--rounds 8] [--tokens 64] \\
+        [--rank-dir DIR] [--out benchmarks/results/DATE/metrics-overhead.json]
+
+Both servers (mlx.launch on loopback, the embedded mini-K3 unless --rank-dir) run at
+once; their idle ranks wait on the watchdog, not in a collective, so only the one
+being measured works. Each round sends one streamed completion of ``--tokens`` tokens
+to each, in alternating order, and times decode from the first streamed token to the
+last (prefill excluded). /metrics of the counted server is read every round (a scrape
+as Prometheus would do it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _served.py: benchmarks/
+from k3dist.bench import record  # noqa: E402
+
+from _served import Served  # noqa: E402
+
+
+def decode_rate(url: str, tokens: int, prompt: str) -> tuple[float, int]:
+    """(decode tok/s, tokens streamed) of one streamed completion."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    times = []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if line.startswith(b"data: {") and b'"text"' in line:
+                times.append(time.perf_counter())
+    n = len(times)
+    if n < 3:
+        raise RuntimeError(f"only {n} tokens streamed from {url}; ask a longer --prompt")
+    return (n - 1) / (times[-1] - times[0]), n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", default="def fibonacci(n):\n    ")
+    ap.add_argument("--rank-dir", help="rank folders ({rank}); default: the embedded mini")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+
+    extra = ["--rank-dir", a.rank_dir] if a.rank_dir else []
+    tmp = Path(tempfile.mkdtemp(prefix="metrics-overhead-"))
+    servers = {}
+    try:
+        for name, flags in (("metrics_on", []), ("metrics_off", ["--no-metrics"])):
+            servers[name] = Served(tmp / name, [*extra, *flags], supervised=False)
+        for s in servers.values():  # the first request of each: not measured
+            decode_rate(s.url, 4, a.prompt)
+        rates: dict[str, list[float]] = {k: [] for k in servers}
+        streamed: dict[str, list[int]] = {k: [] for k in servers}
+        scrapes = 0
+        for i in range(a.rounds):
+            order = list(servers) if i % 2 == 0 else list(servers)[::-1]
+            for name in order:
+                rate, n = decode_rate(servers[name].url, a.tokens, a.prompt)
+                rates[name].append(rate)
+                streamed[name].append(n)
+            with urllib.request.urlopen(servers["metrics_on"].url + "/metrics", timeout=30) as r:
+                assert b"k3dist_generated_tokens_total" in r.read()
+                scrapes += 1
+        try:  # --no-metrics: no /metrics at all (404), nothing counted
+            urllib.request.urlopen(servers["metrics_off"].url + "/metrics", timeout=30)
+            off_status = 200
+        except urllib.error.HTTPError as e:
+            off_status = e.code
+    finally:
+        codes = {k: s.stop() for k, s in servers.items()}
+    on, off = statistics.median(rates["metrics_on"]), statistics.median(rates["metrics_off"])
+    report = {
+        **record.environment(),
+        "server_commands": {k: s.cmd for k, s in servers.items()},
+        "rounds": a.rounds,
+        "tokens_asked": a.tokens,
+        "tokens_streamed": streamed,
+        "decode_tok_s": {k: [round(x, 3) for x in v] for k, v in rates.items()},
+        "decode_tok_s_stats": {k: record.stats(v) for k, v in rates.items()},
+        "median_on_over_off": round(on / off, 4),
+        "metrics_scrapes_during_run": scrapes,
+        "metrics_off_get_metrics_status": off_status,
+        "server_exit_codes": codes,
+    }
+    record.emit(report, a.out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
