@@ -349,6 +349,19 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         projection=True,
     ),
     Benchmark(
+        "plan-k3-measured",
+        "pipeline",
+        "quality/nonexpert.py --plan-k3",
+        "the real K3's plans with the non-expert formats nonexpert.py measured, attention "
+        "replicated and split",
+        (
+            F("lo", "plans", "split", "lo", "format"),
+            F("promoted, split", "plans", "split", "promoted_fraction", **PCT),
+            F("promoted, replicated", "plans", "replicated", "promoted_fraction", **PCT),
+        ),
+        projection=True,
+    ),
+    Benchmark(
         "disk-plan-k3",
         "pipeline",
         "pipeline/disk_plan.py",
