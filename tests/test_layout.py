@@ -70,6 +70,8 @@ SERVING = {
     "k3dist.serve.metrics",
     "k3dist.serve.notices",
     "k3dist.serve.openai_api",
+    "k3dist.serve.peer_link",
+    "k3dist.serve.peer_process",
     "k3dist.serve.preflight",
     "k3dist.serve.prefix_api",
     "k3dist.serve.prompt_cache",
@@ -88,7 +90,6 @@ SERVING = {
 MODULE_LINES, FUNCTION_LINES = 700, 100
 # what is still over them (lines today): to be split by job; none may grow, none be added
 OVER = {
-    "k3dist/serve/watchdog.py": 854,
     "k3dist/bench/compare.py:compare": 170,
     "k3dist/bench/compare.py:summarize": 113,
     "k3dist/bench/evaluate.py:evaluate": 122,

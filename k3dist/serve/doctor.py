@@ -356,7 +356,7 @@ def run_checks(plan: Plan, timeout_s: float = 5.0) -> list[Check]:
                 Check(h, "ssh", True, "answers without a password; python and repo there")
             )
             continue
-        from k3dist.serve.supervise import ssh_fix
+        from k3dist.serve.hosts import ssh_fix
 
         fix = ssh_fix(h, err, plan.python)
         if "repo path" in err:

@@ -33,6 +33,7 @@ from k3dist.serve import (
     keepawake,
     loader,
     metrics,
+    peer_link,
     preflight,
     server,
     supervise,
@@ -133,7 +134,7 @@ def start_watchdog(r: Rank) -> None:
     """The side-channel watchdog (more than one rank): a lost peer or a stop ends every
     open stream with an error, and a failing rank tells the others why."""
     dep = r.dep
-    host, port = watchdog.coordinator_address(r.group, port=dep.watchdog_port)
+    host, port = peer_link.coordinator_address(r.group, port=dep.watchdog_port)
     r.wd = watchdog.Watchdog(
         r.rank,
         r.size,
