@@ -64,6 +64,7 @@ SERVING = {
     "k3dist.serve.auth",
     "k3dist.serve.exit_codes",
     "k3dist.serve.handler",
+    "k3dist.serve.hosts",  # supervise's hosts
     "k3dist.serve.keepawake",
     "k3dist.serve.loader",
     "k3dist.serve.lockstep",
@@ -90,17 +91,11 @@ SERVING = {
 MODULE_LINES, FUNCTION_LINES = 700, 100
 # what is still over them (lines today): to be split by job; none may grow, none be added
 OVER = {
-    "k3dist/bench/compare.py:compare": 170,
-    "k3dist/bench/compare.py:summarize": 113,
-    "k3dist/bench/evaluate.py:evaluate": 122,
     "k3dist/pipeline/byte_budget.py:make_plan": 177,
     "k3dist/pipeline/plan.py:main": 183,
-    "k3dist/pipeline/profiles.py:convert_profile": 117,
     "k3dist/pipeline/profiles.py:main": 129,
     "k3dist/pipeline/runner.py:_run_stages": 113,
     "k3dist/serve/anthropic_api.py:to_chat": 102,
-    "k3dist/serve/doctor.py:run_checks": 110,
-    "k3dist/serve/supervise.py:run": 149,
 }
 
 
