@@ -12,7 +12,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -56,6 +56,32 @@ def ssh_command(host: str, timeout_s: float, command: str) -> list[str]:
         host,
         command,
     ]
+
+
+def ssh_each(scripts: Mapping[str, str], timeout_s: float) -> dict[str, str | None]:
+    """Run one command per host over ssh, all at once, each waited for at most
+    ``timeout_s``: host -> None where it succeeded, else why (ssh's last stderr line,
+    its exit code, or "no answer")."""
+    procs = {
+        host: subprocess.Popen(
+            ssh_command(host, 5.0, command),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for host, command in scripts.items()
+    }
+    out: dict[str, str | None] = {}
+    for host, p in procs.items():
+        try:
+            _, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out[host] = "no answer"
+            continue
+        why = err.decode(errors="replace").strip().splitlines()
+        out[host] = None if p.returncode == 0 else why[-1] if why else str(p.returncode)
+    return out
 
 
 def ssh_fix(host: str, error: str, python: str) -> str:

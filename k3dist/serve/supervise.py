@@ -15,8 +15,9 @@ cannot work around from outside:
 ssh (every ``ssh`` name but ``127.0.0.1``, mlx.launch's own test) must answer
 ``ssh -o BatchMode=yes -o ConnectTimeout=N host test -x PYTHON`` within
 ``host_timeout_s`` (+5 s for the exchange), all hosts at once; a host that does not
-is named with the fix and nothing starts (``k3dist.serve.hosts``). Then mlx.launch runs in its own process
-group; its output passes through and two kinds of line are read from it:
+is named with the fix and nothing starts (``k3dist.serve.hosts``). Then mlx.launch
+runs in its own process group; its output passes through and two kinds of line are
+read from it:
 
 - mlx.launch's ``Node with rank R exited with code C``: a non-zero ``C`` is the exit
   code (a rank killed by signal N, ``C = -N``, gives ``128 + N``); of several, the
@@ -83,7 +84,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from k3dist.serve.exit_codes import LOST_EXIT_CODE
-from k3dist.serve.hosts import Host, ssh_command
+from k3dist.serve.hosts import Host, ssh_command, ssh_each
 
 # Exit code when nothing could be started (an unreachable host, bad arguments).
 START_FAILED_EXIT_CODE = 2
@@ -210,22 +211,9 @@ def clean_pending(hosts: Sequence[Host], log) -> None:
     todo = {h.ssh: pending[h.ssh] for h in hosts if h.ssh in pending and not h.local}
     if not todo:
         return
-    procs = {
-        host: subprocess.Popen(
-            ssh_command(host, 5.0, f"rm -f {shlex.join(paths)}"),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for host, paths in todo.items()
-    }
-    for host, p in procs.items():
-        try:
-            ok = p.wait(15) == 0
-        except subprocess.TimeoutExpired:
-            p.kill()
-            ok = False
-        if ok:
+    done = ssh_each({host: f"rm -f {shlex.join(paths)}" for host, paths in todo.items()}, 15)
+    for host, why in done.items():
+        if why is None:
             log(f"removed {len(todo[host])} temp file(s) an earlier run left on {host}")
             pending.pop(host, None)
     _save_pending(pending)
@@ -576,27 +564,13 @@ def _end_remote(
         scripts.setdefault(hosts[r].ssh, []).append(
             f"({end_remote_rank_command(hosts[r].ssh, pid, kill_grace_s)[-1]})"
         )
-    procs = {
-        host: subprocess.Popen(
-            ssh_command(host, 5.0, "; ".join(parts)),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for host, parts in scripts.items()
-    }
-    for host, p in procs.items():
-        try:
-            _, err = p.communicate(timeout=kill_grace_s + 15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            err = b"no answer"
-        if p.returncode != 0:
-            why = err.decode(errors="replace").strip().splitlines()
+    done = ssh_each({h: "; ".join(parts) for h, parts in scripts.items()}, kill_grace_s + 15)
+    for host, why in done.items():
+        if why is not None:
             files_here = [f for r, paths in files.items() if hosts[r].ssh == host for f in paths]
             remember_cleanup(host, files_here)
             log(
-                f"could not clean up on {host} over ssh ({why[-1] if why else p.returncode}):"
-                f" the next run that reaches it removes the temp files; or, when it is back: "
+                f"could not clean up on {host} over ssh ({why}): the next run that reaches "
+                f"it removes the temp files; or, when it is back: "
                 f"ssh {host} {shlex.quote('; '.join(scripts[host]))}"
             )
