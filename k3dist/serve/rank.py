@@ -170,15 +170,8 @@ def load(r: Rank, folder: Path) -> tuple[Any, dict, dict, Any]:
     tokenizer."""
     dep = r.dep
     t0 = time.perf_counter()
-    model, config, manifest = loader.load_rank(
-        folder,
-        r.group,
-        dep.dtype,
-        dep.moe_form,
-        dep.verify,
-        peer_failure=r.wd.peer_failures.get if r.wd else None,
-        attention=dep.attention,
-        boxes=dep.boxes,
+    model, config, manifest = loader.load_deployed(
+        dep, r.group, folder, peer_failure=r.wd.peer_failures.get if r.wd else None
     )
     log(r.rank, f"{folder}: {Report(**manifest['verify']).summary()}")
     tokenizer = loader.load_tokenizer(folder)

@@ -1,5 +1,5 @@
 """Several greedy parity runs in one mlx.launch start-up, each as launch/generate.py runs
-one (the same calls: ``loader.load_rank``, ``greedy.greedy``, ``introspect``).
+one (the same calls: ``loader.load_deployed``, ``greedy.greedy``, ``introspect``).
 
     mlx.launch -n 2 --python .venv/bin/python tests/scripts/parity_runs.py RUNS.json
 
@@ -42,15 +42,7 @@ def main() -> None:
             boxes=run.get("boxes"),
             size=group.size(),
         )
-        model, _, manifest = loader.load_rank(
-            dep.rank_path(rank),
-            group,
-            dep.dtype,
-            dep.moe_form,
-            dep.verify,
-            attention=dep.attention,
-            boxes=dep.boxes,
-        )
+        model, _, manifest = loader.load_deployed(dep, group)
         tokens, logits = greedy.greedy(model, run["prompt"], run["max_tokens"])
         path = Path(run["dump"].format(rank=rank))
         path.parent.mkdir(parents=True, exist_ok=True)
