@@ -20,9 +20,9 @@ MAY_IMPORT = {
     "format": set(),
     # the EP model: mlx-lm's kimi_k3 with the routed experts swapped
     "model": {"format"},
-    # the deployment schema and the box: above the model (its MoE forms), below
-    # everything that reads a deployment
-    "config": {"format", "model"},
+    # the deployment schema and the box: directly above format, beside the model (what
+    # both need, e.g. the MoE forms, lives in format), below everything that reads one
+    "config": {"format"},
     # the build pipeline runs the model (a block of a graded build: the streamed
     # teacher, calibration), never serving; serving never imports it (SERVING below)
     "pipeline": {"format", "config", "model"},
@@ -150,6 +150,20 @@ def test_the_format_layer_reads_no_configuration():
             wrong += [
                 f"{_module(path)}: {n}" for n in names if n.split(".")[0] in FORMAT_MAY_NOT_IMPORT
             ]
+    assert not wrong, wrong
+
+
+def test_config_and_model_sit_side_by_side():
+    """Neither imports the other: a deployment is read without the model, and the
+    model runs without the configuration's schema (pydantic, yaml)."""
+    wrong = sorted(
+        f"{m} imports {d}"
+        for m, deps in _imports().items()
+        for a, b in (("config", "model"), ("model", "config"))
+        if m.startswith(f"k3dist.{a}")
+        for d in deps
+        if d.startswith(f"k3dist.{b}")
+    )
     assert not wrong, wrong
 
 
