@@ -361,8 +361,20 @@ class Watchdog:
                 c.send(f"STOP {origin} {reason}" if self.rank == 0 else "ACK")
             except OSError:
                 pass  # a peer that is gone shows up as a close without ACK
-        self._stop_cb = peer_process.start_callback(self.on_stop, (reason, origin))
+        if self.on_stop is not None:
+            self._stop_cb = peer_process.start_callback(self._stop_then_wake, (reason, origin))
         self._stop_deadline = time.monotonic() + self.stop_work_s + self.stop_grace_s
+
+    def _stop_then_wake(self, reason: str, origin: int) -> None:
+        """``on_stop``, then a wake-up for the loop: the rank goes as soon as its stop
+        work is done, not at the next heartbeat (up to ``interval_s`` later)."""
+        try:
+            self.on_stop(reason, origin)
+        finally:
+            try:
+                os.write(self._ctl_w, b"W\n")  # no request: only wakes the loop
+            except OSError:
+                pass
 
     def _stop_done(self) -> bool:
         cb_done = self._stop_cb is None or not self._stop_cb.is_alive()
