@@ -274,16 +274,9 @@ def load_deployed(
 ):
     """``load_rank`` as the deployment says: its dtype, MoE form, verify mode, attention
     and boxes; ``folder`` defaults to this rank's (``dep.rank_path``)."""
-    return load_rank(
-        dep.rank_path(group.rank()) if folder is None else folder,
-        group,
-        dep.dtype,
-        dep.moe_form,
-        dep.verify,
-        peer_failure=peer_failure,
-        attention=dep.attention,
-        boxes=dep.boxes,
-    )
+    folder = dep.rank_path(group.rank()) if folder is None else folder
+    checks = {"peer_failure": peer_failure, "attention": dep.attention, "boxes": dep.boxes}
+    return load_rank(folder, group, dep.dtype, dep.moe_form, dep.verify, **checks)
 
 
 def load_tokenizer(folder: str | Path):

@@ -24,15 +24,9 @@ print("sum", mx.distributed.all_sum(mx.array([g.rank() + 1.0]), group=g).item(),
 
 def _rank(rank: int, hostfile, connect_s: float, held: bool = False) -> subprocess.Popen:
     env = {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "PATH": "/usr/bin:/bin"}
-    return subprocess.Popen(
-        [sys.executable, "-c", RANK, str(connect_s), "held" if held else "now"],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    argv = [sys.executable, "-c", RANK, str(connect_s), "held" if held else "now"]
+    pipes = dict.fromkeys(("stdin", "stdout", "stderr"), subprocess.PIPE)
+    return subprocess.Popen(argv, cwd=REPO, env=env, text=True, **pipes)
 
 
 def test_a_rank_whose_peer_starts_late_joins_on_a_later_try(tmp_path):
