@@ -498,7 +498,9 @@ class Watchdog:
                         c.send(beat)
                     except OSError as e:
                         if not (c.left or c.acked or (self._stopping and self.rank != 0)):
-                            self._lost(c.rank, f"heartbeat send failed: {e}")
+                            # what it sent before it went names why (its FAIL line)
+                            if not self._peer_closed(sel):
+                                self._lost(c.rank, f"heartbeat send failed: {e}")
                             return
                 next_beat = now + self.interval_s
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
