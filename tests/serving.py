@@ -143,7 +143,7 @@ class Server:
                     return
             except OSError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"server did not come up:\n{self.output()}")
 

@@ -322,7 +322,7 @@ def test_guide_commands_are_checked():
 
 def test_guide_matches_hostfile_deployment_firewall_and_planner():
     from k3dist.pipeline import byte_budget
-    from k3dist.serve import watchdog
+    from k3dist.serve import peer_link
 
     hosts = json.loads((REPO / "hostfiles" / "tb5.json").read_text())["hosts"]
     jaccl = json.loads((REPO / "hostfiles" / "tb5-jaccl.json").read_text())["hosts"]
@@ -368,7 +368,7 @@ def test_guide_matches_hostfile_deployment_firewall_and_planner():
     peers = re.search(r'peers = "\{ (.*) \}"', pf).group(1).split(", ")
     assert peers == ips
     lo, hi = map(int, re.search(r"port (\d+):(\d+)\n", pf).groups())
-    base = watchdog.DEFAULT_RING_PORT
+    base = peer_link.DEFAULT_RING_PORT
     assert lo <= base and base + dep["size"] - 1 <= hi and lo <= base + 1000 <= hi
     assert "block in quick proto tcp from any to any port" in pf
     assert f"port {lo}:{hi}" in pf.split("block in quick")[1]

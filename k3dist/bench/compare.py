@@ -109,47 +109,9 @@ def compare(
     t0 = time.perf_counter()
 
     single, _ = load_single(build, s.dtype)
-    # Routing counts from rank 0's single-process model, shared, so every rank builds
-    # the same placement even where its floats would differ (another machine).
-    moe = layout.moe_layers(tc)
-    stacked = np.zeros((len(moe), tc["num_experts"]), dtype=np.int64)
-    if rank == 0:
-        calib_sel = router_selections(single, calib)
-        held_out = router_selections(single, prompt)
-        c = selection_counts(calib_sel, tc["num_experts"])
-        stacked = np.stack([c[i] for i in moe])
-    stacked = np.array(
-        mx.distributed.all_sum(mx.array(stacked.astype(np.int32)), group=group)
-    ).astype(np.int64)
-    counts = {i: stacked[j] for j, i in enumerate(moe)}
-    plcs = {
-        "ep_contiguous": placement.contiguous(tc["num_experts"], size, moe),
-        "ep_load_aware": placement.load_aware(counts, size),
-    }
-    placements = {n: {"kind": p.kind, "hash": p.hash} for n, p in plcs.items()}
-    if rank == 0:
-        for n, p in plcs.items():
-            placements[n].update(
-                balance_calibration=balance(p, calib_sel),
-                balance_benchmark_prompt=balance(p, held_out),
-            )
+    counts, plcs, placements = _placements(single, tc, prompt, calib, group)
     log(f"rank {rank}: calibration + placements {time.perf_counter() - t0:.1f}s")
-
-    models: dict[str, object] = {"single": single}
-    skipped: dict[str, str] = {}
-    # ep_contiguous / ep_load_aware: attention replicated on every rank; ep_split: split
-    # by heads (contiguous placement), the default deployment
-    eps = {n: (p, "replicated") for n, p in plcs.items()}
-    eps["ep_split"] = (plcs["ep_contiguous"], "split")
-    with tempfile.TemporaryDirectory(prefix="k3dist-bench-", dir=tmp) as td:
-        for name, (plc, attention) in eps.items():
-            folder = slice_for_rank(build, Path(td) / name, group, plc, attention)
-            models[name], _, _ = loader.load_rank(folder, group, s.dtype, form)
-    try:
-        models["tp"], _ = load_tensor_parallel(build, group, s.dtype)
-    except ValueError as e:  # the same shapes on every rank: all skip together
-        skipped["tp"] = str(e)
-    models["pp"], _ = load_pipeline(build, group, s.dtype)
+    models, skipped = _load_models(build, group, s, single, plcs, form, tmp)
     log(f"rank {rank}: loaded {sorted(models)} {time.perf_counter() - t0:.1f}s")
 
     weights = {n: weight_bytes(m) for n, m in models.items()}
@@ -161,78 +123,18 @@ def compare(
     for n, c in COMPUTE_ONLY.items():
         if n in models:
             modes[c] = Mode(c, models[n], collectives=False)
-    names = list(modes)
     # Row j of every batch is the same prompt: row 0 is the batch-1 prompt.
     rows = [prompt] + [
         random_prompt(vocab, s.prompt_len, s.seed + 100 + j) for j in range(1, max(s.batches))
     ]
-
-    def inputs(m: Mode):
-        return prompt if m.batch == 1 else rows[: m.batch]
-
-    launch0, w0 = launcher(), time.perf_counter()
-    # Warm-up: every mode's prefill shape and decode, compiled before timing.
-    for m in modes.values():
-        barrier(group)
-        cache, tok, _ = m.run(lambda m=m: prefill(m.model, inputs(m)))
-        m.run(lambda m=m, c=cache, t=tok: decode_steps(m.model, c, t, s.warmup_steps))
-    log(f"rank {rank}: warm-up done {time.perf_counter() - t0:.1f}s")
-
-    for i in range(s.prefill_rounds):
-        for n in _rotated(names, i):
-            m = modes[n]
-            if m.batch > 1 and i:  # batches: prefill once (decode is what is compared)
-                continue
-            barrier(group)
-            m.cache, m.next_token, sec = m.run(lambda m=m: prefill(m.model, inputs(m)))
-            if m.batch == 1:
-                m.prefill_s.append(sec)
-    for m in modes.values():  # greedy sequence: prefill's token, then every decode step
-        m.tokens = [m.next_token]
-        barrier(group)
-        toks, _ = m.run(lambda m=m: decode_steps(m.model, m.cache, m.next_token, s.warmup_steps))
-        m.tokens += toks
-        m.next_token = toks[-1]
-    for i in range(s.decode_rounds):
-        for n in _rotated(names, i):
-            m = modes[n]
-            barrier(group)
-            toks, ms = m.run(
-                lambda m=m: decode_steps(m.model, m.cache, m.next_token, s.steps_per_round)
-            )
-            m.tokens += toks
-            m.next_token = toks[-1]
-            m.decode_ms.append(ms)
-    barrier(group)
-    launch1, w1 = launcher(), time.perf_counter()
-    log(f"rank {rank}: timed rounds done {time.perf_counter() - t0:.1f}s")
-    launch = None
-    if launch0 and launch1:
-        launch = {
-            "pid": launch1["pid"],
-            "nice": launch1["nice"],
-            "cpu_cores_used_while_timing": round(
-                (launch1["cpu_s"] - launch0["cpu_s"]) / (w1 - w0), 3
-            ),
-        }
-
-    counted = {}
-    for n, m in models.items():
-        if n != "single":
-            barrier(group)
-            counted[n] = {
-                "collectives_per_token": introspect.collectives_per_token(m),
-                "weight_bytes": introspect.bytes_held(m),
-            }
-    comm = {}
-    memo: dict = {}
-    for n in PARALLEL:
-        if n in models and n != "single":
-            plan = collective_plan(models[n], group)
-            comm[n] = {
-                "decode": price_plan(plan, group, 1, s.comm_trials, memo),
-                "prefill": price_plan(plan, group, s.prompt_len, max(5, s.comm_trials // 3), memo),
-            }
+    launch = _time_modes(
+        modes,
+        group,
+        s,
+        rows,
+        lambda msg: log(f"rank {rank}: {msg} {time.perf_counter() - t0:.1f}s"),
+    )
+    counted, comm = _structure(models, group, s)
 
     return {
         "rank": rank,
@@ -262,6 +164,150 @@ def compare(
     }
 
 
+def _placements(
+    single, tc: dict, prompt: list[int], calib: list[int], group: mx.distributed.Group
+) -> tuple[dict, dict, dict]:
+    """(routing counts per MoE layer, the two placements, their description). The
+    counts come from rank 0's single-process model, shared, so every rank builds the
+    same placement even where its floats would differ (another machine)."""
+    rank, size = group.rank(), group.size()
+    moe = layout.moe_layers(tc)
+    stacked = np.zeros((len(moe), tc["num_experts"]), dtype=np.int64)
+    if rank == 0:
+        calib_sel = router_selections(single, calib)
+        held_out = router_selections(single, prompt)
+        c = selection_counts(calib_sel, tc["num_experts"])
+        stacked = np.stack([c[i] for i in moe])
+    stacked = np.array(
+        mx.distributed.all_sum(mx.array(stacked.astype(np.int32)), group=group)
+    ).astype(np.int64)
+    counts = {i: stacked[j] for j, i in enumerate(moe)}
+    plcs = {
+        "ep_contiguous": placement.contiguous(tc["num_experts"], size, moe),
+        "ep_load_aware": placement.load_aware(counts, size),
+    }
+    placements = {n: {"kind": p.kind, "hash": p.hash} for n, p in plcs.items()}
+    if rank == 0:
+        for n, p in plcs.items():
+            placements[n].update(
+                balance_calibration=balance(p, calib_sel),
+                balance_benchmark_prompt=balance(p, held_out),
+            )
+    return counts, plcs, placements
+
+
+def _load_models(
+    build: str | Path,
+    group: mx.distributed.Group,
+    s: CompareSettings,
+    single,
+    plcs: dict,
+    form: str,
+    tmp: str | Path | None,
+) -> tuple[dict[str, object], dict[str, str]]:
+    """Every mode's model (and why any was skipped). ep_contiguous / ep_load_aware:
+    attention replicated on every rank; ep_split: split by heads (contiguous
+    placement), the default deployment."""
+    models: dict[str, object] = {"single": single}
+    skipped: dict[str, str] = {}
+    eps = {n: (p, "replicated") for n, p in plcs.items()}
+    eps["ep_split"] = (plcs["ep_contiguous"], "split")
+    with tempfile.TemporaryDirectory(prefix="k3dist-bench-", dir=tmp) as td:
+        for name, (plc, attention) in eps.items():
+            folder = slice_for_rank(build, Path(td) / name, group, plc, attention)
+            models[name], _, _ = loader.load_rank(folder, group, s.dtype, form)
+    try:
+        models["tp"], _ = load_tensor_parallel(build, group, s.dtype)
+    except ValueError as e:  # the same shapes on every rank: all skip together
+        skipped["tp"] = str(e)
+    models["pp"], _ = load_pipeline(build, group, s.dtype)
+    return models, skipped
+
+
+def _time_modes(
+    modes: dict[str, Mode],
+    group: mx.distributed.Group,
+    s: CompareSettings,
+    rows: list[list[int]],
+    log: Callable[[str], None],
+) -> dict | None:
+    """Warm every mode up, then time prefill and decode in interleaved rounds (order
+    rotated each round); what the launcher's process used meanwhile (or None)."""
+    names = list(modes)
+
+    def inputs(m: Mode):
+        return rows[0] if m.batch == 1 else rows[: m.batch]
+
+    launch0, w0 = launcher(), time.perf_counter()
+    # Warm-up: every mode's prefill shape and decode, compiled before timing.
+    for m in modes.values():
+        barrier(group)
+        cache, tok, _ = m.run(lambda m=m: prefill(m.model, inputs(m)))
+        m.run(lambda m=m, c=cache, t=tok: decode_steps(m.model, c, t, s.warmup_steps))
+    log("warm-up done")
+
+    for i in range(s.prefill_rounds):
+        for n in _rotated(names, i):
+            m = modes[n]
+            if m.batch > 1 and i:  # batches: prefill once (decode is what is compared)
+                continue
+            barrier(group)
+            m.cache, m.next_token, sec = m.run(lambda m=m: prefill(m.model, inputs(m)))
+            if m.batch == 1:
+                m.prefill_s.append(sec)
+    for m in modes.values():  # greedy sequence: prefill's token, then every decode step
+        m.tokens = [m.next_token]
+        barrier(group)
+        toks, _ = m.run(lambda m=m: decode_steps(m.model, m.cache, m.next_token, s.warmup_steps))
+        m.tokens += toks
+        m.next_token = toks[-1]
+    for i in range(s.decode_rounds):
+        for n in _rotated(names, i):
+            m = modes[n]
+            barrier(group)
+            toks, ms = m.run(
+                lambda m=m: decode_steps(m.model, m.cache, m.next_token, s.steps_per_round)
+            )
+            m.tokens += toks
+            m.next_token = toks[-1]
+            m.decode_ms.append(ms)
+    barrier(group)
+    launch1, w1 = launcher(), time.perf_counter()
+    log("timed rounds done")
+    if not (launch0 and launch1):
+        return None
+    return {
+        "pid": launch1["pid"],
+        "nice": launch1["nice"],
+        "cpu_cores_used_while_timing": round((launch1["cpu_s"] - launch0["cpu_s"]) / (w1 - w0), 3),
+    }
+
+
+def _structure(
+    models: dict[str, object], group: mx.distributed.Group, s: CompareSettings
+) -> tuple[dict, dict]:
+    """Per parallel mode: what its model holds and issues (counted), and its
+    collectives priced by microbenchmark at the decode and prefill payloads."""
+    counted = {}
+    for n, m in models.items():
+        if n != "single":
+            barrier(group)
+            counted[n] = {
+                "collectives_per_token": introspect.collectives_per_token(m),
+                "weight_bytes": introspect.bytes_held(m),
+            }
+    comm = {}
+    memo: dict = {}
+    for n in PARALLEL:
+        if n in models and n != "single":
+            plan = collective_plan(models[n], group)
+            comm[n] = {
+                "decode": price_plan(plan, group, 1, s.comm_trials, memo),
+                "prefill": price_plan(plan, group, s.prompt_len, max(5, s.comm_trials // 3), memo),
+            }
+    return counted, comm
+
+
 def summarize(rep: dict) -> dict:
     """Per mode: prefill tok/s, decode step ms and tok/s, compute vs communication;
     speed ratios per interleaved round, then median."""
@@ -284,6 +330,16 @@ def summarize(rep: dict) -> dict:
                 prefill_s=stats(t["prefill_s"]),
                 prefill_tok_s=round(P / float(np.median(t["prefill_s"])), 2),
             )
+    _splits(out, rep)
+    ratios, per_round = _ratios(tr, round_ms)
+    return {"modes": out, "ratios": ratios, "ratios_per_round": per_round}
+
+
+def _splits(out: dict, rep: dict) -> None:
+    """Each mode's compute vs communication (``out[mode]["split"]``): measured for EP
+    (its compute-only twin), estimated for TP and PP (microbenchmarked collectives)."""
+    tr = rep["trials"]
+    round_ms = {n: [float(np.mean(r)) for r in t["decode_ms"]] for n, t in tr.items()}
     for n, c in COMPUTE_ONLY.items():
         if n not in out:
             continue
@@ -340,6 +396,10 @@ def summarize(rep: dict) -> dict:
             "decode_transfer_estimated_ms": 0.0,
         }
 
+
+def _ratios(tr: dict, round_ms: dict[str, list[float]]) -> tuple[dict, dict]:
+    """Speed ratios (median over rounds) and each round's: EP over the others, load-aware
+    over contiguous, each batch over batch 1 and ep_split over the others per batch."""
     ratios: dict = {}
     per_round: dict = {}
     for ep, tag in (("ep_contiguous", "ep"), ("ep_load_aware", "ep_la"), ("ep_split", "ep_split")):
@@ -374,7 +434,7 @@ def summarize(rep: dict) -> dict:
                         key = f"ep_split_over_{other}_decode_batch{B}"
                         ratios[key] = round(float(np.median(d)), 4)
                         per_round[key] = [round(x, 4) for x in d]
-    return {"modes": out, "ratios": ratios, "ratios_per_round": per_round}
+    return ratios, per_round
 
 
 def merge_compare(reports: list[dict], env: dict, build: str | Path) -> dict:

@@ -184,6 +184,42 @@ def row_sums(
     )
 
 
+def _ppl(sums: Sums) -> float:
+    return round(math.exp(sums.nll / sums.tokens), 4)
+
+
+def _row(path: Path, gmap, sums: dict, st: dict | None, stm, score, name) -> dict:
+    """One student's row of the report: KL, flips and perplexity overall and by domain,
+    its expert bytes, and (graded) its promotion and k_hi figures."""
+    eb = expert_bytes(path)
+    tok = sum(v.tokens for v in sums.values())
+    row = {
+        "build": name or build_name(path),
+        "path": _rel(path),
+        "score": score,
+        "kl": round(sum(v.kl for v in sums.values()) / tok, 6),
+        "kl_p95": round(kl_percentile(list(sums.values())), 6),
+        "flip": round(sum(v.flips for v in sums.values()) / tok, 6),
+        "ppl": {d: _ppl(v) for d, v in sums.items()},
+        "kl_by_domain": {d: round(v.kl / v.tokens, 6) for d, v in sums.items()},
+        "kl_p95_by_domain": {d: round(kl_percentile([v]), 6) for d, v in sums.items()},
+        "flip_by_domain": {d: round(v.flips / v.tokens, 6) for d, v in sums.items()},
+        "expert_bpw": round(eb.bpw, 4),
+        "bytes": eb.bytes,
+        "k_hi_drop_rate": None,
+    }
+    if gmap is not None:
+        row["k_hi_drop_rate"] = round(st["drop_rate"], 6)
+        row["promoted"] = sum(len(v) for v in gmap.hi.values())
+        row["promoted_share"] = round(
+            row["promoted"] / (len(stm.model.moe_layers()) * gmap.num_experts), 4
+        )
+        row["k_hi"] = sorted(set(gmap.k_hi.values())) if gmap.hi else None
+        row["lo"] = gmap.lo
+        row["overflow_token_layer_rate"] = round(st["overflow_token_layer_rate"], 6)
+    return row
+
+
 def evaluate(
     teacher: str | Path,
     students: list[str | Path],
@@ -257,42 +293,14 @@ def evaluate(
             say(f"student {p}")
     t_bytes = expert_bytes(teacher)
 
-    def ppl(sums: Sums) -> float:
-        return round(math.exp(sums.nll / sums.tokens), 4)
-
-    rows = []
-    for (path, gmap, sums, st, stm), score, name in zip(studs, scores, names, strict=True):
-        eb = expert_bytes(path)
-        tok = sum(v.tokens for v in sums.values())
-        row = {
-            "build": name or build_name(path),
-            "path": _rel(path),
-            "score": score,
-            "kl": round(sum(v.kl for v in sums.values()) / tok, 6),
-            "kl_p95": round(kl_percentile(list(sums.values())), 6),
-            "flip": round(sum(v.flips for v in sums.values()) / tok, 6),
-            "ppl": {d: ppl(v) for d, v in sums.items()},
-            "kl_by_domain": {d: round(v.kl / v.tokens, 6) for d, v in sums.items()},
-            "kl_p95_by_domain": {d: round(kl_percentile([v]), 6) for d, v in sums.items()},
-            "flip_by_domain": {d: round(v.flips / v.tokens, 6) for d, v in sums.items()},
-            "expert_bpw": round(eb.bpw, 4),
-            "bytes": eb.bytes,
-            "k_hi_drop_rate": None,
-        }
-        if gmap is not None:
-            row["k_hi_drop_rate"] = round(st["drop_rate"], 6)
-            row["promoted"] = sum(len(v) for v in gmap.hi.values())
-            row["promoted_share"] = round(
-                row["promoted"] / (len(stm.model.moe_layers()) * gmap.num_experts), 4
-            )
-            row["k_hi"] = sorted(set(gmap.k_hi.values())) if gmap.hi else None
-            row["lo"] = gmap.lo
-            row["overflow_token_layer_rate"] = round(st["overflow_token_layer_rate"], 6)
-        rows.append(row)
+    rows = [
+        _row(path, gmap, sums, st, stm, score, name)
+        for (path, gmap, sums, st, stm), score, name in zip(studs, scores, names, strict=True)
+    ]
     return {
         "teacher": {
             "build": _rel(Path(teacher)),
-            "ppl": {d: ppl(v) for d, v in teacher_nll.items()},
+            "ppl": {d: _ppl(v) for d, v in teacher_nll.items()},
             "expert_bpw": round(t_bytes.bpw, 4),
             "bytes": t_bytes.bytes,
             "expert_params": t_bytes.params,

@@ -124,15 +124,7 @@ def main() -> None:
     group = join(dep.ring_connect_s)
     rank = group.rank()
     t0 = time.perf_counter()
-    model, config, manifest = loader.load_rank(
-        dep.rank_path(rank),
-        group,
-        dep.dtype,
-        dep.moe_form,
-        dep.verify,
-        attention=dep.attention,
-        boxes=dep.boxes,
-    )
+    model, config, manifest = loader.load_deployed(dep, group)
     t_load = time.perf_counter() - t0
     vocab = config["text_config"]["vocab_size"]
     if args.prompt_ids:

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from k3dist.format.layout import ATTENTION_MODES
+from k3dist.format.placement import MOE_FORMS, RING_CONNECT_S
 from k3dist.format.sfile import COMPUTE_DTYPES
 from k3dist.format.verify import MODES as VERIFY_MODES
-from k3dist.model.forms import MOE_FORMS
-from k3dist.model.group import RING_CONNECT_S
 
 import yaml
 from annotated_types import Ge, Gt, Le

@@ -28,8 +28,8 @@ does); one that does not divide stays replicated and is taken out of the parent'
 
 from __future__ import annotations
 
+from k3dist.format.placement import MOE_FORMS
 from k3dist.model import compat
-from k3dist.model.forms import MOE_FORMS
 
 import mlx.core as mx
 import numpy as np

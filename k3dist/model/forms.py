@@ -3,10 +3,9 @@ prefill chunking that keeps every shape a warmed-up one."""
 
 from __future__ import annotations
 
-import mlx.core as mx
+from k3dist.format.placement import MOE_FORMS
 
-# how non-owned (token, expert) pairs are handled (k3dist.model.experts); "auto" picks one
-MOE_FORMS = ("placeholder", "local")
+import mlx.core as mx
 
 
 def resolve_form(form: str) -> str:

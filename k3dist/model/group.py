@@ -15,10 +15,9 @@ import os
 import sys
 import time
 
-import mlx.core as mx
+from k3dist.format.placement import RING_CONNECT_S
 
-# how long a rank keeps trying to join (the deployment's ring_connect_s default)
-RING_CONNECT_S = 120.0
+import mlx.core as mx
 
 
 class GroupJoinError(RuntimeError):

@@ -81,6 +81,7 @@ from k3dist.pipeline.adam import Adam
 from k3dist.pipeline.calibrate import RoutedProbe, kl_sum
 from k3dist.pipeline.rss import peak_rss
 from k3dist.pipeline.teacher import TeacherOutput, read_tokens
+from k3dist.pipeline.view import small_files
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -396,14 +397,7 @@ class DWQ:
         write_json_atomic(
             self.out / INDEX_NAME, json.loads((self.student / INDEX_NAME).read_text())
         )
-        small = sorted(
-            p.name
-            for p in self.student.iterdir()
-            if p.is_file()
-            and not p.name.startswith(".")
-            and p.suffix != ".safetensors"
-            and p.name not in (INDEX_NAME, MANIFEST, JOURNAL)
-        )
+        small = small_files(self.student)
         for name in small:
             shutil.copyfile(self.student / name, self.out / name)
         for p in self.out.glob(".dwq-states-*"):

@@ -152,6 +152,64 @@ def plan_graded(
     return byte_budget.make_plan(acc, Box(), limits, req)
 
 
+def _graded_plan(
+    source: Source,
+    plan: dict | None,
+    plan_kw: dict | None,
+    nonexpert: str | dict | None,
+    progress: bool,
+) -> dict:
+    """The graded profile's plan: ``plan`` as given, else made from ``plan_kw`` (explicit
+    ``nonexpert`` formats beat the plan's); its summary printed with ``progress``."""
+    kw = dict(plan_kw or {})
+    if nonexpert is not None:  # explicit formats beat the plan's
+        fmts = parse_nonexpert(nonexpert)
+        kw["nonexpert"] = {c: f.name if f.quantized else "bf16" for c, f in fmts.items()}
+        kw["nonexpert_from"] = dict.fromkeys(fmts, "--nonexpert")
+    plan = plan_graded(source, **kw) if plan is None else dict(plan)
+    if progress:
+        print(
+            f"plan: lo {plan['lo']['format']}, expert bpw {plan['expert_bpw']}, "
+            f"{plan['bytes_per_rank']['total'] / 1e9:,.1f} GB per rank; "
+            + byte_budget.quality_line(plan)
+        )
+        if plan["quality"]["warning"]:
+            print(f"warning: {plan['quality']['warning']}", file=sys.stderr)
+    return plan
+
+
+def _promoted(plan: dict, scores: str | Path, allocation: str) -> dict[int, list[int]]:
+    """The experts each layer promotes: the plan's count spent on the highest ``scores``
+    over all layers (``global``) or in every layer (``per-layer``); noted in ``plan``."""
+    counts = {int(k): int(v) for k, v in plan["promoted_per_layer"].items()}
+    if allocation == "global":
+        promoted = grader.promote_global(read_counts(scores), sum(counts.values()), plan["ranks"])
+    elif allocation == "per-layer":
+        promoted = grader.promote_top(read_counts(scores), counts)
+    else:
+        raise ValueError(f"--allocation {allocation!r}: global or per-layer")
+    plan["allocation"] = allocation
+    return promoted
+
+
+def _k_hi(
+    promoted: dict[int, list[int]],
+    build,
+    tc: dict,
+    routes: str | Path | None,
+    k_hi: int | None,
+) -> dict[int, int]:
+    """k_hi per layer: the observed maximum from calibration ``routes``, else ``k_hi``,
+    else uniform routing at the plan's drop target."""
+    if routes is not None:
+        return grader.k_hi_calibrated(routes, promoted, build)
+    if k_hi is not None:
+        return dict.fromkeys(promoted, k_hi)
+    target = byte_budget.PlanRequest().k_hi_drop_target
+    E, k = tc["num_experts"], tc["num_experts_per_token"]
+    return {i: max(1, byte_budget.k_hi_uniform(E, k, len(v), target)) for i, v in promoted.items()}
+
+
 def convert_profile(
     src: str | Path,
     out: str | Path,
@@ -199,20 +257,7 @@ def convert_profile(
             raise ValueError(f"--profile graded needs --scores FILE: {CALIBRATE_HINT}")
         if not Path(scores).exists():
             raise ValueError(f"--scores {scores}: no such file; make it with {CALIBRATE_HINT}")
-        kw = dict(plan_kw or {})
-        if nonexpert is not None:  # explicit formats beat the plan's
-            fmts = parse_nonexpert(nonexpert)
-            kw["nonexpert"] = {c: f.name if f.quantized else "bf16" for c, f in fmts.items()}
-            kw["nonexpert_from"] = dict.fromkeys(fmts, "--nonexpert")
-        plan = plan_graded(source, **kw) if plan is None else dict(plan)
-        if progress:
-            print(
-                f"plan: lo {plan['lo']['format']}, expert bpw {plan['expert_bpw']}, "
-                f"{plan['bytes_per_rank']['total'] / 1e9:,.1f} GB per rank; "
-                + byte_budget.quality_line(plan)
-            )
-            if plan["quality"]["warning"]:
-                print(f"warning: {plan['quality']['warning']}", file=sys.stderr)
+        plan = _graded_plan(source, plan, plan_kw, nonexpert, progress)
         nonexpert = {c: v["format"] for c, v in plan["nonexpert"].items() if c in CLASSES}
         nonexpert_bits = 16
     if base is not None:  # the source read as its MXFP4 base build: nothing written
@@ -229,26 +274,8 @@ def convert_profile(
         )
     E = tc["num_experts"]
     if profile == "graded":
-        counts = {int(k): int(v) for k, v in plan["promoted_per_layer"].items()}
-        if allocation == "global":
-            promoted = grader.promote_global(
-                read_counts(scores), sum(counts.values()), plan["ranks"]
-            )
-        elif allocation == "per-layer":
-            promoted = grader.promote_top(read_counts(scores), counts)
-        else:
-            raise ValueError(f"--allocation {allocation!r}: global or per-layer")
-        plan["allocation"] = allocation
-        if routes is not None:
-            khi = grader.k_hi_calibrated(routes, promoted, build)
-        elif k_hi is not None:
-            khi = dict.fromkeys(promoted, k_hi)
-        else:
-            target = byte_budget.PlanRequest().k_hi_drop_target
-            khi = {
-                i: max(1, byte_budget.k_hi_uniform(E, tc["num_experts_per_token"], len(v), target))
-                for i, v in promoted.items()
-            }
+        promoted = _promoted(plan, scores, allocation)
+        khi = _k_hi(promoted, build, tc, routes, k_hi)
         gb = grader.builder(build, out, promoted, khi, plan["lo"]["format"], plan=plan)
         if rank_pattern is not None:  # straight into rank folders: OUT is scratch
             from k3dist.pipeline import direct

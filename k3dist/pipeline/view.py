@@ -138,17 +138,23 @@ class BuildFolder:
 
     def write_small(self, out: Path) -> list[str]:
         """The build's small files (tokenizer, ...) into ``out``; their names."""
-        small = sorted(
-            p.name
-            for p in self.path.iterdir()
-            if p.is_file()
-            and not p.name.startswith(".")
-            and p.suffix != ".safetensors"
-            and p.name not in (INDEX_NAME, MANIFEST, JOURNAL, CONFIG_NAME)
-        )
+        small = small_files(self.path, CONFIG_NAME)
         for name in small:
             shutil.copyfile(self.path / name, out / name)
         return small
+
+
+def small_files(folder: Path, *skip: str) -> list[str]:
+    """A build's small files (tokenizer, chat template, config, ...): every file but its
+    shards, index, manifest, journal, hidden files and ``skip``; sorted names."""
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.is_file()
+        and not p.name.startswith(".")
+        and p.suffix != ".safetensors"
+        and p.name not in (INDEX_NAME, MANIFEST, JOURNAL, *skip)
+    )
 
 
 def as_build(build):

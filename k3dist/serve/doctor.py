@@ -335,8 +335,8 @@ def _requests(plan: Plan) -> dict[str, dict]:
 
 
 def run_checks(plan: Plan, timeout_s: float = 5.0) -> list[Check]:
-    from k3dist.serve import auth
-
+    """Every check of the plan's hosts: one ssh per host, all at once, bounded by
+    ``timeout_s``; a host ssh cannot reach gets its one failed check with the fix."""
     reqs = _requests(plan)
     names = list(reqs)
     with ThreadPoolExecutor(len(names)) as pool:
@@ -348,7 +348,6 @@ def run_checks(plan: Plan, timeout_s: float = 5.0) -> list[Check]:
             )
         )
     checks: list[Check] = []
-    dep = plan.dep
     facts = {h: f for h, (f, err) in got.items() if not err}
     for h, (_, err) in got.items():
         if not err:
@@ -356,7 +355,7 @@ def run_checks(plan: Plan, timeout_s: float = 5.0) -> list[Check]:
                 Check(h, "ssh", True, "answers without a password; python and repo there")
             )
             continue
-        from k3dist.serve.supervise import ssh_fix
+        from k3dist.serve.hosts import ssh_fix
 
         fix = ssh_fix(h, err, plan.python)
         if "repo path" in err:
@@ -367,83 +366,94 @@ def run_checks(plan: Plan, timeout_s: float = 5.0) -> list[Check]:
     ref_host = names[0] if names[0] in facts else next(iter(facts))
     ref = facts[ref_host]
     for h, f in facts.items():
-        for pkg in ("k3dist", "mlx", "mlx-lm"):
-            same = f[pkg] == ref[pkg] and f[pkg] is not None
-            checks.append(
-                Check(
-                    h,
-                    f"{pkg} version",
-                    same,
-                    f"{f[pkg]}" + ("" if same else f" ({ref_host} has {ref[pkg]})"),
-                    f"ssh {h} 'cd {plan.repo} && {plan.python} -m pip install -e .' "
-                    "(the same commit and pins everywhere)",
-                )
-            )
-        same_path = f.get("k3dist_path") == plan.repo
-        checks.append(
-            Check(
-                h,
-                "repo path",
-                same_path,
-                f"k3dist imported from {f.get('k3dist_path')}",
-                f"install this checkout at {plan.repo} on {h} (pip install -e .)",
-            )
-        )
-        for rank, folder in f["folders"].items():
-            path = dep.rank_path(int(rank))
-            checks.append(
-                Check(
-                    h,
-                    f"rank {rank} folder",
-                    folder["ok"],
-                    f"{path}: {folder['why']}",
-                    f"rsync -a --progress {path}/ {h}:{path}/  (from the Mac that sliced it), "
-                    f"then ssh {h} {plan.python} -m k3dist.format.verify {path} --mode full",
-                )
-            )
-        if "key" in f:
-            k = f["key"]
-            exposed = not auth.is_loopback(dep.host) and not dep.allow_no_api_key
-            ok = k["exists"] and k.get("usable", False)
-            checks.append(
-                Check(
-                    h,
-                    "API key (rank 0)",
-                    ok or not exposed,
-                    f"{k['path']}: "
-                    + ("present" if ok else "missing" if not k["exists"] else "empty or short"),
-                    f"ssh {h} 'openssl rand -hex 24 > {dep.api_key_file} && chmod 600 "
-                    f"{dep.api_key_file}'",
-                )
-            )
-        for where, why in f["ports"].items():
-            checks.append(
-                Check(
-                    h,
-                    f"port {where}",
-                    why is None,
-                    "free" if why is None else f"cannot bind: {why}",
-                    f"ssh {h} lsof -nP -iTCP:{where.rsplit(':', 1)[1]} -sTCP:LISTEN  (stop it, "
-                    "or choose other ports: run.py -p, watchdog_port, port)",
-                )
-            )
-        for where, why in f["reach"].items():
-            checks.append(
-                Check(
-                    h,
-                    f"reaches {where}",
-                    why is None,
-                    "answers" if why is None else why,
-                    f"check the cable and both hosts' bridge addresses (ssh {h} ping -c 1 "
-                    f"{where.rsplit(':', 1)[0]}); mlx.distributed_config --over thunderbolt "
-                    "sets them up",
-                )
-            )
-        if not plan.fast:
-            checks += _resource_checks(h, f, plan)
+        checks += _host_checks(h, f, ref_host, ref, plan)
     if not plan.fast:
         checks += _cluster_checks(facts, plan, ref_host)
     return checks
+
+
+def _host_checks(h: str, f: dict, ref_host: str, ref: dict, plan: Plan) -> list[Check]:
+    """One reachable host's checks: versions as ``ref_host``'s, the repo path, its rank
+    folders, rank 0's key, its ports, what it reaches, and (not --fast) its resources."""
+    from k3dist.serve import auth
+
+    dep = plan.dep
+    out: list[Check] = []
+    for pkg in ("k3dist", "mlx", "mlx-lm"):
+        same = f[pkg] == ref[pkg] and f[pkg] is not None
+        out.append(
+            Check(
+                h,
+                f"{pkg} version",
+                same,
+                f"{f[pkg]}" + ("" if same else f" ({ref_host} has {ref[pkg]})"),
+                f"ssh {h} 'cd {plan.repo} && {plan.python} -m pip install -e .' "
+                "(the same commit and pins everywhere)",
+            )
+        )
+    same_path = f.get("k3dist_path") == plan.repo
+    out.append(
+        Check(
+            h,
+            "repo path",
+            same_path,
+            f"k3dist imported from {f.get('k3dist_path')}",
+            f"install this checkout at {plan.repo} on {h} (pip install -e .)",
+        )
+    )
+    for rank, folder in f["folders"].items():
+        path = dep.rank_path(int(rank))
+        out.append(
+            Check(
+                h,
+                f"rank {rank} folder",
+                folder["ok"],
+                f"{path}: {folder['why']}",
+                f"rsync -a --progress {path}/ {h}:{path}/  (from the Mac that sliced it), "
+                f"then ssh {h} {plan.python} -m k3dist.format.verify {path} --mode full",
+            )
+        )
+    if "key" in f:
+        k = f["key"]
+        exposed = not auth.is_loopback(dep.host) and not dep.allow_no_api_key
+        ok = k["exists"] and k.get("usable", False)
+        out.append(
+            Check(
+                h,
+                "API key (rank 0)",
+                ok or not exposed,
+                f"{k['path']}: "
+                + ("present" if ok else "missing" if not k["exists"] else "empty or short"),
+                f"ssh {h} 'openssl rand -hex 24 > {dep.api_key_file} && chmod 600 "
+                f"{dep.api_key_file}'",
+            )
+        )
+    for where, why in f["ports"].items():
+        out.append(
+            Check(
+                h,
+                f"port {where}",
+                why is None,
+                "free" if why is None else f"cannot bind: {why}",
+                f"ssh {h} lsof -nP -iTCP:{where.rsplit(':', 1)[1]} -sTCP:LISTEN  (stop it, "
+                "or choose other ports: run.py -p, watchdog_port, port)",
+            )
+        )
+    for where, why in f["reach"].items():
+        out.append(
+            Check(
+                h,
+                f"reaches {where}",
+                why is None,
+                "answers" if why is None else why,
+                f"check the cable and both hosts' bridge addresses (ssh {h} ping -c 1 "
+                f"{where.rsplit(':', 1)[0]}); mlx.distributed_config --over thunderbolt "
+                "sets them up",
+            )
+        )
+    if not plan.fast:
+        out += _resource_checks(h, f, plan)
+    return out
 
 
 def clock_skew(remote_t: float, sent: float, answered: float) -> float:

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from k3dist.serve import supervise
+from k3dist.serve.hosts import LOCAL_HOST, HostUnreachable, preflight_hosts, read_hosts
 
 
 def doctor_fast(hostfile: str, python: str, passthrough: list[str], command: list[str]):
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         usage="%(prog)s [options] [mlx.launch options] -- SCRIPT [ARGS ...]",
     )
     ap.add_argument("--hostfile", help="mlx.launch hostfile (hostfiles/*.json)")
-    ap.add_argument("--hosts", default=supervise.LOCAL_HOST, help="comma-separated hosts")
+    ap.add_argument("--hosts", default=LOCAL_HOST, help="comma-separated hosts")
     ap.add_argument("-n", "--repeat-hosts", type=int, default=1, help="ranks per host")
     ap.add_argument("--python", default=sys.executable, help="the ranks' interpreter")
     ap.add_argument(
@@ -100,11 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no script after --")
 
     try:
-        hosts = supervise.read_hosts(args.hostfile, args.hosts, args.repeat_hosts)
-        supervise.preflight_hosts(
-            hosts, args.host_timeout_s, args.python, source=args.hostfile or "--hosts"
-        )
-    except (supervise.HostUnreachable, ValueError) as e:
+        hosts = read_hosts(args.hostfile, args.hosts, args.repeat_hosts)
+        preflight_hosts(hosts, args.host_timeout_s, args.python, source=args.hostfile or "--hosts")
+    except (HostUnreachable, ValueError) as e:
         print(f"[k3dist run] {e}", file=sys.stderr, flush=True)
         return supervise.START_FAILED_EXIT_CODE
     remote = args.hostfile and not all(h.local for h in hosts)

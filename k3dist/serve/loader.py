@@ -14,6 +14,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from k3dist.format import graded, layout, manifest
 from k3dist.format import manifest as mf
@@ -29,6 +30,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import kimi_k3
 from mlx_lm.utils import load_model
+
+if TYPE_CHECKING:
+    from k3dist.config.deployment import Deployment
 
 DTYPES = {name: mx_dtype(name) for name in COMPUTE_DTYPES}
 
@@ -260,6 +264,19 @@ def load_rank(
     if size > 1:
         mx.eval(mx.distributed.all_sum(mx.zeros(1), group=group))  # barrier: all loaded
     return model, config, manifest
+
+
+def load_deployed(
+    dep: Deployment,
+    group: mx.distributed.Group,
+    folder: str | Path | None = None,
+    peer_failure: Callable[[int], str | None] | None = None,
+):
+    """``load_rank`` as the deployment says: its dtype, MoE form, verify mode, attention
+    and boxes; ``folder`` defaults to this rank's (``dep.rank_path``)."""
+    folder = dep.rank_path(group.rank()) if folder is None else folder
+    checks = {"peer_failure": peer_failure, "attention": dep.attention, "boxes": dep.boxes}
+    return load_rank(folder, group, dep.dtype, dep.moe_form, dep.verify, **checks)
 
 
 def load_tokenizer(folder: str | Path):

@@ -130,6 +130,20 @@ def _attention_layout(folder: Path) -> tuple[dict, int, list[int]]:
     return tc, size, split
 
 
+def _figures(folder: Path, what: str, figure, **kw) -> tuple[dict, int, list[int]]:
+    """``figure`` (a ``kvmemory`` function) of the folder's config at its attention
+    split, with that split (ranks, split layers); a config without K3's settings is a
+    PreflightError naming the file and the fix."""
+    tc, size, split = _attention_layout(folder)
+    try:
+        return figure(tc, size=size, split_layers=split, **kw), size, split
+    except (KeyError, TypeError) as e:
+        raise PreflightError(
+            f"{folder}/config.json: no K3 {what} settings ({e!r} missing); "
+            "pass a rank folder made by slicing/rank_split.py"
+        ) from None
+
+
 def kv_need(
     folder: str | Path,
     *,
@@ -144,23 +158,15 @@ def kv_need(
     the deployment's compute ``dtype``, from the folder's ``config.json``. A rank folder
     sliced with attention split holds its share of the split layers' KDA state (its
     manifest says which); anything else, all of it."""
-    folder = Path(folder)
-    tc, size, split = _attention_layout(folder)
-    try:
-        kv = kvmemory.serving_bytes(
-            tc,
-            context=max_context,
-            batch=max_batch,
-            prompt_cache_tokens=prompt_cache_tokens,
-            act=kvmemory.act_bytes(dtype),
-            size=size,
-            split_layers=split,
-        )
-    except (KeyError, TypeError) as e:
-        raise PreflightError(
-            f"{folder}/config.json: no K3 attention settings ({e!r} missing); "
-            "pass a rank folder made by slicing/rank_split.py"
-        ) from None
+    kv, size, split = _figures(
+        Path(folder),
+        "attention",
+        kvmemory.serving_bytes,
+        context=max_context,
+        batch=max_batch,
+        prompt_cache_tokens=prompt_cache_tokens,
+        act=kvmemory.act_bytes(dtype),
+    )
     return {**kv, "dtype": dtype, "attention_ranks": size, "split_layers": len(split)}
 
 
@@ -171,22 +177,14 @@ def activation_need(
     ``max_context`` on this rank (``k3dist.format.kvmemory.prefill_activation_bytes``), in
     the deployment's compute ``dtype``; a rank folder sliced with attention split holds
     its share of the split MLA layers' heads (its manifest says which)."""
-    folder = Path(folder)
-    tc, size, split = _attention_layout(folder)
-    try:
-        act = kvmemory.prefill_activation_bytes(
-            tc,
-            context=max_context,
-            chunk=prefill_chunk,
-            act=kvmemory.act_bytes(dtype),
-            size=size,
-            split_layers=split,
-        )
-    except (KeyError, TypeError) as e:
-        raise PreflightError(
-            f"{folder}/config.json: no K3 model settings ({e!r} missing); "
-            "pass a rank folder made by slicing/rank_split.py"
-        ) from None
+    act, size, _ = _figures(
+        Path(folder),
+        "model",
+        kvmemory.prefill_activation_bytes,
+        context=max_context,
+        chunk=prefill_chunk,
+        act=kvmemory.act_bytes(dtype),
+    )
     return {**act, "dtype": dtype, "attention_ranks": size}
 
 

@@ -33,6 +33,7 @@ from k3dist.serve import (
     keepawake,
     loader,
     metrics,
+    peer_link,
     preflight,
     server,
     supervise,
@@ -133,7 +134,7 @@ def start_watchdog(r: Rank) -> None:
     """The side-channel watchdog (more than one rank): a lost peer or a stop ends every
     open stream with an error, and a failing rank tells the others why."""
     dep = r.dep
-    host, port = watchdog.coordinator_address(r.group, port=dep.watchdog_port)
+    host, port = peer_link.coordinator_address(r.group, port=dep.watchdog_port)
     r.wd = watchdog.Watchdog(
         r.rank,
         r.size,
@@ -169,15 +170,8 @@ def load(r: Rank, folder: Path) -> tuple[Any, dict, dict, Any]:
     tokenizer."""
     dep = r.dep
     t0 = time.perf_counter()
-    model, config, manifest = loader.load_rank(
-        folder,
-        r.group,
-        dep.dtype,
-        dep.moe_form,
-        dep.verify,
-        peer_failure=r.wd.peer_failures.get if r.wd else None,
-        attention=dep.attention,
-        boxes=dep.boxes,
+    model, config, manifest = loader.load_deployed(
+        dep, r.group, folder, peer_failure=r.wd.peer_failures.get if r.wd else None
     )
     log(r.rank, f"{folder}: {Report(**manifest['verify']).summary()}")
     tokenizer = loader.load_tokenizer(folder)

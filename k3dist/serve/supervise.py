@@ -15,8 +15,9 @@ cannot work around from outside:
 ssh (every ``ssh`` name but ``127.0.0.1``, mlx.launch's own test) must answer
 ``ssh -o BatchMode=yes -o ConnectTimeout=N host test -x PYTHON`` within
 ``host_timeout_s`` (+5 s for the exchange), all hosts at once; a host that does not
-is named with the fix and nothing starts. Then mlx.launch runs in its own process
-group; its output passes through and two kinds of line are read from it:
+is named with the fix and nothing starts (``k3dist.serve.hosts``). Then mlx.launch
+runs in its own process group; its output passes through and two kinds of line are
+read from it:
 
 - mlx.launch's ``Node with rank R exited with code C``: a non-zero ``C`` is the exit
   code (a rank killed by signal N, ``C = -N``, gives ``128 + N``); of several, the
@@ -77,18 +78,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from k3dist.serve.exit_codes import LOST_EXIT_CODE
+from k3dist.serve.hosts import Host, ssh_command, ssh_each
 
 # Exit code when nothing could be started (an unreachable host, bad arguments).
 START_FAILED_EXIT_CODE = 2
-# mlx.launch runs a rank without ssh only on exactly this host name (RemoteProcess).
-LOCAL_HOST = "127.0.0.1"
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NODE = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
@@ -101,121 +100,6 @@ SSH_FAILED = 255
 _MKTEMP = re.compile(r"^/[^\s'\"]*/tmp\.[A-Za-z0-9]+$")
 # where the ssh shim lives (k3dist/serve/ssh_shim/ssh): first on mlx.launch's PATH
 SSH_SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ssh_shim")
-
-
-class HostUnreachable(RuntimeError):
-    """A host mlx.launch must reach over ssh did not answer; the message names it and
-    the fix."""
-
-
-@dataclass(frozen=True)
-class Host:
-    rank: int
-    ssh: str
-
-    @property
-    def local(self) -> bool:
-        return self.ssh == LOCAL_HOST
-
-
-def read_hosts(hostfile: str | None = None, hosts: str = LOCAL_HOST, n: int = 1) -> list[Host]:
-    """The ranks' hosts exactly as mlx.launch reads them (its own parser)."""
-    from mlx._distributed_utils.common import Hostfile
-
-    hf = Hostfile.from_file(hostfile) if hostfile else Hostfile.from_list(hosts, n)
-    return [Host(h.rank, h.ssh_hostname) for h in hf.hosts]
-
-
-def _ssh(host: str, timeout_s: float, command: str) -> list[str]:
-    return [
-        "ssh",
-        "-o",
-        "BatchMode=yes",
-        "-o",
-        f"ConnectTimeout={math.ceil(timeout_s)}",
-        "-o",
-        "LogLevel=ERROR",
-        host,
-        command,
-    ]
-
-
-def ssh_fix(host: str, error: str, python: str) -> str:
-    e = error.lower()
-    if "could not resolve" in e or "name or service not known" in e:
-        return (
-            f"correct the `ssh` name {host!r} in the hostfile (or make it resolve: "
-            "~/.ssh/config, /etc/hosts)"
-        )
-    if "permission denied" in e:
-        return f"install your key so ssh needs no password: ssh-copy-id {host}"
-    if "host key verification failed" in e:
-        return f"run `ssh {host}` once by hand and accept its host key"
-    if "refused" in e:
-        return (
-            f"{host} answers but runs no ssh server: on a Mac turn on Remote Login "
-            "(System Settings > General > Sharing)"
-        )
-    if "python" in e:
-        return (
-            f"put the same checkout and virtual environment at the same path on "
-            f"{host}, or pass --python with its path there ({python} is missing)"
-        )
-    return (
-        f"check that {host} is powered on and reachable from here (ping {host}), that "
-        "the hostfile's `ssh` name is right, and that Remote Login is on"
-    )
-
-
-def probe_host(host: str, timeout_s: float = 5.0, python: str = sys.executable) -> str | None:
-    """None when ``host`` answers ssh without a password and has ``python``; else what
-    went wrong. Bounded: ssh's ConnectTimeout covers the connect and the handshake,
-    and the whole probe is killed after ``timeout_s + 5`` s."""
-    cmd = _ssh(host, timeout_s, f"test -x {shlex.quote(python)} || exit 97")
-    try:
-        r = subprocess.run(
-            cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s + 5
-        )
-    except FileNotFoundError:
-        return "ssh is not installed on this machine (mlx.launch starts remote ranks with it)"
-    except subprocess.TimeoutExpired:
-        return f"no answer within {timeout_s + 5:g} s"
-    if r.returncode == 0:
-        return None
-    if r.returncode == 97:
-        return f"python {python} is not there"
-    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
-    return lines[-1] if lines else f"ssh exited with code {r.returncode}"
-
-
-def preflight_hosts(
-    hosts: Sequence[Host],
-    timeout_s: float = 5.0,
-    python: str = sys.executable,
-    source: str = "the hostfile",
-) -> float:
-    """Probe every remote host at once; raise HostUnreachable naming each that failed.
-    Returns the seconds it took (at most about ``timeout_s + 5``)."""
-    remote = sorted({h.ssh for h in hosts if not h.local})
-    t0 = time.monotonic()
-    if not remote:
-        return 0.0
-    with ThreadPoolExecutor(len(remote)) as pool:
-        errors = dict(
-            zip(remote, pool.map(lambda h: probe_host(h, timeout_s, python), remote), strict=True)
-        )
-    bad = {h: e for h, e in errors.items() if e is not None}
-    dt = time.monotonic() - t0
-    if bad:
-        lines = []
-        for h, e in bad.items():
-            ranks = ", ".join(str(x.rank) for x in hosts if x.ssh == h)
-            lines.append(
-                f"host {h} (rank {ranks} in {source}) is unreachable over ssh ({e}); "
-                f"fix: {ssh_fix(h, e, python)}"
-            )
-        raise HostUnreachable("; ".join(lines) + f" [checked in {dt:.1f} s; no rank was started]")
-    return dt
 
 
 # ---------------------------------------------------------------- the supervised run
@@ -327,22 +211,9 @@ def clean_pending(hosts: Sequence[Host], log) -> None:
     todo = {h.ssh: pending[h.ssh] for h in hosts if h.ssh in pending and not h.local}
     if not todo:
         return
-    procs = {
-        host: subprocess.Popen(
-            _ssh(host, 5.0, f"rm -f {shlex.join(paths)}"),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for host, paths in todo.items()
-    }
-    for host, p in procs.items():
-        try:
-            ok = p.wait(15) == 0
-        except subprocess.TimeoutExpired:
-            p.kill()
-            ok = False
-        if ok:
+    done = ssh_each({host: f"rm -f {shlex.join(paths)}" for host, paths in todo.items()}, 15)
+    for host, why in done.items():
+        if why is None:
             log(f"removed {len(todo[host])} temp file(s) an earlier run left on {host}")
             pending.pop(host, None)
     _save_pending(pending)
@@ -434,7 +305,7 @@ def end_remote_rank_command(host: str, pid: int, kill_grace_s: float) -> list[st
         f"while kill -0 {pid} 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; "
         f"i=$((i+1)); done; kill -KILL {pid} 2>/dev/null; exit 0"
     )
-    return _ssh(host, 5.0, script)
+    return ssh_command(host, 5.0, script)
 
 
 def run(
@@ -464,27 +335,7 @@ def run(
     for fd in (wake_r, wake_w):
         os.set_blocking(fd, False)
     state = _State(wake_fd=wake_w)
-    # Its own process group: the wrapper can end mlx.launch and everything it started
-    # on this machine at once; stdin a pipe only the stdin release below writes.
-    # mlx.launch starts ``ssh`` from PATH: k3dist's shim first (SSH_SHIM_DIR's ssh).
-    env = dict(os.environ)
-    env["PATH"] = f"{SSH_SHIM_DIR}:{env.get('PATH', os.defpath)}"
-    proc = subprocess.Popen(
-        list(launch_cmd),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        process_group=0,
-        env=env,
-    )
-    pumps = [
-        threading.Thread(target=_pump, args=(src, dst, state), daemon=True)
-        for src, dst in ((proc.stdout, stdout), (proc.stderr, stderr))
-    ]
-    for t in pumps:
-        t.start()
-    waiter = threading.Thread(target=lambda: (proc.wait(), state.wake()), daemon=True)
-    waiter.start()
+    proc, pumps = _start_launcher(launch_cmd, state, stdout, stderr)
 
     signals: list[int] = []
     previous = {}
@@ -493,46 +344,8 @@ def run(
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             previous[s] = signal.signal(s, lambda signum, frame: signals.append(signum))
         previous_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
-
-    deadline = math.inf
-    handled = 0  # signals acted on
-    escalated = False
-    stdin_released = False
     try:
-        while proc.poll() is None:
-            # Block until something happens: a signal, a failure or pid line, the end
-            # of mlx.launch, or the deadline. No timed poll.
-            timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
-            if select.select([wake_r], [], [], timeout)[0]:
-                try:
-                    os.read(wake_r, 4096)
-                except BlockingIOError:
-                    pass
-            if not stdin_released and len(state.pids) >= len(hosts):
-                stdin_released = _release_stdin(proc)
-            now = time.monotonic()
-            if len(signals) > handled:
-                if handled == 0:
-                    _request_stop(proc.pid, signals[0], hosts, state, log)
-                    deadline = min(deadline, now + grace_s)
-                else:  # asked twice: do not wait
-                    deadline = now
-                handled = len(signals)
-            if state.first_failure is not None and deadline == math.inf:
-                rank, code = state.first_failure
-                log(
-                    f"rank {rank} exited with code {code}; waiting up to {grace_s:g} s for "
-                    "mlx.launch to end the others"
-                )
-                deadline = now + grace_s
-            if now >= deadline:
-                log(
-                    f"mlx.launch did not end within {grace_s:g} s: ending it and its "
-                    f"local ranks (SIGTERM, SIGKILL after {kill_grace_s:g} s)"
-                )
-                _end_group(proc.pid, kill_grace_s, log, leader=proc)
-                escalated = True
-                break
+        escalated = _watch(proc, hosts, state, wake_r, signals, grace_s, kill_grace_s, log)
         proc.wait()
         if escalated or state.first_failure is not None or signals:
             _end_group(proc.pid, kill_grace_s, log)  # anything of ours still on this machine
@@ -558,8 +371,93 @@ def run(
                 proc.stdin.close()
             except OSError:
                 pass
+    return _verdict(state, hosts, proc.returncode, log)
 
-    cause = state.cause()
+
+def _start_launcher(
+    launch_cmd: Sequence[str], state: _State, stdout: BinaryIO, stderr: BinaryIO
+) -> tuple[subprocess.Popen, list[threading.Thread]]:
+    """mlx.launch in its own process group (the wrapper can end it and everything it
+    started on this machine at once), stdin a pipe only the stdin release writes, its
+    output pumped through ``state``; a thread wakes the watch loop when it ends.
+    mlx.launch starts ``ssh`` from PATH: k3dist's shim first (SSH_SHIM_DIR's ssh)."""
+    env = dict(os.environ)
+    env["PATH"] = f"{SSH_SHIM_DIR}:{env.get('PATH', os.defpath)}"
+    proc = subprocess.Popen(
+        list(launch_cmd),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        process_group=0,
+        env=env,
+    )
+    pumps = [
+        threading.Thread(target=_pump, args=(src, dst, state), daemon=True)
+        for src, dst in ((proc.stdout, stdout), (proc.stderr, stderr))
+    ]
+    for t in pumps:
+        t.start()
+    threading.Thread(target=lambda: (proc.wait(), state.wake()), daemon=True).start()
+    return proc, pumps
+
+
+def _watch(
+    proc: subprocess.Popen,
+    hosts: Sequence[Host],
+    state: _State,
+    wake_r: int,
+    signals: list[int],
+    grace_s: float,
+    kill_grace_s: float,
+    log: Callable[[str], None],
+) -> bool:
+    """Until mlx.launch ends: release its stdin once every rank is up, pass the first
+    signal on as a group stop, give it ``grace_s`` after a stop or a failed rank, then
+    end it. True when it had to be ended (escalated)."""
+    deadline = math.inf
+    handled = 0  # signals acted on
+    stdin_released = False
+    while proc.poll() is None:
+        # Block until something happens: a signal, a failure or pid line, the end
+        # of mlx.launch, or the deadline. No timed poll.
+        timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+        if select.select([wake_r], [], [], timeout)[0]:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        if not stdin_released and len(state.pids) >= len(hosts):
+            stdin_released = _release_stdin(proc)
+        now = time.monotonic()
+        if len(signals) > handled:
+            if handled == 0:
+                _request_stop(proc.pid, signals[0], hosts, state, log)
+                deadline = min(deadline, now + grace_s)
+            else:  # asked twice: do not wait
+                deadline = now
+            handled = len(signals)
+        if state.first_failure is not None and deadline == math.inf:
+            rank, code = state.first_failure
+            log(
+                f"rank {rank} exited with code {code}; waiting up to {grace_s:g} s for "
+                "mlx.launch to end the others"
+            )
+            deadline = now + grace_s
+        if now >= deadline:
+            log(
+                f"mlx.launch did not end within {grace_s:g} s: ending it and its "
+                f"local ranks (SIGTERM, SIGKILL after {kill_grace_s:g} s)"
+            )
+            _end_group(proc.pid, kill_grace_s, log, leader=proc)
+            return True
+    return False
+
+
+def _verdict(
+    state: _State, hosts: Sequence[Host], returncode: int, log: Callable[[str], None]
+) -> int:
+    """The exit code that names what failed: a lost peer (3), a failed rank's own
+    code, mlx.launch's own non-zero code, else 0."""
     lost = state.lost_peer()
     if lost is not None:
         rank, reporter, why = lost
@@ -569,6 +467,7 @@ def run(
             f"this machine (every report: {state.failures})"
         )
         return LOST_EXIT_CODE
+    cause = state.cause()
     if cause is not None:
         rank, code = cause
         rc = exit_code(code)
@@ -583,8 +482,8 @@ def run(
             f"its host: {_where(hosts, rank)}"
         )
         return rc
-    if proc.returncode != 0:
-        return exit_code(proc.returncode)
+    if returncode != 0:
+        return exit_code(returncode)
     return 0
 
 
@@ -624,7 +523,8 @@ def _request_stop(pgid: int, signum: int, hosts: Sequence[Host], state: _State, 
     elif running:
         r, pid = min(running.items())
         log(f"{name}: stopping the group through rank {r} (pid {pid} on {hosts[r].ssh})")
-        subprocess.Popen(_ssh(hosts[r].ssh, 5.0, f"kill -TERM {pid}"), stdin=subprocess.DEVNULL)
+        cmd = ssh_command(hosts[r].ssh, 5.0, f"kill -TERM {pid}")
+        subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     else:
         log(f"{name}: no rank has announced itself yet; stopping process group {pgid}")
         try:
@@ -664,27 +564,13 @@ def _end_remote(
         scripts.setdefault(hosts[r].ssh, []).append(
             f"({end_remote_rank_command(hosts[r].ssh, pid, kill_grace_s)[-1]})"
         )
-    procs = {
-        host: subprocess.Popen(
-            _ssh(host, 5.0, "; ".join(parts)),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for host, parts in scripts.items()
-    }
-    for host, p in procs.items():
-        try:
-            _, err = p.communicate(timeout=kill_grace_s + 15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            err = b"no answer"
-        if p.returncode != 0:
-            why = err.decode(errors="replace").strip().splitlines()
+    done = ssh_each({h: "; ".join(parts) for h, parts in scripts.items()}, kill_grace_s + 15)
+    for host, why in done.items():
+        if why is not None:
             files_here = [f for r, paths in files.items() if hosts[r].ssh == host for f in paths]
             remember_cleanup(host, files_here)
             log(
-                f"could not clean up on {host} over ssh ({why[-1] if why else p.returncode}):"
-                f" the next run that reaches it removes the temp files; or, when it is back: "
+                f"could not clean up on {host} over ssh ({why}): the next run that reaches "
+                f"it removes the temp files; or, when it is back: "
                 f"ssh {host} {shlex.quote('; '.join(scripts[host]))}"
             )

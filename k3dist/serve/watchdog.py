@@ -25,140 +25,11 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 
+from k3dist.serve import peer_link, peer_process
 from k3dist.serve.exit_codes import LOST_EXIT_CODE
-
-import mlx.core as mx
-
-# mlx.launch's default --starting-port; the watchdog sits PORT_OFFSET above rank
-# 0's first ring port, clear of the ring's own ports (one per rank and connection).
-DEFAULT_RING_PORT = 32323
-PORT_OFFSET = 1000
-
-
-class WatchdogError(RuntimeError):
-    """The side channel could not be formed; the message says where and the fix."""
-
-
-def coordinator_address(
-    group: mx.distributed.Group | None = None,
-    *,
-    port: int | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> tuple[str, int]:
-    """Where rank 0's watchdog listens: (rank 0's IP, its first ring port + 1000).
-
-    mlx.launch (ring backend) hands every rank ``MLX_HOSTFILE``: a file holding a JSON
-    list, per rank, of the "ip:port" pairs the ring uses; rank 0's first pair names
-    its host. With jaccl, ``MLX_JACCL_COORDINATOR`` ("ip:port") does. With neither
-    (one process) it is 127.0.0.1 and mlx.launch's default port + 1000. ``port``
-    overrides the port (a deployment where that one is taken).
-    """
-    env = os.environ if environ is None else environ
-    size = group.size() if group is not None else None
-    path = env.get("MLX_HOSTFILE")
-    text = Path(path).read_text().strip() if path and Path(path).exists() else ""
-    if text:
-        try:
-            hosts = json.loads(text)
-            host, ring_port = hosts[0][0].rsplit(":", 1)
-            ring_port = int(ring_port)
-        except (json.JSONDecodeError, IndexError, KeyError, TypeError, ValueError):
-            raise WatchdogError(
-                f"MLX_HOSTFILE {path}: expected the ring backend's JSON list "
-                f"of per-rank ['ip:port', ...] lists, got {text[:200]!r}; "
-                "pass the watchdog host and port explicitly"
-            ) from None
-        if size is not None and len(hosts) != size:
-            raise WatchdogError(
-                f"MLX_HOSTFILE {path} lists {len(hosts)} ranks but the group has {size}"
-            )
-    elif env.get("MLX_JACCL_COORDINATOR"):
-        host, ring_port = env["MLX_JACCL_COORDINATOR"].rsplit(":", 1)
-        ring_port = int(ring_port)
-    else:
-        host, ring_port = "127.0.0.1", DEFAULT_RING_PORT
-    return host, port if port is not None else ring_port + PORT_OFFSET
-
-
-class _Conn:
-    """One peer socket with a line buffer. Protocol: ASCII lines, see Watchdog."""
-
-    def __init__(self, sock: socket.socket, rank: int):
-        self.sock, self.rank = sock, rank
-        self.buf = b""
-        self.last_seen = time.monotonic()
-        self.acked = False  # acknowledged a stop
-        self.left = False  # said BYE: left normally
-        self.pid: int | None = None  # the peer's process id (its PID line)
-        self.send_lock = threading.Lock()  # the watchdog thread and the wake-ups send
-        # Same machine: the peer connects from this socket's own address (loopback, or
-        # one interface talking to itself). Only then can a pid be signalled.
-        try:
-            self.local = sock.getpeername()[0] == sock.getsockname()[0]
-        except OSError:
-            self.local = False
-
-    def send(self, line: str) -> None:
-        with self.send_lock:
-            self.sock.sendall(line.encode() + b"\n")
-
-    def read_lines(self) -> list[str] | None:
-        """Lines available now; None once the peer has closed (EOF or reset)."""
-        try:
-            data = self.sock.recv(4096)
-        except (ConnectionError, TimeoutError, OSError):
-            return None
-        if not data:
-            return None
-        self.last_seen = time.monotonic()
-        self.buf += data
-        *lines, self.buf = self.buf.split(b"\n")
-        return [x.decode(errors="replace") for x in lines]
-
-
-def _readline(sock: socket.socket, deadline: float) -> str | None:
-    """A single line during the join, before the event loop; None on EOF or deadline."""
-    buf = b""
-    while not buf.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        sock.settimeout(left)
-        try:
-            b = sock.recv(1)
-        except (TimeoutError, OSError):
-            return None
-        if not b:
-            return None
-        buf += b
-    return buf[:-1].decode(errors="replace")
-
-
-def _flush_stdio(timeout_s: float = 0.5) -> None:
-    # os._exit skips Python's flush. Flush from a helper thread: a main thread
-    # blocked mid-write could hold the stream's lock, and we must still exit.
-    def flush() -> None:
-        for f in (sys.stdout, sys.stderr):
-            try:
-                f.flush()
-            except Exception:  # noqa: BLE001 - exiting anyway
-                pass
-
-    t = threading.Thread(target=flush, daemon=True)
-    t.start()
-    t.join(timeout_s)
-
-
-def _start_callback(fn: Callable | None, args: tuple) -> threading.Thread | None:
-    """Run a user callback in its own thread, so the caller can bound the wait (join)."""
-    if fn is None:
-        return None
-    t = threading.Thread(target=fn, args=args, daemon=True, name="k3dist-watchdog-callback")
-    t.start()
-    return t
+from k3dist.serve.peer_link import Conn
 
 
 class Watchdog:
@@ -253,7 +124,7 @@ class Watchdog:
         self.parent_pid = parent_pid
         self.kill_silent_peers = kill_silent_peers
         self.peer_failures: dict[int, str] = {}  # rank -> the reason it sent with FAIL
-        self.conns: dict[int, _Conn] = {}
+        self.conns: dict[int, Conn] = {}
         # this rank's figures for rank 0 (set after start-up); rank 0: what peers sent
         self.stats: Callable[[], dict] | None = None
         self.peer_stats: dict[int, tuple[float, dict]] = {}
@@ -273,29 +144,31 @@ class Watchdog:
         self._wakes = threading.Semaphore(0)  # W lines from rank 0 not yet taken
         self._listener: socket.socket | None = None
         if self.rank == 0 and self.size > 1:
-            # Listen now, not in start(): peers that come up first queue in the backlog
-            # instead of retrying, and port=0 (tests) is resolved before they need it.
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((coordinator_host, port))
-            except OSError as e:
-                s.close()
-                raise WatchdogError(
-                    f"rank 0 cannot listen on {coordinator_host}:{port} ({e}); "
-                    "another run may hold the port: stop it, or pick another "
-                    "watchdog port on every rank"
-                ) from None
-            s.listen(max(8, self.size))
-            self._listener = s
-            self.port = s.getsockname()[1]
-
-    # ------------------------------------------------------------ join
+            # Listen now, not in start(): peers that come up first queue in the backlog.
+            self._listener = peer_link.listen(coordinator_host, port, self.size)
+            self.port = self._listener.getsockname()[1]
 
     def start(self) -> Watchdog:
         """Form the star (blocks until every rank has joined), then start watching."""
         if self.size > 1:
-            (self._accept_all if self.rank == 0 else self._join)()
+            if self.rank == 0:
+                assert self._listener is not None
+                self.conns = peer_link.accept_peers(
+                    self._listener,
+                    self.size,
+                    connect_timeout_s=self.connect_timeout_s,
+                    timeout_s=self.timeout_s,
+                    log=self._log,
+                )
+            else:
+                self.conns[0] = peer_link.join_coordinator(
+                    self.rank,
+                    self.size,
+                    self.host,
+                    self.port,
+                    connect_timeout_s=self.connect_timeout_s,
+                    timeout_s=self.timeout_s,
+                )
         for c in self.conns.values():
             try:
                 c.send(f"PID {os.getpid()}")
@@ -313,94 +186,6 @@ class Watchdog:
         self._thread.start()
         atexit.register(self._at_exit)
         return self
-
-    def _accept_all(self) -> None:
-        deadline = time.monotonic() + self.connect_timeout_s
-        assert self._listener is not None
-        try:
-            while len(self.conns) < self.size - 1:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(1, self.size)) - set(self.conns))
-                    raise WatchdogError(
-                        f"rank 0: ranks {missing} did not join the watchdog on {self.host}:"
-                        f"{self.port} within {self.connect_timeout_s:g} s; check that they "
-                        "started and can reach this address (firewall, hostfile IPs)"
-                    )
-                self._listener.settimeout(left)
-                try:
-                    sock, addr = self._listener.accept()
-                except TimeoutError:
-                    continue
-                hello = _readline(sock, min(deadline, time.monotonic() + 5.0))
-                r, problem = self._check_hello(hello)
-                if problem:
-                    # A stray process (an old run, a wrong hostfile) must not take a slot.
-                    self._log(f"refused a watchdog connection from {addr[0]}: it {problem}")
-                    try:
-                        sock.sendall(f"ERR {problem}\n".encode())
-                    except OSError:
-                        pass
-                    sock.close()
-                    continue
-                self.conns[r] = _Conn(sock, r)
-            for c in self.conns.values():
-                c.sock.settimeout(self.timeout_s)  # a send can never block past the bound
-                c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                c.send("READY")
-                c.last_seen = time.monotonic()
-        finally:
-            self._listener.close()
-
-    def _check_hello(self, hello: str | None) -> tuple[int, str | None]:
-        """(rank, None) for a valid newcomer, else (-1, what is wrong with it)."""
-        parts = (hello or "").split()
-        if not (
-            len(parts) == 3 and parts[0] == "HELLO" and parts[1].isdigit() and parts[2].isdigit()
-        ):
-            return -1, f"sent {hello!r}, not HELLO rank size"
-        r, n = int(parts[1]), int(parts[2])
-        if n != self.size:
-            return -1, f"is from a group of {n}, this one has {self.size}"
-        if not 0 < r < self.size:
-            return -1, f"claims rank {r}, outside 1..{self.size - 1}"
-        if r in self.conns:
-            return -1, f"claims rank {r}, which already joined"
-        return r, None
-
-    def _join(self) -> None:
-        deadline = time.monotonic() + self.connect_timeout_s
-        last = "no attempt"
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WatchdogError(
-                    f"rank {self.rank}: the watchdog coordinator (rank 0) at {self.host}:"
-                    f"{self.port} did not let this rank join within {self.connect_timeout_s:g}"
-                    f" s (last: {last}); check that rank 0 is running and listening there, "
-                    "that the port is free and reachable, or pass the same watchdog port "
-                    "to every rank"
-                )
-            try:
-                sock = socket.create_connection((self.host, self.port), timeout=min(left, 5.0))
-            except OSError as e:
-                last = f"connect: {e}"
-                time.sleep(min(0.2, max(0.0, left)))
-                continue
-            sock.sendall(f"HELLO {self.rank} {self.size}\n".encode())
-            reply = _readline(sock, deadline)
-            if reply == "READY":
-                sock.settimeout(self.timeout_s)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.conns[0] = _Conn(sock, 0)
-                return
-            sock.close()
-            if reply is not None and reply.startswith("ERR "):
-                raise WatchdogError(
-                    f"rank {self.rank}: rank 0 refused this rank: it "
-                    f"{reply[4:]}; launch every rank with the same group"
-                )
-            last = f"rank 0 closed before all ranks joined ({reply!r})"
 
     # ------------------------------------------------------------ requests
 
@@ -490,7 +275,7 @@ class Watchdog:
     def _exit(self, code: int) -> None:
         self.exit_code = code
         self._decided.set()
-        _flush_stdio(0.2)
+        peer_process.flush_stdio(0.2)
         self._hard_exit(code)
 
     def _at_exit(self) -> None:
@@ -510,10 +295,10 @@ class Watchdog:
             # The watchdog usually has seen the closed socket or finished the stop.
             self._decided.wait(self.stop_work_s + self.stop_grace_s + 1.0)
         if self.exit_code is not None or uncaught or stopping:
-            _flush_stdio(0.2)
+            peer_process.flush_stdio(0.2)
             os._exit(self.exit_code if self.exit_code is not None else 1 if uncaught else 0)
 
-    def _lost(self, rank: int, reason: str, silent: _Conn | None = None) -> None:
+    def _lost(self, rank: int, reason: str, silent: Conn | None = None) -> None:
         self.exit_code = LOST_EXIT_CODE  # first: the main thread's atexit may read it
         if self.rank == 0:
             for c in self.conns.values():
@@ -526,44 +311,13 @@ class Watchdog:
             f"lost rank {rank} ({reason}); exiting with code {LOST_EXIT_CODE}: the "
             "group cannot continue without it"
         )
-        t = _start_callback(self.on_lost, (rank, reason))
+        t = peer_process.start_callback(self.on_lost, (rank, reason))
         deadline = time.monotonic() + self.stop_grace_s
         if silent is not None and self.kill_silent_peers:
-            self._terminate_peer(silent)
+            peer_process.end_local_peer(silent, self.stop_grace_s, self._log)
         if t is not None:
             t.join(max(0.0, deadline - time.monotonic()))
         self._exit(LOST_EXIT_CODE)
-
-    def _terminate_peer(self, c: _Conn) -> None:
-        """End a silent peer on this machine: SIGTERM, SIGKILL after ``stop_grace_s``.
-        SIGCONT follows the SIGTERM: a stopped process (SIGSTOP, Ctrl-Z, a debugger)
-        acts on no signal but SIGKILL; resumed, it finds this rank's socket closed and
-        exits on its own (code 3). A wedged one gets SIGKILL; either way its launcher
-        then sees it exit."""
-        if not c.local or c.pid is None:
-            where = "on another machine" if not c.local else "of unknown pid"
-            self._log(f"rank {c.rank} is {where}: left to the launcher to end")
-            return
-        c.sock.close()  # resumed, the peer sees this rank gone at once
-        try:
-            os.kill(c.pid, signal.SIGTERM)
-            os.kill(c.pid, signal.SIGCONT)
-        except OSError:
-            return  # already gone
-        deadline = time.monotonic() + self.stop_grace_s
-        while time.monotonic() < deadline:
-            if not _alive(c.pid):
-                self._log(f"rank {c.rank} (pid {c.pid}) ended after SIGTERM")
-                return
-            time.sleep(0.05)
-        try:
-            os.kill(c.pid, signal.SIGKILL)
-            self._log(
-                f"rank {c.rank} (pid {c.pid}) did not end within {self.stop_grace_s:g}"
-                " s of SIGTERM: sent SIGKILL"
-            )
-        except OSError:
-            pass
 
     def _beat_line(self) -> str:
         """``H``, or on a rank with ``stats`` ``M <json>`` (a heartbeat that also
@@ -607,8 +361,20 @@ class Watchdog:
                 c.send(f"STOP {origin} {reason}" if self.rank == 0 else "ACK")
             except OSError:
                 pass  # a peer that is gone shows up as a close without ACK
-        self._stop_cb = _start_callback(self.on_stop, (reason, origin))
+        if self.on_stop is not None:
+            self._stop_cb = peer_process.start_callback(self._stop_then_wake, (reason, origin))
         self._stop_deadline = time.monotonic() + self.stop_work_s + self.stop_grace_s
+
+    def _stop_then_wake(self, reason: str, origin: int) -> None:
+        """``on_stop``, then a wake-up for the loop: the rank goes as soon as its stop
+        work is done, not at the next heartbeat (up to ``interval_s`` later)."""
+        try:
+            self.on_stop(reason, origin)
+        finally:
+            try:
+                os.write(self._ctl_w, b"W\n")  # no request: only wakes the loop
+            except OSError:
+                pass
 
     def _stop_done(self) -> bool:
         cb_done = self._stop_cb is None or not self._stop_cb.is_alive()
@@ -628,7 +394,7 @@ class Watchdog:
         except OSError as e:
             self._lost(0, f"could not send the stop request: {e}")
 
-    def _on_line(self, c: _Conn, line: str) -> bool:
+    def _on_line(self, c: Conn, line: str) -> bool:
         """Handle one message; True when the loop must end (the process exits)."""
         kind, _, rest = line.partition(" ")
         if kind == "H":
@@ -663,7 +429,7 @@ class Watchdog:
             return True
         return False
 
-    def _on_close(self, c: _Conn, sel: selectors.BaseSelector) -> bool:
+    def _on_close(self, c: Conn, sel: selectors.BaseSelector) -> bool:
         sel.unregister(c.sock)
         c.sock.close()
         del self.conns[c.rank]
@@ -732,7 +498,9 @@ class Watchdog:
                         c.send(beat)
                     except OSError as e:
                         if not (c.left or c.acked or (self._stopping and self.rank != 0)):
-                            self._lost(c.rank, f"heartbeat send failed: {e}")
+                            # what it sent before it went names why (its FAIL line)
+                            if not self._peer_closed(sel):
+                                self._lost(c.rank, f"heartbeat send failed: {e}")
                             return
                 next_beat = now + self.interval_s
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -835,20 +603,3 @@ def install_failure_hook(watchdog: Watchdog) -> None:
             watchdog.fail(f"{kind.__name__}: {value}")
 
     sys.excepthook = hook
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and has not exited (a zombie awaiting its parent has)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    status = Path(f"/proc/{pid}/status")
-    if status.exists():  # Linux; macOS has no /proc and reaps through launchd
-        try:
-            return "\nState:\tZ" not in status.read_text()
-        except OSError:
-            return False
-    return True

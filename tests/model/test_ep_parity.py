@@ -197,6 +197,9 @@ def launches(builds, tmp_path_factory):
                     "attention": attention,
                     # the loader checks the folders were placed for these boxes
                     "boxes": boxes,
+                    # one OpenBLAS thread per rank: the deployment's setting for a box
+                    # running more ranks than it has cores (the suite's 2)
+                    "blas_threads": 1,
                     "prompt": builds[bits][1][0],
                     "max_tokens": _steps(size),
                     "dump": where[case][1],

@@ -1,11 +1,12 @@
 """Several greedy parity runs in one mlx.launch start-up, each as launch/generate.py runs
-one (the same calls: ``loader.load_rank``, ``greedy.greedy``, ``introspect``).
+one (the same calls: ``loader.load_deployed``, ``greedy.greedy``, ``introspect``).
 
     mlx.launch -n 2 --python .venv/bin/python tests/scripts/parity_runs.py RUNS.json
 
 RUNS.json is a list of runs: ``rank_dir`` (with ``{rank}``), ``moe_form`` and
 ``attention`` (optional: the deployment's defaults, as generate.py's without the flags),
 ``boxes`` (optional: the folders must be placed by memory for these boxes),
+``blas_threads`` (optional: OpenBLAS threads per rank, as the deployment key),
 ``prompt`` (token ids), ``max_tokens``, ``dump`` (an .npz path with ``{rank}``). For each
 run every rank loads its own folder, runs prefill and the greedy steps, saves its tokens
 and logits, and prints one JSON line: ``run`` (its index), ``rank``, the collectives per
@@ -19,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+import k3dist
 from k3dist.bench import greedy
 from k3dist.config import deployment
 from k3dist.model.group import join, report
@@ -40,17 +42,12 @@ def main() -> None:
             moe_form=run.get("moe_form"),
             attention=run.get("attention"),
             boxes=run.get("boxes"),
+            blas_threads=run.get("blas_threads"),
             size=group.size(),
         )
-        model, _, manifest = loader.load_rank(
-            dep.rank_path(rank),
-            group,
-            dep.dtype,
-            dep.moe_form,
-            dep.verify,
-            attention=dep.attention,
-            boxes=dep.boxes,
-        )
+        if dep.blas_threads:  # as launch/generate.py does
+            k3dist.set_blas_threads(dep.blas_threads)
+        model, _, manifest = loader.load_deployed(dep, group)
         tokens, logits = greedy.greedy(model, run["prompt"], run["max_tokens"])
         path = Path(run["dump"].format(rank=rank))
         path.parent.mkdir(parents=True, exist_ok=True)

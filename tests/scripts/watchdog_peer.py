@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from k3dist.model.group import join
-from k3dist.serve import watchdog
+from k3dist.serve import peer_link, watchdog
 
 import mlx.core as mx
 
@@ -47,7 +47,7 @@ def main() -> None:
     if args.launch:
         group = join()
         rank, size = group.rank(), group.size()
-        host, port = watchdog.coordinator_address(group, port=args.port)
+        host, port = peer_link.coordinator_address(group, port=args.port)
     else:
         rank, size, host, port = args.rank, args.size, args.host, args.port
     wd = watchdog.Watchdog(

@@ -16,8 +16,9 @@ import threading
 import time
 from pathlib import Path
 
-from k3dist.serve import watchdog
-from k3dist.serve.watchdog import Watchdog, WatchdogError
+from k3dist.serve import peer_link, watchdog
+from k3dist.serve.peer_link import WatchdogError
+from k3dist.serve.watchdog import Watchdog
 
 import pytest
 from util import REPO, failed_ranks, feed_stdin, free_base_port
@@ -35,16 +36,16 @@ def test_coordinator_address(tmp_path):
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([["10.0.0.1:5000", "10.0.1.1:5001"], ["10.0.0.2:5002"]]))
     env = {"MLX_HOSTFILE": str(hostfile)}
-    assert watchdog.coordinator_address(environ=env) == ("10.0.0.1", 6000)
-    assert watchdog.coordinator_address(environ=env, port=7000) == ("10.0.0.1", 7000)
-    assert watchdog.coordinator_address(environ={"MLX_JACCL_COORDINATOR": "10.0.0.9:3000"}) == (
+    assert peer_link.coordinator_address(environ=env) == ("10.0.0.1", 6000)
+    assert peer_link.coordinator_address(environ=env, port=7000) == ("10.0.0.1", 7000)
+    assert peer_link.coordinator_address(environ={"MLX_JACCL_COORDINATOR": "10.0.0.9:3000"}) == (
         "10.0.0.9",
         4000,
     )
-    assert watchdog.coordinator_address(environ={}) == ("127.0.0.1", 32323 + 1000)
+    assert peer_link.coordinator_address(environ={}) == ("127.0.0.1", 32323 + 1000)
     hostfile.write_text("not json")
     with pytest.raises(WatchdogError, match="MLX_HOSTFILE"):
-        watchdog.coordinator_address(environ=env)
+        peer_link.coordinator_address(environ=env)
 
 
 # ---------------------------------------------------------------- watchdog in threads

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 from k3dist.bench.costmodel.hardware import ACT_BYTES, GROUPS, HEAD_SPLIT, Profile
 from k3dist.format import kvmemory, layout
+from k3dist.format.classes import tensor_class
 
 # ---------------------------------------------------------------- model facts
 
@@ -49,17 +50,6 @@ class Facts:
         return self.expert_elems * self.profile.expert_pair_bits / 8
 
 
-# layout family -> the planner's non-expert class
-_CLASS = {
-    "kda": "attention",
-    "mla": "attention",
-    "shared_experts": "shared",
-    "latent": "latent",
-    "router": "router",
-    "dense_mlp": "dense_mlp",
-}
-
-
 def _tensor_bytes(s: layout.TensorSpec, p: Profile) -> float:
     if (
         s.family in ("norm", "attn_res", "vision")
@@ -70,12 +60,7 @@ def _tensor_bytes(s: layout.TensorSpec, p: Profile) -> float:
     ):
         return s.nbytes
     if p.class_bits is not None:
-        cls = (
-            ("lm_head" if s.name.endswith("lm_head.weight") else "embed")
-            if s.family == "embed"
-            else _CLASS.get(s.family)
-        )
-        bits = dict(p.class_bits).get(cls, 16)
+        bits = dict(p.class_bits).get(tensor_class(s), 16)
     elif p.nonexpert_bits == 16:
         return s.nbytes
     else:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from k3dist.config.box import SOURCES as BOX_SOURCES
 from k3dist.config.box import Box
-from k3dist.model.forms import MOE_FORMS
+from k3dist.format.placement import MOE_FORMS
 
 MODES = ("ep-replicated", "ep-split", "tp", "pp")
 EP_MODES = ("ep-replicated", "ep-split")

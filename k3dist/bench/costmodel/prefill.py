@@ -7,7 +7,12 @@ import math
 
 from k3dist.bench.costmodel.facts import Facts
 from k3dist.bench.costmodel.hardware import EP_MODES, GROUPS, Hardware
-from k3dist.bench.costmodel.step import bytes_per_token, collectives, split_fraction
+from k3dist.bench.costmodel.step import (
+    bytes_per_token,
+    collectives,
+    host_sync_s,
+    split_fraction,
+)
 
 # ---------------------------------------------------------------- prefill
 
@@ -114,11 +119,7 @@ def prefill_chunk(
     flops += attn_flops
     colls = collectives(f, mode, size, hw, chunk)
     comm = sum(c["total_s"] for c in colls)
-    sync = (
-        hw.sync_s * len(f.moe_layers)
-        if (mode in EP_MODES and form == "local" and size > 1)
-        else 0.0
-    )
+    sync = host_sync_s(f, mode, form, size, hw)
     mem_s = nbytes / (hw.mem_bw * hw.bw_fraction)
     flops_s = flops / (hw.flops * flops_fraction)
     return {

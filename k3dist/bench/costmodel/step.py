@@ -150,6 +150,14 @@ def collectives(f: Facts, mode: str, size: int, hw: Hardware, batch: int = 1) ->
     return out
 
 
+def host_sync_s(f: Facts, mode: str, form: str, size: int, hw: Hardware) -> float:
+    """The local MoE form's host syncs in one forward: one per MoE layer, expert
+    parallel on more than one rank only."""
+    return (
+        hw.sync_s * len(f.moe_layers) if mode in EP_MODES and form == "local" and size > 1 else 0.0
+    )
+
+
 def pp_stages(n_layers: int, size: int) -> list[tuple[int, int]]:
     """[start, end) per stage in layer order, as mlx-lm's kimi_k3 pipeline() splits."""
     base, extra = divmod(n_layers, size)
@@ -208,11 +216,7 @@ def bytes_per_token(
     head_flops = batch * 2 * f.head_elems
     colls = collectives(f, mode, size, hw, batch)
     comm = sum(c["total_s"] for c in colls)
-    sync = (
-        hw.sync_s * len(f.moe_layers)
-        if (mode in EP_MODES and form == "local" and size > 1)
-        else 0.0
-    )
+    sync = host_sync_s(f, mode, form, size, hw)
     stage_ranges = pp_stages(len(f.layers), size) if mode == "pp" else [(0, len(f.layers))]
     stages = []
     for start, end in stage_ranges:
