@@ -57,7 +57,7 @@ from queue import Queue
 from types import SimpleNamespace
 
 from k3dist.model import compat
-from k3dist.serve.prompt_cache import ABANDONED
+from k3dist.serve.prompt_cache import ABANDONED, segment_system
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
@@ -478,7 +478,15 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
     def _tokenize(self, tokenizer, request, args):
         if isinstance(request, Prompt) and request.tokenized is not None:
             return request.tokenized
-        return super()._tokenize(tokenizer, request, args)
+        tokenized = super()._tokenize(tokenizer, request, args)
+        if request.request_type != "chat" or not tokenizer.has_chat_template:
+            return tokenized
+        # a chat ending in a system message (Claude Code's) keeps its system prompt too
+        kwargs = {**self.model_provider.cli_args.chat_template_args}
+        kwargs.update(args.chat_template_kwargs or {})
+        return segment_system(
+            tokenizer, request.messages, {"tools": request.tools, **kwargs}, tokenized
+        )
 
     def _is_batchable(self, args) -> bool:
         # decode_concurrency is max_batch (cli_args); 1: one request at a time
