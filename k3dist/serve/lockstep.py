@@ -469,10 +469,11 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
         self, request: mlx_server.CompletionRequest, chat_template_kwargs: dict | None
     ) -> Prompt:
         """Rank 0's handler: ``request`` rendered and tokenized once, by mlx-lm's own
-        ``_tokenize`` (the template, the cache segments), ahead of the queue; the
+        ``_tokenize`` (the template, the cache segments; a chat ending in a system message
+        cut as well, ``segment_system``), ahead of the queue; the
         prompt's length is checked on these tokens and every rank generates from them."""
         args = SimpleNamespace(chat_template_kwargs=chat_template_kwargs)  # all it reads
-        tokenized = super()._tokenize(self.model_provider.tokenizer, request, args)
+        tokenized = self._tokenize(self.model_provider.tokenizer, request, args)
         return Prompt(**vars(request), tokenized=tokenized)
 
     def _tokenize(self, tokenizer, request, args):
