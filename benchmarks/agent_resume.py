@@ -32,7 +32,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _served import Served  # noqa: E402
+from k3dist.config.deployment import Deployment  # noqa: E402
+
+from _served import REPO, Served  # noqa: E402
 from agent_clients import CODEX, USER, _client_cmd, _env, version  # noqa: E402
 
 STOPPED = re.compile(
@@ -183,6 +185,12 @@ def main() -> None:
         default=[],
         help="more launch/serve.py flags (last on the line)",
     )
+    ap.add_argument(
+        "--scripted",
+        action="store_true",
+        help="the answer's tokens forced (tests/scripts/serve_scripted.py: a short answer "
+        "that ends the message; the prefill is the trained mini's own; one request at a time)",
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
 
@@ -196,6 +204,10 @@ def main() -> None:
         str(token_log),
         *a.serve_args,
     ]
+    entry = REPO / "launch/serve.py"
+    if a.scripted:  # its logits processor follows the latest request: one at a time
+        entry = REPO / "tests/scripts/serve_scripted.py"
+        args += ["--rank-dir", Deployment().rank_dir, "--max-batch", "1"]
     report: dict = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -206,6 +218,9 @@ def main() -> None:
         if a.client == "claude"
         else {},
         "serve_args": args,
+        "answer": "scripted (the mini's tokens forced to a short answer)"
+        if a.scripted
+        else "the mini's own (greedy)",
         "work_dir": str(tmp),
     }
     loads: list[float] = []  # the 1-minute load average every 30 s of the run
@@ -216,7 +231,7 @@ def main() -> None:
             loads.append(round(os.getloadavg()[0], 2))
 
     threading.Thread(target=sample, daemon=True).start()
-    srv = Served(tmp / "serve", args)
+    srv = Served(tmp / "serve", args, entry=entry)
     try:
         report["server_ready_s"] = round(srv.ready_s, 1)
         if a.client == "claude":
