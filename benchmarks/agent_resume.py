@@ -41,7 +41,7 @@ STOPPED = re.compile(
     r"request (\d+): the client went away; stopped on every rank at prompt token (\d+) of (\d+)"
 )
 CACHED = re.compile(r"request (\d+): (\d+) of (\d+) prompt tokens cached \(([^)]*)\)")
-PROGRESS = re.compile(r"request (\d+): prefill (\d+) of (\d+) prompt tokens")
+PROGRESS = re.compile(r"request (\d+): prefill (\d+) of (\d+) prompt tokens \((\d+) s\)")
 
 
 def requests_seen(log: str, token_log: Path) -> list[dict]:
@@ -53,8 +53,9 @@ def requests_seen(log: str, token_log: Path) -> list[dict]:
 
     for n, c, total, source in CACHED.findall(log):
         at(n).update(prompt_tokens=int(total), cached_tokens=int(c), cached_from=source)
-    for n, done, total in PROGRESS.findall(log):
-        at(n).update(prompt_tokens=int(total), prefilled_tokens=int(done))
+    for n, done, total, secs in PROGRESS.findall(log):
+        # seconds: from the request's start to its last progress line (rank 0's log)
+        at(n).update(prompt_tokens=int(total), prefilled_tokens=int(done), prefill_s=int(secs))
     for n, where, total in STOPPED.findall(log):
         at(n).update(prompt_tokens=int(total), stopped_at_prompt_token=int(where))
     if token_log.exists():
