@@ -426,6 +426,7 @@ PREFIX = "benchmarks/results/prefix-cache-2026-12-03.json"
 PREFILL = "benchmarks/results/project-prefill-2026-12-03.json"
 VISION = "benchmarks/results/vision-memory-2026-12-02.json"
 VERIFY = "benchmarks/results/verify-rate-2026-12-01.json"
+RESUME = "benchmarks/results/2026-12-06/agent-resume.json"
 
 
 def _pipeline_s(dwq: bool) -> float:
@@ -447,6 +448,18 @@ def _default(key: str):
     from k3dist.config.deployment import Deployment
 
     return Deployment.model_fields[key].default
+
+
+def _resumed_once(path: str, first: int) -> int:
+    """The tokens every request from ``first`` on resumed from (one value, or fails)."""
+    (n,) = set(_json(path)["resumed_from"][first:])
+    return n
+
+
+def _rest(path: str, i: int) -> int:
+    """The prompt tokens request ``i`` prefilled past those it resumed from."""
+    r = _json(path)["requests"][i]
+    return r["prompt_tokens"] - r["cached_tokens"]
 
 
 def F(docs, template: str, *sources):
@@ -557,6 +570,44 @@ FIGURES = [
         ("docs/serving.md",),
         "`max_context` ({}) holds them",
         (lambda: yaml.safe_load((REPO / "deploy/tb5.yaml").read_text())["max_context"], str),
+    ),
+    # an agent's retries and recoveries resume (docs/agents.md)
+    F(
+        ("docs/agents.md",),
+        "load {} at its start and {} at its end",
+        (RESUME, "loadavg_start.0", "{:.1f}".format),
+        (RESUME, "loadavg_end.0", "{:.1f}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "{} requests. Its first ({} tokens)",
+        (RESUME, "attempts", str),
+        (RESUME, "requests.0.prompt_tokens", "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "at prompt token {}, and sent the same request again, which resumed from those {} tokens",
+        (RESUME, "stopped_at.0", "{:,}".format),
+        (RESUME, "resumed_from.1", "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "recovery turns ({}, {} and {} tokens): each resumed from the {} tokens",
+        (RESUME, "requests.2.prompt_tokens", "{:,}".format),
+        (RESUME, "requests.3.prompt_tokens", "{:,}".format),
+        (RESUME, "requests.4.prompt_tokens", "{:,}".format),
+        (lambda: _resumed_once(RESUME, 2), "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "prefilled the remaining {} to {}",
+        (lambda: _rest(RESUME, 2), "{:,}".format),
+        (lambda: _rest(RESUME, 4), "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "complete), {} after it began",
+        (RESUME, "total_s", lambda x: secs(x, 1)),
     ),
     # prefix caches and time to first token
     F(
