@@ -427,6 +427,7 @@ PREFILL = "benchmarks/results/project-prefill-2026-12-03.json"
 VISION = "benchmarks/results/vision-memory-2026-12-02.json"
 VERIFY = "benchmarks/results/verify-rate-2026-12-01.json"
 RESUME = "benchmarks/results/2026-12-06/agent-resume.json"
+RETRY = "benchmarks/results/2026-12-06/resume-retry.json"
 
 
 def _pipeline_s(dwq: bool) -> float:
@@ -608,6 +609,29 @@ FIGURES = [
         ("docs/agents.md",),
         "complete), {} after it began",
         (RESUME, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "`prefill_chunk` {}, load {} at its start",
+        (RETRY, "prefill_chunk", str),
+        (RETRY, "loadavg_start.0", "{:.1f}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "a completion of {} tokens was hung up when {} were prefilled; the ranks stopped at "
+        "prompt token {}; the same request sent again resumed from {} cached tokens, so it "
+        "prefilled {} of the work already done again",
+        (RETRY, "prompt_tokens", "{:,}".format),
+        (RETRY, "hang_up.prefilled_tokens", "{:,}".format),
+        (RETRY, "stopped_at_prompt_token", "{:,}".format),
+        (RETRY, "retry_cached_tokens", "{:,}".format),
+        (RETRY, "reprocessed_of_done", lambda n: "none" if n == 0 else f"{n:,} tokens"),
+    ),
+    F(
+        ("docs/agents.md",),
+        "and its {} greedy tokens {} those single-process mlx-lm",
+        (RETRY, "uninterrupted_tokens", len),
+        (RETRY, "resumed_equals_uninterrupted", lambda ok: "equal" if ok else "differ from"),
     ),
     # prefix caches and time to first token
     F(
