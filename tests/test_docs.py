@@ -428,6 +428,10 @@ VISION = "benchmarks/results/vision-memory-2026-12-02.json"
 VERIFY = "benchmarks/results/verify-rate-2026-12-01.json"
 RESUME = "benchmarks/results/2026-12-06/agent-resume.json"
 RETRY = "benchmarks/results/2026-12-06/resume-retry.json"
+SCRIPTED = "benchmarks/results/2026-12-06/agent-resume-scripted.json"
+CODEX = "benchmarks/results/2026-12-06/agent-resume-codex.json"
+CODEX_SCRIPTED = "benchmarks/results/2026-12-06/agent-resume-codex-scripted.json"
+SOAK = "benchmarks/results/2026-12-06/soak.json"
 
 
 def _pipeline_s(dwq: bool) -> float:
@@ -632,6 +636,60 @@ FIGURES = [
         "and its {} greedy tokens {} those single-process mlx-lm",
         (RETRY, "uninterrupted_tokens", len),
         (RETRY, "resumed_equals_uninterrupted", lambda ok: "equal" if ok else "differ from"),
+    ),
+    F(
+        ("docs/agents.md",),
+        "agent-resume-scripted.json`, load {} at its start and {} at its end): {} request of {} "
+        "tokens, prefilled whole",
+        (SCRIPTED, "loadavg_start.0", "{:.1f}".format),
+        (SCRIPTED, "loadavg_end.0", "{:.1f}".format),
+        (SCRIPTED, "attempts", str),
+        (SCRIPTED, "requests.0.prompt_tokens", "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        'result "{}", exit {}, {}.',
+        (SCRIPTED, "run.result.result", str),
+        (SCRIPTED, "run.exit", str),
+        (SCRIPTED, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "load {} at its start): its request of {} tokens was prefilled in one go",
+        (CODEX, "loadavg_start.0", "{:.1f}".format),
+        (CODEX, "requests.0.prompt_tokens", "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "{} tokens were generated (the server's `max_tokens`: Codex sends no cap) and Codex "
+        'failed the turn ("{}"), exit {}, {}.',
+        (CODEX, "requests.0.generated_tokens", str),
+        (CODEX, "run.errors.0", str),
+        (CODEX, "run.exit", str),
+        (CODEX, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        'load {} at its start) it completed its turn ("{}", `turn.completed`, exit {}) in {}.',
+        (CODEX_SCRIPTED, "loadavg_start.0", "{:.1f}".format),
+        (CODEX_SCRIPTED, "run.agent_messages.0", str),
+        (CODEX_SCRIPTED, "run.exit", str),
+        (CODEX_SCRIPTED, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "`benchmarks/soak.py {}`, a shorter run than the 30-minute one with more requests "
+        "hung up, load {}",
+        (SOAK, "command", lambda c: c.split("soak.py ", 1)[1].split(" --out", 1)[0]),
+        (SOAK, "loadavg.0", "{:.1f}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "{} requests, {} of them hung up part-way by the client, {} lost and {} mismatches",
+        (SOAK, "requests", str),
+        (SOAK, "outcomes.abandoned", str),
+        (SOAK, "lost", str),
+        (SOAK, "mismatches", str),
     ),
     # prefix caches and time to first token
     F(
