@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from k3dist.config.deployment import Deployment  # noqa: E402
 
 from _served import REPO, Served  # noqa: E402
-from agent_clients import CODEX, USER, _client_cmd, _env, version  # noqa: E402
+from agent_clients import USER, _client_cmd, version  # noqa: E402
 
 STOPPED = re.compile(
     r"request (\d+): the client went away; stopped on every rank at prompt token (\d+) of (\d+)"
@@ -130,24 +130,7 @@ def run_claude(url: str, tmp: Path, max_output_tokens: int, timeout_s: float) ->
 def run_codex(url: str, tmp: Path, timeout_s: float) -> dict:
     """Codex ``exec`` with its default tools and its own time-outs and retry counts: only
     the provider (this server, the Responses API) is named."""
-    (tmp / "codex").mkdir(parents=True, exist_ok=True)
-    provider = f'{{name="k3", base_url="{url}/v1", env_key="K3_API_KEY", wire_api="responses"}}'
-    cmd = [
-        str(CODEX),
-        "exec",
-        "--skip-git-repo-check",
-        "--json",
-        "-m",
-        "kimi-k3",
-        "-c",
-        'model_provider="k3"',
-        "-c",
-        f"model_providers.k3={provider}",
-        "-c",
-        "analytics.enabled=false",
-        USER,
-    ]
-    env = _env(tmp / "home", CODEX_HOME=str(tmp / "codex"), K3_API_KEY="dummy-key")
+    cmd, env = _client_cmd("codex", url, tmp, own_retries=True)
     code, out, err, took, events = _run(cmd, env, _work(tmp), timeout_s)
     (tmp / "codex-stdout.jsonl").write_text(out)
     (tmp / "codex-stderr.txt").write_text(err)
