@@ -61,17 +61,24 @@ def _rank_of(pid: int) -> int | None:
 
 class Served:
     """``launch/run.py --hosts 127.0.0.1 -n 2 -- launch/serve.py ARGS`` in its own
-    session; ``processes()`` names the supervisor, mlx.launch and each rank."""
+    session (``entry``: another script in launch/serve.py's place, taking its flags);
+    ``processes()`` names the supervisor, mlx.launch and each rank."""
 
     def __init__(
-        self, tmp: Path, args: list[str], *, supervised: bool = True, ready_timeout_s: float = 600
+        self,
+        tmp: Path,
+        args: list[str],
+        *,
+        supervised: bool = True,
+        ready_timeout_s: float = 600,
+        entry: Path = REPO / "launch/serve.py",
     ):
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         py = sys.executable
-        serve = [str(REPO / "launch/serve.py"), "--port", str(self.port), *args]
+        serve = [str(entry), "--port", str(self.port), *args]
         ring = ["-p", str(free_base_port(2))]
         if supervised:
             cmd = [

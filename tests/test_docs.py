@@ -426,6 +426,12 @@ PREFIX = "benchmarks/results/2026-12-03/prefix-cache.json"
 PREFILL = "benchmarks/results/2026-12-03/project-prefill.json"
 VISION = "benchmarks/results/2026-12-02/vision-memory.json"
 VERIFY = "benchmarks/results/2026-12-01/verify-rate.json"
+RESUME = "benchmarks/results/2026-12-06/agent-resume.json"
+RETRY = "benchmarks/results/2026-12-06/resume-retry.json"
+SCRIPTED = "benchmarks/results/2026-12-06/agent-resume-scripted.json"
+CODEX = "benchmarks/results/2026-12-06/agent-resume-codex.json"
+CODEX_SCRIPTED = "benchmarks/results/2026-12-06/agent-resume-codex-scripted.json"
+SOAK = "benchmarks/results/2026-12-06/soak.json"
 
 
 def _pipeline_s(dwq: bool) -> float:
@@ -447,6 +453,18 @@ def _default(key: str):
     from k3dist.config.deployment import Deployment
 
     return Deployment.model_fields[key].default
+
+
+def _resumed_once(path: str, first: int) -> int:
+    """The tokens every request from ``first`` on resumed from (one value, or fails)."""
+    (n,) = set(_json(path)["resumed_from"][first:])
+    return n
+
+
+def _rest(path: str, i: int) -> int:
+    """The prompt tokens request ``i`` prefilled past those it resumed from."""
+    r = _json(path)["requests"][i]
+    return r["prompt_tokens"] - r["cached_tokens"]
 
 
 def F(docs, template: str, *sources):
@@ -557,6 +575,121 @@ FIGURES = [
         ("docs/serving.md",),
         "`max_context` ({}) holds them",
         (lambda: yaml.safe_load((REPO / "deploy/tb5.yaml").read_text())["max_context"], str),
+    ),
+    # an agent's retries and recoveries resume (docs/agents.md)
+    F(
+        ("docs/agents.md",),
+        "load {} at its start and {} at its end",
+        (RESUME, "loadavg_start.0", "{:.1f}".format),
+        (RESUME, "loadavg_end.0", "{:.1f}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "{} requests. Its first ({} tokens)",
+        (RESUME, "attempts", str),
+        (RESUME, "requests.0.prompt_tokens", "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "at prompt token {}, and sent the same request again, which resumed from those {} tokens",
+        (RESUME, "stopped_at.0", "{:,}".format),
+        (RESUME, "resumed_from.1", "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "recovery turns ({}, {} and {} tokens): each resumed from the {} tokens",
+        (RESUME, "requests.2.prompt_tokens", "{:,}".format),
+        (RESUME, "requests.3.prompt_tokens", "{:,}".format),
+        (RESUME, "requests.4.prompt_tokens", "{:,}".format),
+        (lambda: _resumed_once(RESUME, 2), "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "prefilled the remaining {} to {}",
+        (lambda: _rest(RESUME, 2), "{:,}".format),
+        (lambda: _rest(RESUME, 4), "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "complete), {} after it began",
+        (RESUME, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "`prefill_chunk` {}, load {} at its start",
+        (RETRY, "prefill_chunk", str),
+        (RETRY, "loadavg_start.0", "{:.1f}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "a completion of {} tokens was hung up when {} were prefilled; the ranks stopped at "
+        "prompt token {}; the same request sent again resumed from {} cached tokens, so it "
+        "prefilled {} of the work already done again",
+        (RETRY, "prompt_tokens", "{:,}".format),
+        (RETRY, "hang_up.prefilled_tokens", "{:,}".format),
+        (RETRY, "stopped_at_prompt_token", "{:,}".format),
+        (RETRY, "retry_cached_tokens", "{:,}".format),
+        (RETRY, "reprocessed_of_done", lambda n: "none" if n == 0 else f"{n:,} tokens"),
+    ),
+    F(
+        ("docs/agents.md",),
+        "and its {} greedy tokens {} those single-process mlx-lm",
+        (RETRY, "uninterrupted_tokens", len),
+        (RETRY, "resumed_equals_uninterrupted", lambda ok: "equal" if ok else "differ from"),
+    ),
+    F(
+        ("docs/agents.md",),
+        "agent-resume-scripted.json`, load {} at its start and {} at its end): {} request of {} "
+        "tokens, prefilled whole",
+        (SCRIPTED, "loadavg_start.0", "{:.1f}".format),
+        (SCRIPTED, "loadavg_end.0", "{:.1f}".format),
+        (SCRIPTED, "attempts", str),
+        (SCRIPTED, "requests.0.prompt_tokens", "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        'result "{}", exit {}, {}.',
+        (SCRIPTED, "run.result.result", str),
+        (SCRIPTED, "run.exit", str),
+        (SCRIPTED, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "load {} at its start): its request of {} tokens was prefilled in one go",
+        (CODEX, "loadavg_start.0", "{:.1f}".format),
+        (CODEX, "requests.0.prompt_tokens", "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "{} tokens were generated (the server's `max_tokens`: Codex sends no cap) and Codex "
+        'failed the turn ("{}"), exit {}, {}.',
+        (CODEX, "requests.0.generated_tokens", str),
+        (CODEX, "run.errors.0", str),
+        (CODEX, "run.exit", str),
+        (CODEX, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        'load {} at its start) it completed its turn ("{}", `turn.completed`, exit {}) in {}.',
+        (CODEX_SCRIPTED, "loadavg_start.0", "{:.1f}".format),
+        (CODEX_SCRIPTED, "run.agent_messages.0", str),
+        (CODEX_SCRIPTED, "run.exit", str),
+        (CODEX_SCRIPTED, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "`benchmarks/faults/soak.py {}`, a shorter run than the 30-minute one with more requests "
+        "hung up, load {}",
+        (SOAK, "command", lambda c: c.split("soak.py ", 1)[1].split(" --out", 1)[0]),
+        (SOAK, "loadavg.0", "{:.1f}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "{} requests, {} of them hung up part-way by the client, {} lost and {} mismatches",
+        (SOAK, "requests", str),
+        (SOAK, "outcomes.abandoned", str),
+        (SOAK, "lost", str),
+        (SOAK, "mismatches", str),
     ),
     # prefix caches and time to first token
     F(

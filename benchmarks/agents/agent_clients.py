@@ -91,8 +91,11 @@ def _env(home: Path, **extra: str) -> dict:
     return {**keep, "HOME": str(home), "NO_PROXY": "127.0.0.1", **extra}
 
 
-def _client_cmd(name: str, url: str, tmp: Path) -> tuple[list[str], dict]:
-    """The client with its defaults (no --bare, its own system prompt and tools)."""
+def _client_cmd(
+    name: str, url: str, tmp: Path, *, own_retries: bool = False
+) -> tuple[list[str], dict]:
+    """The client with its defaults (no --bare, its own system prompt and tools).
+    Codex retries nothing unless ``own_retries`` (then its own counts apply)."""
     if name == "claude":
         return (
             [
@@ -117,9 +120,10 @@ def _client_cmd(name: str, url: str, tmp: Path) -> tuple[list[str], dict]:
         )
     if name == "codex":
         (tmp / "codex").mkdir(parents=True, exist_ok=True)
+        retries = "" if own_retries else ", request_max_retries=0, stream_max_retries=0"
         provider = (
             f'{{name="k3", base_url="{url}/v1", env_key="K3_API_KEY", '
-            'wire_api="responses", request_max_retries=0, stream_max_retries=0}'
+            f'wire_api="responses"{retries}}}'
         )
         return (
             [

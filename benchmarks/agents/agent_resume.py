@@ -1,16 +1,18 @@
-"""Claude Code's default mode, unmodified, against the 2-rank trained mini with a 64K
-context, until a turn completes (issue 41): its full request (system prompt and default
-tools, ~28K tokens) takes longer to prefill on a small CPU box than the client waits, so
-it gives up and sends the same request again; each retry resumes the prefill its
-predecessor left in the prompt cache. Only Claude Code's own output cap is set
-(``CLAUDE_CODE_MAX_OUTPUT_TOKENS``: the mini never stops on its own); no time-out is
-raised. Reports each request the server saw (prompt tokens, cached tokens it resumed
-from, where it stopped or that it finished), the client's exit and result, and the
-total time.
+"""Claude Code's default mode (or Codex ``exec``), unmodified, against the 2-rank trained
+mini with a 64K context, until its turn ends (issue 41): its full request (system prompt
+and default tools, ~17K tokens for Claude Code, ~12K for Codex) takes longer to prefill on
+a small CPU box than the client may wait, so it may give up and send the same request
+again; each retry resumes the prefill its predecessor left in the prompt cache, and each
+of Claude Code's max-token recovery turns reuses its system prompt and tools. Only Claude
+Code's own output cap is set (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``: the mini never stops on
+its own; Codex sends no cap, so the server's ``max_tokens`` applies); no time-out or
+retry count is changed. Reports each request the server saw (prompt tokens, cached tokens
+it resumed from, where it stopped or that it finished), the client's exit and result, the
+total time and the load average.
 
-    nice -n 10 python benchmarks/agents/agent_resume.py [--max-context 65536] \\
-        [--max-output-tokens 32] [--timeout-s 5400] \\
-        --out benchmarks/results/DATE/agent-resume.json
+    nice -n 10 python benchmarks/agents/agent_resume.py [--client claude|codex] \\
+        [--max-context 65536] [--max-output-tokens 32] [--timeout-s 5400] \\
+        --out benchmarks/results/agent-resume-DATE.json
 
 Many minutes of CPU on 2 cores: run it under nice.
 """
@@ -25,18 +27,22 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _served.py: benchmarks/
-from _served import Served  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # agent_clients.py
+from k3dist.config.deployment import Deployment  # noqa: E402
+
+from _served import REPO, Served  # noqa: E402
 from agent_clients import USER, _client_cmd, version  # noqa: E402
 
 STOPPED = re.compile(
     r"request (\d+): the client went away; stopped on every rank at prompt token (\d+) of (\d+)"
 )
 CACHED = re.compile(r"request (\d+): (\d+) of (\d+) prompt tokens cached \(([^)]*)\)")
-PROGRESS = re.compile(r"request (\d+): prefill (\d+) of (\d+) prompt tokens")
+PROGRESS = re.compile(r"request (\d+): prefill (\d+) of (\d+) prompt tokens \((\d+) s\)")
 
 
 def requests_seen(log: str, token_log: Path) -> list[dict]:
@@ -48,8 +54,9 @@ def requests_seen(log: str, token_log: Path) -> list[dict]:
 
     for n, c, total, source in CACHED.findall(log):
         at(n).update(prompt_tokens=int(total), cached_tokens=int(c), cached_from=source)
-    for n, done, total in PROGRESS.findall(log):
-        at(n).update(prompt_tokens=int(total), prefilled_tokens=int(done))
+    for n, done, total, secs in PROGRESS.findall(log):
+        # seconds: from the request's start to its last progress line (rank 0's log)
+        at(n).update(prompt_tokens=int(total), prefilled_tokens=int(done), prefill_s=int(secs))
     for n, where, total in STOPPED.findall(log):
         at(n).update(prompt_tokens=int(total), stopped_at_prompt_token=int(where))
     if token_log.exists():
@@ -64,13 +71,9 @@ def requests_seen(log: str, token_log: Path) -> list[dict]:
     return [reqs[k] for k in sorted(reqs)]
 
 
-def run_client(url: str, tmp: Path, max_output_tokens: int, timeout_s: float) -> dict:
-    """Claude Code in its default mode (``-p``, no --bare), only its output cap set."""
-    cmd, env = _client_cmd("claude", url, tmp)
-    env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_output_tokens)
-    work = tmp / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "notes.txt").write_text("a file for the agent to list\n")
+def _run(cmd: list[str], env: dict, work: Path, timeout_s: float) -> tuple:
+    """The client, to its end or ``timeout_s``: (exit code or "timeout", stdout, stderr,
+    seconds, the JSON lines of its stdout)."""
     t0 = time.monotonic()
     try:
         r = subprocess.run(
@@ -94,26 +97,29 @@ def run_client(url: str, tmp: Path, max_output_tokens: int, timeout_s: float) ->
             events.append(json.loads(line))
         except ValueError:
             pass
+    return code, out, err, took, events
+
+
+def _work(tmp: Path) -> Path:
+    work = tmp / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "notes.txt").write_text("a file for the agent to list\n")
+    return work
+
+
+def run_claude(url: str, tmp: Path, max_output_tokens: int, timeout_s: float) -> dict:
+    """Claude Code in its default mode (``-p``, no --bare), only its output cap set."""
+    cmd, env = _client_cmd("claude", url, tmp)
+    env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_output_tokens)
+    code, out, err, took, events = _run(cmd, env, _work(tmp), timeout_s)
     result = next((e for e in reversed(events) if e.get("type") == "result"), None)
     (tmp / "claude-stdout.jsonl").write_text(out)
     (tmp / "claude-stderr.txt").write_text(err)
+    keys = ("subtype", "is_error", "terminal_reason", "result", "num_turns", "duration_ms")
     return {
         "exit": code,
         "seconds": round(took, 1),
-        "result": None
-        if result is None
-        else {
-            k: result.get(k)
-            for k in (
-                "subtype",
-                "is_error",
-                "terminal_reason",
-                "result",
-                "num_turns",
-                "duration_ms",
-                "duration_api_ms",
-            )
-        },
+        "result": None if result is None else {k: result.get(k) for k in keys},
         # a turn that ended as Claude Code's own success, not with its error result
         "completed": result is not None
         and result.get("subtype") == "success"
@@ -122,8 +128,39 @@ def run_client(url: str, tmp: Path, max_output_tokens: int, timeout_s: float) ->
     }
 
 
+def run_codex(url: str, tmp: Path, timeout_s: float) -> dict:
+    """Codex ``exec`` with its default tools and its own time-outs and retry counts: only
+    the provider (this server, the Responses API) is named."""
+    cmd, env = _client_cmd("codex", url, tmp, own_retries=True)
+    code, out, err, took, events = _run(cmd, env, _work(tmp), timeout_s)
+    (tmp / "codex-stdout.jsonl").write_text(out)
+    (tmp / "codex-stderr.txt").write_text(err)
+    kinds = [e.get("type") for e in events]
+    said = [
+        e["item"].get("text", "")[:300]
+        for e in events
+        if e.get("type") == "item.completed" and e.get("item", {}).get("type") == "agent_message"
+    ]
+    errors = [
+        str(e.get("message") or e.get("error"))[:300]
+        for e in events
+        if "error" in str(e.get("type"))
+    ]
+    return {
+        "exit": code,
+        "seconds": round(took, 1),
+        "events": dict(sorted({k: kinds.count(k) for k in set(kinds) if k}.items())),
+        "agent_messages": said,
+        "errors": errors,
+        # Codex's own end of a turn: turn.completed, no turn.failed
+        "completed": "turn.completed" in kinds and "turn.failed" not in kinds,
+        "stderr_tail": err[-2000:],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--client", choices=["claude", "codex"], default="claude")
     ap.add_argument("--max-context", type=int, default=65536)
     ap.add_argument("--max-output-tokens", type=int, default=32)
     ap.add_argument("--timeout-s", type=float, default=5400, help="the whole client run")
@@ -132,6 +169,12 @@ def main() -> None:
         nargs=argparse.REMAINDER,
         default=[],
         help="more launch/serve.py flags (last on the line)",
+    )
+    ap.add_argument(
+        "--scripted",
+        action="store_true",
+        help="the answer's tokens forced (tests/scripts/serve_scripted.py: a short answer "
+        "that ends the message; the prefill is the trained mini's own; one request at a time)",
     )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
@@ -146,24 +189,45 @@ def main() -> None:
         str(token_log),
         *a.serve_args,
     ]
+    entry = REPO / "launch/serve.py"
+    if a.scripted:  # its logits processor follows the latest request: one at a time
+        entry = REPO / "tests/scripts/serve_scripted.py"
+        args += ["--rank-dir", Deployment().rank_dir, "--max-batch", "1"]
     report: dict = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
-        "client": {"name": "claude", "version": version("claude"), "user": USER},
-        "client_env_set": {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(a.max_output_tokens)},
+        "client": {"name": a.client, "version": version(a.client), "user": USER},
+        "client_env_set": {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(a.max_output_tokens)}
+        if a.client == "claude"
+        else {},
         "serve_args": args,
+        "answer": "scripted (the mini's tokens forced to a short answer)"
+        if a.scripted
+        else "the mini's own (greedy)",
         "work_dir": str(tmp),
     }
-    srv = Served(tmp / "serve", args)
+    loads: list[float] = []  # the 1-minute load average every 30 s of the run
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(30):
+            loads.append(round(os.getloadavg()[0], 2))
+
+    threading.Thread(target=sample, daemon=True).start()
+    srv = Served(tmp / "serve", args, entry=entry)
     try:
         report["server_ready_s"] = round(srv.ready_s, 1)
-        run = run_client(srv.url, tmp / "claude", a.max_output_tokens, a.timeout_s)
+        if a.client == "claude":
+            run = run_claude(srv.url, tmp / "claude", a.max_output_tokens, a.timeout_s)
+        else:
+            run = run_codex(srv.url, tmp / "codex", a.timeout_s)
         time.sleep(2)  # rank 0's last lines through mlx.launch
         reqs = requests_seen(srv.output(), Path(str(token_log).format(rank=0)))
     finally:
         srv.stop()
+        done.set()
     big = [r for r in reqs if r.get("prompt_tokens", 0) >= 1000]  # the turn, not side calls
     report.update(
         run=run,
@@ -173,6 +237,11 @@ def main() -> None:
         stopped_at=[r.get("stopped_at_prompt_token") for r in big],
         total_s=run["seconds"],
         loadavg_end=os.getloadavg(),
+        loadavg_1min_during={
+            "samples": len(loads),
+            "mean": round(sum(loads) / len(loads), 2) if loads else None,
+            "max": max(loads, default=None),
+        },
     )
     text = json.dumps(report, indent=1)
     if a.out:

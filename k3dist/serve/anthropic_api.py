@@ -216,12 +216,62 @@ def _tools(tools: list[Tool], choice: ToolChoice | None) -> tuple[list[dict], st
     return out, "required"
 
 
-def to_chat(body: dict, *, count_only: bool = False) -> dict:
-    """The chat-completion body for a Messages (or count_tokens) request body."""
-    try:
-        req = (CountTokensRequest if count_only else MessagesRequest).model_validate(body)
-    except ValidationError as e:
-        raise BadRequest(400, validation_message(e)) from None
+def _assistant(i: int, blocks: list) -> dict:
+    """An assistant message as the chat's: its text, thinking as reasoning, tool_use blocks
+    as tool_calls."""
+    text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
+    thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
+    uses = [b for b in blocks if isinstance(b, ToolUseBlock)]
+    bad = [b.type for b in blocks if isinstance(b, ToolResultBlock | ImageBlock)]
+    if bad:
+        raise BadRequest(400, f"messages.{i}: {bad[0]} blocks belong in a user message")
+    msg: dict = {"role": "assistant", "content": text}
+    if thinking:
+        msg["reasoning_content"] = thinking
+    if uses:
+        msg["tool_calls"] = [
+            {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+            for b in uses
+        ]
+    return msg
+
+
+def _user(i: int, blocks: list, calls: set[str]) -> list[dict]:
+    """A user message as chat messages: one ``tool`` message per tool_result (each must
+    answer one of ``calls``, the tool_use ids of the assistant message before it), then the
+    user's text (and images), if any."""
+    out: list[dict] = []
+    text: list[str] = []
+    images: list[dict] = []
+    for j, b in enumerate(blocks):
+        where = f"messages.{i}.content.{j}"
+        if isinstance(b, ToolResultBlock):
+            if b.tool_use_id not in calls:
+                raise BadRequest(
+                    400,
+                    f"{where}: tool_result block's tool_use_id {b.tool_use_id!r} answers no "
+                    "tool_use block of the assistant message before it",
+                )
+            out.append(
+                {"role": "tool", "tool_call_id": b.tool_use_id, "content": _tool_content(b, where)}
+            )
+        elif isinstance(b, TextBlock):
+            text.append(b.text)
+        elif isinstance(b, ImageBlock):
+            images.append(_image_part(b, where))
+        else:
+            raise BadRequest(400, f"{where}: a {b.type} block belongs in an assistant message")
+    if images:
+        out.append(
+            {"role": "user", "content": [*images, *({"type": "text", "text": t} for t in text)]}
+        )
+    elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+        out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def _messages(req: CountTokensRequest) -> list[dict]:
+    """The request's system prompt and messages as chat messages."""
     messages: list[dict] = []
     system = req.system
     if isinstance(system, list):  # Claude Code's per-request header is metadata, not prompt
@@ -240,66 +290,25 @@ def to_chat(body: dict, *, count_only: bool = False) -> dict:
                     400, f"messages.{i}: a system message holds text blocks only, not {bad[0]}"
                 )
             messages.append({"role": "system", "content": _text(blocks)})
-            continue
-        if m.role == "assistant":
-            text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
-            thinking = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock))
-            uses = [b for b in blocks if isinstance(b, ToolUseBlock)]
-            bad = [b.type for b in blocks if isinstance(b, ToolResultBlock | ImageBlock)]
-            if bad:
-                raise BadRequest(400, f"messages.{i}: {bad[0]} blocks belong in a user message")
-            msg: dict = {"role": "assistant", "content": text}
-            if thinking:
-                msg["reasoning_content"] = thinking
-            if uses:
-                msg["tool_calls"] = [
-                    {
-                        "id": b.id,
-                        "type": "function",
-                        "function": {"name": b.name, "arguments": b.input},
-                    }
-                    for b in uses
-                ]
-            calls = {b.id for b in uses}
+        elif m.role == "assistant":
+            msg = _assistant(i, blocks)
+            calls = {c["id"] for c in msg.get("tool_calls", [])}
             messages.append(msg)
-            continue
-        text: list[str] = []
-        images: list[dict] = []
-        for j, b in enumerate(blocks):
-            if isinstance(b, ToolResultBlock):
-                if b.tool_use_id not in calls:
-                    raise BadRequest(
-                        400,
-                        f"messages.{i}.content.{j}: tool_result block's "
-                        f"tool_use_id {b.tool_use_id!r} answers no tool_use "
-                        "block of the assistant message before it",
-                    )
-                messages.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": b.tool_use_id,
-                        "content": _tool_content(b, f"messages.{i}.content.{j}"),
-                    }
-                )
-            elif isinstance(b, TextBlock):
-                text.append(b.text)
-            elif isinstance(b, ImageBlock):
-                images.append(_image_part(b, f"messages.{i}.content.{j}"))
-            else:
-                raise BadRequest(
-                    400,
-                    f"messages.{i}.content.{j}: a {b.type} block belongs in an assistant message",
-                )
-        if images:
-            messages.append(
-                {"role": "user", "content": [*images, *({"type": "text", "text": t} for t in text)]}
-            )
-        elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
-            messages.append({"role": "user", "content": "".join(text)})
-        calls = set()
+        else:
+            messages += _user(i, blocks, calls)
+            calls = set()
+    return messages
+
+
+def to_chat(body: dict, *, count_only: bool = False) -> dict:
+    """The chat-completion body for a Messages (or count_tokens) request body."""
+    try:
+        req = (CountTokensRequest if count_only else MessagesRequest).model_validate(body)
+    except ValidationError as e:
+        raise BadRequest(400, validation_message(e)) from None
     chat: dict = {
         "model": req.model,
-        "messages": messages,
+        "messages": _messages(req),
         "chat_template_kwargs": {
             "thinking": bool(req.thinking and req.thinking.type != "disabled")
         },

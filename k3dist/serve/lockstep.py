@@ -57,7 +57,7 @@ from queue import Queue
 from types import SimpleNamespace
 
 from k3dist.model import compat
-from k3dist.serve.prompt_cache import ABANDONED
+from k3dist.serve.prompt_cache import ABANDONED, segment_system
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
@@ -469,16 +469,25 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
         self, request: mlx_server.CompletionRequest, chat_template_kwargs: dict | None
     ) -> Prompt:
         """Rank 0's handler: ``request`` rendered and tokenized once, by mlx-lm's own
-        ``_tokenize`` (the template, the cache segments), ahead of the queue; the
+        ``_tokenize`` (the template, the cache segments; a chat ending in a system message
+        cut as well, ``segment_system``), ahead of the queue; the
         prompt's length is checked on these tokens and every rank generates from them."""
         args = SimpleNamespace(chat_template_kwargs=chat_template_kwargs)  # all it reads
-        tokenized = super()._tokenize(self.model_provider.tokenizer, request, args)
+        tokenized = self._tokenize(self.model_provider.tokenizer, request, args)
         return Prompt(**vars(request), tokenized=tokenized)
 
     def _tokenize(self, tokenizer, request, args):
         if isinstance(request, Prompt) and request.tokenized is not None:
             return request.tokenized
-        return super()._tokenize(tokenizer, request, args)
+        tokenized = super()._tokenize(tokenizer, request, args)
+        if request.request_type != "chat" or not tokenizer.has_chat_template:
+            return tokenized
+        # a chat ending in a system message (Claude Code's) keeps its system prompt too
+        kwargs = {**self.model_provider.cli_args.chat_template_args}
+        kwargs.update(args.chat_template_kwargs or {})
+        return segment_system(
+            tokenizer, request.messages, {"tools": request.tools, **kwargs}, tokenized
+        )
 
     def _is_batchable(self, args) -> bool:
         # decode_concurrency is max_batch (cli_args); 1: one request at a time

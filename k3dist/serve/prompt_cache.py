@@ -38,6 +38,16 @@ stopped). An abandoned entry that a later entry extends is dropped: the retry th
 resumed from it holds all of it. The same bounds and eviction apply as to any entry;
 the store (below) takes it when it is long enough, so a restart mid-prefill resumes too.
 
+Segments (``segment_system``): mlx-lm cuts a chat's prompt into segments whose ends are
+kept (system prompt and tools as a ``system`` entry, the rest but the generation header as
+``user``) only when the chat ends with a user message. Claude Code's default mode ends its
+first turn with a ``system`` message (its environment, git status: ~3,300 tokens), and on
+each of its max-token recoveries (or retries) it changes the first user message, which
+comes before it: no entry ever ended before that change, and the KDA state cannot be
+trimmed back to it, so each recovery of a 17K-token request prefilled from zero
+(benchmarks/results/agent-resume-2026-12-05.json). Such a chat is cut here as mlx-lm cuts
+one that ends with a user message, so its system prompt and tools are kept too.
+
 With a ``store`` (``k3dist.serve.prefix_store.PrefixStore``, deployment
 ``prefix_cache_dir``), the prefixes mlx-lm keeps as ``system`` entries (a chat's system
 prompt and tools) and this cache's ``user`` snapshots are also written to disk, and a
@@ -57,6 +67,47 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 
 # Where a prompt's cached tokens came from (``K3PromptCache.last_fetch``).
 MEMORY, ABANDONED, STORE = "prompt cache", "an abandoned prefill", "prefix store"
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def segment_system(tokenizer: Any, messages: list[dict], template_kwargs: dict, tokenized: tuple):
+    """mlx-lm's ``_tokenize`` result (prompt, segments, types, state, vision) for a chat
+    that does not end with a user message, cut as mlx-lm cuts one that does: the leading
+    system messages with the tools (``system``), then the rest up to the think tag of the
+    generation header (``user``), then that tail (``assistant``). Anything else (a chat
+    mlx-lm cut already, one with images or no system message) is returned as it is.
+    ``template_kwargs``: what the prompt was rendered with (tools included)."""
+    prompt, segments, _, state, vision = tokenized
+    n_system = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if vision is not None or len(segments) != 1 or messages[-1]["role"] == "user":
+        return tokenized
+    if not 0 < n_system < len(messages):
+        return tokenized
+    head = tokenizer.apply_chat_template(
+        messages[:n_system] + [{"role": "user", "content": ""}],
+        add_generation_prompt=False,
+        **{**template_kwargs, "tokenize": True},
+    )
+    sys_end = _common(head, prompt)
+    if not 0 < sys_end < len(prompt) - 1:
+        return tokenized
+    tail = len(prompt)
+    if tokenizer.has_thinking:  # mlx-lm's tail: a think tag in the last 11 tokens
+        start = tokenizer.rfind_think_start(prompt, start=len(prompt) - 11)
+        if start > sys_end:
+            tail = start
+    cut = [(prompt[:sys_end], "system"), (prompt[sys_end:tail], "user")]
+    cut.append((prompt[tail:], "assistant"))
+    cut = [(seg, kind) for seg, kind in cut if seg]
+    return prompt, [seg for seg, _ in cut], [kind for _, kind in cut], state, vision
 
 
 def cache_tokens(cache: list) -> int | None:

@@ -431,6 +431,53 @@ def test_anthropic_messages_end_to_end(srv, ranks):
     _alive(srv)
 
 
+def _claude_default_body(query: str, recovery: int) -> dict:
+    """A request shaped as Claude Code's default mode sends it: system blocks (its billing
+    header first), tools, the first user message, then a system message (its environment)
+    last; on each max-token recovery it drops the thinking-only answer and appends its
+    resume line to the first user message, which comes before that system message."""
+    resume = "Output token limit hit. Resume directly."
+    return {
+        "model": "kimi-k3",
+        "max_tokens": 2,
+        "thinking": {"type": "adaptive"},
+        "system": [
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=1; n={recovery};"},
+            {"type": "text", "text": "You are an agent for system-last chats. Be terse."},
+        ],
+        "tools": TOOLS_A,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": query + ("\n" if recovery else "")},
+                    *([{"type": "text", "text": resume}] * recovery),
+                ],
+            },
+            {"role": "system", "content": "# Environment\n - Platform: linux\n" * 8},
+        ],
+    }
+
+
+def test_system_last_chat_keeps_its_system_prompt_for_the_recovery(srv, ranks):
+    # Claude Code's default mode: each recovery changes the first user message, before
+    # the closing system message; the system prompt and tools before it are reused
+    a = _anthropic(srv)
+    first = a.messages.create(**_claude_default_body("List the files here.", 0))
+    again = a.messages.create(**_claude_default_body("List the files here.", 1))
+    # where the server cuts: the system prompt and tools, as rendered before a user turn
+    tok = load_tokenizer(ranks.format(rank=0))
+    chat = anthropic_api.to_chat(_claude_default_body("List the files here.", 1))
+    kw = {"tools": chat["tools"], **chat["chat_template_kwargs"]}
+    head = tok.apply_chat_template(
+        [chat["messages"][0], {"role": "user", "content": ""}], add_generation_prompt=False, **kw
+    )
+    prompt = tok.apply_chat_template(chat["messages"], add_generation_prompt=True, **kw)
+    n = next(i for i, (x, y) in enumerate(zip(head, prompt, strict=False)) if x != y)
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == len(prompt)
+    assert again.usage.cache_read_input_tokens == n > 100, (again.usage, n, first.usage)
+
+
 def test_openai_responses_end_to_end(srv):
     o = _openai(srv)
     r = o.responses.create(
