@@ -18,7 +18,11 @@ answered, its prefix-cache line, a clean stop). Faults:
   ``numgen random mod 100 < N drop``) during 100 mixed requests (chat, Anthropic
   Messages, streamed chat; 4 at a time, each bounded at 120 s);
 - ``kill``: mac2's rank SIGKILLed while a stream decodes (a peer reboot);
-- ``nosshd``: mac2's sshd stopped before the launch.
+- ``nosshd``: mac2's sshd stopped before the launch;
+- ``prefixwrite``: the cable pulled while both ranks are writing a prefix-cache entry
+  (tests/scripts/serve_slow_disk.py: the entry's ``.partial`` file written, then 60 s
+  before it is hashed and renamed) and a stream decodes; the entry written before it
+  must come back at the restart and the half-written one be swept.
 
 The rig cannot delay packets or limit bandwidth: this kernel has no netem.
 """
@@ -43,7 +47,9 @@ from two_macs import PY, Served  # noqa: E402
 
 WATCHDOG_TIMEOUT_S = 5.0
 EXIT_BOUND_S = WATCHDOG_TIMEOUT_S + 10  # the stated bound: timeout + exit and clean-up
-FAULTS = ("decode", "prefill", "warmup", "flap", "loss1", "loss5", "kill", "nosshd")
+FAULTS = ("decode", "prefill", "warmup", "flap", "loss1", "loss5", "kill", "nosshd", "prefixwrite")
+SLOW_DISK = "tests/scripts/serve_slow_disk.py"
+WRITE_DELAY_S = 60.0  # the half-written entry's write: far past the fault and the exit
 
 
 def client_proc(rig, host: int, *args: str) -> subprocess.Popen:
@@ -119,7 +125,7 @@ def restart(rig, site) -> dict:
     return res
 
 
-KEEP = ("entries", "skipped_at_start", "writing", "swept", "partials_swept")
+KEEP = ("entries", "skipped_at_start", "swept_at_start", "writing")
 
 
 def pull_during_stream(rig, site, what: str) -> dict:
@@ -184,6 +190,103 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+class SlowDiskServed(Served):
+    """The same supervised launch with tests/scripts/serve_slow_disk.py as the script:
+    prefix-cache writes stall (after the ``.partial`` file) while ``flag`` exists."""
+
+    def __init__(self, rig, site, flag: Path) -> None:
+        self.rig, self.site = rig, site
+        self.log_path = site.work / f"run-{time.monotonic_ns()}.log"
+        self.t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    *rig.netns(1),
+                    PY,
+                    "launch/run.py",
+                    "--hostfile",
+                    str(rig.hostfile),
+                    "-p",
+                    str(two_macs.RING_PORT),
+                    "--",
+                    SLOW_DISK,
+                    f"--write-delay-s={WRITE_DELAY_S}",
+                    "--after-write",
+                    f"--slow-while={flag}",
+                    "--config",
+                    str(site.deploy),
+                    "--no-warmup",
+                ],
+                cwd=REPO,
+                env=rig.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+
+def prefix_files(site, pattern: str) -> list[list[str]]:
+    """Per rank, the prefix-cache files matching ``pattern`` (shared filesystem)."""
+    root = site.work / "prefixes"
+    return [sorted(p.name for p in root.glob(f"*/rank{r}-of-2/{pattern}")) for r in (0, 1)]
+
+
+def wait_files(site, pattern: str, more_than: list[list[str]], timeout_s: float) -> list:
+    """Until every rank has a ``pattern`` file it did not have in ``more_than``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = prefix_files(site, pattern)
+        new = [sorted(set(n) - set(o)) for n, o in zip(now, more_than, strict=True)]
+        if all(new):
+            return new
+        time.sleep(0.2)
+    raise RuntimeError(f"no new {pattern} on every rank within {timeout_s} s: {now}")
+
+
+def prefix_write(rig, site) -> dict:
+    """A prefix-cache write in flight on both ranks when the cable goes."""
+    flag = site.work / "slow-disk"
+    flag.unlink(missing_ok=True)
+    served = SlowDiskServed(rig, site, flag)
+    res: dict = {}
+    stream = None
+    try:
+        served.wait_ready(240)
+        sides = prefix_files(site, "*.json")
+        # entry A at disk speed: whole (data renamed, sidecar last) on both ranks
+        first = client_proc(rig, 1, "--stream", "8", "--prompt-words", "120")
+        res["first_client"] = client_result(first)
+        res["written_before"] = wait_files(site, "*.json", sides, 60)
+        flag.touch()  # from now on every write stalls after its .partial file
+        parts = prefix_files(site, "*.partial*")
+        second = client_proc(rig, 1, "--stream", "8", "--prompt-words", "240")
+        res["second_client"] = client_result(second)
+        res["writing_at_fault"] = wait_files(site, "*.partial*", parts, 60)
+        stream = client_proc(rig, 1, "--stream", "3000")
+        wait_line(stream, "FIRST")
+        t0 = time.monotonic()
+        rig.cable(False)
+        try:
+            rc = served.proc.wait(EXIT_BOUND_S + 30)
+        except subprocess.TimeoutExpired:
+            rc = None
+        res["exit_s"] = round(time.monotonic() - t0, 1)
+        res["exit_code"] = rc
+        res["within_bound"] = rc is not None and res["exit_s"] <= EXIT_BOUND_S
+        res["message"] = exit_message(served.output())
+        res["launch_files_left"] = len(two_macs.launch_files_left(served.output()))
+        res["client"] = client_result(stream)
+        res["partials_after_exit"] = prefix_files(site, "*.partial*")
+    finally:
+        rig.cable(True)
+        served.stop()
+        flag.unlink(missing_ok=True)
+        if stream is not None and stream.poll() is None:
+            stream.kill()
+    return res
+
+
 def loss(rig, site, percent: int, n: int) -> dict:
     served = Served(rig, site, "--no-warmup")
     res: dict = {"loss_percent": percent}
@@ -223,9 +326,18 @@ def run_fault(rig, site, name: str, n: int) -> dict:
         res = pull_during_stream(rig, site, name)
     elif name.startswith("loss"):
         res = loss(rig, site, int(name[4:]), n)
+    elif name == "prefixwrite":
+        res = prefix_write(rig, site)
     else:
         res = nosshd(rig, site)
     res["restart"] = restart(rig, site)
+    if name == "prefixwrite":  # what the restart found of the two entries
+        r = res["restart"]
+        r["written_before_kept"] = [
+            sorted(set(w) & set(now))
+            for w, now in zip(res["written_before"], prefix_files(site, "*.json"), strict=True)
+        ]
+        r["partials_left"] = prefix_files(site, "*.partial*")
     return res
 
 
@@ -238,6 +350,7 @@ MADE = {
     "loss5": "5 % loss on mac2, 100 mixed requests",
     "kill": "mac2's rank SIGKILLed while a stream decodes",
     "nosshd": "mac2's sshd stopped before the launch",
+    "prefixwrite": "cable pulled while both ranks write a prefix-cache entry and a stream decodes",
 }
 
 
@@ -274,20 +387,36 @@ def table(result: dict) -> str:
         msg = res.get("message", "").replace("[k3dist run] ", "").replace("|", "/")
         msg = msg.split(" (every report")[0].split("; rank 1's own exit")[0]
         msg = msg if len(msg) <= 200 else msg[:197] + "..."
-        r = res.get("restart", {})
-        restart = (
-            f"ready {r.get('ready_s')} s, served from mac2: {r.get('served_from_mac2')}, "
-            f"stop exit {r.get('exit_code')}"
-        )
-        if r.get("prefix_cache"):
-            restart += f", prefix entries {[p['entries'] for p in r['prefix_cache']]}"
-        if r.get("removed_earlier_files"):
-            restart += ", the temp files left behind the cable removed"
         rows.append(
             f"| {MADE[name]} | {after} | {res.get('exit_code')} | {msg} | {_client(res)} | "
-            f"{restart} |"
+            f"{_restart(res.get('restart', {}))} |"
         )
     return "\n".join(rows) + "\n"
+
+
+def _restart(r: dict) -> str:
+    out = (
+        f"ready {r.get('ready_s')} s, served from mac2: {r.get('served_from_mac2')}, "
+        f"stop exit {r.get('exit_code')}"
+    )
+    verified = [v.split(":")[0] for v in r.get("verify", [])]
+    if verified:
+        out += f", rank folders verified {verified}"
+    caches = r.get("prefix_cache") or []
+    if caches:
+        out += f", prefix entries {[p['entries'] for p in caches]}"
+        out += f" (skipped {[p['skipped_at_start'] for p in caches]}"
+        if any("swept_at_start" in p for p in caches):
+            out += f", half-written swept {[p.get('swept_at_start') for p in caches]}"
+        out += ")"
+    if "written_before_kept" in r:
+        out += (
+            f", entries written before the fault kept {[len(k) for k in r['written_before_kept']]}"
+        )
+        out += f", .partial files left {[len(k) for k in r['partials_left']]}"
+    if r.get("removed_earlier_files"):
+        out += ", the temp files left behind the cable removed"
+    return out
 
 
 def main() -> int:
@@ -295,6 +424,10 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", choices=FAULTS, default=list(FAULTS))
     ap.add_argument("--requests", type=int, default=100, help="the loss runs' requests")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--keep-from",
+        help="a results file whose rows (and commands) are kept for the faults not run",
+    )
     ap.add_argument("--table", help="print the Markdown table of this results file and exit")
     args = ap.parse_args()
     if args.table:
@@ -304,8 +437,9 @@ def main() -> int:
 
     build = default.ensure_default_build()
     out = Path(
-        args.out or REPO / "benchmarks/results" / f"cable-faults-{time.strftime('%Y-%m-%d')}.json"
+        args.out or REPO / "benchmarks/results" / time.strftime("%Y-%m-%d") / "cable-faults.json"
     )
+    out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "command": record.command_line(),
         "environment": record.environment(),
@@ -313,8 +447,9 @@ def main() -> int:
         "exit_bound_s": EXIT_BOUND_S,
         "faults": {},
     }
-    if out.exists() and set(args.only) != set(FAULTS):  # --only: the other rows are kept
-        kept = json.loads(out.read_text())
+    keep = Path(args.keep_from) if args.keep_from else out
+    if keep.exists() and set(args.only) != set(FAULTS):  # --only: the other rows are kept
+        kept = json.loads(keep.read_text())
         result["faults"] = kept.get("faults", {})
         result["commands"] = [*kept.get("commands", [kept.get("command")]), result["command"]]
     rig = rigmod.Rig.up()
