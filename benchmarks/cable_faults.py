@@ -322,6 +322,7 @@ def nosshd(rig, site) -> dict:
 
 
 def run_fault(rig, site, name: str, n: int) -> dict:
+    before = prefix_files(site, "*.json")  # entries whole on disk before the fault
     if name in ("decode", "prefill", "warmup", "flap", "kill"):
         res = pull_during_stream(rig, site, name)
     elif name.startswith("loss"):
@@ -330,14 +331,15 @@ def run_fault(rig, site, name: str, n: int) -> dict:
         res = prefix_write(rig, site)
     else:
         res = nosshd(rig, site)
-    res["restart"] = restart(rig, site)
-    if name == "prefixwrite":  # what the restart found of the two entries
-        r = res["restart"]
+    res["restart"] = r = restart(rig, site)
+    now = prefix_files(site, "*.json")
+    r["entries_before"] = [len(b) for b in before]
+    r["entries_before_kept"] = [len(set(b) & set(a)) for b, a in zip(before, now, strict=True)]
+    r["partials_left"] = [len(p) for p in prefix_files(site, "*.partial*")]
+    if name == "prefixwrite":  # the entry written whole just before the fault
         r["written_before_kept"] = [
-            sorted(set(w) & set(now))
-            for w, now in zip(res["written_before"], prefix_files(site, "*.json"), strict=True)
+            sorted(set(w) & set(a)) for w, a in zip(res["written_before"], now, strict=True)
         ]
-        r["partials_left"] = prefix_files(site, "*.partial*")
     return res
 
 
@@ -383,7 +385,8 @@ def table(result: dict) -> str:
         if "failed" in res:
             rows.append(f"| {MADE[name]} | run failed: {res['failed'][:120]} | | | | |")
             continue
-        after = f"{res['exit_s']} s" if "exit_s" in res else "kept serving"
+        bound = result.get("exit_bound_s")
+        after = f"{res['exit_s']} s (bound {bound:g} s)" if "exit_s" in res else "kept serving"
         msg = res.get("message", "").replace("[k3dist run] ", "").replace("|", "/")
         msg = msg.split(" (every report")[0].split("; rank 1's own exit")[0]
         msg = msg if len(msg) <= 200 else msg[:197] + "..."
@@ -409,11 +412,13 @@ def _restart(r: dict) -> str:
         if any("swept_at_start" in p for p in caches):
             out += f", half-written swept {[p.get('swept_at_start') for p in caches]}"
         out += ")"
+    if "entries_before_kept" in r:
+        out += f", entries from before kept {r['entries_before_kept']} of {r['entries_before']}"
     if "written_before_kept" in r:
-        out += (
-            f", entries written before the fault kept {[len(k) for k in r['written_before_kept']]}"
-        )
-        out += f", .partial files left {[len(k) for k in r['partials_left']]}"
+        kept = [len(k) for k in r["written_before_kept"]]
+        out += f" (the one written just before the fault: {kept})"
+    if "partials_left" in r:
+        out += f", .partial files left {r['partials_left']}"
     if r.get("removed_earlier_files"):
         out += ", the temp files left behind the cable removed"
     return out

@@ -606,7 +606,19 @@ def main(argv: list[str] | None = None) -> int:
         + ("a launch would fail" if bad else "ready to launch"),
         flush=True,
     )
+    if not bad and not args.fast:
+        print(launch_hint(args.hostfile, args.config), flush=True)
     return 1 if bad else 0
+
+
+def launch_hint(hostfile: str, config: str | None) -> str:
+    """The supervised launch: plain ``mlx.launch`` over ssh spins a core per rank and
+    cannot kill its remote ranks (docs/two-hosts.md); ``launch/run.py`` fixes both."""
+    conf = f" --config {config}" if config else ""
+    return (
+        f"launch with: .venv/bin/python launch/run.py --hostfile {hostfile} -- "
+        f"launch/serve.py{conf}  (not plain mlx.launch over ssh: docs/two-hosts.md)"
+    )
 
 
 if __name__ == "__main__":
