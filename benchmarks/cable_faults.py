@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -80,8 +82,31 @@ def wait_line(p: subprocess.Popen, want: str, timeout_s: float = 120.0) -> None:
 
 
 def client_result(p: subprocess.Popen, timeout_s: float = 150.0) -> dict:
-    out = p.communicate(timeout=timeout_s)[0].strip().splitlines()
-    return json.loads(out[-1]) if out else {"end": "no output"}
+    """The client's last (JSON) line; a stream's ``CHUNKS n t`` progress lines kept. A
+    client still running after ``timeout_s`` is killed and recorded as such, with the
+    progress it had printed (slow, or stalled)."""
+    deadline = time.monotonic() + timeout_s
+    progress, last = [], None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = p.stdout.readline()
+        if not line:
+            p.wait(10)
+            break
+        if line.startswith("CHUNKS "):
+            progress.append([float(x) for x in line.split()[1:]])
+        elif line.startswith("{"):
+            last = json.loads(line)
+    if p.poll() is None:
+        p.kill()
+        p.wait(10)
+        return {"end": f"no end within {timeout_s:g} s (client killed)", "progress": progress}
+    got = last or {"end": "no output"}
+    if progress:
+        got["progress"] = progress
+    return got
 
 
 def exit_message(out: str) -> str:
@@ -143,7 +168,7 @@ def pull_during_stream(rig, site, what: str) -> dict:
                 wait_line(stream, "SENT")
                 time.sleep(1.0)
             else:  # the flap's stream must end by itself: a few hundred tokens
-                stream = client_proc(rig, 1, "--stream", "400" if what == "flap" else "3000")
+                stream = client_proc(rig, 1, "--stream", "200" if what == "flap" else "3000")
                 wait_line(stream, "FIRST")
         t0 = time.monotonic()
         if what == "kill":
@@ -156,9 +181,15 @@ def pull_during_stream(rig, site, what: str) -> dict:
         if what == "flap":
             time.sleep(2.0)
             rig.cable(True)
-            got = client_result(stream)
+            got = client_result(stream, 300)  # 200 tokens: ~50 s at load 20
             res["client"] = got
             res["still_serving"] = served.proc.poll() is None
+            if got.get("end") != "done" and res["still_serving"]:  # stalled, or slow?
+                try:
+                    after = two_macs.client(rig, 2, rig.home(1) / ".k3dist-key", 60)
+                    res["answers_after"] = after["chat"]["completion_tokens"] > 0
+                except (AssertionError, subprocess.TimeoutExpired) as e:
+                    res["answers_after"] = f"{type(e).__name__}: {str(e)[-300:]}"
             served.stop()
             res["exit_code"] = served.proc.returncode
             res["message"] = "stopped with SIGTERM after the stream" if res["still_serving"] else ""
@@ -390,8 +421,11 @@ def table(result: dict) -> str:
         msg = res.get("message", "").replace("[k3dist run] ", "").replace("|", "/")
         msg = msg.split(" (every report")[0].split("; rank 1's own exit")[0]
         msg = msg if len(msg) <= 200 else msg[:197] + "..."
+        made = MADE[name] + (
+            f" (kept from {Path(res['kept_from']).name})" if "kept_from" in res else ""
+        )
         rows.append(
-            f"| {MADE[name]} | {after} | {res.get('exit_code')} | {msg} | {_client(res)} | "
+            f"| {made} | {after} | {res.get('exit_code')} | {msg} | {_client(res)} | "
             f"{_restart(res.get('restart', {}))} |"
         )
     return "\n".join(rows) + "\n"
@@ -431,7 +465,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument(
         "--keep-from",
-        help="a results file whose rows (and commands) are kept for the faults not run",
+        help="an earlier results file: its rows for faults neither run now nor in --out are "
+        "kept, marked kept_from (with --only and no fault: merge only)",
     )
     ap.add_argument("--table", help="print the Markdown table of this results file and exit")
     args = ap.parse_args()
@@ -452,11 +487,20 @@ def main() -> int:
         "exit_bound_s": EXIT_BOUND_S,
         "faults": {},
     }
-    keep = Path(args.keep_from) if args.keep_from else out
-    if keep.exists() and set(args.only) != set(FAULTS):  # --only: the other rows are kept
-        kept = json.loads(keep.read_text())
+    if out.exists() and set(args.only) != set(FAULTS):  # --only: the other rows are kept
+        kept = json.loads(out.read_text())
         result["faults"] = kept.get("faults", {})
         result["commands"] = [*kept.get("commands", [kept.get("command")]), result["command"]]
+        was = kept.get("environments", [kept.get("environment")])
+        result["environments"] = [*was, result["environment"]]
+    if args.keep_from:  # rows neither run now nor in OUT: from an earlier file, marked
+        for name, row in json.loads(Path(args.keep_from).read_text())["faults"].items():
+            if name not in result["faults"] and name not in args.only:
+                result["faults"][name] = dict(row, kept_from=args.keep_from)
+    if args.only == []:  # nothing to run: the merged file only
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
     rig = rigmod.Rig.up()
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
     try:
@@ -469,12 +513,14 @@ def main() -> int:
             prefix_cache_min_tokens=64,
         )
         for name in args.only:
-            t0 = time.monotonic()
+            t0, load = time.monotonic(), [round(x, 2) for x in os.getloadavg()]
             try:
                 res = run_fault(rig, site, name, args.requests)
             except Exception as e:  # noqa: BLE001 - recorded, the next fault still runs
                 res = {"failed": f"{type(e).__name__}: {e}"[-2000:]}
             res["wall_s"] = round(time.monotonic() - t0, 1)
+            res["loadavg_before"] = load
+            res["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
             result["faults"][name] = res
             print(name, json.dumps(res), flush=True)
             out.write_text(json.dumps(result, indent=2) + "\n")
