@@ -256,12 +256,14 @@ _PLAIN_RANKS = (
 
 def test_plain_mlx_launch_over_ssh_with_the_ssh_shim_on_its_path(rig):
     """docs/two-hosts.md's way for a plain ``mlx.launch`` started by hand over ssh: k3dist's
-    ssh shim first on its PATH. mlx.launch then sleeps instead of spinning a core per
-    rank, and its own remote kill finds the rank's pid file (no ``\\r``) and removes it."""
+    ssh shim first on its PATH and Enter pressed once after the ranks started. mlx.launch
+    then sleeps instead of spinning a core per rank, and its own remote kill finds the
+    rank's pid file (no ``\\r``) and removes it."""
     from k3dist.serve import supervise
 
     env = rig.env()
     env["PATH"] = f"{supervise.SSH_SHIM_DIR}:{env['PATH']}"
+    t_start = time.time() - 1
     launch = [str(REPO / ".venv/bin/mlx.launch"), "--hostfile", str(rig.hostfile)]
     p = subprocess.Popen(
         [*rig.netns(1), *launch, "--python", PY, "-p", str(two_macs.RING_PORT)]
@@ -285,6 +287,11 @@ def test_plain_mlx_launch_over_ssh_with_the_ssh_shim_on_its_path(rig):
                 pids[int(rank)] = pid
             assert line, "".join(lines)
         assert len(pids) == 2, "".join(lines)
+        # one line typed (Enter): mlx.launch forwards it to each rank's ssh, whose stdin
+        # the shim closed, meets the broken pipe and stops selecting on it (else it spins)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        time.sleep(0.5)
         c0 = two_macs.cpu_s(p.pid)
         time.sleep(2.0)
         idle = two_macs.cpu_s(p.pid) - c0
@@ -297,10 +304,27 @@ def test_plain_mlx_launch_over_ssh_with_the_ssh_shim_on_its_path(rig):
     assert "Node with rank 0 exited with code 1" in out, out
     assert "Node with rank 1 was killed" in out, out  # its remote kill worked
     assert "Traceback" not in out, out  # no CalledProcessError from the kill's rm
-    # no pid file of either rank left behind (they hold the ranks' pids)
-    left = [f for f in Path("/tmp").glob("tmp.*") if f.is_file() and _holds(f, pids.values())]
-    assert left == [], left
+    # the killed rank's pid file removed by that kill; rank 0's, which ended by itself, and
+    # both ring hostfiles stay (bug 2: launch/run.py removes them; this test does here)
+    ours = [f for f in _new_tmp_files(t_start) if _holds(f, [*pids.values(), RING_HOSTFILE])]
+    for f in ours:
+        f.unlink()
+    assert not [f for f in ours if _holds(f, [pids[1]])], ours
     assert [q for q in two_macs.rig_pids(2) if not two_macs.is_sshd(q)] == []
+
+
+RING_HOSTFILE = json.dumps([[f"{a}:{two_macs.RING_PORT + i}"] for i, a in enumerate(rigmod.ADDRS)])
+
+
+def _new_tmp_files(since: float) -> list[Path]:
+    out = []
+    for f in Path("/tmp").glob("tmp.*"):
+        try:
+            if f.is_file() and f.stat().st_mtime >= since:
+                out.append(f)
+        except OSError:
+            continue
+    return out
 
 
 def _holds(f: Path, pids) -> bool:
