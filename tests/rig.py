@@ -157,6 +157,12 @@ class Rig:
             return
         self.sshd[host - 1] = self._sshd(host)
 
+    def in_hosts(self, cmd: list[str], check: bool = True) -> None:
+        """``cmd`` in each host's mount namespace (its sshd's: what an ssh session to that
+        host sees), e.g. a small tmpfs mounted where a host writes."""
+        for p in self.sshd:
+            subprocess.run(["nsenter", "-t", str(p.pid), "-m", *cmd], check=check, timeout=30)
+
     # ---------------------------------------------------------------- life
 
     @classmethod

@@ -473,6 +473,7 @@ def F(docs, template: str, *sources):
     return (docs, template, sources)
 
 
+CABLE = "benchmarks/results/2026-12-06/cable-faults.json"
 R, B = ("README.md",), ("docs/build.md",)
 RB = ("README.md", "docs/build.md")
 _TTFT = "prefill.mxfp4.jaccl.cached_prefix.20480"
@@ -760,6 +761,22 @@ FIGURES = [
                 "{:.2f}".format,
             )
             for p in ("supervisor", "launcher", "rank0", "rank1")
+        ),
+    ),
+    # the two-host rig's cable faults
+    F(
+        ("docs/two-hosts.md",),
+        "({} chunks in {} s, the 50-chunk",
+        (CABLE, "faults.flap.client.chunks", str),
+        (CABLE, "faults.flap.client.s", str),
+    ),
+    F(
+        ("docs/two-hosts.md",),
+        "the restart swept them (half-written swept {})",
+        (
+            CABLE,
+            "faults.prefixwrite.restart.prefix_cache",
+            lambda c: str([x["swept_at_start"] for x in c]),
         ),
     ),
     # the weights check

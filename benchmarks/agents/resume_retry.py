@@ -32,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _served.py: benchmarks/
 from k3dist.config.deployment import Deployment  # noqa: E402
 
 from _served import REPO, Served  # noqa: E402

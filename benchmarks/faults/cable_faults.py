@@ -18,7 +18,11 @@ answered, its prefix-cache line, a clean stop). Faults:
   ``numgen random mod 100 < N drop``) during 100 mixed requests (chat, Anthropic
   Messages, streamed chat; 4 at a time, each bounded at 120 s);
 - ``kill``: mac2's rank SIGKILLed while a stream decodes (a peer reboot);
-- ``nosshd``: mac2's sshd stopped before the launch.
+- ``nosshd``: mac2's sshd stopped before the launch;
+- ``prefixwrite``: the cable pulled while both ranks are writing a prefix-cache entry
+  (tests/scripts/serve_slow_disk.py: the entry's ``.partial`` file written, then 60 s
+  before it is hashed and renamed) and a stream decodes; the entry written before it
+  must come back at the restart and the half-written one be swept.
 
 The rig cannot delay packets or limit bandwidth: this kernel has no netem.
 """
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -43,7 +49,9 @@ from two_macs import PY, Served  # noqa: E402
 
 WATCHDOG_TIMEOUT_S = 5.0
 EXIT_BOUND_S = WATCHDOG_TIMEOUT_S + 10  # the stated bound: timeout + exit and clean-up
-FAULTS = ("decode", "prefill", "warmup", "flap", "loss1", "loss5", "kill", "nosshd")
+FAULTS = ("decode", "prefill", "warmup", "flap", "loss1", "loss5", "kill", "nosshd", "prefixwrite")
+SLOW_DISK = "tests/scripts/serve_slow_disk.py"
+WRITE_DELAY_S = 60.0  # the half-written entry's write: far past the fault and the exit
 
 
 def client_proc(rig, host: int, *args: str) -> subprocess.Popen:
@@ -74,8 +82,31 @@ def wait_line(p: subprocess.Popen, want: str, timeout_s: float = 120.0) -> None:
 
 
 def client_result(p: subprocess.Popen, timeout_s: float = 150.0) -> dict:
-    out = p.communicate(timeout=timeout_s)[0].strip().splitlines()
-    return json.loads(out[-1]) if out else {"end": "no output"}
+    """The client's last (JSON) line; a stream's ``CHUNKS n t`` progress lines kept. A
+    client still running after ``timeout_s`` is killed and recorded as such, with the
+    progress it had printed (slow, or stalled)."""
+    deadline = time.monotonic() + timeout_s
+    progress, last = [], None
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        line = p.stdout.readline()
+        if not line:
+            p.wait(10)
+            break
+        if line.startswith("CHUNKS "):
+            progress.append([float(x) for x in line.split()[1:]])
+        elif line.startswith("{"):
+            last = json.loads(line)
+    if p.poll() is None:
+        p.kill()
+        p.wait(10)
+        return {"end": f"no end within {timeout_s:g} s (client killed)", "progress": progress}
+    got = last or {"end": "no output"}
+    if progress:
+        got["progress"] = progress
+    return got
 
 
 def exit_message(out: str) -> str:
@@ -119,7 +150,7 @@ def restart(rig, site) -> dict:
     return res
 
 
-KEEP = ("entries", "skipped_at_start", "writing", "swept", "partials_swept")
+KEEP = ("entries", "skipped_at_start", "swept_at_start", "writing")
 
 
 def pull_during_stream(rig, site, what: str) -> dict:
@@ -137,7 +168,7 @@ def pull_during_stream(rig, site, what: str) -> dict:
                 wait_line(stream, "SENT")
                 time.sleep(1.0)
             else:  # the flap's stream must end by itself: a few hundred tokens
-                stream = client_proc(rig, 1, "--stream", "400" if what == "flap" else "3000")
+                stream = client_proc(rig, 1, "--stream", "200" if what == "flap" else "3000")
                 wait_line(stream, "FIRST")
         t0 = time.monotonic()
         if what == "kill":
@@ -150,9 +181,15 @@ def pull_during_stream(rig, site, what: str) -> dict:
         if what == "flap":
             time.sleep(2.0)
             rig.cable(True)
-            got = client_result(stream)
+            got = client_result(stream, 300)  # 200 tokens: ~50 s at load 20
             res["client"] = got
             res["still_serving"] = served.proc.poll() is None
+            if got.get("end") != "done" and res["still_serving"]:  # stalled, or slow?
+                try:
+                    after = two_macs.client(rig, 2, rig.home(1) / ".k3dist-key", 60)
+                    res["answers_after"] = after["chat"]["completion_tokens"] > 0
+                except (AssertionError, subprocess.TimeoutExpired) as e:
+                    res["answers_after"] = f"{type(e).__name__}: {str(e)[-300:]}"
             served.stop()
             res["exit_code"] = served.proc.returncode
             res["message"] = "stopped with SIGTERM after the stream" if res["still_serving"] else ""
@@ -182,6 +219,103 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+class SlowDiskServed(Served):
+    """The same supervised launch with tests/scripts/serve_slow_disk.py as the script:
+    prefix-cache writes stall (after the ``.partial`` file) while ``flag`` exists."""
+
+    def __init__(self, rig, site, flag: Path) -> None:
+        self.rig, self.site = rig, site
+        self.log_path = site.work / f"run-{time.monotonic_ns()}.log"
+        self.t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    *rig.netns(1),
+                    PY,
+                    "launch/run.py",
+                    "--hostfile",
+                    str(rig.hostfile),
+                    "-p",
+                    str(two_macs.RING_PORT),
+                    "--",
+                    SLOW_DISK,
+                    f"--write-delay-s={WRITE_DELAY_S}",
+                    "--after-write",
+                    f"--slow-while={flag}",
+                    "--config",
+                    str(site.deploy),
+                    "--no-warmup",
+                ],
+                cwd=REPO,
+                env=rig.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+
+def prefix_files(site, pattern: str) -> list[list[str]]:
+    """Per rank, the prefix-cache files matching ``pattern`` (shared filesystem)."""
+    root = site.work / "prefixes"
+    return [sorted(p.name for p in root.glob(f"*/rank{r}-of-2/{pattern}")) for r in (0, 1)]
+
+
+def wait_files(site, pattern: str, more_than: list[list[str]], timeout_s: float) -> list:
+    """Until every rank has a ``pattern`` file it did not have in ``more_than``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = prefix_files(site, pattern)
+        new = [sorted(set(n) - set(o)) for n, o in zip(now, more_than, strict=True)]
+        if all(new):
+            return new
+        time.sleep(0.2)
+    raise RuntimeError(f"no new {pattern} on every rank within {timeout_s} s: {now}")
+
+
+def prefix_write(rig, site) -> dict:
+    """A prefix-cache write in flight on both ranks when the cable goes."""
+    flag = site.work / "slow-disk"
+    flag.unlink(missing_ok=True)
+    served = SlowDiskServed(rig, site, flag)
+    res: dict = {}
+    stream = None
+    try:
+        served.wait_ready(240)
+        sides = prefix_files(site, "*.json")
+        # entry A at disk speed: whole (data renamed, sidecar last) on both ranks
+        first = client_proc(rig, 1, "--stream", "8", "--prompt-words", "120")
+        res["first_client"] = client_result(first)
+        res["written_before"] = wait_files(site, "*.json", sides, 60)
+        flag.touch()  # from now on every write stalls after its .partial file
+        parts = prefix_files(site, "*.partial*")
+        second = client_proc(rig, 1, "--stream", "8", "--prompt-words", "240")
+        res["second_client"] = client_result(second)
+        res["writing_at_fault"] = wait_files(site, "*.partial*", parts, 60)
+        stream = client_proc(rig, 1, "--stream", "3000")
+        wait_line(stream, "FIRST")
+        t0 = time.monotonic()
+        rig.cable(False)
+        try:
+            rc = served.proc.wait(EXIT_BOUND_S + 30)
+        except subprocess.TimeoutExpired:
+            rc = None
+        res["exit_s"] = round(time.monotonic() - t0, 1)
+        res["exit_code"] = rc
+        res["within_bound"] = rc is not None and res["exit_s"] <= EXIT_BOUND_S
+        res["message"] = exit_message(served.output())
+        res["launch_files_left"] = len(two_macs.launch_files_left(served.output()))
+        res["client"] = client_result(stream)
+        res["partials_after_exit"] = prefix_files(site, "*.partial*")
+    finally:
+        rig.cable(True)
+        served.stop()
+        flag.unlink(missing_ok=True)
+        if stream is not None and stream.poll() is None:
+            stream.kill()
+    return res
 
 
 def loss(rig, site, percent: int, n: int) -> dict:
@@ -219,13 +353,24 @@ def nosshd(rig, site) -> dict:
 
 
 def run_fault(rig, site, name: str, n: int) -> dict:
+    before = prefix_files(site, "*.json")  # entries whole on disk before the fault
     if name in ("decode", "prefill", "warmup", "flap", "kill"):
         res = pull_during_stream(rig, site, name)
     elif name.startswith("loss"):
         res = loss(rig, site, int(name[4:]), n)
+    elif name == "prefixwrite":
+        res = prefix_write(rig, site)
     else:
         res = nosshd(rig, site)
-    res["restart"] = restart(rig, site)
+    res["restart"] = r = restart(rig, site)
+    now = prefix_files(site, "*.json")
+    r["entries_before"] = [len(b) for b in before]
+    r["entries_before_kept"] = [len(set(b) & set(a)) for b, a in zip(before, now, strict=True)]
+    r["partials_left"] = [len(p) for p in prefix_files(site, "*.partial*")]
+    if name == "prefixwrite":  # the entry written whole just before the fault
+        r["written_before_kept"] = [
+            sorted(set(w) & set(a)) for w, a in zip(res["written_before"], now, strict=True)
+        ]
     return res
 
 
@@ -238,6 +383,7 @@ MADE = {
     "loss5": "5 % loss on mac2, 100 mixed requests",
     "kill": "mac2's rank SIGKILLed while a stream decodes",
     "nosshd": "mac2's sshd stopped before the launch",
+    "prefixwrite": "cable pulled while both ranks write a prefix-cache entry and a stream decodes",
 }
 
 
@@ -270,24 +416,46 @@ def table(result: dict) -> str:
         if "failed" in res:
             rows.append(f"| {MADE[name]} | run failed: {res['failed'][:120]} | | | | |")
             continue
-        after = f"{res['exit_s']} s" if "exit_s" in res else "kept serving"
+        bound = result.get("exit_bound_s")
+        after = f"{res['exit_s']} s (bound {bound:g} s)" if "exit_s" in res else "kept serving"
         msg = res.get("message", "").replace("[k3dist run] ", "").replace("|", "/")
         msg = msg.split(" (every report")[0].split("; rank 1's own exit")[0]
         msg = msg if len(msg) <= 200 else msg[:197] + "..."
-        r = res.get("restart", {})
-        restart = (
-            f"ready {r.get('ready_s')} s, served from mac2: {r.get('served_from_mac2')}, "
-            f"stop exit {r.get('exit_code')}"
+        made = MADE[name] + (
+            f" (kept from {Path(res['kept_from']).name})" if "kept_from" in res else ""
         )
-        if r.get("prefix_cache"):
-            restart += f", prefix entries {[p['entries'] for p in r['prefix_cache']]}"
-        if r.get("removed_earlier_files"):
-            restart += ", the temp files left behind the cable removed"
         rows.append(
-            f"| {MADE[name]} | {after} | {res.get('exit_code')} | {msg} | {_client(res)} | "
-            f"{restart} |"
+            f"| {made} | {after} | {res.get('exit_code')} | {msg} | {_client(res)} | "
+            f"{_restart(res.get('restart', {}))} |"
         )
     return "\n".join(rows) + "\n"
+
+
+def _restart(r: dict) -> str:
+    out = (
+        f"ready {r.get('ready_s')} s, served from mac2: {r.get('served_from_mac2')}, "
+        f"stop exit {r.get('exit_code')}"
+    )
+    verified = [v.split(":")[0] for v in r.get("verify", [])]
+    if verified:
+        out += f", rank folders verified {verified}"
+    caches = r.get("prefix_cache") or []
+    if caches:
+        out += f", prefix entries {[p['entries'] for p in caches]}"
+        out += f" (skipped {[p['skipped_at_start'] for p in caches]}"
+        if any("swept_at_start" in p for p in caches):
+            out += f", half-written swept {[p.get('swept_at_start') for p in caches]}"
+        out += ")"
+    if "entries_before_kept" in r:
+        out += f", entries from before kept {r['entries_before_kept']} of {r['entries_before']}"
+    if "written_before_kept" in r:
+        kept = [len(k) for k in r["written_before_kept"]]
+        out += f" (the one written just before the fault: {kept})"
+    if "partials_left" in r:
+        out += f", .partial files left {r['partials_left']}"
+    if r.get("removed_earlier_files"):
+        out += ", the temp files left behind the cable removed"
+    return out
 
 
 def main() -> int:
@@ -295,6 +463,11 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", choices=FAULTS, default=list(FAULTS))
     ap.add_argument("--requests", type=int, default=100, help="the loss runs' requests")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--keep-from",
+        help="an earlier results file: its rows for faults neither run now nor in --out are "
+        "kept, marked kept_from (with --only and no fault: merge only)",
+    )
     ap.add_argument("--table", help="print the Markdown table of this results file and exit")
     args = ap.parse_args()
     if args.table:
@@ -318,6 +491,16 @@ def main() -> int:
         kept = json.loads(out.read_text())
         result["faults"] = kept.get("faults", {})
         result["commands"] = [*kept.get("commands", [kept.get("command")]), result["command"]]
+        was = kept.get("environments", [kept.get("environment")])
+        result["environments"] = [*was, result["environment"]]
+    if args.keep_from:  # rows neither run now nor in OUT: from an earlier file, marked
+        for name, row in json.loads(Path(args.keep_from).read_text())["faults"].items():
+            if name not in result["faults"] and name not in args.only:
+                result["faults"][name] = dict(row, kept_from=args.keep_from)
+    if args.only == []:  # nothing to run: the merged file only
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
     rig = rigmod.Rig.up()
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
     try:
@@ -330,12 +513,14 @@ def main() -> int:
             prefix_cache_min_tokens=64,
         )
         for name in args.only:
-            t0 = time.monotonic()
+            t0, load = time.monotonic(), [round(x, 2) for x in os.getloadavg()]
             try:
                 res = run_fault(rig, site, name, args.requests)
             except Exception as e:  # noqa: BLE001 - recorded, the next fault still runs
                 res = {"failed": f"{type(e).__name__}: {e}"[-2000:]}
             res["wall_s"] = round(time.monotonic() - t0, 1)
+            res["loadavg_before"] = load
+            res["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
             result["faults"][name] = res
             print(name, json.dumps(res), flush=True)
             out.write_text(json.dumps(result, indent=2) + "\n")

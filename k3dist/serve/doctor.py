@@ -19,8 +19,10 @@ runs there and reports what it sees as one JSON line; the checks compare the hos
 - each host reaching the others' ring addresses (a TCP connect: refused means reached);
 - free memory against the rank's weights + memory_headroom_gib, and on macOS
   ``iogpu.wired_limit_mb`` against the same;
-- for a JACCL hostfile: macOS 26.2 or later, Thunderbolt 5 (TB4 cannot do RDMA), the
-  RDMA devices the hostfile names present (``ibv_devices``), and the same ``MLX_*`` /
+- for a JACCL hostfile: macOS 26.2 or later, Thunderbolt 5 (TB4 cannot do RDMA), RDMA
+  enabled (``rdma_ctl status``), the RDMA devices the hostfile names present
+  (``ibv_devices``) and linked (``ibv_devinfo``: PORT_ACTIVE; a Mac lists a device for
+  every Thunderbolt port, cabled or not), and the same ``MLX_*`` /
   ``JACCL_*`` environment on every host (an asymmetric MLX_METAL_FAST_SYNCH crashed a
   4-box cluster, mlx#3933);
 - sleep disabled (``pmset -g``: sleep 0) on macOS; clock skew under 2 s; free disk where
@@ -30,8 +32,9 @@ runs there and reports what it sees as one JSON line; the checks compare the hos
 ``launch/run.py`` runs before it starts mlx.launch. mlx ships the Thunderbolt set-up
 itself (``mlx.distributed_config --over thunderbolt --backend jaccl --auto-setup``): the
 doctor does not repeat it and names it as the fix. macOS-only probes parse the output of
-``sw_vers``, ``sysctl``, ``pmset``, ``vm_stat``, ``system_profiler`` and ``ibv_devices``
-(tests/serve/test_doctor.py: the recorded outputs and where they came from).
+``sw_vers``, ``sysctl``, ``pmset``, ``vm_stat``, ``system_profiler``, ``ibv_devices``,
+``ibv_devinfo`` and ``rdma_ctl`` (k3dist.serve.macos; tests/serve/macos_outputs: the
+outputs recorded on Macs it is tested against, and where each came from).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from k3dist.serve import macos
 
 # mlx.launch's default --starting-port (ring: +1 per rank and address)
 RING_PORT = 32323
@@ -72,65 +77,6 @@ class Check:
         tag = "ok  " if self.ok else ("FAIL" if self.fatal else "warn")
         fix = f" -- fix: {self.fix}" if (self.fix and not self.ok) else ""
         return f"[{tag}] {self.host}: {self.name}: {self.detail}{fix}"
-
-
-# ------------------------------------------------------------------ macOS parsers
-
-
-def parse_sw_vers(text: str) -> tuple[int, ...] | None:
-    """``sw_vers`` (or ``sw_vers -productVersion``) -> (26, 2)."""
-    m = re.search(r"(?:ProductVersion:\s*)?(\d+)\.(\d+)(?:\.(\d+))?", text)
-    return tuple(int(x) for x in m.groups() if x is not None) if m else None
-
-
-def parse_pmset_sleep(text: str) -> int | None:
-    """``pmset -g``: the system ``sleep`` minutes (0: never), None if not listed."""
-    m = re.search(r"^\s*sleep\s+(\d+)", text, re.M)
-    return int(m[1]) if m else None
-
-
-def parse_ibv_devices(text: str) -> list[str]:
-    """``ibv_devices``: the device names (mlx's own rule: names starting rdma_)."""
-    return [w for w in text.split() if w.startswith("rdma_")]
-
-
-def parse_vm_stat(text: str) -> int | None:
-    """``vm_stat``: bytes free + inactive + speculative (what macOS can hand out)."""
-    m = re.search(r"page size of (\d+) bytes", text)
-    if not m:
-        return None
-    page = int(m[1])
-    pages = 0
-    for key in ("Pages free", "Pages inactive", "Pages speculative"):
-        k = re.search(rf"^{key}:\s+(\d+)", text, re.M)
-        pages += int(k[1]) if k else 0
-    return pages * page
-
-
-def parse_thunderbolt(text: str) -> list[dict]:
-    """``system_profiler SPThunderboltDataType -json``: per controller, its receptacle's
-    link (``current_speed_key``) and whether something is connected there."""
-    data = json.loads(text)
-    ports = []
-    for bus in data.get("SPThunderboltDataType", []):
-        rec = bus.get("receptacle_1_tag") or {}
-        connected = [i for i in bus.get("_items", []) if "domain_uuid_key" in i]
-        ports.append(
-            {
-                "name": bus.get("_name", ""),
-                "speed": rec.get("current_speed_key", ""),
-                "connected": bool(connected),
-            }
-        )
-    return ports
-
-
-def tb_generation(speed: str) -> int | None:
-    """'Up to 80 Gb/s' -> 5, 'Up to 40 Gb/s' -> 4."""
-    m = re.search(r"(\d+)\s*Gb/s", speed)
-    if not m:
-        return None
-    return 5 if int(m[1]) >= 80 else 4 if int(m[1]) >= 40 else 3
 
 
 # ------------------------------------------------------------------ the probe (remote)
@@ -219,6 +165,7 @@ def probe(req: dict) -> dict:
                     ["system_profiler", "SPThunderboltDataType", "-json"], timeout=30
                 )
                 out["ibv_devices"] = _cmd(["ibv_devices"])
+                out["ibv_devinfo"] = _cmd(["ibv_devinfo"])
                 out["rdma_ctl"] = _cmd(["rdma_ctl", "status"])
     out["t"] = time.time()
     return out
@@ -245,7 +192,7 @@ def _mem_available(system: str) -> int | None:
         return int(m[1]) * 1024 if m else None
     if system == "Darwin":
         text = _cmd(["vm_stat"])
-        return parse_vm_stat(text) if text else None
+        return macos.parse_vm_stat(text) if text else None
     return None
 
 
@@ -484,9 +431,9 @@ def _resource_checks(h: str, f: dict, plan: Plan) -> list[Check]:
                 "close other programs, or lower memory_headroom_gib / max_batch",
             )
         )
-    if f.get("wired_limit_mb") is not None:
-        limit = int(f["wired_limit_mb"].strip() or 0)
-        total = int((f.get("mem_total") or "0").strip() or 0)
+    limit = macos.parse_sysctl_int(f.get("wired_limit_mb") or "")
+    if limit is not None:
+        total = macos.parse_sysctl_int(f.get("mem_total") or "") or 0
         mb = limit * 1024 * 1024 if limit else int(total * 0.75)  # macOS default ~75 %
         out.append(
             Check(
@@ -499,13 +446,13 @@ def _resource_checks(h: str, f: dict, plan: Plan) -> list[Check]:
             )
         )
     if f.get("pmset") is not None:
-        sleep = parse_pmset_sleep(f["pmset"])
+        pm = macos.parse_pmset(f["pmset"])
         out.append(
             Check(
                 h,
                 "sleep disabled",
-                sleep == 0,
-                f"pmset sleep {sleep}",
+                macos.never_sleeps(f["pmset"]),
+                f"pmset sleep {pm['sleep']}, SleepDisabled {int(pm['sleep_disabled'])}",
                 f"ssh {h} sudo pmset -a sleep 0 disksleep 0",
                 fatal=False,
             )
@@ -540,8 +487,7 @@ def _resource_checks(h: str, f: dict, plan: Plan) -> list[Check]:
 
 def _jaccl_checks(h: str, f: dict, plan: Plan) -> list[Check]:
     out = []
-    setup = "mlx.distributed_config --over thunderbolt --backend jaccl --auto-setup"
-    ver = parse_sw_vers(f.get("sw_vers") or "")
+    ver = macos.parse_sw_vers(f.get("sw_vers") or "")
     out.append(
         Check(
             h,
@@ -551,31 +497,57 @@ def _jaccl_checks(h: str, f: dict, plan: Plan) -> list[Check]:
             "Software Update to macOS 26.2 or later, or use the ring hostfile (tb5.json)",
         )
     )
-    tb = parse_thunderbolt(f["thunderbolt"]) if f.get("thunderbolt") else []
-    gens = [tb_generation(p["speed"]) for p in tb if p["connected"]]
+    tb = macos.parse_thunderbolt(f["thunderbolt"]) if f.get("thunderbolt") else []
+    linked = [p["speed"] for p in tb if p["connected"]]
     out.append(
         Check(
             h,
             "Thunderbolt 5",
-            bool(gens) and all(g == 5 for g in gens),
-            f"connected ports: {[p['speed'] for p in tb if p['connected']] or 'none'}",
+            bool(linked) and all(macos.tb_generation(s) == 5 for s in linked),
+            f"links to another Mac: {linked or 'none'}",
             "a Thunderbolt 5 cable between Thunderbolt 5 ports (TB4 cannot do RDMA)",
         )
     )
-    devs = parse_ibv_devices(f.get("ibv_devices") or "")
+    return out + _rdma_checks(h, f, plan)
+
+
+def _rdma_checks(h: str, f: dict, plan: Plan) -> list[Check]:
+    """RDMA enabled, the hostfile's devices listed, and linked: a Mac lists an rdma_enN
+    for every Thunderbolt port, and only the cabled one's port is PORT_ACTIVE (a device
+    whose port is down fails JACCL's set-up)."""
+    setup = "mlx.distributed_config --over thunderbolt --backend jaccl --auto-setup"
+    status = macos.parse_rdma_ctl(f.get("rdma_ctl") or "")
+    states = macos.parse_ibv_devinfo(f.get("ibv_devinfo") or "")
+    listed = macos.parse_ibv_devices(f.get("ibv_devices") or "")
+    devs = listed + [d for d in states if d not in listed]  # either command lists a device
     host = next(x for x in plan.hosts if x.ssh_hostname == h)
-    named = [d for d in host.rdma if d]
-    flat = [x for d in named for x in (d if isinstance(d, list) else [d])]
-    missing = [d for d in flat if d not in devs]
-    out.append(
+    named = [x for d in host.rdma if d for x in (d if isinstance(d, list) else [d])]
+    missing = [d for d in named if d not in devs]
+    why = f"rdma_ctl status: {status or 'unknown'}; devices: {devs or 'none'}"
+    fix = "enable RDMA in Recovery (rdma_ctl enable), reboot, then " + setup
+    if status == "enabled" and not devs:
+        fix = "RDMA is enabled but no device is listed: shut both Macs down and start them again"
+    out = [
         Check(
-            h,
-            "RDMA devices",
-            bool(devs) and not missing,
-            f"ibv_devices: {devs or 'none'}; the hostfile names {flat}",
-            "enable RDMA in Recovery (rdma_ctl enable), then " + setup,
+            h, "RDMA devices", bool(devs) and not missing, f"{why}; the hostfile names {named}", fix
         )
-    )
+    ]
+    if devs and not missing and states:
+        down = {
+            d: states.get(d, "not in ibv_devinfo") for d in named if states.get(d) != "PORT_ACTIVE"
+        }
+        active = [d for d, st in states.items() if st == "PORT_ACTIVE"]
+        out.append(
+            Check(
+                h,
+                "RDMA ports linked",
+                not down,
+                f"the hostfile's devices not PORT_ACTIVE: {down}; active: {active}"
+                if down
+                else f"{named} PORT_ACTIVE",
+                "the cable is in another port: rewrite the hostfile with " + setup,
+            )
+        )
     return out
 
 
@@ -644,7 +616,19 @@ def main(argv: list[str] | None = None) -> int:
         + ("a launch would fail" if bad else "ready to launch"),
         flush=True,
     )
+    if not bad and not args.fast:
+        print(launch_hint(args.hostfile, args.config), flush=True)
     return 1 if bad else 0
+
+
+def launch_hint(hostfile: str, config: str | None) -> str:
+    """The supervised launch: plain ``mlx.launch`` over ssh spins a core per rank and
+    cannot kill its remote ranks (docs/two-hosts.md); ``launch/run.py`` fixes both."""
+    conf = f" --config {config}" if config else ""
+    return (
+        f"launch with: .venv/bin/python launch/run.py --hostfile {hostfile} -- "
+        f"launch/serve.py{conf}  (not plain mlx.launch over ssh: docs/two-hosts.md)"
+    )
 
 
 if __name__ == "__main__":

@@ -193,6 +193,7 @@ class PrefixStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.entries: dict[str, Entry] = {}
         self.skipped: dict[str, str] = {}  # key -> why (stale, corrupt) at scan
+        self.swept: list[str] = []  # files of interrupted writes removed at scan
         self.stats = {
             "hits": 0,
             "misses": 0,
@@ -222,8 +223,9 @@ class PrefixStore:
     # ---------------------------------------------------------------- index
 
     def _scan(self) -> None:
-        for part in self.dir.glob("*.partial*"):  # an interrupted write
+        for part in sorted(self.dir.glob("*.partial*")):  # an interrupted write
             part.unlink(missing_ok=True)
+            self.swept.append(part.name)
         for side in sorted(self.dir.glob("*.json")):
             key = side.stem
             try:
@@ -246,6 +248,7 @@ class PrefixStore:
         for f in self.dir.glob("*.safetensors"):  # data without a sidecar: never whole
             if f.stem not in self.entries and f.stem not in self.skipped:
                 f.unlink(missing_ok=True)
+                self.swept.append(f.name)
 
     def _stale(self, meta: dict, key: str) -> str | None:
         if meta.get("format") != FORMAT:
@@ -606,6 +609,7 @@ class PrefixStore:
             "max_bytes": self.max_bytes,
             "tokens": sum(len(e.tokens) for e in list(self.entries.values())),
             "skipped_at_start": len(self.skipped),
+            "swept_at_start": len(self.swept),
             "writing": sum(e.state == "writing" for e in list(self.entries.values())),
             **{
                 k: v

@@ -55,6 +55,8 @@ def stream(base: str, key: str, max_tokens: int, timeout_s: float, prompt_words:
                 if out["chunks"] == 1:
                     out["first_chunk_s"] = round(time.monotonic() - t0, 2)
                     print("FIRST", flush=True)
+                elif out["chunks"] % 50 == 0:  # progress a caller can read while it runs
+                    print(f"CHUNKS {out['chunks']} {time.monotonic() - t0:.2f}", flush=True)
     except urllib.error.HTTPError as e:
         out["end"], out["error"] = f"http {e.code}", e.read().decode(errors="replace")[:300]
     except OSError as e:

@@ -85,9 +85,9 @@ def test_restored_after_reopen_longest_prefix_and_checks(tmp_path):
     assert s3.entries == {} and len(s3.skipped) == 1
     # a half-written file is swept at start
     (s3.dir / "x.partial.safetensors").write_bytes(b"junk")
-    assert not any(
-        p.name.startswith("x.") for p in PrefixStore(tmp_path, IDENT, 10**9).dir.iterdir()
-    )
+    s4 = PrefixStore(tmp_path, IDENT, 10**9)
+    assert not any(p.name.startswith("x.") for p in s4.dir.iterdir())
+    assert s4.swept == ["x.partial.safetensors"] and s4.report()["swept_at_start"] == 1
 
 
 def test_lru_by_bytes_survives_reopen(tmp_path):

@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import rig as rigmod
@@ -71,18 +72,18 @@ def test_two_macs_walkthrough_then_cable_pulled_mid_stream(rig, site):
     stream = None
     try:
         ready = served.wait_ready(180)
+        # mlx.launch near 0 CPU over ssh (it spun a core selecting on its ssh clients'
+        # stdin pipes), measured while the clients run: it only relays log lines
+        launcher = served.launcher_pid()
+        assert launcher is not None
+        c0, t0 = two_macs.cpu_s(launcher), time.monotonic()
         for host in (1, 2):
             got = two_macs.client(rig, host, key)
             assert got["health"] == 200 and got["no_key"] == 401, got
             assert got["chat"]["completion_tokens"] > 0, got
             assert got["messages"]["output_tokens"] > 0, got
-        # mlx.launch idle over ssh: it selected on its ssh clients' stdin pipes (a core)
-        launcher = served.launcher_pid()
-        assert launcher is not None
-        c0 = two_macs.cpu_s(launcher)
-        time.sleep(3.0)
-        idle = two_macs.cpu_s(launcher) - c0
-        assert idle < 0.3, f"mlx.launch used {idle:.2f} CPU-s in 3 s idle"
+        idle, span = two_macs.cpu_s(launcher) - c0, time.monotonic() - t0
+        assert idle < 0.1 * span, f"mlx.launch used {idle:.2f} CPU-s in {span:.1f} s"
 
         # the cable pulled while a stream decodes
         stream = _stream_on_mac1(rig, 3000)
@@ -108,7 +109,7 @@ def test_two_macs_walkthrough_then_cable_pulled_mid_stream(rig, site):
     bound = WATCHDOG_TIMEOUT_S + 10
     assert exit_s < bound, f"exit {exit_s:.1f} s after the pull (bound {bound} s):\n{out}"
     print(
-        f"\nready in {ready:.1f} s; mlx.launch idle {idle:.2f} CPU-s in 3 s; cable pulled: "
+        f"\nready in {ready:.1f} s; mlx.launch {idle:.2f} CPU-s in {span:.1f} s; cable pulled: "
         f"exit 3 after {exit_s:.1f} s"
     )
 
@@ -163,6 +164,7 @@ def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
     rc, out = _doctor(rig, site)
     assert rc == 0, out
     assert "[FAIL]" not in out and "ready to launch" in out, out
+    assert f"launch with: .venv/bin/python launch/run.py --hostfile {rig.hostfile}" in out, out
 
     key = rig.home(1) / ".k3dist-key"
     shard = sorted((site.work / "k3" / "rank1").glob("*.safetensors"))[0]
@@ -173,7 +175,12 @@ def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
         "Metadata-Version: 2.1\nName: mlx-lm\nVersion: 0.31.0\n"
     )
     big = site.work / "deploy-big.yaml"
-    big.write_text(site.deploy.read_text() + "memory_headroom_gib: 100000\n")
+    tiny = tmp_path / "tiny"  # the prefix cache on a 1 MB disk
+    tiny.mkdir()
+    big.write_text(
+        site.deploy.read_text()
+        + f"memory_headroom_gib: 100000\nprefix_cache_dir: {json.dumps(str(tiny))}\n"
+    )
     squatter = subprocess.Popen(
         [
             *rig.netns(2),
@@ -188,6 +195,7 @@ def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
         text=True,
     )
     try:
+        rig.in_hosts(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tiny)])
         assert squatter.stdout.readline().strip() == "up"
         key.rename(key.with_suffix(".gone"))  # the key file missing on rank 0's host
         shard.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # one bit flipped
@@ -208,12 +216,16 @@ def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
             line = _line(out, host, check)
             assert line.startswith("[FAIL]") and says in line and "-- fix: " in line, line
         assert _line(out, "k3h-mac1", "mlx-lm version").startswith("[ok")
+        for host in rigmod.HOSTS:  # a warning: serving works, the prefix cache cannot grow
+            line = _line(out, host, "free disk")
+            assert line.startswith("[warn]") and f"free at {tiny}" in line, line
         # launch/run.py runs the fast subset first: nothing starts
         served = Served(rig, site)
         assert served.wait_exit(60) == 2, served.output()
         assert "k3dist-doctor --fast" in served.output(), served.output()
         assert "API key (rank 0)" in served.output(), served.output()
     finally:
+        rig.in_hosts(["umount", "-l", str(tiny)], check=False)
         squatter.kill()
         if key.with_suffix(".gone").exists():
             key.with_suffix(".gone").rename(key)
@@ -232,6 +244,94 @@ def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
         rig.wait_ssh()
     rc, out = _doctor(rig, site, "--fast")
     assert rc == 0, out
+
+
+# rank 0 ends with code 1 after 4 s, rank 1 would sleep a minute: mlx.launch then kills
+# rank 1 with its own remote kill (the pid file it read back from the rank's ssh -tt)
+_PLAIN_RANKS = (
+    "import os, time; r = int(os.environ['MLX_RANK']); print('up', r, os.getpid(), flush=True); "
+    "time.sleep(4 if r == 0 else 60); raise SystemExit(1)"
+)
+
+
+def test_plain_mlx_launch_over_ssh_with_the_ssh_shim_on_its_path(rig):
+    """docs/two-hosts.md's way for a plain ``mlx.launch`` started by hand over ssh: k3dist's
+    ssh shim first on its PATH and Enter pressed once after the ranks started. mlx.launch
+    then sleeps instead of spinning a core per rank, and its own remote kill finds the
+    rank's pid file (no ``\\r``) and removes it."""
+    from k3dist.serve import supervise
+
+    env = rig.env()
+    env["PATH"] = f"{supervise.SSH_SHIM_DIR}:{env['PATH']}"
+    t_start = time.time() - 1
+    launch = [str(REPO / ".venv/bin/mlx.launch"), "--hostfile", str(rig.hostfile)]
+    p = subprocess.Popen(
+        [*rig.netns(1), *launch, "--python", PY, "-p", str(two_macs.RING_PORT)]
+        + ["--", "-c", _PLAIN_RANKS],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,  # as a terminal: /dev/null is always readable, a spin of its own
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        pids, lines = {}, []
+        deadline = time.monotonic() + 30
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            lines.append(line)
+            if line.startswith("up "):
+                _, rank, pid = line.split()
+                pids[int(rank)] = pid
+            assert line, "".join(lines)
+        assert len(pids) == 2, "".join(lines)
+        # one line typed (Enter): mlx.launch forwards it to each rank's ssh, whose stdin
+        # the shim closed, meets the broken pipe and stops selecting on it (else it spins)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        time.sleep(0.5)
+        c0 = two_macs.cpu_s(p.pid)
+        time.sleep(2.0)
+        idle = two_macs.cpu_s(p.pid) - c0
+        out = p.communicate(timeout=30)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait(10)
+    assert idle < 0.3, f"mlx.launch used {idle:.2f} CPU-s in 2 s over ssh"
+    assert "Node with rank 0 exited with code 1" in out, out
+    assert "Node with rank 1 was killed" in out, out  # its remote kill worked
+    assert "Traceback" not in out, out  # no CalledProcessError from the kill's rm
+    # the killed rank's pid file removed by that kill; rank 0's, which ended by itself, and
+    # both ring hostfiles stay (bug 2: launch/run.py removes them; this test does here)
+    ours = [f for f in _new_tmp_files(t_start) if _holds(f, [*pids.values(), RING_HOSTFILE])]
+    for f in ours:
+        f.unlink()
+    assert not [f for f in ours if _holds(f, [pids[1]])], ours
+    assert [q for q in two_macs.rig_pids(2) if not two_macs.is_sshd(q)] == []
+
+
+RING_HOSTFILE = json.dumps([[f"{a}:{two_macs.RING_PORT + i}"] for i, a in enumerate(rigmod.ADDRS)])
+
+
+def _new_tmp_files(since: float) -> list[Path]:
+    out = []
+    for f in Path("/tmp").glob("tmp.*"):
+        try:
+            if f.is_file() and f.stat().st_mtime >= since:
+                out.append(f)
+        except OSError:
+            continue
+    return out
+
+
+def _holds(f: Path, pids) -> bool:
+    try:
+        return f.read_text().strip() in pids
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 # ---------------------------------------------------------------- no rig needed
@@ -299,5 +399,5 @@ def test_cable_fault_table_in_docs_matches_its_results_file():
     )
     cable_faults = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cable_faults)
-    result = json.loads((REPO / "benchmarks/results/2026-12-05/cable-faults.json").read_text())
+    result = json.loads((REPO / "benchmarks/results/2026-12-06/cable-faults.json").read_text())
     assert cable_faults.table(result) in (REPO / "docs/two-hosts.md").read_text()
