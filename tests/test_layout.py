@@ -96,7 +96,6 @@ OVER = {
     "k3dist/pipeline/plan.py:main": 183,
     "k3dist/pipeline/profiles.py:convert_profile": 117,
     "k3dist/pipeline/profiles.py:main": 129,
-    "k3dist/pipeline/runner.py:_run_stages": 113,
     "k3dist/serve/anthropic_api.py:to_chat": 102,
     "k3dist/serve/doctor.py:run_checks": 110,
     "k3dist/serve/supervise.py:run": 149,

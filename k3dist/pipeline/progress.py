@@ -1,15 +1,21 @@
-"""The pipeline's progress: per stage, bytes done of bytes to do and an ETA from the
-measured rate; a whole-run ETA; the same in ``OUT/progress.json`` for a script to watch.
+"""The pipeline's progress: per stage, bytes done of bytes to do and an ETA; a
+whole-run ETA; the same in ``OUT/progress.json`` for a script to watch.
 
 A stage runs in its own process; its progress is measured from outside, as the bytes
 that process has read (``rchar`` of ``/proc/PID/io``: every stage that takes long is
-bound by streaming the source). What a stage will read is planned as a multiple of the
-source's bytes (``READS_PER_SOURCE_BYTE``). A stage's ETA is (planned - read) / the
-rate it has read at so far; a stage not started yet is estimated at the rate the run
-has read at so far. Where ``/proc`` is missing (macOS) the bytes are unknown and only
-elapsed times are shown. On a terminal one line per stage is rewritten in place once a
-second and left at its final state; otherwise nothing is printed (progress.json is
-still written).
+bound by streaming the source). What a stage will read, and how long it will take
+before anything is measured, comes from the stage cost model
+(``k3dist.pipeline.stage_cost``). Each ETA says where it came from (``eta_source``):
+
+- ``model``: a stage not started, or one still in its start-up (less than
+  ``WARM_FRACTION`` of its bytes read): the model's seconds for it on this machine
+  (``stage_cost.machine_factor`` from the stages done so far) less the time it has run;
+- ``measured``: past its start-up, (bytes to do - bytes read) / the rate it has read at
+  since it passed ``WARM_FRACTION`` (the start-up's imports and opens left out).
+
+Where ``/proc`` is missing (macOS) the bytes are unknown and a running stage keeps the
+model's ETA. On a terminal one line per stage is rewritten in place once a second and
+left at its final state; otherwise nothing is printed (progress.json is still written).
 """
 
 from __future__ import annotations
@@ -22,14 +28,12 @@ from pathlib import Path
 from typing import TextIO
 
 from k3dist.format.journal import write_json_atomic
+from k3dist.pipeline.stage_cost import StageCost, machine_factor
 
 PROGRESS = "progress.json"
-# Bytes a stage reads per byte of the source (its rchar / the source's bytes), measured
-# on the rehearsal preset (benchmarks/results/rehearsal-pipeline-2026-12-04.json:
-# read_mb / 805.5 MB of source): teacher streams the source once (+ the token set),
-# calibrate twice (student and teacher) with the teacher's states, graded re-quantizes
-# lo and copies hi, DWQ reads the source for its student and the rank folders.
-READS_PER_SOURCE_BYTE = {"teacher": 1.21, "calibrate": 4.37, "graded": 1.97, "dwq": 1.94}
+# The share of a stage's planned bytes read before its rate counts: its start-up
+# (imports, the source's headers, the token set) reads at another pace than its stream.
+WARM_FRACTION = 0.05
 
 
 def rchar(pid: int) -> int | None:
@@ -64,7 +68,7 @@ class Progress:
         self,
         out: Path,
         order: list[str],
-        totals: dict[str, int | None],
+        costs: dict[str, StageCost],
         *,
         stream: TextIO | None = None,
         tty: bool | None = None,
@@ -72,46 +76,66 @@ class Progress:
     ):
         self.path = Path(out) / PROGRESS
         self.order, self.every_s = order, every_s
+        self.costs = {s: costs.get(s, StageCost(None, 0.0)) for s in order}
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self.stages = {
-            s: {"stage": s, "state": "pending", "bytes_done": 0, "bytes_total": totals.get(s)}
+            s: {
+                "stage": s,
+                "state": "pending",
+                "bytes_done": 0,
+                "bytes_total": self.costs[s].bytes_total,
+                "seconds": 0.0,
+                "rate_bytes_per_s": None,
+                "model_s": None,
+                "eta_s": None,
+                "eta_source": None,
+            }
             for s in order
         }
-        for rec in self.stages.values():
-            rec.update(seconds=0.0, rate_bytes_per_s=None, eta_s=None)
         self.lock = threading.Lock()
         self.t0 = time.monotonic()
         self._write()
 
-    # -- the run's rate: bytes per second over the stages that read, measured so far
-    def _rate(self) -> float | None:
-        b = sum(r["bytes_done"] for r in self.stages.values() if r["bytes_total"])
-        t = sum(r["seconds"] for r in self.stages.values() if r["bytes_total"])
-        return b / t if b and t > 0 else None
+    def factor(self) -> float:
+        """This machine against the cost model's reference: the streaming stages done."""
+        return machine_factor(
+            [
+                (r["seconds"], self.costs[s].seconds)
+                for s, r in self.stages.items()
+                if r["state"] == "done" and r["bytes_total"]
+            ]
+        )
 
-    def _eta(self, rec: dict) -> float | None:
-        total, done = rec["bytes_total"], rec["bytes_done"]
-        if rec["state"] in ("done", "skipped"):
-            return 0.0
-        if not total:
-            return None if rec["state"] == "running" else 0.0
-        rate = rec["rate_bytes_per_s"] if rec["state"] == "running" else self._rate()
-        if not rate:
-            return None
-        return max(0.0, total - done) / rate
+    def _eta(self, rec: dict) -> tuple[float | None, str | None]:
+        """(ETA, where it came from) of one stage."""
+        if rec["state"] in ("done", "skipped", "failed"):
+            return 0.0, None
+        rate, total = rec.get("warm_rate_bytes_per_s"), rec["bytes_total"]
+        if rec["state"] == "running" and rate and total:
+            return max(0.0, total - rec["bytes_done"]) / rate, "measured"
+        model = rec["model_s"]
+        return max(0.0, model - rec["seconds"]), "model"
 
     def _snapshot(self) -> dict:
+        factor = self.factor()
         stages = []
         for s in self.order:
             rec = self.stages[s]
-            rec["eta_s"] = self._eta(rec)
+            if rec["state"] in ("pending", "running"):
+                rec["model_s"] = round(self.costs[s].seconds * factor, 1)
+            eta, source = self._eta(rec)
+            rec["eta_s"] = None if eta is None else round(eta, 1)
+            rec["eta_source"] = source
             stages.append(dict(rec))
         etas = [r["eta_s"] for r in stages]
+        sources = {r["eta_source"] for r in stages} - {None}
         return {
             "updated": time.time(),
             "elapsed_s": round(time.monotonic() - self.t0, 1),
             "eta_s": None if any(e is None for e in etas) else round(sum(etas), 1),
+            "eta_source": "model" if "model" in sources else "measured" if sources else None,
+            "machine_factor": round(factor, 3),
             "current": next((r["stage"] for r in stages if r["state"] == "running"), None),
             "stages": stages,
         }
@@ -133,7 +157,9 @@ class Progress:
         what = "done in" if rec["state"] == "done" else "elapsed"
         tail = f"{what} {_hms(rec['seconds'])}"
         if rec["state"] == "running":
-            tail += f", ETA {_hms(rec['eta_s'])} (run: {_hms(snap['eta_s'])} left)"
+            tail += (
+                f", ETA {_hms(rec['eta_s'])} ({rec['eta_source']}; run: {_hms(snap['eta_s'])} left)"
+            )
         return f"{head}{pct} {amount}, {tail}"
 
     def _show(self, stage: str, snap: dict, final: bool) -> None:
@@ -160,11 +186,31 @@ class Watch(threading.Thread):
         super().__init__(daemon=True, name=f"k3dist-progress-{stage}")
         self.p, self.stage, self.pid = progress, stage, pid
         self.t0 = time.monotonic()
+        self.warm: tuple[float, int] | None = None  # (seconds, bytes) past the start-up
         self._done = threading.Event()
         with self.p.lock:
             self.p.stages[stage]["state"] = "running"
         self._sample()
         self.start()
+
+    def _measure(self, rec: dict, now: int) -> None:
+        """The stage read ``now`` bytes so far: its rates, and its ETA a tenth of the way."""
+        rec["bytes_done"] = now
+        secs = rec["seconds"]
+        if secs > 0 and now:
+            rec["rate_bytes_per_s"] = round(now / secs)
+        total = rec["bytes_total"]
+        if not total:
+            return
+        if self.warm is None and now >= WARM_FRACTION * total:
+            self.warm = (secs, now)
+        elif self.warm is not None and secs > self.warm[0] and now > self.warm[1]:
+            rec["warm_rate_bytes_per_s"] = round((now - self.warm[1]) / (secs - self.warm[0]))
+        if now >= total / 10 and "at_10pct" not in rec:
+            # what the ETA said a tenth of the way in: against the stage's final
+            # seconds, how good the estimate was
+            eta, source = self.p._eta(rec)
+            rec["at_10pct"] = {"elapsed_s": secs, "eta_s": eta, "eta_source": source}
 
     def _sample(self) -> dict:
         now = rchar(self.pid) if self.pid is not None else None
@@ -172,15 +218,7 @@ class Watch(threading.Thread):
             rec = self.p.stages[self.stage]
             rec["seconds"] = round(time.monotonic() - self.t0, 2)
             if now is not None:
-                rec["bytes_done"] = now
-                if rec["seconds"] > 0 and now:
-                    rec["rate_bytes_per_s"] = round(now / rec["seconds"])
-                total = rec["bytes_total"]
-                if total and now >= total / 10 and "at_10pct" not in rec:
-                    # what the ETA said a tenth of the way in: against the stage's
-                    # final seconds, how good the estimate was
-                    eta = self.p._eta(rec)
-                    rec["at_10pct"] = {"elapsed_s": rec["seconds"], "eta_s": eta}
+                self._measure(rec, now)
             return self.p._write()
 
     def run(self) -> None:
@@ -203,6 +241,7 @@ class Watch(threading.Thread):
                 rec["bytes_done"] = read_bytes
                 if rec["seconds"] > 0:
                     rec["rate_bytes_per_s"] = round(read_bytes / rec["seconds"])
+            rec.pop("warm_rate_bytes_per_s", None)
             rec["state"] = "done" if ok else "failed"
             snap = self.p._write()
         self.p._show(self.stage, snap, final=True)
