@@ -421,17 +421,19 @@ class _TimedEval:
 class _KeepingBatchGenerator(BatchGenerator):
     """mlx-lm's BatchGenerator, but a request removed during its prefill (its client
     went away: the ranks agreed, so this runs at the same step on every rank) first hands
-    its cache so far, and the tokens it holds, to ``keep``; with ``on_wait`` set, each
-    decode step's wait for its tokens is timed (``_TimedEval``)."""
+    its cache so far, and the tokens it holds, to ``keep``; while its owner counts
+    (``metrics``), each decode step's wait for its tokens is timed (``_TimedEval``)."""
 
     keep: Callable[[list[int], list], None] | None = None
-    on_wait: Callable[[float], None] | None = None
+    # the generation thread's owner: its ``metrics`` (set once the server is built)
+    owner: K3ResponseGenerator | None = None
 
     def _next(self):
         gb = self._generation_batch
-        if self.on_wait is not None and "_step" not in vars(gb):
+        m = None if self.owner is None else self.owner.metrics
+        if m is not None and "_step" not in vars(gb):
             # this batch object's own step: mlx-lm's code, its mx.eval timed
-            step = compat.with_names(GenerationBatch._step, mx=_TimedEval(self.on_wait))
+            step = compat.with_names(GenerationBatch._step, mx=_TimedEval(m.step_wait))
             gb._step = MethodType(step, gb)
         return super()._next()
 
@@ -464,14 +466,8 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
             if hasattr(cache, "keep_abandoned"):
                 cache.keep_abandoned(key, tokens, prompt_cache)
 
-        m = self.metrics
         batch_class = type(
-            "BatchGenerator",
-            (_KeepingBatchGenerator,),
-            {
-                "keep": staticmethod(keep),
-                "on_wait": None if m is None else staticmethod(m.step_wait),
-            },
+            "BatchGenerator", (_KeepingBatchGenerator,), {"keep": staticmethod(keep), "owner": self}
         )
         compat.with_names(mlx_server.ResponseGenerator._generate, BatchGenerator=batch_class)(self)
 
