@@ -8,7 +8,9 @@ before the stage started (the cost model) and a tenth of the way in (the stage's
 
 The flags after ``--`` go to ``python -m k3dist.pipeline.runner`` (``--src`` and
 ``--out`` are this script's). The issue's goal: the ETA a tenth of the way into a stage
-within 25 % of the stage's time (``error_at_10pct``: (elapsed + ETA) / seconds - 1).
+within 25 % of the stage's time (``error_at_10pct``: (elapsed + ETA) / seconds - 1, when
+a tenth of its planned bytes were read; ``at_10pct_of_time``: the same a tenth of its
+time in). The 1-minute load average is recorded at every read of progress.json.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def watch(cmd: list[str], out: Path, every: float, limit_s: float) -> tuple[int,
             except (OSError, ValueError):  # not written yet
                 snap = None
             if snap is not None:
-                polls.append({"t": round(time.monotonic() - t0, 2), "snap": snap})
+                t, load = round(time.monotonic() - t0, 2), round(os.getloadavg()[0], 2)
+                polls.append({"t": t, "load": load, "snap": snap})
             time.sleep(every)
     finally:
         if child.poll() is None:
@@ -68,6 +71,15 @@ def judge(polls: list[dict], final: dict) -> list[dict]:
         total = at.get("elapsed_s", 0) + (at.get("eta_s") or 0) if at else None
         err = None if total is None else round(total / rec["seconds"] - 1, 3)
         model = pre["eta_s"] if pre else None
+        running = [
+            (p, x)
+            for p in polls
+            for x in p["snap"]["stages"]
+            if x["stage"] == s and x["state"] == "running"
+        ]
+        # a tenth of the stage's time in: the poll nearest it, its elapsed + ETA
+        tenth = min(running, key=lambda px: abs(px[1]["seconds"] - rec["seconds"] / 10))
+        t_est = tenth[1]["seconds"] + (tenth[1]["eta_s"] or 0) if running else None
         rows.append(
             {
                 "stage": s,
@@ -80,12 +92,20 @@ def judge(polls: list[dict], final: dict) -> list[dict]:
                 "estimate_at_10pct_s": None if total is None else round(total, 2),
                 "error_at_10pct": err,
                 "within_goal": err is not None and abs(err) <= GOAL,
-                # the stage's own series (seconds into the run, bytes read, ETA, source)
+                "at_10pct_of_time": None
+                if t_est is None
+                else {
+                    "elapsed_s": tenth[1]["seconds"],
+                    "eta_s": tenth[1]["eta_s"],
+                    "eta_source": tenth[1]["eta_source"],
+                    "error": round(t_est / rec["seconds"] - 1, 3),
+                },
+                "loadavg_1m": record.stats([p["load"] for p, _ in running]) if running else None,
+                # the stage's own series: seconds into the run, 1-min load, bytes read, ETA
+                # and its source
                 "series": [
-                    [p["t"], x["bytes_done"], x["eta_s"], x["eta_source"]]
-                    for p in polls
-                    for x in p["snap"]["stages"]
-                    if x["stage"] == s and x["state"] == "running"
+                    [p["t"], p["load"], x["bytes_done"], x["eta_s"], x["eta_source"]]
+                    for p, x in running
                 ],
             }
         )

@@ -7,11 +7,12 @@ bound by streaming the source). What a stage will read, and how long it will tak
 before anything is measured, comes from the stage cost model
 (``k3dist.pipeline.stage_cost``). Each ETA says where it came from (``eta_source``):
 
-- ``model``: a stage not started, or one still in its start-up (less than
-  ``WARM_FRACTION`` of its bytes read): the model's seconds for it on this machine
+- ``model``: a stage not started, or one still in its start-up (it has read less than
+  the source's metadata, ``StageCost.startup_bytes``, and ``WARM_FRACTION`` of its
+  bytes beyond): the model's seconds for it on this machine
   (``stage_cost.machine_factor`` from the stages done so far) less the time it has run;
 - ``measured``: past its start-up, (bytes to do - bytes read) / the rate it has read at
-  since it passed ``WARM_FRACTION`` (the start-up's imports and opens left out).
+  since then (the start-up's imports and opens left out).
 
 Where ``/proc`` is missing (macOS) the bytes are unknown and a running stage keeps the
 model's ETA. On a terminal one line per stage is rewritten in place once a second and
@@ -98,12 +99,13 @@ class Progress:
         self._write()
 
     def factor(self) -> float:
-        """This machine against the cost model's reference: the streaming stages done."""
+        """This machine against the cost model's reference: the stages done in this run
+        (the token set's too: on the reference run it took seconds of its own)."""
         return machine_factor(
             [
                 (r["seconds"], self.costs[s].seconds)
                 for s, r in self.stages.items()
-                if r["state"] == "done" and r["bytes_total"]
+                if r["state"] == "done"
             ]
         )
 
@@ -202,7 +204,10 @@ class Watch(threading.Thread):
         total = rec["bytes_total"]
         if not total:
             return
-        if self.warm is None and now >= WARM_FRACTION * total:
+        if (
+            self.warm is None
+            and now >= self.p.costs[self.stage].startup_bytes + WARM_FRACTION * total
+        ):
             self.warm = (secs, now)
         elif self.warm is not None and secs > self.warm[0] and now > self.warm[1]:
             rec["warm_rate_bytes_per_s"] = round((now - self.warm[1]) / (secs - self.warm[0]))

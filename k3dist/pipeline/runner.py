@@ -333,7 +333,8 @@ def run(a: Args, dry_run: bool = False) -> dict:
     load0 = os.getloadavg()
     disk = DiskWatch(out)
     disk.start()
-    shown = progress_mod.Progress(out, order, stage_cost.plan(order, source_bytes, a.dwq_steps))
+    costs = stage_cost.plan(order, source_bytes, a.dwq_steps, stage_cost.metadata_bytes(a.src))
+    shown = progress_mod.Progress(out, order, costs)
     try:
         _run_stages(a, plan, state, sp, ks, order, summary, first_to_run(a, state, ks), shown)
     finally:

@@ -17,6 +17,7 @@ The measured rate replaces the model once a stage has read past its start-up
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 # Bytes a stage reads per byte of the source (rchar / the source's bytes) on the
 # reference run: teacher streams the source once (+ the token set), calibrate twice
@@ -38,14 +39,35 @@ REFERENCE_SECONDS = {"plan": 0.0, "tokens": 5.32}
 
 @dataclass(frozen=True)
 class StageCost:
-    """A stage's plan: bytes it will read (None: it streams nothing) and seconds on the
-    reference machine."""
+    """A stage's plan: bytes it will read (None: it streams nothing), seconds on the
+    reference machine, and the bytes its start-up reads before it streams (opening the
+    source: its index and every shard's header)."""
 
     bytes_total: int | None
     seconds: float
+    startup_bytes: int = 0
 
 
-def plan(stages: list[str], source_bytes: int, dwq_steps: int) -> dict[str, StageCost]:
+def metadata_bytes(src: str | Path | None) -> int:
+    """The source's index file and safetensors headers (8 bytes of length + the JSON):
+    what opening it reads. 0 without a source. A few MB of the real K3's 1.56 TB, but a
+    sixth of the rehearsal preset's (the real tensor count, the widths shrunk)."""
+    if src is None:
+        return 0
+    n = 0
+    for p in Path(src).iterdir():
+        if p.name.endswith(".index.json"):
+            n += p.stat().st_size
+        elif p.suffix == ".safetensors":
+            with open(p, "rb") as f:
+                head = f.read(8)
+            n += 8 + (int.from_bytes(head, "little") if len(head) == 8 else 0)
+    return n
+
+
+def plan(
+    stages: list[str], source_bytes: int, dwq_steps: int, startup_bytes: int = 0
+) -> dict[str, StageCost]:
     """Each stage's modelled bytes and reference seconds."""
     out = {}
     for s in stages:
@@ -54,7 +76,7 @@ def plan(stages: list[str], source_bytes: int, dwq_steps: int) -> dict[str, Stag
             secs = total / REFERENCE_RATE[s]
             if s == "dwq":
                 secs *= max(1, dwq_steps) / REFERENCE_DWQ_STEPS
-            out[s] = StageCost(total, round(secs, 2))
+            out[s] = StageCost(total, round(secs, 2), startup_bytes)
         else:
             out[s] = StageCost(None, REFERENCE_SECONDS.get(s, 0.0))
     return out
