@@ -78,8 +78,12 @@ def judge(polls: list[dict], final: dict) -> list[dict]:
             if x["stage"] == s and x["state"] == "running"
         ]
         # a tenth of the stage's time in: the poll nearest it, its elapsed + ETA
-        tenth = min(running, key=lambda px: abs(px[1]["seconds"] - rec["seconds"] / 10))
-        t_est = tenth[1]["seconds"] + (tenth[1]["eta_s"] or 0) if running else None
+        tenth = (
+            min(running, key=lambda px: abs(px[1]["seconds"] - rec["seconds"] / 10))
+            if running
+            else None
+        )
+        t_est = None if tenth is None else tenth[1]["seconds"] + (tenth[1]["eta_s"] or 0)
         rows.append(
             {
                 "stage": s,
