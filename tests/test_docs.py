@@ -665,6 +665,12 @@ FIGURES += [
     ),
     F(
         OP,
+        "but {} of the {} rounds ran slower with metrics on",
+        (OVERHEAD, "paired_on_over_off", lambda xs: str(sum(x < 1 for x in xs))),
+        (OVERHEAD, "rounds", str),
+    ),
+    F(
+        OP,
         "1-minute load average {} at the start, {} to {} over the rounds",
         (OVERHEAD, "loadavg_at_start.0", "{:.1f}".format),
         (OVERHEAD, "loadavg_1m_per_round", lambda xs: f"{min(xs):.1f}"),
