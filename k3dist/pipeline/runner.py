@@ -333,8 +333,7 @@ def run(a: Args, dry_run: bool = False) -> dict:
     load0 = os.getloadavg()
     disk = DiskWatch(out)
     disk.start()
-    costs = stage_cost.plan(order, source_bytes, a.dwq_steps, stage_cost.metadata_bytes(a.src))
-    shown = progress_mod.Progress(out, order, costs)
+    shown = progress_mod.Progress(out, order, stage_cost.plan(order, source_bytes, a.dwq_steps))
     try:
         _run_stages(a, plan, state, sp, ks, order, summary, first_to_run(a, state, ks), shown)
     finally:
@@ -473,7 +472,7 @@ def _execute(
     finally:
         ok = child.returncode == 0 and stats_path.exists()
         got = json.loads(stats_path.read_text()) if ok else {}
-        watch.finish(ok, got.get("io", {}).get("rchar"))
+        watch.finish(ok, got.get("io", {}).get("rchar"), got.get("cpu_s"))
     if rc != 0 or not stats_path.exists():
         write_json_atomic(sp, state)
         raise CheckpointError(
