@@ -118,12 +118,13 @@ class Progress:
         self._write()
 
     def factor(self) -> float:
-        """This machine's CPU seconds against the model's: the stages done."""
+        """This machine's CPU seconds against the model's: the streaming stages done
+        (the token set's tokenizer is other work: its CPU seconds say little of theirs)."""
         return cpu_factor(
             [
                 (r["cpu_s"], self.costs[s].cpu_s)
                 for s, r in self.stages.items()
-                if r["state"] == "done" and r["cpu_s"]
+                if r["state"] == "done" and r["cpu_s"] and r["bytes_total"]
             ]
         )
 

@@ -107,37 +107,39 @@ def test_readme_block_makes_rank_folders_and_a_summary(readme_run):
         assert x["state"] == "done" and x["eta_s"] == 0, x
         if s["stage"] in stage_cost.READS_PER_SOURCE_BYTE:
             assert x["bytes_done"] == s["rchar"] and x["bytes_total"] > 0, x
-            assert x["rate_bytes_per_s"] > 0 and x["model_s"] > 0, x
-    assert prog["machine_factor"] > 0
+            assert x["rate_bytes_per_s"] > 0 and x["cpu_model_s"] > 0 and x["cpu_s"] > 0, x
+    assert prog["cpu_factor"] > 0
     assert "ETA" not in r.stdout and "\r" not in r.stdout
 
 
-def test_progress_lines_and_eta_follow_a_reading_process(tmp_path):
-    """A stage's progress on a terminal: before it reads, the cost model's ETA, said as
-    such; past its start-up, its process's bytes read against the plan and the ETA from
-    its rate since then; the next stage from the model, scaled by how the finished stage
-    compared with its model."""
+def test_progress_lines_and_eta_follow_a_working_process(tmp_path):
+    """A stage's progress on a terminal: before its CPU share is measured, the cost
+    model's ETA, said as such; then the model's CPU seconds left over the share the
+    process gets; the next stage from the model, scaled by how the finished stage's CPU
+    seconds compared with its model; its bytes read against the plan."""
     import io
 
     src = tmp_path / "src.bin"
     src.write_bytes(os.urandom(8 << 20))
     costs = {
-        "teacher": stage_cost.StageCost(8 << 20, 4.0),
-        "graded": stage_cost.StageCost(16 << 20, 10.0),
+        "teacher": stage_cost.StageCost(8 << 20, 1.5),
+        "graded": stage_cost.StageCost(16 << 20, 2.0),
     }
     shown = progress.Progress(
-        tmp_path, ["teacher", "graded"], costs, stream=io.StringIO(), tty=True, every_s=0.05
-    )
+        tmp_path, ["teacher", "graded"], costs, stream=io.StringIO(), tty=True, every_s=0.05,
+        min_window_s=0.3,
+    )  # fmt: skip
     before = progress.read(tmp_path)
-    assert before["eta_s"] == 14.0 and before["eta_source"] == "model"
+    assert before["eta_s"] == 3.5 and before["eta_source"] == "model"
     assert [x["eta_source"] for x in before["stages"]] == ["model", "model"]
-    # waits 0.3 s (its start-up: no bytes), then reads 1 MiB every 0.05 s
+    # reads 1 MiB, then works 0.12 CPU seconds, 8 times
     code = (
         "import sys, time\n"
-        "time.sleep(0.3)\n"
         "with open(sys.argv[1], 'rb', buffering=0) as f:\n"
         "    while f.read(1 << 20):\n"
-        "        time.sleep(0.05)\n"
+        "        t = time.process_time()\n"
+        "        while time.process_time() - t < 0.12:\n"
+        "            pass\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code, str(src)])
     watch = shown.watch("teacher", child.pid)
@@ -146,31 +148,30 @@ def test_progress_lines_and_eta_follow_a_reading_process(tmp_path):
     while child.poll() is None:
         snap = progress.read(tmp_path)
         t = snap["stages"][0]
-        if t["bytes_done"] >= 3 << 20 and mid is None and t["eta_source"] == "measured":
+        if mid is None and t["eta_source"] == "measured" and t["cpu_s"] < 1.0:
             mid = snap
         time.sleep(0.02)
-    watch.finish(True, src.stat().st_size)
-    # nothing read yet: the model's seconds less the time it ran
+    watch.finish(True, src.stat().st_size, 1.2)
+    # nothing measured yet: the model's CPU seconds at a share of 1, less the time it ran
     assert early["state"] == "running" and early["eta_source"] == "model", early
-    assert early["eta_s"] == pytest.approx(4.0 - early["seconds"], abs=0.15)
+    assert early["eta_s"] == pytest.approx(1.5 - early["seconds"], abs=0.15)
     assert mid is not None
     t, g = mid["stages"]
     assert t["state"] == "running" and g["state"] == "pending"
-    # ETA = bytes left / the rate since the start-up; the pending stage from the model
-    assert t["eta_s"] == pytest.approx(
-        (t["bytes_total"] - t["bytes_done"]) / t["warm_rate_bytes_per_s"], abs=0.11
-    )
-    assert g["eta_source"] == "model" and g["eta_s"] == 10.0
+    # ETA = the model's CPU seconds left / the share the process gets
+    assert 0 < t["cpu_share"] <= 1.05, t
+    assert t["eta_s"] == pytest.approx((1.5 - t["cpu_s"]) / t["cpu_share"], abs=0.11)
+    assert g["eta_source"] == "model"
+    assert g["eta_s"] == pytest.approx(2.0 / mid["cpu_share"], abs=0.11)
     assert mid["eta_s"] == pytest.approx(t["eta_s"] + g["eta_s"], abs=0.2)
     # a tenth of the way in, the ETA was recorded (a run's estimate checked at its end)
     end = progress.read(tmp_path)
     at = end["stages"][0]["at_10pct"]
-    assert at["elapsed_s"] > 0 and at["eta_s"] > 0 and at["eta_source"] in ("model", "measured")
+    assert at["elapsed_s"] >= 0 and at["eta_s"] > 0 and at["eta_source"] in ("model", "measured")
     assert end["stages"][0]["state"] == "done" and end["stages"][0]["bytes_done"] == 8 << 20
-    # graded: the model's 10 s times this machine against teacher's model
-    factor = end["stages"][0]["seconds"] / 4.0
-    assert end["machine_factor"] == pytest.approx(factor, rel=0.01)
-    assert end["stages"][1]["eta_s"] == pytest.approx(10.0 * factor, abs=0.1)
+    # graded: the model's 2 CPU s times this machine against teacher's model (1.2 / 1.5)
+    assert end["cpu_factor"] == pytest.approx(0.8)
+    assert end["stages"][1]["eta_s"] == pytest.approx(1.6 / end["cpu_share"], abs=0.1)
     text = shown.stream.getvalue()
     assert "[1/2] teacher" in text and "of 8.4 MB" in text
     assert "(model; run:" in text and "(measured; run:" in text
