@@ -794,6 +794,55 @@ FIGURES = [
 ]
 
 
+# docs/operator.md: metrics on/off decode, and the pipeline's ETA on the rehearsal preset
+OVERHEAD = "benchmarks/results/2026-12-06/metrics-overhead.json"
+ETA = "benchmarks/results/2026-12-06/pipeline-eta.json"
+OP = ("docs/operator.md",)
+
+
+def signed_pct(x: float) -> str:
+    return f"{100 * x:+.0f} %"
+
+
+FIGURES += [
+    F(
+        OP,
+        "on/off ratio of the paired rounds: median {}, p10 {}, p90 {}",
+        *(
+            (OVERHEAD, f"paired_on_over_off_stats.{k}", "{:.3f}".format)
+            for k in ("median", "p10", "p90")
+        ),
+    ),
+    F(
+        OP,
+        "but {} of the {} rounds ran slower with metrics on",
+        (OVERHEAD, "paired_on_over_off", lambda xs: str(sum(x < 1 for x in xs))),
+        (OVERHEAD, "rounds", str),
+    ),
+    F(
+        OP,
+        "1-minute load average {} at the start, {} to {} over the rounds",
+        (OVERHEAD, "loadavg_at_start.0", "{:.1f}".format),
+        (OVERHEAD, "loadavg_1m_per_round", lambda xs: f"{min(xs):.1f}"),
+        (OVERHEAD, "loadavg_1m_per_round", lambda xs: f"{max(xs):.1f}"),
+    ),
+    *(
+        F(
+            OP,
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            (ETA, f"stages.{i}.stage", str),
+            (ETA, f"stages.{i}.seconds", lambda x: f"{x:.0f} s"),
+            (ETA, f"stages.{i}.model_eta_before_start_s", lambda x: f"{x:.0f} s"),
+            (ETA, f"stages.{i}.estimate_at_10pct_s", lambda x: f"{x:.0f} s"),
+            (ETA, f"stages.{i}.at_10pct.eta_source", str),
+            (ETA, f"stages.{i}.error_at_10pct", signed_pct),
+            (ETA, f"stages.{i}.loadavg_1m.median", "{:.0f}".format),
+        )
+        for i in range(4)
+    ),
+]
+
+
 def render(template: str, sources) -> str:
     vals = []
     for s in sources:

@@ -94,7 +94,6 @@ OVER = {
     "k3dist/pipeline/byte_budget.py:make_plan": 177,
     "k3dist/pipeline/plan.py:main": 183,
     "k3dist/pipeline/profiles.py:main": 129,
-    "k3dist/pipeline/runner.py:_run_stages": 113,
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -65,6 +66,7 @@ def main() -> None:
     a = ap.parse_args()
 
     extra = ["--rank-dir", a.rank_dir] if a.rank_dir else []
+    load0 = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="metrics-overhead-"))
     servers = {}
     try:
@@ -74,8 +76,9 @@ def main() -> None:
             decode_rate(s.url, 4, a.prompt)
         rates: dict[str, list[float]] = {k: [] for k in servers}
         streamed: dict[str, list[int]] = {k: [] for k in servers}
-        scrapes = 0
+        scrapes, loads = 0, []
         for i in range(a.rounds):
+            loads.append(round(os.getloadavg()[0], 2))
             order = list(servers) if i % 2 == 0 else list(servers)[::-1]
             for name in order:
                 rate, n = decode_rate(servers[name].url, a.tokens, a.prompt)
@@ -92,6 +95,8 @@ def main() -> None:
     finally:
         codes = {k: s.stop() for k, s in servers.items()}
     on, off = statistics.median(rates["metrics_on"]), statistics.median(rates["metrics_off"])
+    # each round's on/off pair ran back to back: their ratio cancels the load of the moment
+    paired = [x / y for x, y in zip(rates["metrics_on"], rates["metrics_off"], strict=True)]
     report = {
         **record.environment(),
         "server_commands": {k: s.cmd for k, s in servers.items()},
@@ -101,6 +106,10 @@ def main() -> None:
         "decode_tok_s": {k: [round(x, 3) for x in v] for k, v in rates.items()},
         "decode_tok_s_stats": {k: record.stats(v) for k, v in rates.items()},
         "median_on_over_off": round(on / off, 4),
+        "paired_on_over_off": [round(x, 4) for x in paired],
+        "paired_on_over_off_stats": record.stats(paired),
+        "loadavg_1m_per_round": loads,
+        "loadavg_at_start": [round(x, 2) for x in load0],
         "metrics_scrapes_during_run": scrapes,
         "metrics_off_get_metrics_status": off_status,
         "server_exit_codes": codes,

@@ -30,6 +30,11 @@ PRIVATE = {
     "mlx_lm.server:ResponseGenerator._generate": "run by k3dist.serve.lockstep through with_names: its "
     "BatchGenerator keeps an abandoned prefill",
     "mlx_lm.server:BatchGenerator": "the global name mlx-lm's _generate builds its batch with (with_names)",
+    "mlx_lm.generate:GenerationBatch._step": "run by k3dist.serve.lockstep through with_names: its "
+    "mx.eval (the wait for a decode step's tokens) is timed for /metrics",
+    "mlx_lm.generate:BatchGenerator._next": "overridden (k3dist.serve.lockstep): gives the decode batch "
+    "the timed step",
+    "mlx_lm.generate:BatchGenerator._generation_batch": "read by k3dist.serve.lockstep (the decode batch)",
     "mlx_lm.generate:BatchGenerator._find_uids": "read by k3dist.serve.lockstep: which removed requests "
     "are still in their prefill",
     "mlx_lm.server:ResponseGenerator._await_response": "overridden (k3dist.serve.lockstep): the handler "

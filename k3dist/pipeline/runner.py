@@ -70,6 +70,7 @@ from k3dist.format.journal import write_json_atomic
 from k3dist.format.manifest import MANIFEST
 from k3dist.format.sfile import CheckpointError
 from k3dist.pipeline import progress as progress_mod
+from k3dist.pipeline import stage_cost
 from k3dist.pipeline.diskplan import (
     account,
     calib_tokens,
@@ -332,15 +333,7 @@ def run(a: Args, dry_run: bool = False) -> dict:
     load0 = os.getloadavg()
     disk = DiskWatch(out)
     disk.start()
-    shown = progress_mod.Progress(
-        out,
-        order,
-        {
-            s: round(source_bytes * progress_mod.READS_PER_SOURCE_BYTE[s])
-            for s in order
-            if s in progress_mod.READS_PER_SOURCE_BYTE
-        },
-    )
+    shown = progress_mod.Progress(out, order, stage_cost.plan(order, source_bytes, a.dwq_steps))
     try:
         _run_stages(a, plan, state, sp, ks, order, summary, first_to_run(a, state, ks), shown)
     finally:
@@ -406,106 +399,120 @@ def _run_stages(
 ) -> None:
     """Each stage in order: skipped when current, else run in a child process;
     ``shown``: where each stands (progress.json, and the terminal when there is one)."""
-    out = Path(a.out)
     for n, stage in enumerate(order, 1):
-        key = ks[stage]
         if n - 1 < first:
-            rec = state["stages"][stage]
             if not shown.tty:  # on a terminal the progress line says it
                 print(f"[{n}/{len(order)}] {stage}: current, skipped")
             shown.skipped(stage)
+            rec = state["stages"][stage]
             summary.append(
-                {
-                    "stage": stage,
-                    "skipped": True,
-                    **{k: rec.get(k) for k in STAGE_FACTS},
-                }
+                {"stage": stage, "skipped": True, **{k: rec.get(k) for k in STAGE_FACTS}}
             )
             continue
-        rec = state["stages"].get(stage)
-        if rec and rec.get("deleted"):
-            rec.pop("deleted")
-        if rec and rec.get("key") != key:
-            _delete(a.path(stage))  # made from other inputs: the tool would refuse it
-        want, by = ranks_by(ks, stage), state.get("ranks_by")
-        if stage == "graded" and by != want:
-            for r in a.rank_dirs():  # rank folders of another run: the slicer would refuse
-                _delete(r)
-        elif stage == "dwq" and by not in (want, ranks_by(ks, "graded")):
-            raise CheckpointError(  # graded ran or was current just before
-                f"{out}: the rank folders are not this run's graded build ({by}); delete "
-                f"them and run again"
-            )
-        if writes_ranks(stage):  # dwq: rewrites the graded rank folders in place
-            state["ranks_by"] = want
-            write_json_atomic(sp, state)
+        _clear_stale(a, state, sp, ks, stage)
         if not shown.tty:
             print(f"[{n}/{len(order)}] {stage} ...", flush=True)
         t0 = time.perf_counter()
-        if stage == "plan":
-            watch = shown.watch(stage, None)
-            write_json_atomic(a.path("plan"), plan)
-            stats = {"seconds": 0.0, "peak_rss": None, "io": {}, "facts": {}}
-            watch.finish()
-        else:
-            stats_path = out / f".stage-{stage}.json"
-            stats_path.unlink(missing_ok=True)
-            cmd = [
-                sys.executable,
-                "-m",
-                "k3dist.pipeline.runner",
-                "--_stage",
-                stage,
-                "--_args",
-                json.dumps(asdict(a)),
-                "--_stats",
-                str(stats_path),
-            ]
-            child = subprocess.Popen(cmd)
-            watch = shown.watch(stage, child.pid)
-            try:
-                rc = child.wait()
-            finally:
-                ok = child.returncode == 0 and stats_path.exists()
-                got = json.loads(stats_path.read_text()) if ok else {}
-                watch.finish(ok, got.get("io", {}).get("rchar"))
-            if rc != 0 or not stats_path.exists():
-                write_json_atomic(sp, state)
-                raise CheckpointError(
-                    f"stage {stage} failed (exit {rc}); its output so far is kept and the "
-                    f"same command resumes it: python -m k3dist.pipeline.runner "
-                    f"{' '.join(sys.argv[1:])}"
-                )
-            stats = json.loads(stats_path.read_text())
-            stats_path.unlink()
-        outb = sum(du(r) for r in a.rank_dirs()) if writes_ranks(stage) else du(a.path(stage))
-        rec = {
-            "key": key,
-            "done": True,
-            "seconds": round(time.perf_counter() - t0, 2),
-            "peak_rss": stats["peak_rss"],
-            "read_bytes": stats["io"].get("read"),
-            "written_bytes": stats["io"].get("written"),
-            "rchar": stats["io"].get("rchar"),
-            "wchar": stats["io"].get("wchar"),
-            "cpu_s": stats.get("cpu_s"),
-            "output_bytes": outb,
-            **stats["facts"],
-        }
-        state["stages"][stage] = rec
-        if not a.keep:
-            for scratch, last in consumers_end(a).items():
-                if last == stage and scratch in state["stages"]:
-                    _delete(a.path(scratch))
-                    state["stages"][scratch]["deleted"] = True
-        write_json_atomic(sp, state)
-        summary.append(
-            {
-                "stage": stage,
-                "skipped": False,
-                **{k: rec.get(k) for k in STAGE_FACTS},
-            }
+        stats = _execute(a, plan, state, sp, stage, shown)
+        rec = _record(a, state, sp, ks[stage], stage, stats, time.perf_counter() - t0)
+        summary.append({"stage": stage, "skipped": False, **{k: rec.get(k) for k in STAGE_FACTS}})
+
+
+def _clear_stale(a: Args, state: dict, sp: Path, ks: dict, stage: str) -> None:
+    """Before ``stage`` runs: remove its output made from other inputs (the tool would
+    refuse it) and, for a stage writing the rank folders, claim them for this run."""
+    key = ks[stage]
+    rec = state["stages"].get(stage)
+    if rec and rec.get("deleted"):
+        rec.pop("deleted")
+    if rec and rec.get("key") != key:
+        _delete(a.path(stage))
+    want, by = ranks_by(ks, stage), state.get("ranks_by")
+    if stage == "graded" and by != want:
+        for r in a.rank_dirs():  # rank folders of another run: the slicer would refuse
+            _delete(r)
+    elif stage == "dwq" and by not in (want, ranks_by(ks, "graded")):
+        raise CheckpointError(  # graded ran or was current just before
+            f"{a.out}: the rank folders are not this run's graded build ({by}); delete "
+            f"them and run again"
         )
+    if writes_ranks(stage):  # dwq: rewrites the graded rank folders in place
+        state["ranks_by"] = want
+        write_json_atomic(sp, state)
+
+
+def _execute(
+    a: Args, plan: dict, state: dict, sp: Path, stage: str, shown: progress_mod.Progress
+) -> dict:
+    """Run ``stage`` (``plan`` here, the others in a child process, watched by
+    ``shown``); its stats (seconds, peak RSS, I/O, facts). A failed child: the state is
+    saved and the error names the command that resumes."""
+    if stage == "plan":
+        watch = shown.watch(stage, None)
+        write_json_atomic(a.path("plan"), plan)
+        watch.finish()
+        return {"seconds": 0.0, "peak_rss": None, "io": {}, "facts": {}}
+    stats_path = Path(a.out) / f".stage-{stage}.json"
+    stats_path.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "k3dist.pipeline.runner",
+        "--_stage",
+        stage,
+        "--_args",
+        json.dumps(asdict(a)),
+        "--_stats",
+        str(stats_path),
+    ]
+    child = subprocess.Popen(cmd)
+    watch = shown.watch(stage, child.pid)
+    try:
+        rc = child.wait()
+    finally:
+        ok = child.returncode == 0 and stats_path.exists()
+        got = json.loads(stats_path.read_text()) if ok else {}
+        watch.finish(ok, got.get("io", {}).get("rchar"), got.get("cpu_s"))
+    if rc != 0 or not stats_path.exists():
+        write_json_atomic(sp, state)
+        raise CheckpointError(
+            f"stage {stage} failed (exit {rc}); its output so far is kept and the "
+            f"same command resumes it: python -m k3dist.pipeline.runner "
+            f"{' '.join(sys.argv[1:])}"
+        )
+    stats = json.loads(stats_path.read_text())
+    stats_path.unlink()
+    return stats
+
+
+def _record(
+    a: Args, state: dict, sp: Path, key: str, stage: str, stats: dict, seconds: float
+) -> dict:
+    """``stage`` done: its record in the state (saved), and the scratch it was the last
+    reader of deleted (unless --keep)."""
+    outb = sum(du(r) for r in a.rank_dirs()) if writes_ranks(stage) else du(a.path(stage))
+    io = stats["io"]
+    rec = {
+        "key": key,
+        "done": True,
+        "seconds": round(seconds, 2),
+        "peak_rss": stats["peak_rss"],
+        "read_bytes": io.get("read"),
+        "written_bytes": io.get("written"),
+        "rchar": io.get("rchar"),
+        "wchar": io.get("wchar"),
+        "cpu_s": stats.get("cpu_s"),
+        "output_bytes": outb,
+        **stats["facts"],
+    }
+    state["stages"][stage] = rec
+    if not a.keep:
+        for scratch, last in consumers_end(a).items():
+            if last == stage and scratch in state["stages"]:
+                _delete(a.path(scratch))
+                state["stages"][scratch]["deleted"] = True
+    write_json_atomic(sp, state)
+    return rec
 
 
 def print_summary(rows: list[dict]) -> None:

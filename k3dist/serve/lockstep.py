@@ -54,14 +54,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from queue import Empty as QueueEmpty
 from queue import Queue
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 from k3dist.model import compat
 from k3dist.serve.prompt_cache import ABANDONED, segment_system
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models.cache import make_prompt_cache
 
 # Tokens between the ranks' checks whether a request's client went away.
@@ -401,12 +401,41 @@ class _RequestQueue(Queue):
             )
 
 
+class _TimedEval:
+    """``mlx.core`` for mlx-lm's ``GenerationBatch._step``, its ``eval`` timed: that call
+    is where the generation thread waits for the step's tokens, whose graph holds every
+    all_sum of the step (the collective-bearing eval). Everything else is mlx.core's."""
+
+    def __init__(self, on_wait: Callable[[float], None]):
+        self.on_wait = on_wait
+
+    def __getattr__(self, name: str):
+        return getattr(mx, name)
+
+    def eval(self, *args) -> None:
+        t0 = time.perf_counter()
+        mx.eval(*args)
+        self.on_wait(time.perf_counter() - t0)
+
+
 class _KeepingBatchGenerator(BatchGenerator):
     """mlx-lm's BatchGenerator, but a request removed during its prefill (its client
     went away: the ranks agreed, so this runs at the same step on every rank) first hands
-    its cache so far, and the tokens it holds, to ``keep``."""
+    its cache so far, and the tokens it holds, to ``keep``; while its owner counts
+    (``metrics``), each decode step's wait for its tokens is timed (``_TimedEval``)."""
 
     keep: Callable[[list[int], list], None] | None = None
+    # the generation thread's owner: its ``metrics`` (set once the server is built)
+    owner: K3ResponseGenerator | None = None
+
+    def _next(self):
+        gb = self._generation_batch
+        m = None if self.owner is None else self.owner.metrics
+        if m is not None and "_step" not in vars(gb):
+            # this batch object's own step: mlx-lm's code, its mx.eval timed
+            step = compat.with_names(GenerationBatch._step, mx=_TimedEval(m.step_wait))
+            gb._step = MethodType(step, gb)
+        return super()._next()
 
     def remove(self, uids, return_prompt_caches=False):
         if self.keep is not None:
@@ -438,7 +467,7 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
                 cache.keep_abandoned(key, tokens, prompt_cache)
 
         batch_class = type(
-            "BatchGenerator", (_KeepingBatchGenerator,), {"keep": staticmethod(keep)}
+            "BatchGenerator", (_KeepingBatchGenerator,), {"keep": staticmethod(keep), "owner": self}
         )
         compat.with_names(mlx_server.ResponseGenerator._generate, BatchGenerator=batch_class)(self)
 

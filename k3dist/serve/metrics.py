@@ -17,8 +17,13 @@ rank 0's counts are every rank's. For graded builds the same sample gives the ``
 overflows (promoted routes of a token beyond ``k_hi``) and the drops among them (those
 with no lo copy).
 
-Not measured: collective wait per step (telling it apart from compute needs a host
-sync per layer; the decode benchmarks measure it).
+Collective wait per step, as far as it can be seen without a new sync: every rank times
+the one call where its generation thread waits for a decode step's tokens (mlx-lm's
+``mx.eval`` in ``GenerationBatch._step``; ``k3dist.serve.lockstep._TimedEval``). That
+evaluation holds every all_sum of the step, so a rank that waits for its peer waits
+there; it also holds the step's compute not hidden behind the host's building of the
+next step (an upper bound of the wait in collectives; ``benchmarks/decode.py`` splits
+compute from communication).
 """
 
 from __future__ import annotations
@@ -37,7 +42,14 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # layer's expert ids for the step in flight: one short stall of the pipeline).
 ROUTE_SAMPLE_EVERY = 16
 # what a peer's report carries of ServeMetrics.counts
-RANK_COUNTS = ("generated_tokens", "prompt_tokens", "prefill_chunks", "finished")
+RANK_COUNTS = (
+    "generated_tokens",
+    "prompt_tokens",
+    "prefill_chunks",
+    "finished",
+    "decode_steps",
+    "step_wait_s",
+)
 # The API a request path belongs to (the ``api`` label); anything else is "other".
 APIS = {
     "/v1/chat/completions": "openai_chat",
@@ -218,6 +230,8 @@ class ServeMetrics:
                 "cache_hits",
                 "cache_misses",
                 "finished",
+                "decode_steps",
+                "step_wait_s",
             ),
             0,
         )
@@ -246,6 +260,12 @@ class ServeMetrics:
             registry=r,
         )
         r.register(_Collector(self))
+
+    def step_wait(self, seconds: float) -> None:
+        """One decode step's wait for its tokens (the generation thread, every rank)."""
+        with self.lock:
+            self.counts["decode_steps"] += 1
+            self.counts["step_wait_s"] += seconds
 
     def timer(self, submitted: float | None = None) -> RequestTimer:
         return RequestTimer(self, submitted)
@@ -322,6 +342,14 @@ RANK_SERIES = (
     ("k3dist_rank_prompt_tokens", "prompt_tokens", True, "Prompt tokens the rank took in"),
     ("k3dist_rank_prefill_chunks", "prefill_chunks", True, "Prefill progress steps of the rank"),
     ("k3dist_rank_requests_finished", "finished", True, "Requests the rank finished"),
+    ("k3dist_rank_decode_steps", "decode_steps", True, "Decode steps the rank evaluated"),
+    (
+        "k3dist_rank_collective_wait_seconds",
+        "step_wait_s",
+        True,
+        "Seconds the rank waited on its decode steps' collective-bearing eval (holds the "
+        "step's all_sums and its compute not overlapped with the host)",
+    ),
 )
 # whole-server counters from ServeMetrics.counts: (name, key, help)
 COUNTERS = (

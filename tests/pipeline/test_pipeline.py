@@ -21,7 +21,16 @@ from k3dist.bench.greedy import greedy
 from k3dist.format import tokens
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX
 from k3dist.format.sfile import CheckpointError
-from k3dist.pipeline import calibtext, diskplan, mlxbuild, progress, runner, slicing, stage_graph
+from k3dist.pipeline import (
+    calibtext,
+    diskplan,
+    mlxbuild,
+    progress,
+    runner,
+    slicing,
+    stage_cost,
+    stage_graph,
+)
 from k3dist.serve import auth
 
 import mlx.core as mx
@@ -96,56 +105,76 @@ def test_readme_block_makes_rank_folders_and_a_summary(readme_run):
     for s in summary["stages"]:
         x = by[s["stage"]]
         assert x["state"] == "done" and x["eta_s"] == 0, x
-        if s["stage"] in progress.READS_PER_SOURCE_BYTE:
+        if s["stage"] in stage_cost.READS_PER_SOURCE_BYTE:
             assert x["bytes_done"] == s["rchar"] and x["bytes_total"] > 0, x
-            assert x["rate_bytes_per_s"] > 0
+            assert x["rate_bytes_per_s"] > 0 and x["cpu_model_s"] > 0 and x["cpu_s"] > 0, x
+    assert prog["cpu_factor"] > 0
     assert "ETA" not in r.stdout and "\r" not in r.stdout
 
 
-def test_progress_lines_and_eta_follow_a_reading_process(tmp_path):
-    """A stage's progress on a terminal: its process's bytes read against the plan, the
-    ETA from its rate; the next stage estimated at the run's rate."""
+def test_progress_lines_and_eta_follow_a_working_process(tmp_path):
+    """A stage's progress on a terminal: before its CPU share is measured, the cost
+    model's ETA, said as such; then the model's CPU seconds left over the share the
+    process gets; the next stage from the model, scaled by how the finished stage's CPU
+    seconds compared with its model; its bytes read against the plan."""
     import io
 
     src = tmp_path / "src.bin"
     src.write_bytes(os.urandom(8 << 20))
+    costs = {
+        "teacher": stage_cost.StageCost(8 << 20, 1.5),
+        "graded": stage_cost.StageCost(16 << 20, 2.0),
+    }
     shown = progress.Progress(
-        tmp_path, ["teacher", "graded"], {"teacher": 8 << 20, "graded": 16 << 20},
-        stream=io.StringIO(), tty=True, every_s=0.05,
+        tmp_path, ["teacher", "graded"], costs, stream=io.StringIO(), tty=True, every_s=0.05,
+        min_window_s=0.3,
     )  # fmt: skip
-    # reads 1 MiB every 0.05 s
+    before = progress.read(tmp_path)
+    assert before["eta_s"] == 3.5 and before["eta_source"] == "model"
+    assert [x["eta_source"] for x in before["stages"]] == ["model", "model"]
+    # reads 1 MiB, then works 0.12 CPU seconds, 8 times
     code = (
         "import sys, time\n"
         "with open(sys.argv[1], 'rb', buffering=0) as f:\n"
         "    while f.read(1 << 20):\n"
-        "        time.sleep(0.05)\n"
+        "        t = time.process_time()\n"
+        "        while time.process_time() - t < 0.12:\n"
+        "            pass\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code, str(src)])
     watch = shown.watch("teacher", child.pid)
+    early = progress.read(tmp_path)["stages"][0]
     mid = None
     while child.poll() is None:
         snap = progress.read(tmp_path)
         t = snap["stages"][0]
-        if t["bytes_done"] >= 2 << 20 and mid is None and t["eta_s"] is not None:
+        if mid is None and t["eta_source"] == "measured" and t["cpu_s"] < 1.0:
             mid = snap
         time.sleep(0.02)
-    watch.finish(True, src.stat().st_size)
+    watch.finish(True, src.stat().st_size, 1.2)
+    # nothing measured yet: the model's CPU seconds at a share of 1, less the time it ran
+    assert early["state"] == "running" and early["eta_source"] == "model", early
+    assert early["eta_s"] == pytest.approx(1.5 - early["seconds"], abs=0.15)
     assert mid is not None
     t, g = mid["stages"]
     assert t["state"] == "running" and g["state"] == "pending"
-    # ETA = bytes left / the rate so far; the pending stage at the run's rate
-    assert t["eta_s"] == pytest.approx(
-        (t["bytes_total"] - t["bytes_done"]) / t["rate_bytes_per_s"], rel=0.01
-    )
+    # ETA = the model's CPU seconds left / the share the process gets
+    assert 0 < t["cpu_share"] <= 1.05, t
+    assert t["eta_s"] == pytest.approx((1.5 - t["cpu_s"]) / t["cpu_share"], abs=0.11)
+    assert g["eta_source"] == "model"
+    assert g["eta_s"] == pytest.approx(2.0 / mid["cpu_share"], abs=0.11)
     assert mid["eta_s"] == pytest.approx(t["eta_s"] + g["eta_s"], abs=0.2)
     # a tenth of the way in, the ETA was recorded (a run's estimate checked at its end)
-    at = progress.read(tmp_path)["stages"][0]["at_10pct"]
-    assert at["elapsed_s"] > 0 and at["eta_s"] > 0
     end = progress.read(tmp_path)
+    at = end["stages"][0]["at_10pct"]
+    assert at["elapsed_s"] >= 0 and at["eta_s"] > 0 and at["eta_source"] in ("model", "measured")
     assert end["stages"][0]["state"] == "done" and end["stages"][0]["bytes_done"] == 8 << 20
-    assert end["eta_s"] is not None and end["stages"][1]["eta_s"] > 0  # graded: from the rate
+    # graded: the model's 2 CPU s times this machine against teacher's model (1.2 / 1.5)
+    assert end["cpu_factor"] == pytest.approx(0.8)
+    assert end["stages"][1]["eta_s"] == pytest.approx(1.6 / end["cpu_share"], abs=0.1)
     text = shown.stream.getvalue()
-    assert "[1/2] teacher" in text and "ETA" in text and "of 8.4 MB" in text
+    assert "[1/2] teacher" in text and "of 8.4 MB" in text
+    assert "(model; run:" in text and "(measured; run:" in text
     assert text.endswith("\n")  # the stage's last line is left in place
 
 

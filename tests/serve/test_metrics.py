@@ -1,7 +1,8 @@
 """``GET /metrics`` and the ``/status`` page on the real 2-rank server (the shared "text"
 server: counts are taken as differences from this file's own start).
 
-/metrics is read with the Prometheus client library's own text parser; the page is
+/metrics is read with the Prometheus client library's own text parser, and scraped by a
+real Prometheus server (Debian's, ``tests/prom.py``) queried over its HTTP API; the page is
 loaded in headless Chromium (Debian's ``chromium``) driven over the DevTools protocol
 (``websockets``, which mlx-vlm already brings), and its numbers are compared with
 /metrics read by the test."""
@@ -18,6 +19,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from prom import Prometheus
 from prometheus_client.parser import text_string_to_metric_families
 from serving import check_alive
 
@@ -107,6 +109,13 @@ def test_metrics_count_what_was_sent_on_both_ranks(srv):
         assert val(after, "k3dist_rank_memory_limit_bytes", rank=rank) > 0
         assert d("k3dist_rank_prefill_chunks_total", rank=rank) >= 3
     assert val(after, "k3dist_rank_report_age_seconds", rank=1) < 5
+    # the collective-bearing eval of each decode step, timed on every rank: the ranks
+    # ran the same steps (lockstep), each one took time; at most a step per token
+    steps = [d("k3dist_rank_decode_steps_total", rank=r) for r in (0, 1)]
+    waits = [d("k3dist_rank_collective_wait_seconds_total", rank=r) for r in (0, 1)]
+    assert steps[0] == steps[1] and 1 <= steps[0] <= generated, (steps, generated)
+    assert all(w > 0 for w in waits), waits
+    assert all(w / steps[0] < 30 for w in waits), (waits, steps)  # seconds a step: sane
     # one first token per request, the rest are inter-token gaps
     assert d("k3dist_time_to_first_token_seconds_count") == 3
     assert d("k3dist_inter_token_latency_seconds_count") == generated - 3
@@ -128,6 +137,86 @@ def test_metrics_count_what_was_sent_on_both_ranks(srv):
     assert len(set(per_layer.values())) == 1  # the same tokens went through every layer
     assert {o for row in placement["owners"] for o in row} == {0, 1}
     assert val(after, "k3dist_khi_overflow_routes_total") == 0  # not a graded build
+
+
+# -- a real Prometheus server scraping /metrics ------------------------------------------
+
+# what the issue names, as Prometheus stores it: the server's own series, and the series
+# of every rank (``rank`` label; rank 1's carried on the watchdog's heartbeat)
+SERVER_SERIES = (
+    "k3dist_requests_total",
+    "k3dist_requests_in_flight",
+    "k3dist_queue_depth",
+    "k3dist_running_requests",
+    "k3dist_prompt_tokens_total",
+    "k3dist_generated_tokens_total",
+    "k3dist_time_to_first_token_seconds_bucket",
+    "k3dist_inter_token_latency_seconds_bucket",
+    "k3dist_prefill_chunks_total",
+    "k3dist_prefix_cache_hits_total",
+    "k3dist_prefix_cache_misses_total",
+    "k3dist_prefix_cache_cached_tokens_total",
+    "k3dist_prefix_cache_memory_bytes",
+    "k3dist_khi_overflow_routes_total",
+    "k3dist_khi_dropped_routes_total",
+    "k3dist_expert_routes_total",
+    "k3dist_route_samples_total",
+)  # the disk store's series: tests/serve/test_prefix_restart.py (a server with one)
+RANK_SERIES = (
+    "k3dist_rank_up",
+    "k3dist_rank_warm",
+    "k3dist_rank_resident_bytes",
+    "k3dist_rank_mlx_active_bytes",
+    "k3dist_rank_plan_bytes",
+    "k3dist_rank_memory_limit_bytes",
+    "k3dist_rank_running_requests",
+    "k3dist_rank_generated_tokens_total",
+    "k3dist_rank_prompt_tokens_total",
+    "k3dist_rank_prefill_chunks_total",
+    "k3dist_rank_decode_steps_total",
+    "k3dist_rank_collective_wait_seconds_total",
+)
+
+
+def test_prometheus_server_scrapes_every_series_of_both_ranks(srv, tmp_path):
+    # enough tokens for a routing sample (every 16 tokens, counted two steps later)
+    srv.client().completions.create(
+        model="kimi-k3", prompt="Once upon a time", max_tokens=40, temperature=0
+    )
+    m = settled(srv)
+    host = srv.url.split("://", 1)[1]
+    assert host.startswith("127.0.0.1:"), srv.url  # loopback: /metrics takes no key
+    with Prometheus(tmp_path / "prometheus", host) as prom:
+        want = {(n, None) for n in SERVER_SERIES} | {
+            (n, r) for n in RANK_SERIES for r in ("0", "1")
+        }
+
+        def seen(res) -> set:
+            return {(x["metric"]["__name__"], x["metric"].get("rank")) for x in res}
+
+        expr = 'count by (__name__, rank) ({job="k3dist", __name__=~"k3dist_.+"})'
+        res = prom.wait(expr, lambda res: want <= seen(res))
+        assert want <= seen(res), sorted(want - seen(res))
+        up = prom.query('up{job="k3dist"}')
+        assert [x["value"][1] for x in up] == ["1"], up
+        # what Prometheus stored is what /metrics said (the server is idle)
+        got = prom.wait(
+            'k3dist_rank_generated_tokens_total{job="k3dist"}',
+            lambda res: (
+                len(res) == 2
+                and all(
+                    float(x["value"][1])
+                    == val(m, "k3dist_rank_generated_tokens_total", rank=x["metric"]["rank"])
+                    for x in res
+                )
+            ),
+            timeout=20,
+        )
+        assert {x["metric"]["rank"]: float(x["value"][1]) for x in got} == {
+            r: val(m, "k3dist_rank_generated_tokens_total", rank=r) for r in ("0", "1")
+        }
+        waits = prom.query('k3dist_rank_collective_wait_seconds_total{job="k3dist"}')
+        assert len(waits) == 2 and all(float(x["value"][1]) > 0 for x in waits), waits
 
 
 # -- the status page in headless Chromium ------------------------------------------------

@@ -18,6 +18,7 @@ import urllib.request
 
 from k3dist.serve.prefix_store import file_sha256
 
+from prom import Prometheus
 from prometheus_client.parser import text_string_to_metric_families
 from serving import Server, post_conn, post_raw, wait_logs
 from test_agent_api import TOOLS_C, _greedy
@@ -134,6 +135,17 @@ def test_prefix_survives_restart_and_corrupt_entry_is_skipped(ranks, mini_build,
         assert one("k3dist_prefix_cache_disk_bytes") > 0
         assert one("k3dist_prefix_cache_hits") >= 1
         assert one("k3dist_prefix_cache_cached_tokens") >= cached
+        # a real Prometheus server sees the disk store's series too (tests/prom.py)
+        host = srv.url.split("://", 1)[1]
+        disk = {"k3dist_prefix_cache_disk_bytes", "k3dist_prefix_cache_disk_entries"}
+        with Prometheus(tmp_path / "prometheus", host) as prom:
+            res = prom.wait(
+                '{job="k3dist", __name__=~"k3dist_prefix_cache_disk_.+"}',
+                lambda res: disk <= {x["metric"]["__name__"] for x in res},
+            )
+        got = {x["metric"]["__name__"]: float(x["value"][1]) for x in res}
+        assert got.get("k3dist_prefix_cache_disk_bytes", 0) > 0, got
+        assert got.get("k3dist_prefix_cache_disk_entries", 0) >= 2, got
         # Bob's entry corrupted on rank 1 only: rank 0's is whole, yet neither uses it
         bad = next(p for p in files[1] if p.stem == pb["key"])
         raw = bytearray(bad.read_bytes())
