@@ -18,6 +18,7 @@ from k3dist.bench import speedfit as sf
 from k3dist.config.deployment import Deployment
 from k3dist.format import kvmemory, layout
 from k3dist.model.forms import MOE_FORMS
+from k3dist.pipeline import byte_budget
 
 MODE = "ep-split"
 HOSTFILES = {"ring": "hostfiles/tb5.json", "jaccl": "hostfiles/tb5-jaccl.json"}
@@ -36,21 +37,12 @@ def _prefill(f, backend: str, t: dict, form: str, chunk: int, prompt: int = 8192
 
 
 def need(tc: dict, dep: Deployment, batch: int, chunk: int) -> dict:
-    """What serving holds beside the weights on a rank (the preflight's sum)."""
-    act, split = kvmemory.act_bytes(dep.dtype), kvmemory.mla_layers(tc)
-    serving = kvmemory.serving_bytes(
-        tc,
-        context=dep.max_context,
-        batch=batch,
-        prompt_cache_tokens=dep.prompt_cache_tokens,
-        act=act,
-        size=2,
-        split_layers=split,
+    """What serving holds beside the weights on a rank, as the planner reserves it
+    (``byte_budget.kv_state`` and ``activations``: the preflight's sum), attention split."""
+    limits = byte_budget.Limits.of(dep, batch=batch, prefill_chunk=chunk)
+    return kvmemory.need_bytes(
+        byte_budget.kv_state(tc, limits, 2), byte_budget.activations(tc, limits, 2)
     )
-    acts = kvmemory.prefill_activation_bytes(
-        tc, context=dep.max_context, chunk=chunk, act=act, size=2, split_layers=split
-    )
-    return kvmemory.need_bytes(serving, acts)
 
 
 def choose(f: cm.Facts, config: dict, th: dict, dep: Deployment) -> dict:
