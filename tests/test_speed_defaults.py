@@ -36,6 +36,12 @@ def test_backend_is_the_tables_and_the_guide_recommends_it():
     # docs/speed.md states the choice with its row
     doc = (REPO / "docs" / "speed.md").read_text()
     assert f"`{best['hostfile']}`" in doc and f"{best['decode_b1_2k_tok_s']:.2f}" in doc
+    # hostfiles/README.md names it the choice, with the two rows' figures
+    guide = (REPO / "hostfiles" / "README.md").read_text()
+    name = Path(best["hostfile"]).name
+    assert f"`{name}` is the calibrated speed table's choice" in " ".join(guide.split())
+    for r in d["rows"]:
+        assert f"{r['decode_b1_2k_tok_s']:.2f}" in guide, r["backend"]
 
 
 def test_moe_form_on_metal_is_the_tables():
