@@ -12,7 +12,7 @@ from k3dist.bench import speedfit as sf
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-RESULT = REPO / "benchmarks" / "results" / "2026-12-05" / "speed.json"
+RESULT = REPO / "benchmarks" / "results" / "2026-12-06" / "speed.json"
 
 
 def _synthetic(th: dict) -> sf.Counts:

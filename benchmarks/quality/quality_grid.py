@@ -14,6 +14,12 @@ A row is ``(target bpw, lo, student)``:
   per layer a multiple of 2 (two ranks), ``k_hi`` per layer from the student's
   calibration routes: the steps ``benchmarks/quality/quality_bits.py`` takes.
 
+A row ``TARGET:LO:STUDENT:dwq`` is that build distilled by the pipeline's DWQ
+(``k3dist.pipeline.dwq`` with its defaults: ``--dwq-steps`` per block, batch 2, on
+``--dwq-calib-windows`` calibration windows per domain, the pipeline's 16): id
+``<row>+dwq``, ``dwq`` the steps. The planner never chooses by a DWQ row (DWQ is the
+pipeline's ``--dwq``, off by default); it reports it beside the plain row.
+
 Rows run in the order given (``--rows``, or the product of ``--bpw``, ``--lo`` and
 ``--students`` in that order) and the report is rewritten after each, so a grid cut
 short holds only rows that were measured. ``--package`` also writes the compact copy the
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -47,30 +54,40 @@ from quality_bits import MXFP4_BPW, lo_bpw, promoted_per_layer, run  # noqa: E40
 SCORE = "taylor"
 
 
-def row_specs(a: argparse.Namespace) -> list[tuple[float, str, str]]:
-    """``(target, lo, student)`` in run order, de-duplicated: a uniform row once per lo,
-    the lo-bank student once when the richer student is the lo format itself."""
+Spec = tuple  # (target, lo, student or "-", dwq: bool)
+
+
+def row_specs(a: argparse.Namespace) -> list[Spec]:
+    """``(target, lo, student, dwq)`` in run order, de-duplicated: a uniform row once per
+    lo, the lo-bank student once when the richer student is the lo format itself."""
     if a.rows:
         specs = []
         for item in a.rows.split(","):
-            t, lo, s = item.split(":")
-            specs.append((float(t), lo, lo if s == "lo" else s))
+            t, lo, s, *opt = item.split(":")
+            if opt not in ([], ["dwq"]):
+                raise SystemExit(f"--rows {item}: TARGET:LO:STUDENT or TARGET:LO:STUDENT:dwq")
+            specs.append((float(t), lo, lo if s == "lo" else s, bool(opt)))
     else:
         specs = [
-            (float(t), lo, lo if s == "lo" else s)
+            (float(t), lo, lo if s == "lo" else s, False)
             for t in a.bpw.split(",")
             for lo in a.lo.split(",")
             for s in a.students.split(",")
         ]
     out, seen = [], set()
-    for t, lo, s in specs:
+    for t, lo, s, dwq in specs:
         if t < lo_bpw(lo) - 1e-9 or t > MXFP4_BPW:
             continue  # bytes the lo format cannot be graded to
-        key = (t, lo, "-") if abs(t - lo_bpw(lo)) < 1e-9 else (t, lo, s)
+        key = (t, lo, "-", dwq) if abs(t - lo_bpw(lo)) < 1e-9 else (t, lo, s, dwq)
         if key not in seen:
             seen.add(key)
             out.append(key)
     return out
+
+
+def row_id(target: float, lo: str, student: str, dwq: bool) -> str:
+    rid = f"{lo}@{target}" + ("" if student == "-" else f"/scores:{student}")
+    return rid + ("+dwq" if dwq else "")
 
 
 def git_commit() -> str:
@@ -92,7 +109,7 @@ def git_commit() -> str:
 def package_copy(rep: dict) -> dict:
     """What the planner reads: provenance and per row the coordinates and the measures."""
     keep = ("id", "lo", "student", "target_bpw", "expert_bpw", "promoted_share")
-    keep += ("kl", "kl_p95", "flip", "k_hi_drop_rate")
+    keep += ("kl", "kl_p95", "flip", "k_hi_drop_rate", "dwq")
     return {
         "what": "KL(teacher || graded build) of the trained sparse mini-K3 at expert bpw x "
         "lo format x score student (benchmarks/quality/quality_grid.py; "
@@ -100,6 +117,94 @@ def package_copy(rep: dict) -> dict:
         "provenance": rep["provenance"],
         "rows": [{k: r.get(k) for k in keep} for r in rep["rows"]],
     }
+
+
+class Builds:
+    """The grid's builds under ``runs`` (each reused when its output exists): the MXFP4
+    teacher, uniform lo builds, per student the calibration, graded builds, DWQ'd ones."""
+
+    def __init__(self, a: argparse.Namespace):
+        self.a, self.runs = a, a.runs
+        self.mxfp4 = self.runs / "mxfp4"
+        if not (self.mxfp4 / "k3dist.json").exists():
+            run("k3dist.pipeline.convert", "--src", a.src, "--out", str(self.mxfp4))
+        tc = layout.text_config(load_config(self.mxfp4))
+        self.experts = tc["num_experts"]
+        self.zeros = self.runs / "zeros.npz"  # uniform builds promote nothing: any scores do
+        if not self.zeros.exists():
+            np.savez(
+                self.zeros,
+                **{f"layer_{i}": np.zeros(self.experts, np.float32) for i in layout.moe_layers(tc)},
+            )
+        self.grade = ("k3dist.pipeline.promote", "--build", str(self.mxfp4))
+
+    def tokens(self, windows: int) -> tuple[Path, Path]:
+        """The calibration token set of ``windows`` per domain and its streamed teacher."""
+        toks = self.runs / f"calib-{windows}x{self.a.seq}.npz"
+        teacher = self.runs / f"teacher-{toks.stem}"
+        if not toks.exists():
+            run(
+                "k3dist.factory.windows",
+                *("--split", "calib", "--seq", str(self.a.seq), "--windows", str(windows)),
+                *("--out", str(toks), "--tokenizer", str(self.mxfp4)),
+            )
+        if not (teacher / "k3dist.json").exists():
+            run(
+                "k3dist.pipeline.teacher",
+                *("--build", str(self.mxfp4), "--tokens", str(toks), "--out", str(teacher)),
+            )
+        return toks, teacher
+
+    def uniform(self, fmt: str) -> Path:
+        out = self.runs / fmt
+        if not (out / "k3dist.json").exists():
+            run(
+                *self.grade,
+                *("--k-hi", "1", "--out", str(out), "--scores", str(self.zeros)),
+                *("--per-layer", "0", "--lo", fmt),
+            )
+        return out
+
+    def calibration(self, student: str) -> Path:
+        toks, teacher = self.tokens(self.a.calib_windows)
+        calib = self.runs / f"calib-{student}-{toks.stem}"
+        if not (calib / "calibrate.json").exists():
+            run(
+                "k3dist.pipeline.calibrate",
+                *("--student", str(self.uniform(student)), "--teacher-build", str(self.mxfp4)),
+                *("--teacher", str(teacher), "--tokens", str(toks), "--out", str(calib)),
+                *("--seed", str(self.a.seed), "--scores", SCORE),
+            )
+        return calib
+
+    def graded(self, target: float, lo: str, student: str) -> Path:
+        calib = self.calibration(student)
+        n = promoted_per_layer(target, lo, self.experts)
+        path = self.runs / f"graded-{target}-{lo}-s-{student}"
+        if not (path / "k3dist.json").exists():
+            run(
+                *self.grade,
+                *("--out", str(path), "--scores", str(calib / f"scores-{SCORE}.npz")),
+                *("--per-layer", str(n), "--lo", lo, "--routes", str(calib / "routes.npz")),
+                *("--global", "--ranks", "2"),
+            )
+        return path
+
+    def dwq(self, base: Path) -> Path:
+        """``base`` distilled as the pipeline's ``--dwq`` does (its steps and batch)."""
+        toks, teacher = self.tokens(self.a.dwq_calib_windows)
+        out = self.runs / f"{base.name}-dwq-{self.a.dwq_steps}-{toks.stem}"
+        if not (out / "k3dist.json").exists():
+            run(
+                "k3dist.pipeline.dwq",
+                *("--teacher", str(teacher), "--student", str(base), "--tokens", str(toks)),
+                *("--out", str(out), "--steps", str(self.a.dwq_steps)),
+            )
+        return out
+
+    def build(self, target: float, lo: str, student: str, dwq: bool) -> Path:
+        path = self.uniform(lo) if student == "-" else self.graded(target, lo, student)
+        return self.dwq(path) if dwq else path
 
 
 def main() -> None:
@@ -113,7 +218,9 @@ def main() -> None:
     ap.add_argument("--bpw", default="2.1,2.25,2.37,2.5,2.6,2.8,3.0")
     ap.add_argument("--lo", default="1bit-g64,2bit-g128,2bit-g64,3bit-g64")
     ap.add_argument("--students", default="lo,2bit-g64", help="'lo': the lo bank itself")
-    ap.add_argument("--rows", default="", help="TARGET:LO:STUDENT,... instead of the product")
+    ap.add_argument("--rows", default="", help="TARGET:LO:STUDENT[:dwq],... not the product")
+    ap.add_argument("--dwq-steps", type=int, default=60, help="DWQ steps per block (pipeline's)")
+    ap.add_argument("--dwq-calib-windows", type=int, default=16, help="DWQ windows/domain")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--package", type=Path, default=None, help="also the planner's copy")
     a = ap.parse_args()
@@ -121,51 +228,6 @@ def main() -> None:
     runs.mkdir(parents=True, exist_ok=True)
     specs = row_specs(a)
     t0 = time.perf_counter()
-
-    mxfp4 = runs / "mxfp4"
-    if not (mxfp4 / "k3dist.json").exists():
-        run("k3dist.pipeline.convert", "--src", a.src, "--out", str(mxfp4))
-    tc = layout.text_config(load_config(mxfp4))
-    E = tc["num_experts"]
-    zeros = runs / "zeros.npz"  # uniform builds promote nothing: any scores will do
-    if not zeros.exists():
-        np.savez(zeros, **{f"layer_{i}": np.zeros(E, np.float32) for i in layout.moe_layers(tc)})
-    grade = ("k3dist.pipeline.promote", "--build", str(mxfp4))
-
-    def uniform_build(fmt: str) -> Path:
-        out = runs / fmt
-        if not (out / "k3dist.json").exists():
-            run(
-                *grade,
-                *("--k-hi", "1", "--out", str(out), "--scores", str(zeros)),
-                *("--per-layer", "0", "--lo", fmt),
-            )
-        return out
-
-    calib_tokens = runs / f"calib-{a.calib_windows}x{a.seq}.npz"
-    teacher = runs / f"teacher-{calib_tokens.stem}"
-
-    def calibration(student: str) -> Path:
-        calib = runs / f"calib-{student}-{calib_tokens.stem}"
-        if (calib / "calibrate.json").exists():
-            return calib
-        if not calib_tokens.exists():
-            run(
-                "k3dist.factory.windows",
-                *("--split", "calib", "--seq", str(a.seq), "--windows", str(a.calib_windows)),
-                *("--out", str(calib_tokens), "--tokenizer", str(mxfp4)),
-            )
-        run(
-            "k3dist.pipeline.teacher",
-            *("--build", str(mxfp4), "--tokens", str(calib_tokens), "--out", str(teacher)),
-        )
-        run(
-            "k3dist.pipeline.calibrate",
-            *("--student", str(uniform_build(student)), "--teacher-build", str(mxfp4)),
-            *("--teacher", str(teacher), "--tokens", str(calib_tokens), "--out", str(calib)),
-            *("--seed", str(a.seed), "--scores", SCORE),
-        )
-        return calib
 
     rep: dict = {
         "rows": [],
@@ -178,7 +240,7 @@ def main() -> None:
             "eval_split": evaluate.SPLIT,
             "windows_per_domain": a.windows,
             "seq": a.seq,
-            "grid": [list(s) for s in specs],
+            "grid": [list(s[:3]) + (["dwq"] if s[3] else []) for s in specs],
         },
     }
     if a.out.exists():  # resume: rows already measured with the same windows
@@ -196,28 +258,17 @@ def main() -> None:
                 s for s in rep["provenance"]["grid"] if s not in old["provenance"]["grid"]
             ]
     done = {r["id"] for r in rep["rows"]}
-    for target, lo, student in specs:
-        rid = f"{lo}@{target}" + ("" if student == "-" else f"/scores:{student}")
+    b = Builds(a)
+    for target, lo, student, dwq in specs:
+        rid = row_id(target, lo, student, dwq)
         if rid in done:
             continue
         t = time.perf_counter()
-        if student == "-":
-            path, score = uniform_build(lo), None
-        else:
-            calib = calibration(student)
-            n = promoted_per_layer(target, lo, E)
-            path = runs / f"graded-{target}-{lo}-s-{student}"
-            if not (path / "k3dist.json").exists():
-                run(
-                    *grade,
-                    *("--out", str(path), "--scores", str(calib / f"scores-{SCORE}.npz")),
-                    *("--per-layer", str(n), "--lo", lo, "--routes", str(calib / "routes.npz")),
-                    *("--global", "--ranks", "2"),
-                )
-            score = SCORE
+        path = b.build(target, lo, student, dwq)
+        score = None if student == "-" else SCORE
         t_build = time.perf_counter() - t
         ev = evaluate.evaluate(
-            mxfp4,
+            b.mxfp4,
             [path],
             a.windows,
             a.seq,
@@ -234,7 +285,10 @@ def main() -> None:
             target_bpw=target,
             promoted_share=row.get("promoted_share", 0.0),
             seconds={"build": round(t_build, 1), "evaluate": ev["seconds"]},
+            loadavg=os.getloadavg()[0],
         )
+        if dwq:
+            row.update(dwq=a.dwq_steps, dwq_calib_windows_per_domain=a.dwq_calib_windows)
         rep["teacher"] = ev["teacher"]
         rep["tokens_per_domain"] = ev["tokens_per_domain"]
         rep["rows"].append(row)

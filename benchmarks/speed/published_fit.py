@@ -3,10 +3,11 @@ runs of Kimi K3 on two M3 Ultras (``k3dist.bench.speedfit``), the residual and t
 leave-one-out error per point, and k3dist's default build projected with the fitted
 terms: decode at batch 1/4/8 and 2K/32K/128K, prefill and time to first token at
 2K/8K/20K/64K, for EP (attention split) over ring and JACCL and mlx-lm's TP and PP on the
-same build, each row with its dominant term; the goals checked and the ranked changes
-that would close the gap, each with its projected gain.
+same build, each row with its dominant term; the goals checked, the terms that stand in
+their way and the ranked changes that would close the gap, alone and together; the
+shipped defaults the table chooses (``speed_choices``).
 
-    python benchmarks/speed/published_fit.py --out benchmarks/results/2026-12-05/speed.json
+    python benchmarks/speed/published_fit.py --out benchmarks/results/2026-12-06/speed.json
 
 Absolute times are projections of this model, not measurements.
 """
@@ -17,7 +18,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from k3dist.bench import costmodel as cm
@@ -25,18 +26,23 @@ from k3dist.bench import speedfit as sf
 from k3dist.config.box import Box
 from k3dist.factory.synth import real_config
 from k3dist.format.folder import REAL_K3_INDEX, read_index
+from k3dist.model.forms import METAL_FORM
 from k3dist.pipeline import byte_budget
 from k3dist.pipeline.accounting import account
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import speed_choices as choices  # noqa: E402
 
 DECODE_BATCH = (1, 4, 8)
 DECODE_CONTEXT = (2048, 32768, 131072)
 PROMPTS = (2048, 8192, 20480, 65536)
 SHIPPED = byte_budget.shipped()  # deploy/tb5.yaml
-SETUPS = (  # (label, costmodel mode, backend, prefill chunk)
-    ("k3dist EP (attention split), ring", "ep-split", "ring", SHIPPED.prefill_chunk),
-    ("k3dist EP (attention split), JACCL", "ep-split", "jaccl", SHIPPED.prefill_chunk),
-    ("mlx-lm TP, JACCL", "tp", "jaccl", 2048),
-    ("mlx-lm PP, JACCL", "pp", "jaccl", 2048),
+FORM = METAL_FORM if SHIPPED.moe_form == "auto" else SHIPPED.moe_form  # k3dist on Metal
+SETUPS = (  # (label, costmodel mode, backend, prefill chunk, MoE form)
+    ("k3dist EP (attention split), ring", "ep-split", "ring", SHIPPED.prefill_chunk, FORM),
+    ("k3dist EP (attention split), JACCL", "ep-split", "jaccl", SHIPPED.prefill_chunk, FORM),
+    ("mlx-lm TP, JACCL", "tp", "jaccl", 2048, "placeholder"),
+    ("mlx-lm PP, JACCL", "pp", "jaccl", 2048, "placeholder"),
 )
 OVERHEADS = {  # which fitted stack's overheads a projection carries
     "stock": "pn-tp",  # mlx 0.32.0 / mlx-lm 0.31.3 as PipeNetwork ran it
@@ -54,7 +60,7 @@ def default_plan() -> dict:
 def projection(f: cm.Facts, th: dict, overhead: str) -> list[dict]:
     t = sf.with_terms(th, OVERHEADS[overhead])
     rows = []
-    for label, mode, backend, chunk in SETUPS:
+    for label, mode, backend, chunk, form in SETUPS:
         for b in DECODE_BATCH:
             for ctx in DECODE_CONTEXT:
                 rows.append(
@@ -64,7 +70,7 @@ def projection(f: cm.Facts, th: dict, overhead: str) -> list[dict]:
                         "what": "decode",
                         "batch": b,
                         "context": ctx,
-                        **sf.project_decode(f, mode, backend, ctx, b, t),
+                        **sf.project_decode(f, mode, backend, ctx, b, t, form),
                     }
                 )
         for p in PROMPTS:
@@ -75,83 +81,26 @@ def projection(f: cm.Facts, th: dict, overhead: str) -> list[dict]:
                     "what": "prefill",
                     "prompt": p,
                     "chunk": chunk,
-                    **sf.project_prefill(f, mode, backend, p, chunk, t),
+                    **sf.project_prefill(f, mode, backend, p, chunk, t, form),
                 }
             )
     return rows
 
 
-def levers(config: dict, plan: dict, th: dict) -> list[dict]:
-    """Changes that would close the gap, each projected with the fitted terms: batch-1
-    decode at 2K and 8K prefill, EP over JACCL, tuned overheads (module doc)."""
-    base_prof = cm.plan_profile(plan, "default")
-    mode, backend = "ep-split", "jaccl"
-    chunk = SHIPPED.prefill_chunk
-    t_tuned = sf.with_terms(th, "ep4")
-
-    def measure(prof: cm.Profile, t: dict, chunk: int = chunk, form: str = "placeholder") -> dict:
-        f = cm.facts(config, prof)
-        c = sf.decode_counts(f, mode, backend, 2048, 1, form)
-        d = sum(sf.decode_terms(c, t, "proj").values())
-        chunks = sf.prefill_counts(f, mode, backend, 8192, chunk, form)
-        p = sum(sf.prefill_terms(chunks, t, "proj").values())
-        return {"decode_b1_2k_tok_s": round(1 / d, 2), "prefill_8k_tok_s": round(8192 / p, 1)}
-
-    base = measure(base_prof, t_tuned)
-    out = [{"change": "baseline: default build, EP split over JACCL, tuned overheads", **base}]
-    no_over = dict(t_tuned, **{"O:proj": 0.0})
-    cands = [
-        (
-            "per-step overhead to zero (dispatch: fused glue kernels, one async_eval a "
-            "token, compiled step; the bound of what software can win)",
-            base_prof,
-            no_over,
-            chunk,
-        ),
-        (
-            "non-expert classes at 4 bits instead of the plan's 6/8 (sensitivity-chosen "
-            "formats; KL cost not measured at 4 bits for every class)",
-            replace(base_prof, class_bits=tuple((c, min(b, 4)) for c, b in base_prof.class_bits)),
-            t_tuned,
-            chunk,
-        ),
-        (
-            "prefill chunk 2048 instead of 256 (the per-chunk overhead paid 8x less; "
-            "decode stalls longer per chunk beside it)",
-            base_prof,
-            t_tuned,
-            2048,
-        ),
-        (
-            "collectives overlapped with the next layer's attention (comm term hidden)",
-            base_prof,
-            t_tuned,
-            chunk,
-        ),
-    ]
-    for name, prof, t, ch in cands:
-        if name.startswith("collectives"):
-            f = cm.facts(config, prof)
-            c = sf.decode_counts(f, mode, backend, 2048, 1)
-            terms = sf.decode_terms(c, t, "proj")
-            d = sum(terms.values()) - terms["collectives"]
-            chunks = sf.prefill_counts(f, mode, backend, 8192, ch)
-            pt = sf.prefill_terms(chunks, t, "proj")
-            p = sum(pt.values()) - pt["collectives"]
-            r = {"decode_b1_2k_tok_s": round(1 / d, 2), "prefill_8k_tok_s": round(8192 / p, 1)}
-        else:
-            r = measure(prof, t, ch)
-        out.append(
-            {
-                "change": name,
-                **r,
-                "decode_gain": round(r["decode_b1_2k_tok_s"] / base["decode_b1_2k_tok_s"], 3),
-                "prefill_gain": round(r["prefill_8k_tok_s"] / base["prefill_8k_tok_s"], 3),
-            }
-        )
-    head, rest = out[0], out[1:]
-    rest.sort(key=lambda r: -(r["decode_gain"] * r["prefill_gain"]))
-    return [head, *rest]
+def built(f: cm.Facts, th: dict) -> dict:
+    """The lever built (issue 40 item 5): the phased MoE form against the placeholder form
+    auto ran on Metal before, EP split over JACCL, tuned overheads."""
+    t = sf.with_terms(th, "ep4")
+    out = {}
+    for form in ("placeholder", FORM):
+        d = sf.project_decode(f, "ep-split", "jaccl", 2048, 1, t, form)
+        p = sf.project_prefill(f, "ep-split", "jaccl", 8192, SHIPPED.prefill_chunk, t, form)
+        out[form] = {
+            "decode_b1_2k_tok_s": d["tok_s"],
+            "prefill_8k_tok_s": p["prefill_tok_s"],
+            "prefill_8k_terms_s": p["terms_s"],
+        }
+    return out
 
 
 def main() -> None:
@@ -212,7 +161,10 @@ def main() -> None:
         },
         "projection": rows,
         "goals": goals,
-        "levers": levers(config, plan, th),
+        "moe_form": FORM,
+        "built": built(f, th),
+        "defaults": choices.choose(f, config, th, SHIPPED),
+        "levers": choices.levers(config, plan, th, SHIPPED.prefill_chunk, FORM),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     a.out.write_text(json.dumps(rep, indent=1) + "\n")

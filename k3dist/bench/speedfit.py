@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 
 from k3dist.bench import costmodel as cm
+from k3dist.model.forms import form_for
 
 import numpy as np
 
@@ -265,6 +266,7 @@ def decode_counts(
         "flops_mm": float(base["flops"]),
         "flops_attn": float(step["flops"] - base["flops"]),
         "comm_s": _comm(step["collectives"], backend),
+        "sync_s": float(step["time_s"]["sync"]),  # local form: a host sync per MoE layer
         "n_collectives": step["n_collectives"],
     }
     _COUNTS[key] = (f, out)  # f kept alive: its id stays its own
@@ -298,6 +300,7 @@ def prefill_counts(
                 "flops_mm": float(st["flops"] - st["attention_flops"]),
                 "flops_attn": float(st["attention_flops"]),
                 "comm_s": comm,
+                "sync_s": float(st["time_s"]["sync"]),
                 "tokens": c,
             }
         )
@@ -319,11 +322,14 @@ def decode_terms(c: dict, th: dict, stack: str) -> dict:
         "matmul_flops": mm if mm > mem else 0.0,
         "attention": c["flops_attn"] / (PEAK * th["phi_attn"]),
         "collectives": c["comm_s"],
+        "sync": c.get("sync_s", 0.0),
     }
 
 
 def prefill_terms(chunks: list[dict], th: dict, stack: str) -> dict:
-    out = dict.fromkeys(("overhead", "memory", "matmul_flops", "attention", "collectives"), 0.0)
+    out = dict.fromkeys(
+        ("overhead", "memory", "matmul_flops", "attention", "collectives", "sync"), 0.0
+    )
     for c in chunks:
         mem = c["bytes"] / (BW * th["eta"])
         mm = c["flops_mm"] / (PEAK * th["phi_mm"])
@@ -331,6 +337,7 @@ def prefill_terms(chunks: list[dict], th: dict, stack: str) -> dict:
         out["memory" if mem >= mm else "matmul_flops"] += max(mem, mm)
         out["attention"] += c["flops_attn"] / (PEAK * th["phi_mla"])
         out["collectives"] += c["comm_s"]
+        out["sync"] += c.get("sync_s", 0.0)
     return out
 
 
@@ -463,6 +470,12 @@ def report(config: dict) -> dict:
     return {"terms": {k: round(v, 6) for k, v in th.items()}, "anchors": rows}
 
 
+def step_form(form: str, tokens: int) -> str:
+    """The form a step of ``tokens`` tokens runs in (``k3dist.model.forms.form_for``:
+    ``phased`` is the placeholder form for decode steps, local for prefill chunks)."""
+    return form_for(form, tokens)
+
+
 def with_terms(th: dict, stack: str) -> dict:
     """The fitted terms with ``stack``'s overheads as the projected software's."""
     out = {k: v for k, v in th.items() if ":" not in k}
@@ -472,9 +485,15 @@ def with_terms(th: dict, stack: str) -> dict:
 
 
 def project_decode(
-    f: cm.Facts, mode: str, backend: str, context: int, batch: int, th: dict
+    f: cm.Facts,
+    mode: str,
+    backend: str,
+    context: int,
+    batch: int,
+    th: dict,
+    form: str = "placeholder",
 ) -> dict:
-    c = decode_counts(f, mode, backend, context, batch)
+    c = decode_counts(f, mode, backend, context, batch, step_form(form, batch))
     terms = decode_terms(c, th, "proj")
     t = sum(terms.values())
     return {
@@ -488,11 +507,17 @@ def project_decode(
 
 
 def project_prefill(
-    f: cm.Facts, mode: str, backend: str, prompt: int, chunk: int, th: dict
+    f: cm.Facts,
+    mode: str,
+    backend: str,
+    prompt: int,
+    chunk: int,
+    th: dict,
+    form: str = "placeholder",
 ) -> dict:
-    chunks = prefill_counts(f, mode, backend, prompt, chunk)
+    chunks = prefill_counts(f, mode, backend, prompt, chunk, step_form(form, chunk))
     terms = prefill_terms(chunks, th, "proj")
-    first = decode_counts(f, mode, backend, prompt, 1)
+    first = decode_counts(f, mode, backend, prompt, 1, step_form(form, 1))
     t = sum(terms.values())
     first_s = sum(decode_terms(first, th, "proj").values())
     return {

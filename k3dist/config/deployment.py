@@ -94,8 +94,10 @@ class Deployment(BaseModel):
     moe_form: Literal[("auto", *MOE_FORMS)] = _key(
         "auto",
         "how non-owned (token, expert) pairs are handled: placeholder (sync-free), "
-        "local (one host sync per MoE layer, only owned pairs computed) or auto: placeholder "
-        "on Metal, local on CPU (benchmarks/speed/moe_step.py measured it faster)",
+        "local (one host sync per MoE layer, only owned pairs computed), phased (placeholder "
+        "for decode steps, local for prefill chunks) or auto: phased on Metal (the calibrated "
+        "table's choice, docs/speed.md), local on CPU (benchmarks/speed/moe_step.py measured it "
+        "faster)",
         "rank",
     )
     attention: Literal[ATTENTION_MODES] = _key(

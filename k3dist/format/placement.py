@@ -29,7 +29,7 @@ import numpy as np
 # How a rank handles the (token, expert) pairs it does not own (k3dist.model.experts);
 # the deployment's ``moe_form`` is "auto" or one of these. Here, below the model and the
 # config layer, so both read the one definition.
-MOE_FORMS = ("placeholder", "local")
+MOE_FORMS = ("placeholder", "local", "phased")
 # How long a rank keeps trying to join the group its experts are placed over
 # (k3dist.model.group.join; the deployment's ring_connect_s default).
 RING_CONNECT_S = 120.0

@@ -19,6 +19,8 @@ Pairs (token, expert) a rank does not own are handled in one of two forms:
   cache-resident expert.
 - ``local``: the routing is evaluated on the host, only owned pairs are gathered and
   computed, their outputs scattered into zeros. One host sync per MoE layer.
+- ``phased``: placeholder for short calls (decode steps), local for prefill chunks
+  (``k3dist.model.forms.form_for``).
 
 The parent sums the shared experts inside its collective, so they must be split across
 ranks (``shard_shared``: by their intermediate dimension, as mlx's ``shard_inplace``
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 from k3dist.format.placement import MOE_FORMS
 from k3dist.model import compat
+from k3dist.model.forms import form_for
 
 import mlx.core as mx
 import numpy as np
@@ -70,7 +73,7 @@ class OwnedExperts(SwitchGLU):
             object.__setattr__(self, "_routes", inds)
         if self._owns_all:
             return super().__call__(x, inds)
-        if self.form == "local":
+        if form_for(self.form, inds.size // inds.shape[-1]) == "local":
             return self._local(x, inds)
         local = self._table[inds]
         owned = local >= 0

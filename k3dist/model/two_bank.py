@@ -40,6 +40,7 @@ from k3dist.format.placement import Placement, contiguous
 from k3dist.format.sfile import mx_dtype
 from k3dist.model import ep
 from k3dist.model.experts import ExpertParallelMoE
+from k3dist.model.forms import form_for
 
 import mlx.core as mx
 import numpy as np
@@ -187,7 +188,8 @@ class TwoBankMoE(ExpertParallelMoE):
         if self.record_routes:  # sampled by k3dist.serve.metrics (serving only)
             object.__setattr__(self, "_routes", inds)
         y = self.routed_expert_down_proj(x) if self.latent_size is not None else x
-        y = (self._routed_local if self.form == "local" else self._routed_placeholder)(y, inds, w)
+        local = form_for(self.form, inds.size // inds.shape[-1]) == "local"
+        y = (self._routed_local if local else self._routed_placeholder)(y, inds, w)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.sharding_group is not None:
             # one collective for routed + shared partial sums, as mlx-lm's

@@ -574,4 +574,9 @@ def quality_line(plan: dict) -> str:
         f"quality (mini-K3 grid, {q['grid']['windows_per_domain']} windows/domain): expected "
         f"KL {e['kl']:.4f}, p95 {e['kl_p95']:.4f}, flip {e['flip']:.3f} ({how}: "
         f"{' .. '.join(e['grid_rows'])}); scores from the {e['calib_student']} student"
+        + (
+            f"; with --dwq KL {d['kl']:.4f}, p95 {d['kl_p95']:.4f} (measured: {d['row']})"
+            if (d := e.get("dwq"))
+            else ""
+        )
     )

@@ -13,12 +13,17 @@ student, and keeps the student with the lowest KL (the one the pipeline must the
 calibrate with). A point farther than :data:`EDGE_BPW` outside a format's measured
 range has no expectation: the planner refuses it unless ``--lo`` names the format, and
 then warns with :meth:`QualityGrid.nearest`.
+
+Rows with ``dwq`` (the build distilled by the pipeline's ``--dwq``, off by default) never
+choose: :meth:`QualityGrid.expected` interpolates the plain rows and reports beside them
+the DWQ row measured at the same lo format, student and bytes (within :data:`EDGE_BPW`),
+if the grid has one.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 GRID_PATH = Path(__file__).resolve().parent.parent / "data" / "quality-grid.json"
@@ -38,6 +43,7 @@ class Row:
     kl: float
     kl_p95: float
     flip: float
+    dwq: int = 0  # DWQ steps per block; 0: not distilled
 
 
 @dataclass(frozen=True)
@@ -49,12 +55,19 @@ class Expected:
     kl_p95: float
     flip: float
     rows: tuple[str, ...]  # the measured rows it comes from (one: measured or clamped)
+    dwq: Row | None = None  # the same point distilled (--dwq), where the grid measured it
 
     def cite(self) -> str:
         how = "measured" if len(self.rows) == 1 else "interpolated"
+        with_dwq = (
+            f"; with --dwq KL {self.dwq.kl:.4f} (p95 {self.dwq.kl_p95:.4f}), measured: "
+            f"{self.dwq.id}"
+            if self.dwq
+            else ""
+        )
         return (
             f"expected KL {self.kl:.4f} (p95 {self.kl_p95:.4f}, flip {self.flip:.3f}), "
-            f"{how}: {' .. '.join(self.rows)}"
+            f"{how}: {' .. '.join(self.rows)}{with_dwq}"
         )
 
     def asdict(self) -> dict:
@@ -67,6 +80,9 @@ class Expected:
             "flip": round(self.flip, 5),
             "grid_rows": list(self.rows),
             "measured": len(self.rows) == 1,
+            "dwq": None
+            if self.dwq is None
+            else {"kl": self.dwq.kl, "kl_p95": self.dwq.kl_p95, "row": self.dwq.id},
         }
 
 
@@ -86,6 +102,7 @@ class QualityGrid:
                 float(r["kl"]),
                 float(r["kl_p95"]),
                 float(r["flip"]),
+                int(r.get("dwq") or 0),
             )
             for r in data["rows"]
         ]
@@ -109,7 +126,7 @@ class QualityGrid:
     def series(self, lo: str) -> dict[str, list[Row]]:
         """Per score student, the lo format's rows by expert bpw; the uniform row (no
         scores) starts every student's series."""
-        rows = [r for r in self.rows if r.lo == lo]
+        rows = [r for r in self.rows if r.lo == lo and not r.dwq]
         uniform = [r for r in rows if r.student is None]
         out: dict[str, list[Row]] = {}
         for s in sorted({r.student for r in rows if r.student is not None}):
@@ -128,11 +145,22 @@ class QualityGrid:
             e = _interpolate(lo, student, rows, bpw)
             if e is not None and (best is None or e.kl < best.kl):
                 best = e
-        return best
+        if best is None:
+            return None
+        dwq = [
+            r
+            for r in self.rows
+            if r.dwq
+            and r.lo == lo
+            and r.student in (None, best.student)
+            and abs(r.expert_bpw - bpw) <= EDGE_BPW
+        ]
+        return replace(best, dwq=min(dwq, key=lambda r: abs(r.expert_bpw - bpw), default=None))
 
     def nearest(self, lo: str, bpw: float) -> Row:
         """The measured row closest in bpw, of ``lo`` if the grid has it."""
-        rows = [r for r in self.rows if r.lo == lo] or self.rows
+        plain = [r for r in self.rows if not r.dwq]
+        rows = [r for r in plain if r.lo == lo] or plain
         return min(rows, key=lambda r: (abs(r.expert_bpw - bpw), r.kl))
 
     def summary(self) -> dict:

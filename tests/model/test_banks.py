@@ -120,6 +120,19 @@ def test_same_weights_local_form_close(single):
     assert np.abs(np.array(one(x)) - np.array(two(x))).max() < 1e-5
 
 
+def test_phased_form_is_placeholder_for_decode_and_local_for_chunks(single):
+    """moe_form phased (auto on Metal): a decode step runs the placeholder form, bit for
+    bit; a call of LOCAL_FROM_TOKENS tokens the local form, bit for bit."""
+    from k3dist.model.forms import LOCAL_FROM_TOKENS
+
+    _, ph = _pair(single, "mxfp4", PROMOTED, 1, fallback=True, form="phased")
+    _, pl = _pair(single, "mxfp4", PROMOTED, 1, fallback=True, form="placeholder")
+    _, lo = _pair(single, "mxfp4", PROMOTED, 1, fallback=True, form="local")
+    for T, same in ((1, pl), (LOCAL_FROM_TOKENS, lo)):
+        x = mx.random.normal((1, T, ph.args.hidden_size), key=mx.random.key(T))
+        assert np.array_equal(np.array(ph(x)), np.array(same(x))), T
+
+
 def _dense(ql, e, lo: bool):
     if lo and hasattr(ql, "biases") and ql.mode == "affine":
         return mx.dequantize(
