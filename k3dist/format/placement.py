@@ -246,6 +246,26 @@ def _apportion(
     return out
 
 
+def hi_counts(promoted: int, counts: list[int]) -> list[int]:
+    """How many of a layer's ``promoted`` (hi-bank) experts each rank holds: in
+    proportion to the experts it holds (``counts``), largest remainder first (ties to
+    the lower rank), never more than a rank holds. Equal counts: equal shares, the
+    remainder on the first ranks. One rule for the planner (bytes per box) and the
+    slicer (``graded.balance_hi``), so each box's hi bytes follow its share of the
+    layer and no box reads a larger share of the bytes per token than it holds."""
+    n = np.asarray(counts, dtype=np.int64)
+    total = int(n.sum())
+    if not 0 <= promoted <= total:
+        raise PlacementError(f"{promoted} promoted experts for {total} experts in the layer")
+    quota = promoted * n / total  # at most n: promoted <= total
+    out = np.floor(quota).astype(np.int64)
+    # the fractional parts sum to the experts left, each below 1: only ranks with a
+    # fractional quota take one, and none goes past its count
+    for r in np.argsort(-(quota - out), kind="stable")[: promoted - int(out.sum())]:
+        out[r] += 1
+    return out.tolist()
+
+
 def from_counts(
     num_experts: int,
     counts: dict[int, list[int]],

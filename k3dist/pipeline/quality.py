@@ -49,6 +49,9 @@ class Expected:
     kl_p95: float
     flip: float
     rows: tuple[str, ...]  # the measured rows it comes from (one: measured or clamped)
+    # past the grid's last row of the format: that row's values, an upper bound on KL
+    # (more promoted experts than it measured), not a measurement at these bytes
+    beyond: bool = False
 
     def cite(self) -> str:
         how = "measured" if len(self.rows) == 1 else "interpolated"
@@ -66,7 +69,8 @@ class Expected:
             "kl_p95": round(self.kl_p95, 6),
             "flip": round(self.flip, 5),
             "grid_rows": list(self.rows),
-            "measured": len(self.rows) == 1,
+            "measured": len(self.rows) == 1 and not self.beyond,
+            **({"extrapolated": "upper bound: beyond the grid's last row"} if self.beyond else {}),
         }
 
 
@@ -128,6 +132,17 @@ class QualityGrid:
             e = _interpolate(lo, student, rows, bpw)
             if e is not None and (best is None or e.kl < best.kl):
                 best = e
+        return best
+
+    def beyond(self, lo: str, bpw: float) -> Expected | None:
+        """Past ``lo``'s measured range (more bpw than its last row): the best student's
+        last row, marked ``beyond`` (KL at most that: the same lo bank with more of the
+        experts in their MXFP4 bytes). None when ``bpw`` is not past it."""
+        best = None
+        for student, rows in self.series(lo).items():
+            last = rows[-1]
+            if bpw > last.expert_bpw + EDGE_BPW and (best is None or last.kl < best.kl):
+                best = Expected(lo, bpw, student, last.kl, last.kl_p95, last.flip, (last.id,), True)
         return best
 
     def nearest(self, lo: str, bpw: float) -> Row:

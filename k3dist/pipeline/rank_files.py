@@ -82,7 +82,7 @@ def placement_for(
     GiB each box gives the weights, in rank order; :func:`rank_bytes` says what each
     rank holds besides routed experts, with ``attention`` as sliced); load-aware within
     those counts from routing counts. A graded build's promoted experts are then spread
-    evenly (``graded.balance_hi``: counts per rank unchanged)."""
+    in proportion to each rank's experts (``graded.balance_hi``: counts unchanged)."""
     config = load_config(build)
     tc = layout.text_config(config)
     capacity = None

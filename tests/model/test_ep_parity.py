@@ -115,7 +115,8 @@ CASES = [
     # trained mini at 3: its MLA layers (3 heads) split, KDA layers (2 heads) replicated
     (3, "boxes:512,256,256", "placeholder", "trained", "split", [3, 5]),
     (3, "shares+routing", "local", 16, "replicated", []),  # 16 experts: 6:5:5 rotated
-    # two banks: 8:4:4 experts, the promoted ones spread 2:2:2 (graded.balance_hi)
+    # two banks: 8:4:4 experts, the promoted ones spread 3:2:1 (graded.balance_hi: in
+    # proportion to each rank's experts)
     (3, "boxes:512,256,256", "local", "graded", "split", []),
     (4, "boxes:512,256,256,256", "local", 16, "split", ALL),
     # trained mini at 4: no layer's heads divide by 4, every layer stays replicated
