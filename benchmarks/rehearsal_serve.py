@@ -1,7 +1,7 @@
 """The rehearsal's serving half (issue 26): an N-rank server (``--size``, default 2) on
 rank folders at the real K3's counts (93 layers, 896 experts top-16; attention split,
-batching on), started, verified and warmed up; its greedy tokens against single-process mlx-lm on the same
-build; then requests over the three APIs (OpenAI chat/completions, Anthropic
+batching on), started, verified and warmed up; its greedy tokens against single-process
+mlx-lm on the same build; then requests over the three APIs (OpenAI chat/completions, Anthropic
 /v1/messages, OpenAI /v1/responses), streamed and not, one at a time and 8 at once;
 compiles after warm-up counted from each running rank (the kernels it has loaded);
 every rank's token log compared with rank 0's request by request.
