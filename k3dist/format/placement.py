@@ -194,7 +194,7 @@ def load_aware(
     return Placement(size, num_experts, owners, f"{capacity.kind}+load-aware", capacity.shares)
 
 
-def _apportion(
+def apportion(
     num_experts: int,
     weights: list[float],
     layers: list[int],
@@ -286,7 +286,7 @@ def by_shares(num_experts: int, shares: list[float], moe_layers: list[int]) -> P
     """Contiguous ranges in proportion to ``shares`` (e.g. box memories 512:256:256,
     or equal shares for a size that does not divide the expert count: 16 experts over
     3 ranks are 6:5:5, 5:6:5, 5:5:6 over successive layers)."""
-    counts = _apportion(num_experts, list(shares), list(moe_layers))
+    counts = apportion(num_experts, list(shares), list(moe_layers))
     return from_counts(num_experts, counts, "by-shares", tuple(float(x) for x in shares))
 
 
@@ -354,7 +354,7 @@ def split_by_memory(
             f"{', '.join(_size(x) for x in room)}); {_size(need - sum(room))} short: add a "
             "box, more memory, or a smaller expert format"
         )
-    counts = _apportion(num_experts, room, layers, eb, room)
+    counts = apportion(num_experts, room, layers, eb, room)
     experts = [sum(counts[layer][r] * eb[layer] for layer in layers) for r in range(size)]
     return MemorySplit(tuple(int(b) for b in budgets), tuple(ne), counts, tuple(experts))
 

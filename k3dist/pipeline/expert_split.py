@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3dist.format.placement import _apportion, hi_counts
+from k3dist.format.placement import apportion, hi_counts
 
 SPLITS = ("memory", "equal")
 
@@ -92,7 +92,7 @@ def expert_counts(room: Room) -> dict[int, list[int]]:
     if room.even:
         return {layer: [E // N] * N for layer in room.layers}
     weights = room.rooms if room.split == "memory" else [1] * N
-    return _apportion(E, [max(w, 1) for w in weights], list(room.layers))
+    return apportion(E, [max(w, 1) for w in weights], list(room.layers))
 
 
 def _bank_bytes(room: Room, counts: dict, promoted: list[int], lo_b: int) -> dict:

@@ -172,6 +172,12 @@ def parser() -> argparse.ArgumentParser:
         default=PlanRequest.headroom / GiB,
         help="kept free per rank beyond weights, KV/state and activations",
     )
+    _limit_args(ap)
+    return ap
+
+
+def _limit_args(ap: argparse.ArgumentParser) -> None:
+    """The serving limits and the box, each a flag (default: deploy/tb5.yaml's, Box's)."""
     ap.add_argument(
         "--context",
         type=int,
@@ -210,7 +216,6 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--out", help="also write the JSON here")
-    return ap
 
 
 def _inputs(ap: argparse.ArgumentParser, args: argparse.Namespace):

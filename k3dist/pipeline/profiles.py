@@ -191,9 +191,8 @@ def convert_profile(
     ``mxfp4_dir``. ``rank_pattern`` (graded): the graded build written straight into the
     rank folders ``rank_pattern.format(rank=r)`` of the plan's ranks, ``out`` holding one
     graded file at a time (``k3dist.pipeline.direct``; deleted unless ``keep``); returns the
-    rank folders. ``plan`` (graded): a plan already made (the pipeline's ``plan.json``)
-    instead of making it again from ``plan_kw`` (at K3's counts its accounting of the
-    497,220 tensors costs ~10 s)."""
+    rank folders (placed as the plan says for boxes of different sizes). ``plan``: a plan
+    already made (the pipeline's ``plan.json``) instead of one from ``plan_kw``."""
     if profile not in PROFILES:
         raise ValueError(f"--profile {profile!r}: one of {', '.join(PROFILES)}")
     if profile == "mxfp4":
@@ -260,10 +259,9 @@ def convert_profile(
             }
         gb = grader.builder(build, out, promoted, khi, plan["lo"]["format"], plan=plan)
         if rank_pattern is not None:  # straight into rank folders: OUT is scratch
-            from k3dist.pipeline import direct
-            from k3dist.pipeline.rank_files import plan_placement
+            from k3dist.pipeline import direct, rank_files
 
-            plc = plan_placement(plan, E, gb.gmap)  # boxes of different memory: the plan's
+            plc = rank_files.plan_placement(plan, E, gb.gmap)  # boxes of different sizes
             return direct.grade_into_ranks(gb, rank_pattern, plan["ranks"], progress, keep, plc)
         gb.run(progress)
     elif profile in ("2bit", "3bit"):
