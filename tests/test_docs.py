@@ -478,7 +478,19 @@ R, B = ("README.md",), ("docs/build.md",)
 RB = ("README.md", "docs/build.md")
 _TTFT = "prefill.mxfp4.jaccl.cached_prefix.20480"
 _NEW64 = _TTFT + ".ttft.headline.{}.new_turn_64.ttft_cached_s"
+NBOXES = "benchmarks/results/2026-12-06/nboxes-table.json"
+
+
+def _nboxes_row(i: int) -> str:
+    """Row ``i`` of docs/n-boxes.md's buyer's table, as benchmarks/speed/nboxes_table.py renders it."""
+    import runpy
+
+    script = runpy.run_path(str(REPO / "benchmarks" / "nboxes_table.py"))
+    return script["markdown_row"](_json(NBOXES)["rows"][i])
+
+
 FIGURES = [
+    *[F(("docs/n-boxes.md",), "{}", (lambda i=i: _nboxes_row(i), str)) for i in range(7)],
     # the real K3's plan and disk plan at the planner's default budget
     F(R, "a {} checkpoint", (DISK, "disk_plan.source_bytes", tb)),
     F(R, "| {} | download", (DISK, "disk_plan.source_bytes", tb)),

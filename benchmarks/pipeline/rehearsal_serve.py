@@ -1,10 +1,10 @@
-"""The rehearsal's serving half (issue 26): a 2-rank server on rank folders at the real
-K3's counts (93 layers, 896 experts top-16; attention split, batching on), started,
-verified and warmed up; its greedy tokens against single-process mlx-lm on the same
-build; then requests over the three APIs (OpenAI chat/completions, Anthropic
+"""The rehearsal's serving half (issue 26): an N-rank server (``--size``, default 2) on
+rank folders at the real K3's counts (93 layers, 896 experts top-16; attention split,
+batching on), started, verified and warmed up; its greedy tokens against single-process
+mlx-lm on the same build; then requests over the three APIs (OpenAI chat/completions, Anthropic
 /v1/messages, OpenAI /v1/responses), streamed and not, one at a time and 8 at once;
 compiles after warm-up counted from each running rank (the kernels it has loaded);
-both ranks' token logs compared request by request.
+every rank's token log compared with rank 0's request by request.
 
     python benchmarks/pipeline/rehearsal_serve.py --build /work/rehearsal/graded-dwq \
         --ranks '/work/rehearsal/ranks/rank{rank}' [--requests 100] [--out JSON]
@@ -183,18 +183,28 @@ def one_request(url: str, api: str, stream: bool, max_tokens: int, i: int) -> di
     return out
 
 
-def token_logs(tmp: Path, timeout: float = 120.0) -> list[list[dict]]:
-    """Both ranks' token logs, once rank 1's holds as many entries as rank 0's (it writes
-    after the reply has gone out, so it can trail by one)."""
+def token_logs(tmp: Path, size: int, timeout: float = 120.0) -> list[list[dict]]:
+    """Every rank's token log, once each other rank's holds as many entries as rank 0's
+    (they write after the reply has gone out, so they can trail by one)."""
     deadline = time.monotonic() + timeout
     while True:
         logs = [
             [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
-            for p in (tmp / f"tokens-{r}.jsonl" for r in range(2))
+            for p in (tmp / f"tokens-{r}.jsonl" for r in range(size))
         ]
-        if (logs[0] and len(logs[1]) >= len(logs[0])) or time.monotonic() > deadline:
+        done = logs[0] and all(len(x) >= len(logs[0]) for x in logs[1:])
+        if done or time.monotonic() > deadline:
             return logs
         time.sleep(0.2)
+
+
+def boxes_deployment(tmp: Path, args: argparse.Namespace) -> Path:
+    """deploy/local.yaml with the boxes the folders were placed for: the loader refuses
+    folders placed otherwise (serve.py has no --boxes flag: a build key)."""
+    text = (REPO / "deploy" / "local.yaml").read_text()
+    path = tmp / "deployment.yaml"
+    path.write_text(f"{text}\nsize: {args.size}\nboxes: {args.boxes}\n")
+    return path
 
 
 def stdin_closed(pids: dict[int, int]) -> bool:
@@ -223,17 +233,18 @@ def release_stdin(proc: subprocess.Popen) -> bool:
 
 
 def compare_logs(logs: list[list[dict]]) -> dict:
-    """Rank 0's and rank 1's token logs, entry by entry (request number, tokens)."""
+    """Every rank's token log against rank 0's, entry by entry (request number, tokens)."""
     by = [{e["request"]: e["tokens"] for e in log} for log in logs]
-    both = sorted(set(by[0]) & set(by[1]))
-    differ = [n for n in both if by[0][n] != by[1][n]]
+    both = sorted(set.intersection(*map(set, by)))
+    differ = [n for n in both if any(b[n] != by[0][n] for b in by[1:])]
+    every = set.union(*map(set, by))
     return {
         "entries": [len(x) for x in logs],
         "compared": len(both),
         "equal": len(both) - len(differ),
         "differ": differ[:10],
-        "only_one_rank": sorted(set(by[0]) ^ set(by[1]))[:10],
-        "identical": bool(both) and not differ and set(by[0]) == set(by[1]),
+        "not_on_every_rank": sorted(every - set(both))[:10],
+        "identical": bool(both) and not differ and all(set(b) == set(by[0]) for b in by),
     }
 
 
@@ -245,6 +256,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", type=Path, required=True, help="the unsliced build (reference)")
     ap.add_argument("--ranks", required=True, help="rank folder pattern with {rank}")
+    ap.add_argument("--size", type=int, default=2, help="ranks (one rank folder each)")
+    ap.add_argument(
+        "--boxes",
+        help="the boxes the folders were placed for (e.g. 512,256,256): the server refuses "
+        "folders placed otherwise",
+    )
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--concurrent", type=int, default=8)
     ap.add_argument(
@@ -306,7 +323,7 @@ def main() -> None:
     cmd = [
         str(launcher),
         "-n",
-        "2",
+        str(args.size),
         "-p",
         str(args.ring_port or free_base_port()),
         "--python",
@@ -326,6 +343,7 @@ def main() -> None:
         str(tmp / "tokens-{rank}.jsonl"),
         "--watchdog-timeout-s",
         "120",
+        *(["--config", str(boxes_deployment(tmp, args))] if args.boxes else []),
         *(["--watchdog-port", str(args.watchdog_port)] if args.watchdog_port else []),
     ]
     report["server_command"] = " ".join(
@@ -401,17 +419,17 @@ def main() -> None:
             model=MODEL, messages=MESSAGES, max_tokens=args.max_tokens, temperature=0.0
         )
         report["greedy_request_s"] = round(time.perf_counter() - t, 2)
-        logs = token_logs(tmp)
+        logs = token_logs(tmp, args.size)
         served = logs[0][-1]["tokens"] if logs[0] else None
-        rank1 = logs[1][-1]["tokens"] if logs[1] else None
+        others = [x[-1]["tokens"] if x else None for x in logs[1:]]
         report["parity"] = {
             "served": served,
-            "rank1": rank1,
+            "other_ranks": others,
             "single_process": ref,
-            "equal": served is not None and served == ref == rank1,
+            "equal": served is not None and served == ref and all(o == ref for o in others),
         }
         say(
-            f"parity: served {served} rank1 {rank1} single-process {ref}: "
+            f"parity: served {served} other ranks {others} single-process {ref}: "
             f"{'EQUAL' if report['parity']['equal'] else 'DIFFER'}"
         )
         save("parity")
@@ -473,7 +491,7 @@ def main() -> None:
             "new_kernels_per_rank": {r: sorted(now[r] - mapped[r]) for r, p in pids.items()},
             "decode_batch_sizes_served": sorted({b for b, n in after["shapes_seen"] if n == 1}),
         }
-        report["token_logs"] = compare_logs(token_logs(tmp))
+        report["token_logs"] = compare_logs(token_logs(tmp, args.size))
         spent = cpu_seconds(proc.pid)
         report["mlx_launch_cpu"] = {
             "cpu_s": round(spent - launcher_cpu0, 2)

@@ -238,23 +238,30 @@ _LOADS: dict = {}  # (facts, batch) -> routed loads: sampled once (batch > 1 is 
 _COUNTS: dict = {}
 
 
-def _loads(f: cm.Facts, batch: int):
-    key = (id(f), batch)
+def _loads(f: cm.Facts, batch: int, size: int = 2, pl=None):
+    key = (id(f), batch, size, None if pl is None else pl.hash)
     if key not in _LOADS:
-        _LOADS[key] = (f, cm.routed_loads(f, 2, batch=batch))
+        _LOADS[key] = (f, cm.routed_loads(f, size, pl, batch=batch))
     return _LOADS[key][1]
 
 
 def decode_counts(
-    f: cm.Facts, mode: str, backend: str, context: int, batch: int, form: str = "placeholder"
+    f: cm.Facts,
+    mode: str,
+    backend: str,
+    context: int,
+    batch: int,
+    form: str = "placeholder",
+    size: int = 2,
+    pl=None,
 ) -> dict:
-    """Bytes, matmul and attention FLOPs, comm seconds of one decode step (one rank)."""
-    key = (id(f), mode, backend, context, batch, form)
+    """Bytes, matmul and attention FLOPs, comm seconds of one decode step (the busiest
+    rank of ``size``; ``pl``: the experts' placement, None: equal ranges)."""
+    key = (id(f), mode, backend, context, batch, form, size, None if pl is None else pl.hash)
     if key in _COUNTS:
         return _COUNTS[key][1]
-    size = 2
     hw = cm.Hardware()
-    loads = _loads(f, batch)
+    loads = _loads(f, batch, size, pl)
     step = cm.bytes_per_token(mode, f, size, hw, form, loads, context, batch)
     base = cm.bytes_per_token(mode, f, size, hw, form, loads, 1, batch)
     if mode == "pp":  # stages run one after the other: a rank's share is the sum
@@ -274,12 +281,18 @@ def decode_counts(
 
 
 def prefill_counts(
-    f: cm.Facts, mode: str, backend: str, prompt: int, chunk: int, form: str = "placeholder"
+    f: cm.Facts,
+    mode: str,
+    backend: str,
+    prompt: int,
+    chunk: int,
+    form: str = "placeholder",
+    size: int = 2,
 ) -> list[dict]:
     """Per chunk: bytes, matmul FLOPs, MLA FLOPs, comm seconds (one rank). PP: the
     whole model on one rank per chunk (the stages run one after the other; mlx-lm's
     pipeline has no micro-batches) and one hand-off."""
-    key = (id(f), "prefill", mode, backend, prompt, chunk, form)
+    key = (id(f), "prefill", mode, backend, prompt, chunk, form, size)
     if key in _COUNTS:
         return _COUNTS[key][1]
     hw = cm.with_backend(cm.Hardware(), "jaccl" if backend.startswith("jaccl") else "ring")
@@ -292,8 +305,8 @@ def prefill_counts(
                 [{"count": 1, "wire_bytes": cm.ACT_BYTES * f.tc["hidden_size"] * c}], backend
             )
         else:
-            st = cm.prefill_chunk(f, mode, 2, hw, c, pos, form)
-            comm = _comm(cm.collectives(f, mode, 2, hw, c), backend)
+            st = cm.prefill_chunk(f, mode, size, hw, c, pos, form)
+            comm = _comm(cm.collectives(f, mode, size, hw, c), backend)
         out.append(
             {
                 "bytes": float(st["bytes"]),
@@ -492,8 +505,10 @@ def project_decode(
     batch: int,
     th: dict,
     form: str = "placeholder",
+    size: int = 2,
+    pl=None,
 ) -> dict:
-    c = decode_counts(f, mode, backend, context, batch, step_form(form, batch))
+    c = decode_counts(f, mode, backend, context, batch, step_form(form, batch), size=size, pl=pl)
     terms = decode_terms(c, th, "proj")
     t = sum(terms.values())
     return {
@@ -514,10 +529,12 @@ def project_prefill(
     chunk: int,
     th: dict,
     form: str = "placeholder",
+    size: int = 2,
+    pl=None,
 ) -> dict:
-    chunks = prefill_counts(f, mode, backend, prompt, chunk, step_form(form, chunk))
+    chunks = prefill_counts(f, mode, backend, prompt, chunk, step_form(form, chunk), size=size)
     terms = prefill_terms(chunks, th, "proj")
-    first = decode_counts(f, mode, backend, prompt, 1, step_form(form, 1))
+    first = decode_counts(f, mode, backend, prompt, 1, step_form(form, 1), size=size, pl=pl)
     t = sum(terms.values())
     first_s = sum(decode_terms(first, th, "proj").values())
     return {

@@ -34,6 +34,48 @@ class Box:
         return self.wired_bytes - self.runtime_reserve_bytes
 
 
+# what macOS and the process's unwired memory keep beside the GPU's wired limit (the
+# default Box: 512 GiB less 488 GiB wired); a box of another size keeps the same
+OS_RESERVE_GIB = 24
+
+
+def sized(memory_gib: float, wired_limit_mb: int | None = None) -> Box:
+    """An M3 Ultra-class box of ``memory_gib`` GiB: wired limit ``memory - 24 GiB``
+    unless given (``sysctl iogpu.wired_limit_mb`` as set on that host)."""
+    if not memory_gib > OS_RESERVE_GIB:
+        raise ValueError(f"a box of {memory_gib:g} GiB leaves nothing past macOS's 24 GiB")
+    wired = int((memory_gib - OS_RESERVE_GIB) * 1024) if wired_limit_mb is None else wired_limit_mb
+    if not 0 < wired <= memory_gib * 1024:
+        raise ValueError(
+            f"wired limit {wired} MB for a {memory_gib:g} GiB box: give 1..{int(memory_gib * 1024)}"
+        )
+    return Box(
+        name=f"{memory_gib:g} GB box", memory_bytes=int(memory_gib * GiB), wired_limit_mb=wired
+    )
+
+
+def parse_boxes(spec: str | list) -> tuple[Box, ...]:
+    """``512,256,256`` or ``512,256:230000,256`` (GiB, optionally ``:wired_limit_mb``
+    each), or a list of such items or of ``{memory_gib, wired_limit_mb}``: one box per
+    rank, in rank order."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out = []
+    for it in items:
+        if isinstance(it, dict):
+            out.append(sized(float(it["memory_gib"]), it.get("wired_limit_mb")))
+            continue
+        mem, _, wired = str(it).strip().partition(":")
+        try:
+            out.append(sized(float(mem), int(wired) if wired else None))
+        except ValueError as e:
+            raise ValueError(
+                f"box {it!r}: {e} (give GiB[:wired_limit_mb], e.g. 256:237568)"
+            ) from None
+    if not out:
+        raise ValueError("no boxes named; give e.g. --boxes 512,256,256")
+    return tuple(out)
+
+
 SOURCES = {
     "memory_bytes": "spec: Apple, M3 Ultra up to 512 GB unified memory (512 GiB, 549.76 GB)",
     "wired_limit_mb": "assumed: sysctl iogpu.wired_limit_mb raised to 499712 (488 GiB wired "

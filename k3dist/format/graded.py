@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from k3dist.format.placement import Placement
+from k3dist.format.placement import Placement, hi_counts
 
 import numpy as np
 
@@ -137,15 +137,15 @@ def local_rows(
 
 
 def balance_hi(placement: Placement, gmap: GradedMap) -> Placement:
-    """The placement with promoted experts spread evenly over ranks (hi bytes balanced;
-    every rank holds some of every promoted layer's hi bank), by swapping owners of a
-    promoted and an unpromoted expert; expert counts per rank are unchanged."""
+    """The placement with each layer's promoted experts spread over the ranks in
+    proportion to the experts each holds (``placement.hi_counts``: evenly on equal
+    counts, 2:1:1 on a 512:256:256 split), by swapping owners of a promoted and an
+    unpromoted expert; expert counts per rank are unchanged."""
     owners = {}
     for layer, own in placement.owners.items():
         own = list(own)
         hi = gmap.hi_ids(layer)
-        want = np.full(placement.size, len(hi) // placement.size)
-        want[: len(hi) % placement.size] += 1
+        want = np.asarray(hi_counts(len(hi), placement.counts(layer)))
         for _ in range(len(hi)):
             have = np.bincount([own[e] for e in hi], minlength=placement.size)
             over, under = int(np.argmax(have - want)), int(np.argmin(have - want))

@@ -202,7 +202,7 @@ def load_aware(
     return Placement(size, num_experts, owners, f"{capacity.kind}+load-aware", capacity.shares)
 
 
-def _apportion(
+def apportion(
     num_experts: int,
     weights: list[float],
     layers: list[int],
@@ -254,6 +254,26 @@ def _apportion(
     return out
 
 
+def hi_counts(promoted: int, counts: list[int]) -> list[int]:
+    """How many of a layer's ``promoted`` (hi-bank) experts each rank holds: in
+    proportion to the experts it holds (``counts``), largest remainder first (ties to
+    the lower rank), never more than a rank holds. Equal counts: equal shares, the
+    remainder on the first ranks. One rule for the planner (bytes per box) and the
+    slicer (``graded.balance_hi``), so each box's hi bytes follow its share of the
+    layer and no box reads a larger share of the bytes per token than it holds."""
+    n = np.asarray(counts, dtype=np.int64)
+    total = int(n.sum())
+    if not 0 <= promoted <= total:
+        raise PlacementError(f"{promoted} promoted experts for {total} experts in the layer")
+    quota = promoted * n / total  # at most n: promoted <= total
+    out = np.floor(quota).astype(np.int64)
+    # the fractional parts sum to the experts left, each below 1: only ranks with a
+    # fractional quota take one, and none goes past its count
+    for r in np.argsort(-(quota - out), kind="stable")[: promoted - int(out.sum())]:
+        out[r] += 1
+    return out.tolist()
+
+
 def from_counts(
     num_experts: int,
     counts: dict[int, list[int]],
@@ -274,7 +294,7 @@ def by_shares(num_experts: int, shares: list[float], moe_layers: list[int]) -> P
     """Contiguous ranges in proportion to ``shares`` (e.g. box memories 512:256:256,
     or equal shares for a size that does not divide the expert count: 16 experts over
     3 ranks are 6:5:5, 5:6:5, 5:5:6 over successive layers)."""
-    counts = _apportion(num_experts, list(shares), list(moe_layers))
+    counts = apportion(num_experts, list(shares), list(moe_layers))
     return from_counts(num_experts, counts, "by-shares", tuple(float(x) for x in shares))
 
 
@@ -342,7 +362,7 @@ def split_by_memory(
             f"{', '.join(_size(x) for x in room)}); {_size(need - sum(room))} short: add a "
             "box, more memory, or a smaller expert format"
         )
-    counts = _apportion(num_experts, room, layers, eb, room)
+    counts = apportion(num_experts, room, layers, eb, room)
     experts = [sum(counts[layer][r] * eb[layer] for layer in layers) for r in range(size)]
     return MemorySplit(tuple(int(b) for b in budgets), tuple(ne), counts, tuple(experts))
 

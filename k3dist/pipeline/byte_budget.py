@@ -73,6 +73,7 @@ from k3dist.format import kvmemory
 from k3dist.format.classes import CLASSES
 from k3dist.format.kvmemory import GiB
 from k3dist.format.qformat import MXFP4, SOURCE, QFormat
+from k3dist.pipeline import expert_split
 from k3dist.pipeline.accounting import Accounting
 from k3dist.pipeline.quality import QualityGrid
 
@@ -263,6 +264,9 @@ class PlanRequest:
     lo_fallback: bool = False
     headroom: int = 8 * GiB  # kept free per rank beyond every modelled need
     k_hi_drop_target: float = 1e-5  # k_hi from uniform routing: P(overflow) below this
+    # boxes of different memory, one per rank (ranks follows); None: ``ranks`` x the box
+    boxes: tuple[Box, ...] | None = None
+    expert_split: str = "memory"  # with boxes: expert_split.SPLITS (its module doc)
 
 
 # the budget flags: exactly one (the plan command alone may give none: auto)
@@ -368,36 +372,27 @@ def _nonexpert_bytes(acc: Accounting, req: PlanRequest) -> dict[str, dict]:
     return out
 
 
-def _per_layer(total: int, layers: int, ranks: int, cap: int) -> list[int]:
-    """``total`` promotions spread over layers, each a multiple of ``ranks`` (hi bytes
-    balanced across ranks) and at most ``cap``."""
-    per = min(cap, (total // layers) // ranks * ranks)
-    counts = [per] * layers
-    left = total - per * layers
-    i = 0
-    while left >= ranks and i < layers:
-        if counts[i] + ranks <= cap:
-            counts[i] += ranks
-            left -= ranks
-        i += 1
-    return counts
+@dataclass(frozen=True)
+class _Fixed:
+    """What every rank holds besides routed experts (the same on every box)."""
+
+    nonexpert: dict[str, dict]
+    ne_rank: int
+    ne_read: int  # non-expert bytes a decoded token reads on a rank
+    kv: dict
+    act: dict
+    need: dict
+
+    @property
+    def total(self) -> int:
+        return self.ne_rank + self.need["total"]
 
 
-def make_plan(acc: Accounting, box: Box, limits: Limits, req: PlanRequest) -> dict:
-    """The plan: lo format, promoted experts per layer, non-expert formats, bytes per
-    rank against the box at the serving ``limits``. Raises ValueError (with the numbers)
-    when nothing fits."""
+def _fixed(acc: Accounting, limits: Limits, req: PlanRequest) -> _Fixed:
     tc, N = acc.tc, req.ranks
-    E, L = acc.num_experts, len(acc.moe_layers)
-    if not L:
-        raise ValueError("the config has no MoE layers; nothing to grade")
-    if E % N:
-        raise ValueError(f"{E} experts do not split over {N} ranks")
     asplit = N if req.attention == "split" else 1
     kv = kv_state(tc, limits, asplit)
     act = activations(tc, limits, asplit)
-    usable = box.usable_bytes
-    budget = req.budget_per_rank if req.budget_per_rank is not None else usable
     ne = _nonexpert_bytes(acc, req)
     ne_rank = sum(v["per_rank"] for v in ne.values())
     # a decoded token reads every non-expert byte on its rank but one embedding row
@@ -406,130 +401,211 @@ def make_plan(acc: Accounting, box: Box, limits: Limits, req: PlanRequest) -> di
     erow = efmt.nbytes(1, H) if efmt.quantized and efmt.fits(H) else 2 * H
     ne_read = ne_rank - ne.get("embed", {}).get("per_rank", 0) + (erow if "embed" in ne else 0)
     need = kvmemory.need_bytes(kv, act)  # KV held + the larger of prefill / batch join
-    fixed = ne_rank + need["total"]
-    hi_b = acc.expert_bytes(MXFP4)
-    params = acc.expert_params
+    return _Fixed(ne, ne_rank, ne_read, kv, act, need)
+
+
+def _budgets(box: Box, req: PlanRequest) -> tuple[int, ...]:
+    """Per rank: what the weights, KV and activations may take."""
+    if req.boxes is not None:
+        if req.budget_per_rank is not None:
+            raise ValueError("--boxes gives each rank its box's budget; drop --budget")
+        return tuple(b.usable_bytes for b in req.boxes)
+    budget = req.budget_per_rank if req.budget_per_rank is not None else box.usable_bytes
+    return (budget,) * req.ranks
+
+
+def _with_expected(o: dict, grid: QualityGrid) -> dict:
+    e = grid.expected(o["lo"], o["expert_bpw"]) or grid.beyond(o["lo"], o["expert_bpw"])
+    o["expected"] = e.asdict() if e is not None else None
+    return o
+
+
+def _nothing_fits(options: list[dict], fx: _Fixed, budgets, req: PlanRequest) -> str:
+    left = [b - fx.total - req.headroom for b in budgets]
+    smallest = min(options, key=lambda o: o["lo_expert_bytes"])
+    return (
+        f"nothing fits {_gb_list(budgets)} bytes per rank: non-experts {fx.ne_rank}, KV/state "
+        f"{fx.kv['total']}, activations {fx.act['total']} (batch join {fx.need['joining']}) "
+        f"and headroom {req.headroom} leave {_gb_list(left)} for routed experts "
+        f"({sum(left) / 1e9:,.1f} GB over {len(budgets)} ranks), but the smallest lo format "
+        f"({smallest['lo']}, nothing promoted) needs {smallest['experts_per_rank']} on the "
+        "fullest rank; lower the context, the batch or the prompt cache, quantize "
+        "non-experts further or add boxes"
+    )
+
+
+def _gb_list(xs) -> str:
+    xs = list(xs)
+    return str(xs[0]) if len(set(xs)) == 1 else "/".join(str(x) for x in xs)
+
+
+def _choose(options: list[dict], fx: _Fixed, budgets, req: PlanRequest, grid: QualityGrid):
+    """The auto lo choice: of the options that fit, the lowest expected KL in the grid
+    (or past its last row: an upper bound); ValueError with the numbers otherwise."""
+    fit = [o for o in options if o["fits"]]
+    if not fit:
+        raise ValueError(_nothing_fits(options, fx, budgets, req))
+    ok = [o for o in fit if o["expected"] is not None]
+    if not ok:
+        near = [grid.nearest(o["lo"], o["expert_bpw"]) for o in fit]
+        lowest = min(r.expert_bpw for r in grid.rows)
+        raise ValueError(
+            "no lo format that fits lies in the measured quality grid "
+            f"({grid.summary()['file']}, lowest measured {lowest} expert bpw) at its bytes: "
+            + "; ".join(
+                f"{o['lo']} at {o['expert_bpw']} bpw (nearest measured: {r.id})"
+                for o, r in zip(fit, near, strict=True)
+            )
+            + f" with {_gb_list(budgets)} bytes per rank; add memory or boxes, measure it "
+            "(benchmarks/quality/quality_grid.py) or name the format with --lo"
+        )
+    # measured or interpolated before any bound past the grid, then the lowest KL
+    return min(ok, key=lambda o: ("extrapolated" in o["expected"], o["expected"]["kl"]))
+
+
+def _named(opt: dict, grid: QualityGrid) -> str | None:
+    """The warning for a --lo outside the grid (None inside it)."""
+    if opt["expected"] is not None:
+        return None
+    near = grid.nearest(opt["lo"], opt["expert_bpw"])
+    return (
+        f"--lo {opt['lo']} at {opt['expert_bpw']} expert bpw is outside the "
+        f"measured quality grid ({grid.summary()['file']}); nearest measured row "
+        f"{near.id} ({near.expert_bpw} bpw): KL {near.kl:.4f}, p95 {near.kl_p95:.4f}"
+    )
+
+
+def _per_box(chosen: dict, fx: _Fixed, budgets, req: PlanRequest) -> list[dict]:
+    """Bytes each box holds and reads per token (batch 1, uniform routing)."""
+    boxes = req.boxes or (None,) * len(budgets)
+    out = []
+    for r, (b, box) in enumerate(zip(budgets, boxes, strict=True)):
+        experts = chosen["per_box_experts"][r]
+        read = fx.ne_read + chosen["per_box_expert_read"][r]
+        out.append(
+            {
+                "rank": r,
+                "memory_gib": None if box is None else box.memory_bytes / GiB,
+                "wired_limit_mb": None if box is None else box.wired_limit_mb,
+                "budget": b,
+                "routed_experts": experts,
+                "hi_experts": chosen["per_box_hi"][r],
+                "total": fx.total + experts,
+                "headroom": b - fx.total - experts,
+                "read_per_token": read,
+            }
+        )
+    mean = sum(x["read_per_token"] for x in out) / len(out)
+    for x in out:
+        x["read_share_of_mean"] = round(x["read_per_token"] / mean, 4)
+    return out
+
+
+def make_plan(acc: Accounting, box: Box, limits: Limits, req: PlanRequest) -> dict:
+    """The plan: lo format, promoted experts per layer, non-expert formats, bytes per
+    rank against the box (or ``req.boxes``, one per rank) at the serving ``limits``.
+    Raises ValueError (with the numbers) when nothing fits."""
+    if req.boxes is not None:
+        req = replace(req, ranks=len(req.boxes))
+    E, L, N = acc.num_experts, len(acc.moe_layers), req.ranks
+    if not L:
+        raise ValueError("the config has no MoE layers; nothing to grade")
+    if E < N:
+        raise ValueError(f"{E} experts cannot give each of {N} ranks one")
+    budgets = _budgets(box, req)
+    fx = _fixed(acc, limits, req)
+    room = expert_split.Room(
+        budgets,
+        fx.total,
+        req.headroom,
+        tuple(acc.moe_layers),
+        E,
+        acc.tc["num_experts_per_token"],
+        acc.expert_params,
+        acc.expert_bytes(MXFP4),
+        req.lo_fallback,
+        req.expert_split,
+    )
+    if not room.even and req.boxes is None:
+        raise ValueError(
+            f"{E} experts do not split evenly over {N} ranks; name the boxes "
+            f"(--boxes, e.g. {','.join(['512'] * N)}) for uneven counts"
+        )
 
     def option(fmt: QFormat) -> dict:
-        lo_b = acc.expert_bytes(fmt)
-        step = hi_b if req.lo_fallback else hi_b - lo_b  # bytes one promotion adds
-        base = L * E * lo_b // N
-        room = budget - req.headroom - fixed - base
-        if req.target_expert_bpw is not None:
-            want = (req.target_expert_bpw * params / 8 - lo_b) / (hi_b - lo_b)
-            promoted = max(0, min(L * E, int(want * L * E)))
-            promoted = promoted // (L * N) * (L * N) if promoted >= L * N else 0
-        else:
-            promoted = max(0, min(L * E, room * N // step)) if room > 0 else 0
-        counts = _per_layer(promoted, L, N, E if req.lo_fallback else E - N)  # lo never empty
-        promoted = sum(counts)
-        experts_rank = base + promoted * step // N
-        fits = fixed + experts_rank <= budget - req.headroom and room >= 0
-        expert_bpw = (
-            (promoted * hi_b + (L * E - promoted + (promoted if req.lo_fallback else 0)) * lo_b)
-            * 8
-            / (L * E * params)
+        o = expert_split.option(
+            room, acc.expert_bytes(fmt), fmt.name, fmt.bpw, req.target_expert_bpw
         )
-        return {
-            "lo": fmt.name,
-            "lo_bpw": round(fmt.bpw, 4),
-            "lo_expert_bytes": lo_b,
-            "fits": bool(fits),
-            "promoted_total": promoted,
-            "promoted_fraction": round(promoted / (L * E), 4),
-            "promoted_per_layer": counts,
-            "expert_bpw": round(expert_bpw, 4),
-            "experts_per_rank": experts_rank,
-            "headroom_per_rank": budget - fixed - experts_rank,
-        }
+        return _with_expected(o, grid)
 
-    cands = [QFormat.parse(s) for s in req.lo_candidates]
-    cands = [f for f in cands if all(f.fits(c) for _, c in acc.expert_mats)]
-    options = [option(f) for f in cands]
     grid = QualityGrid.load(req.grid)
-    for o in options:
-        e = grid.expected(o["lo"], o["expert_bpw"])
-        o["expected"] = e.asdict() if e is not None else None
-    warning = None
+    cands = [QFormat.parse(s) for s in req.lo_candidates]
+    options = [option(f) for f in cands if all(f.fits(c) for _, c in acc.expert_mats)]
     if req.lo != "auto":
         chosen = option(QFormat.parse(req.lo))
-        e = grid.expected(chosen["lo"], chosen["expert_bpw"])
-        chosen["expected"] = e.asdict() if e is not None else None
-        if e is None:
-            near = grid.nearest(chosen["lo"], chosen["expert_bpw"])
-            warning = (
-                f"--lo {chosen['lo']} at {chosen['expert_bpw']} expert bpw is outside the "
-                f"measured quality grid ({grid.summary()['file']}); nearest measured row "
-                f"{near.id} ({near.expert_bpw} bpw): KL {near.kl:.4f}, p95 {near.kl_p95:.4f}"
-            )
+        warning = _named(chosen, grid)
     else:
-        fit = [o for o in options if o["fits"]]
-        if not fit:
-            raise ValueError(
-                f"nothing fits {budget} bytes per rank: non-experts {ne_rank}, KV/state "
-                f"{kv['total']}, activations {act['total']} (batch join {need['joining']}) leave "
-                f"{budget - fixed} for "
-                f"routed experts, but the smallest lo format needs "
-                f"{min(o['experts_per_rank'] for o in options)}; lower the context, the "
-                "batch or the prompt cache, quantize non-experts further or add ranks"
-            )
-        ok = [o for o in fit if o["expected"] is not None]
-        if not ok:
-            near = [grid.nearest(o["lo"], o["expert_bpw"]) for o in fit]
-            raise ValueError(
-                "no lo format that fits lies in the measured quality grid "
-                f"({grid.summary()['file']}) at its bytes: "
-                + "; ".join(
-                    f"{o['lo']} at {o['expert_bpw']} bpw (nearest measured: {r.id})"
-                    for o, r in zip(fit, near, strict=True)
-                )
-                + "; measure it (benchmarks/quality/quality_grid.py) or name the format with --lo"
-            )
-        chosen = min(ok, key=lambda o: o["expected"]["kl"])
+        chosen, warning = _choose(options, fx, budgets, req, grid), None
     if not chosen["fits"]:
         raise ValueError(
-            f"lo format {chosen['lo']} does not fit {budget} bytes per rank "
-            f"(routed experts {chosen['experts_per_rank']} + fixed {fixed}); "
+            f"lo format {chosen['lo']} does not fit {_gb_list(budgets)} bytes per rank "
+            f"(routed experts {chosen['experts_per_rank']} + fixed {fx.total}); "
             "choose a smaller --lo or raise --budget"
         )
-    k = tc["num_experts_per_token"]
+    return _assemble(acc, box, limits, req, fx, chosen, options, warning, grid, budgets)
+
+
+def _assemble(acc, box, limits, req, fx, chosen, options, warning, grid, budgets) -> dict:
+    """The plan's JSON (module doc) for the chosen option."""
+    E, L = acc.num_experts, len(acc.moe_layers)
+    k = acc.tc["num_experts_per_token"]
     counts = chosen["promoted_per_layer"]
     k_his = [k_hi_uniform(E, k, c, req.k_hi_drop_target) if c else 0 for c in counts]
-    lo_b = chosen["lo_expert_bytes"]
-    experts_rank = chosen["experts_per_rank"]
+    lo_b, hi_b = chosen["lo_expert_bytes"], acc.expert_bytes(MXFP4)
+    per_box = _per_box(chosen, fx, budgets, req)
+    fullest = max(per_box, key=lambda x: x["total"])
     per_rank = {
-        "nonexpert": ne_rank,
-        "routed_experts": experts_rank,
-        "kv_state": kv["total"],
-        "activations": act["total"],
+        "nonexpert": fx.ne_rank,
+        "routed_experts": chosen["experts_per_rank"],
+        "kv_state": fx.kv["total"],
+        "activations": fx.act["total"],
         # the batch-join copy of the caches where it outgrows a prefill chunk (kvmemory)
-        "batch_join_extra": need["transient"] - act["total"],
+        "batch_join_extra": fx.need["transient"] - fx.act["total"],
     }
     per_rank["total"] = sum(per_rank.values())
     build_bytes = (
-        sum(v["bytes"] for v in ne.values())
+        sum(v["bytes"] for v in fx.nonexpert.values())
         + acc.classes.get("vision", {}).get("source_bytes", 0)
         + sum(counts) * hi_b
         + (L * E - (0 if req.lo_fallback else sum(counts))) * lo_b
     )
+    uneven = {}
+    if req.boxes is not None:
+        uneven = {
+            "boxes": [
+                {"memory_gib": b.memory_bytes / GiB, "wired_limit_mb": b.wired_limit_mb}
+                for b in req.boxes
+            ],
+            "expert_split": req.expert_split,
+            "experts_per_layer_per_rank": {
+                str(layer): chosen["counts"][layer] for layer in acc.moe_layers
+            },
+        }
     return {
-        "ranks": N,
+        "ranks": req.ranks,
+        **uneven,
         "box": {
             **asdict(box),
-            "usable_wired": usable,
+            "usable_wired": box.usable_bytes,
             "os_reserve": box.memory_bytes - box.wired_bytes,
         },
         "limits": asdict(limits),
-        "budget_per_rank": budget,
+        "budget_per_rank": fullest["budget"],
         "attention": req.attention,
         "lo": {"format": chosen["lo"], **QFormat.parse(chosen["lo"]).qconfig()},
         # what the grid measured at these bytes, and the score student the pipeline
         # calibrates with (the grid's best row's; the lo format itself outside the grid)
-        "quality": {
-            "expected": chosen["expected"],
-            "warning": warning,
-            "grid": grid.summary(),
-        },
+        "quality": {"expected": chosen["expected"], "warning": warning, "grid": grid.summary()},
         "calib_student": (chosen["expected"] or {}).get("calib_student") or chosen["lo"],
         "hi": {
             "format": "mxfp4",
@@ -545,19 +621,28 @@ def make_plan(acc: Accounting, box: Box, limits: Limits, req: PlanRequest) -> di
         "k_hi_uniform": {str(layer): kh for layer, kh in zip(acc.moe_layers, k_his, strict=True)},
         "k_hi_drop_target": req.k_hi_drop_target,
         "expert_bpw": chosen["expert_bpw"],
-        "nonexpert": ne,
-        "nonexpert_read_per_token_per_rank": ne_read,
-        "kv_state": kv,
-        "activations": act,
+        "nonexpert": fx.nonexpert,
+        "nonexpert_read_per_token_per_rank": fx.ne_read,
+        "kv_state": fx.kv,
+        "activations": fx.act,
         "bytes_per_rank": per_rank,
-        "headroom_per_rank": budget - per_rank["total"],
+        "per_box": per_box,
+        # the fullest reader's bytes per token over the mean: what it slows a step by
+        "read_ratio": max(x["read_share_of_mean"] for x in per_box),
+        "expert_read_ratio": chosen["read_ratio"],
+        "headroom_per_rank": min(x["headroom"] for x in per_box),
         "headroom_requested": req.headroom,
         "build_bytes": build_bytes,
         "source_bytes": acc.source_total,
         "routed_expert_params": L * E * acc.expert_params,
         "assumptions": ASSUMPTIONS,
         "alternatives": [
-            {k2: v for k2, v in o.items() if k2 != "promoted_per_layer"} for o in options
+            {
+                k2: v
+                for k2, v in o.items()
+                if not k2.startswith(("promoted_per", "per_box", "counts"))
+            }
+            for o in options
         ],
     }
 

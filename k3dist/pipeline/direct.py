@@ -20,6 +20,7 @@ from pathlib import Path
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME
 from k3dist.format.journal import write_json_atomic
 from k3dist.format.manifest import MANIFEST
+from k3dist.format.placement import Placement
 from k3dist.format.sfile import Header, TensorInfo, nbytes_of, read_bytes, read_header, sha256_file
 from k3dist.pipeline import promote, slicing
 
@@ -98,16 +99,21 @@ def grade_into_ranks(
     size: int,
     progress: bool = True,
     keep: bool = False,
+    placement: Placement | None = None,
 ) -> list[Path]:
     """The rank folders ``out_pattern.format(rank=r)`` of the graded build ``gb`` would
     write (module doc); ``gb.out`` is the scratch folder, deleted at the end unless
-    ``keep``."""
+    ``keep``. ``placement``: which rank owns which expert (a plan's for boxes of
+    different memory, ``rank_files.plan_placement``); None: ``placement_for``'s."""
     if size > 1 and "{rank}" not in out_pattern:
         raise ValueError(f"{out_pattern!r} has no {{rank}}; every rank needs its own folder")
     write_small(gb)
     scratch = gb.out
     tensors = GradedFiles(gb)
-    placement = slicing.placement_for(scratch, size)
+    if placement is None:
+        placement = slicing.placement_for(scratch, size)
+    elif placement.size != size:
+        raise ValueError(f"a placement for {placement.size} ranks, not {size}")
     slicers = [
         slicing.BuildSlicer(
             scratch, Path(out_pattern.format(rank=r)), r, size, placement, tensors=tensors

@@ -43,12 +43,20 @@ def account(a: Args, config: dict, index: dict | None):
 
 
 def make_plan(a: Args, acc) -> dict:
-    from k3dist.config.box import Box
+    from k3dist.config.box import Box, parse_boxes
     from k3dist.pipeline import byte_budget
 
     try:
+        boxes = parse_boxes(a.boxes) if a.boxes else None
         req = byte_budget.plan_request(
-            a.ranks, a.budget, a.budget_total, a.target_bpw, auto=True, lo=a.lo
+            a.ranks,
+            a.budget,
+            a.budget_total,
+            a.target_bpw,
+            auto=True,
+            lo=a.lo,
+            boxes=boxes,
+            expert_split=a.expert_split,
         )
     except ValueError as e:
         raise CheckpointError(str(e)) from None
@@ -100,9 +108,9 @@ def disk_plan(a: Args, acc, plan: dict, source_bytes: int) -> dict:
         d = stream.blocks_before(tc, b)
         states += ntok * (H * 4 * (d + 1) + 4 * d)
     logits = ntok * (V * 4 if a.top_k == 0 else a.top_k * 8)
-    per_rank = [
-        plan["bytes_per_rank"]["nonexpert"] + plan["bytes_per_rank"]["routed_experts"]
-        for _ in range(a.ranks)
+    per_rank = [  # boxes of different memory: each its own experts
+        plan["bytes_per_rank"]["nonexpert"] + b["routed_experts"]
+        for b in plan.get("per_box") or [plan["bytes_per_rank"]] * a.ranks
     ]
     per_rank[0] += vision
     writes = {

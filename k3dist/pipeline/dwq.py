@@ -67,6 +67,7 @@ from k3dist.format.graded import GradedMap
 from k3dist.format.journal import JournaledFolder, write_json_atomic
 from k3dist.format.kvmemory import GiB
 from k3dist.format.manifest import JOURNAL, MANIFEST
+from k3dist.format.placement import Placement
 from k3dist.format.sfile import (
     CheckpointError,
     StreamWriter,
@@ -144,10 +145,12 @@ class DWQ:
         cap: int = 2 * GiB,
         progress: bool = True,
         ranks: list[str | Path] | None = None,
+        placement: Placement | None = None,
     ):
         """``student``: a low-bit build folder, or a view of one (``student.GradedView``);
         ``ranks``: rewrite these rank folders of the student instead of writing a build
-        to ``out`` (module doc)."""
+        to ``out`` (module doc), placed as ``placement`` (the one they were sliced with:
+        a plan's for boxes of different memory; None: ``placement_for``'s)."""
         self.cfg = cfg or DWQConfig()
         if self.cfg.input not in ("student", "teacher"):
             raise ValueError(f"--input {self.cfg.input!r}: student or teacher")
@@ -158,6 +161,7 @@ class DWQ:
         self.view = None if isinstance(student, (str, Path)) else student
         self.student = Path(student) if self.view is None else Path(str(self.view.path))
         self.ranks = None if ranks is None else [Path(r) for r in ranks]
+        self.placement = placement
         if self.ranks is not None and self.view is None:
             raise ValueError("DWQ into rank folders reads its student as a view (graded_view)")
         self.out = Path(out)
@@ -524,7 +528,7 @@ class _RankSink:
         m["direct"] = "DWQ: the student's rank folders rewritten in place"
         write_json_atomic(small / MANIFEST, m)
         self.files = direct.GradedFiles(gb)  # the build's headers (nothing is made)
-        placement = slicing.placement_for(small, len(d.ranks))
+        placement = d.placement or slicing.placement_for(small, len(d.ranks))
         self.slicers = [
             slicing.BuildSlicer(small, out, r, len(d.ranks), placement, tensors=self.files)
             for r, out in enumerate(d.ranks)

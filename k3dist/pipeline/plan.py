@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from k3dist import REPO
-from k3dist.config.box import Box
+from k3dist.config.box import Box, parse_boxes
 from k3dist.config.deployment import add_renamed_flag
 from k3dist.format.classes import CLASSES
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, read_index, read_json
@@ -41,6 +41,7 @@ from k3dist.pipeline.byte_budget import (
     read_sensitivity,
     shipped,
 )
+from k3dist.pipeline.expert_split import SPLITS
 
 
 def _relpath(p: str) -> str:
@@ -86,10 +87,22 @@ def summary(plan: dict) -> str:
             for o in plan["alternatives"]
         ),
     ]
+    if "boxes" in plan:
+        lines.insert(
+            3,
+            f"boxes (experts split by {plan['expert_split']}): "
+            + "; ".join(
+                f"rank {b['rank']} {b['memory_gib']:g} GiB: experts {_gb(b['routed_experts'])} "
+                f"({b['hi_experts']:,} hi), total {_gb(b['total'])}, reads "
+                f"{_gb(b['read_per_token'])}/token"
+                for b in plan["per_box"]
+            )
+            + f"; the fullest reader at {plan['read_ratio']}x the mean",
+        )
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description="Plan a graded build: lo-bank format, promoted "
         "experts per layer, non-expert formats, bytes per rank."
@@ -97,7 +110,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--src", help="checkpoint folder (config.json + index)")
     ap.add_argument("--config", help="config.json (instead of --src)")
     ap.add_argument("--index", help=f"{INDEX_NAME}[.gz] (instead of --src)")
-    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--ranks", type=int, help="ranks of one box size (default 2)")
+    ap.add_argument(
+        "--boxes",
+        help="boxes of different memory, one per rank: GiB[:wired_limit_mb] each, e.g. "
+        "512,256,256 or 512,256:237568,256 (wired limit default: memory - 24 GiB); "
+        "routed experts placed per layer by what each box has left (--ranks follows)",
+    )
+    ap.add_argument(
+        "--expert-split",
+        choices=SPLITS,
+        default=PlanRequest.expert_split,
+        help="with --boxes: memory (default: experts in proportion to each box's room, the "
+        "big box reads more per token) or equal (equal experts and reads, the smallest "
+        "box's room on every box)",
+    )
     add_budget_args(ap, auto=True)
     ap.add_argument("--lo", default="auto", help="lo-bank format (e.g. 2bit-g128) or auto")
     ap.add_argument(
@@ -145,6 +172,12 @@ def main(argv: list[str] | None = None) -> None:
         default=PlanRequest.headroom / GiB,
         help="kept free per rank beyond weights, KV/state and activations",
     )
+    _limit_args(ap)
+    return ap
+
+
+def _limit_args(ap: argparse.ArgumentParser) -> None:
+    """The serving limits and the box, each a flag (default: deploy/tb5.yaml's, Box's)."""
     ap.add_argument(
         "--context",
         type=int,
@@ -183,8 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     ap.add_argument("--out", help="also write the JSON here")
-    args = ap.parse_args(argv)
 
+
+def _inputs(ap: argparse.ArgumentParser, args: argparse.Namespace):
+    """(config path, index path, accounting, box) of the flags."""
     if args.src:
         cfg_path = Path(args.src) / CONFIG_NAME
         idx_path = Path(args.src) / INDEX_NAME
@@ -200,15 +235,11 @@ def main(argv: list[str] | None = None) -> None:
         wired_limit_mb=args.wired_limit_mb,
         runtime_reserve_bytes=int(args.runtime_reserve_gib * GiB),
     )
-    limits = Limits.of(
-        shipped(),
-        context=args.context,
-        batch=args.max_batch,
-        prompt_cache_tokens=args.prompt_cache_tokens,
-        prefill_chunk=args.prefill_chunk,
-    )
-    if limits.batch < 1 or limits.context < 1:
-        ap.error("--max-batch and --context must be at least 1")
+    return cfg_path, idx_path if index is not None else None, acc, box
+
+
+def _nonexpert(ap: argparse.ArgumentParser, args: argparse.Namespace):
+    """(formats, where each came from) of --nonexpert-sensitivity and --nonexpert."""
     nonexpert, origin = dict(DEFAULT_NONEXPERT), dict.fromkeys(DEFAULT_NONEXPERT, "default")
     if args.nonexpert_sensitivity:
         try:
@@ -224,9 +255,29 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--nonexpert {kv}: class must be one of {CLASSES}")
         QFormat.parse(f)
         nonexpert[c], origin[c] = f, "--nonexpert"
+    return nonexpert, origin
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
+    args = ap.parse_args(argv)
+    cfg_path, idx_path, acc, box = _inputs(ap, args)
+    limits = Limits.of(
+        shipped(),
+        context=args.context,
+        batch=args.max_batch,
+        prompt_cache_tokens=args.prompt_cache_tokens,
+        prefill_chunk=args.prefill_chunk,
+    )
+    if limits.batch < 1 or limits.context < 1:
+        ap.error("--max-batch and --context must be at least 1")
+    nonexpert, origin = _nonexpert(ap, args)
     try:
+        boxes = parse_boxes(args.boxes) if args.boxes else None
+        if boxes is not None and args.ranks not in (None, len(boxes)):
+            raise ValueError(f"--ranks {args.ranks} but --boxes names {len(boxes)} boxes")
         req = plan_request(
-            args.ranks,
+            len(boxes) if boxes else args.ranks or 2,
             args.budget,
             args.budget_total,
             args.target_bpw,
@@ -238,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
             attention=args.attention,
             lo_fallback=args.lo_fallback,
             headroom=int(args.headroom_gib * GiB),
+            boxes=boxes,
+            expert_split=args.expert_split,
         )
     except ValueError as e:
         ap.error(str(e))
@@ -245,14 +298,26 @@ def main(argv: list[str] | None = None) -> None:
         plan = make_plan(acc, box, limits, req)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    plan = _record(plan, args, argv, cfg_path, idx_path, acc)
+    if plan["quality"]["warning"]:
+        print(f"warning: {plan['quality']['warning']}", file=sys.stderr)
+    text = json.dumps(plan, indent=1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text if args.json else summary(plan))
+
+
+def _record(plan: dict, args, argv, cfg_path: Path, idx_path: Path | None, acc) -> dict:
+    """The plan with the command and inputs that made it."""
     argv = list(sys.argv[1:] if argv is None else argv)
     paths = {"--src", "--config", "--index", "--out"}
     rel = [_relpath(a) if i and argv[i - 1] in paths else a for i, a in enumerate(argv)]
-    plan = {
+    return {
         "command": "python -m k3dist.pipeline.plan " + " ".join(rel),
         "inputs": {
             "config": _relpath(str(cfg_path)),
-            "index": _relpath(str(idx_path)) if index is not None else None,
+            "index": _relpath(str(idx_path)) if idx_path is not None else None,
             "index_total_size": acc.index_total,
             "source_bytes_from_config": acc.source_total,
         },
@@ -265,13 +330,6 @@ def main(argv: list[str] | None = None) -> None:
         else None,
         **plan,
     }
-    if plan["quality"]["warning"]:
-        print(f"warning: {plan['quality']['warning']}", file=sys.stderr)
-    text = json.dumps(plan, indent=1)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text if args.json else summary(plan))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from k3dist.config.box import Box
+from k3dist.config.box import Box, parse_boxes
 from k3dist.config.deployment import add_renamed_flag
 from k3dist.format import layout
 from k3dist.format.classes import CLASSES
@@ -40,6 +40,7 @@ from k3dist.pipeline import byte_budget
 from k3dist.pipeline import promote as grader
 from k3dist.pipeline.accounting import account
 from k3dist.pipeline.convert import Converter, add_nonexpert_args, convert, parse_nonexpert
+from k3dist.pipeline.expert_split import SPLITS
 from k3dist.pipeline.promote import GradedBuilder
 
 PROFILES = ("mxfp4", "2bit", "3bit", "mixed2", "graded")
@@ -127,18 +128,24 @@ def plan_graded(
     headroom: int | None = None,
     batch: int | None = None,
     prompt_cache_tokens: int | None = None,
+    boxes: str | None = None,
+    expert_split: str | None = None,
 ) -> dict:
     """The byte-budget plan (``k3dist.pipeline.byte_budget``) from the source's own config and
     index; ``context``, ``batch``, ``prompt_cache_tokens``: the serving limits it leaves
-    KV/state for (None: the plan's defaults). ValueError with the numbers when nothing
-    fits."""
+    KV/state for (None: the plan's defaults); ``boxes`` (``512,256,256``, ``plan --boxes``):
+    boxes of different memory, one per rank (``ranks`` follows), experts split by
+    ``expert_split``. ValueError with the numbers when nothing fits."""
     index = read_index(src.index_path) if src.index_path.exists() else None
     acc = account(src.config, index, str(src.index_path))
     limits = byte_budget.Limits.of(
         byte_budget.shipped(), context=context, batch=batch, prompt_cache_tokens=prompt_cache_tokens
     )
+    box_list = parse_boxes(boxes) if boxes else None
+    if box_list is not None and ranks not in (2, len(box_list)):
+        raise ValueError(f"--ranks {ranks} but --boxes names {len(box_list)} boxes")
     req = byte_budget.plan_request(
-        ranks,
+        len(box_list) if box_list else ranks,
         budget,
         budget_total,
         target_bpw,
@@ -146,6 +153,8 @@ def plan_graded(
         lo=lo,
         nonexpert=dict(nonexpert or byte_budget.DEFAULT_NONEXPERT),
         nonexpert_from=dict(nonexpert_from or {}),
+        boxes=box_list,
+        expert_split=expert_split or byte_budget.PlanRequest.expert_split,
     )
     if headroom is not None:
         req = replace(req, headroom=headroom)
@@ -240,9 +249,8 @@ def convert_profile(
     ``mxfp4_dir``. ``rank_pattern`` (graded): the graded build written straight into the
     rank folders ``rank_pattern.format(rank=r)`` of the plan's ranks, ``out`` holding one
     graded file at a time (``k3dist.pipeline.direct``; deleted unless ``keep``); returns the
-    rank folders. ``plan`` (graded): a plan already made (the pipeline's ``plan.json``)
-    instead of making it again from ``plan_kw`` (at K3's counts its accounting of the
-    497,220 tensors costs ~10 s)."""
+    rank folders (placed as the plan says for boxes of different sizes). ``plan``: a plan
+    already made (the pipeline's ``plan.json``) instead of one from ``plan_kw``."""
     if profile not in PROFILES:
         raise ValueError(f"--profile {profile!r}: one of {', '.join(PROFILES)}")
     if profile == "mxfp4":
@@ -278,9 +286,10 @@ def convert_profile(
         khi = _k_hi(promoted, build, tc, routes, k_hi)
         gb = grader.builder(build, out, promoted, khi, plan["lo"]["format"], plan=plan)
         if rank_pattern is not None:  # straight into rank folders: OUT is scratch
-            from k3dist.pipeline import direct
+            from k3dist.pipeline import direct, rank_files
 
-            return direct.grade_into_ranks(gb, rank_pattern, plan["ranks"], progress, keep)
+            plc = rank_files.plan_placement(plan, E, gb.gmap)  # boxes of different sizes
+            return direct.grade_into_ranks(gb, rank_pattern, plan["ranks"], progress, keep, plc)
         gb.run(progress)
     elif profile in ("2bit", "3bit"):
         grader.grade(build, out, {}, 0, lo_format(tc, int(profile[0])), progress=progress)
@@ -298,7 +307,7 @@ def convert_profile(
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m k3dist.pipeline.profiles",
         description="Make a build profile of Moonshot's K3 checkpoint: the MXFP4 build "
@@ -329,7 +338,16 @@ def main() -> None:
         help="per-expert scores, npz of layer_L arrays (as grade "
         "--scores): the highest of each layer are promoted",
     )
-    g.add_argument("--ranks", type=int, default=2)
+    g.add_argument("--ranks", type=int, help="ranks of one box size (default 2)")
+    g.add_argument(
+        "--boxes",
+        help="boxes of different memory, one per rank (plan --boxes: GiB[:wired_limit_mb])",
+    )
+    g.add_argument(
+        "--expert-split",
+        choices=SPLITS,
+        help="with --boxes: memory (default) or equal (plan --expert-split)",
+    )
     g.add_argument("--lo", default="auto", help="lo-bank format or auto (the plan's)")
     g.add_argument(
         "--k-hi",
@@ -371,6 +389,34 @@ def main() -> None:
         help="measured non-expert formats (plan --nonexpert-sensitivity)",
     )
     g.add_argument("--kl-tolerance", type=float, help="with --nonexpert-sensitivity")
+    return ap
+
+
+def _plan_kw(args: argparse.Namespace) -> dict:
+    """The graded profile's plan arguments of the flags."""
+    plan_kw = {
+        "ranks": args.ranks or 2,
+        "boxes": args.boxes,
+        "expert_split": args.expert_split,
+        "lo": args.lo,
+        "context": args.context,
+        "batch": args.max_batch,
+        "prompt_cache_tokens": args.prompt_cache_tokens,
+        "budget": int(args.budget) if args.budget is not None else None,
+        "budget_total": int(args.budget_total) if args.budget_total else None,
+        "target_bpw": args.target_bpw,
+        "headroom": None if args.headroom_gib is None else int(args.headroom_gib * GiB),
+    }
+    if args.nonexpert_sensitivity:
+        tol = args.kl_tolerance or byte_budget.DEFAULT_KL_TOLERANCE
+        plan_kw["nonexpert"], plan_kw["nonexpert_from"] = byte_budget.measured_nonexpert(
+            byte_budget.read_sensitivity(args.nonexpert_sensitivity), tol
+        )
+    return plan_kw
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     graded_only = (
         "budget",
@@ -385,30 +431,15 @@ def main() -> None:
         "headroom_gib",
         "nonexpert_sensitivity",
         "kl_tolerance",
+        "boxes",
+        "expert_split",
     )
     given = [f"--{k.replace('_', '-')}" for k in graded_only if getattr(args, k) is not None]
     if args.profile != "graded" and given:
         ap.error(f"{', '.join(given)}: only with --profile graded")
     if args.profile == "mxfp4" and args.mxfp4:
         ap.error("--mxfp4: only with a profile other than mxfp4")
-    plan_kw = None
-    if args.profile == "graded":
-        plan_kw = {
-            "ranks": args.ranks,
-            "lo": args.lo,
-            "context": args.context,
-            "batch": args.max_batch,
-            "prompt_cache_tokens": args.prompt_cache_tokens,
-            "budget": int(args.budget) if args.budget is not None else None,
-            "budget_total": int(args.budget_total) if args.budget_total else None,
-            "target_bpw": args.target_bpw,
-            "headroom": None if args.headroom_gib is None else int(args.headroom_gib * GiB),
-        }
-        if args.nonexpert_sensitivity:
-            tol = args.kl_tolerance or byte_budget.DEFAULT_KL_TOLERANCE
-            plan_kw["nonexpert"], plan_kw["nonexpert_from"] = byte_budget.measured_nonexpert(
-                byte_budget.read_sensitivity(args.nonexpert_sensitivity), tol
-            )
+    plan_kw = _plan_kw(args) if args.profile == "graded" else None
     try:
         path = convert_profile(
             args.src,

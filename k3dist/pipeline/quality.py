@@ -55,6 +55,9 @@ class Expected:
     kl_p95: float
     flip: float
     rows: tuple[str, ...]  # the measured rows it comes from (one: measured or clamped)
+    # past the grid's last row of the format: that row's values, an upper bound on KL
+    # (more promoted experts than it measured), not a measurement at these bytes
+    beyond: bool = False
     dwq: Row | None = None  # the same point distilled (--dwq), where the grid measured it
 
     def cite(self) -> str:
@@ -79,7 +82,8 @@ class Expected:
             "kl_p95": round(self.kl_p95, 6),
             "flip": round(self.flip, 5),
             "grid_rows": list(self.rows),
-            "measured": len(self.rows) == 1,
+            "measured": len(self.rows) == 1 and not self.beyond,
+            **({"extrapolated": "upper bound: beyond the grid's last row"} if self.beyond else {}),
             "dwq": None
             if self.dwq is None
             else {"kl": self.dwq.kl, "kl_p95": self.dwq.kl_p95, "row": self.dwq.id},
@@ -156,6 +160,17 @@ class QualityGrid:
             and abs(r.expert_bpw - bpw) <= EDGE_BPW
         ]
         return replace(best, dwq=min(dwq, key=lambda r: abs(r.expert_bpw - bpw), default=None))
+
+    def beyond(self, lo: str, bpw: float) -> Expected | None:
+        """Past ``lo``'s measured range (more bpw than its last row): the best student's
+        last row, marked ``beyond`` (KL at most that: the same lo bank with more of the
+        experts in their MXFP4 bytes). None when ``bpw`` is not past it."""
+        best = None
+        for student, rows in self.series(lo).items():
+            last = rows[-1]
+            if bpw > last.expert_bpw + EDGE_BPW and (best is None or last.kl < best.kl):
+                best = Expected(lo, bpw, student, last.kl, last.kl_p95, last.flip, (last.id,), True)
+        return best
 
     def nearest(self, lo: str, bpw: float) -> Row:
         """The measured row closest in bpw, of ``lo`` if the grid has it."""

@@ -20,6 +20,7 @@ from k3dist.format.placement import (
     PlacementError,
     by_memory,
     for_config,
+    from_counts,
     split_by_memory,
 )
 from k3dist.format.sfile import (
@@ -82,7 +83,7 @@ def placement_for(
     GiB each box gives the weights, in rank order; :func:`rank_bytes` says what each
     rank holds besides routed experts, with ``attention`` as sliced); load-aware within
     those counts from routing counts. A graded build's promoted experts are then spread
-    evenly (``graded.balance_hi``: counts per rank unchanged)."""
+    in proportion to each rank's experts (``graded.balance_hi``: counts unchanged)."""
     config = load_config(build)
     tc = layout.text_config(config)
     capacity = None
@@ -101,6 +102,20 @@ def placement_for(
     placement = for_config(tc, size, counts_path, capacity)
     gmap = graded.GradedMap.from_config(config)
     return placement if gmap is None else graded.balance_hi(placement, gmap)
+
+
+def plan_placement(plan: dict, num_experts: int, gmap: graded.GradedMap | None) -> Placement | None:
+    """The placement a plan made for boxes of different memory (``plan --boxes``): its
+    experts per layer per rank as contiguous ranges, by memory for the boxes it names
+    (what the loader checks a deployment's ``boxes`` against), the build's promoted
+    experts (``gmap``) spread in proportion (``graded.balance_hi``). None for a plan of
+    equal boxes (then ``placement_for``'s)."""
+    if "experts_per_layer_per_rank" not in plan:
+        return None
+    counts = {int(k): list(v) for k, v in plan["experts_per_layer_per_rank"].items()}
+    shares = tuple(float(b["memory_gib"]) for b in plan["boxes"])
+    plc = from_counts(num_experts, counts, "by-memory", shares)
+    return plc if gmap is None else graded.balance_hi(plc, gmap)
 
 
 def rank_bytes(

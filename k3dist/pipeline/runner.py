@@ -184,16 +184,20 @@ def _run_stage(a: Args, stage: str, plan: dict) -> dict:
         )
     elif stage == "dwq":
         from k3dist.pipeline import dwq, stream
+        from k3dist.pipeline.rank_files import plan_placement
 
         cfg = dwq.DWQConfig(steps=a.dwq_steps, batch=a.dwq_batch)
+        view = dwq.graded_view(base_view(a, plan), a.rank_dirs())  # the rank folders' build
         out = dwq.dwq(
             a.path("teacher"),
-            dwq.graded_view(base_view(a, plan), a.rank_dirs()),  # the rank folders' build
+            view,
             teacher.read_tokens(tok),
             a.path("dwq"),  # scratch: the rank folders are rewritten in place
             cfg,
             cap=stream.parse_bytes(a.cap),
             ranks=a.rank_dirs(),
+            # boxes of different memory: the plan's placement, as the graded stage sliced
+            placement=plan_placement(plan, view.gmap.num_experts, view.gmap),
         )
         m = out / MANIFEST
         if m.exists():
@@ -547,7 +551,18 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
         help="--config/--index of the real K3 shipped in k3dist/data",
     )
     ap.add_argument("--out", help="output folder: OUT/rank{rank}, OUT/work (scratch)")
-    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--ranks", type=int, help="ranks of one box size (default 2)")
+    ap.add_argument(
+        "--boxes",
+        help="boxes of different memory, one per rank: GiB[:wired_limit_mb] each, e.g. "
+        "512,256,256 (k3dist-plan --boxes); --ranks follows; the rank folders placed by it",
+    )
+    ap.add_argument(
+        "--expert-split",
+        choices=("memory", "equal"),
+        default="memory",
+        help="with --boxes: experts by each box's room (default) or equal",
+    )
     byte_budget.add_budget_args(ap, auto=True)
     ap.add_argument(
         "--lo",
@@ -594,7 +609,9 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     a = Args(
         src=ns.src,
         out=ns.out,
-        ranks=ns.ranks,
+        ranks=_ranks(ap, ns),
+        boxes=ns.boxes,
+        expert_split=ns.expert_split,
         budget=ns.budget,
         budget_total=ns.budget_total,
         target_bpw=ns.target_bpw,
@@ -614,6 +631,21 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
         index=ns.index,
     )
     return a, ns
+
+
+def _ranks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    """--ranks, or the number of --boxes (they must agree when both are given)."""
+    if not ns.boxes:
+        return ns.ranks or 2
+    from k3dist.config.box import parse_boxes
+
+    try:
+        n = len(parse_boxes(ns.boxes))
+    except ValueError as e:
+        ap.error(f"--boxes: {e}")
+    if ns.ranks not in (None, n):
+        ap.error(f"--ranks {ns.ranks} but --boxes names {n} boxes")
+    return n
 
 
 def main(argv: list[str] | None = None) -> None:

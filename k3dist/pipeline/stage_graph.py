@@ -48,6 +48,8 @@ class Args:
     keep: bool = False
     config: str | None = None
     index: str | None = None
+    boxes: str | None = None  # boxes of different memory (plan --boxes); ranks follows
+    expert_split: str = "memory"  # with boxes (k3dist.pipeline.expert_split)
 
     @property
     def work(self) -> Path:
@@ -100,6 +102,7 @@ def stage_params(a: Args, stage: str) -> dict:
             "budget_total": a.budget_total,
             "target_bpw": a.target_bpw,
             **({"lo": a.lo} if a.lo != "auto" else {}),
+            **({"boxes": a.boxes, "expert_split": a.expert_split} if a.boxes else {}),
         },
         "tokens": {
             "calib": _file_id(a.calib) if a.calib else None,

@@ -155,5 +155,24 @@ def test_balance_hi_keeps_uneven_counts_and_shares():
     plc = placement.by_shares(16, [512, 256, 256], [1, 2])  # 8:4:4
     out = balance_hi(plc, GradedMap(16, {1: (0, 1, 2, 3, 4, 5), 2: (15,)}, {1: 2, 2: 1}))
     assert [out.counts(i) for i in (1, 2)] == [[8, 4, 4]] * 2 and out.shares == plc.shares
-    assert np.bincount(np.asarray(out.owners[1])[:6], minlength=3).tolist() == [2, 2, 2]
+    # in proportion to each rank's experts (8:4:4 -> 3:1.5:1.5; the half to rank 1)
+    assert np.bincount(np.asarray(out.owners[1])[:6], minlength=3).tolist() == [3, 2, 1]
     assert out.kind == "by-shares+hi-balanced"
+
+
+def test_hi_counts_follow_each_ranks_experts():
+    """The promoted experts a rank holds follow the experts it holds: equal counts give
+    the old even spread (remainder to the first ranks), uneven ones their proportion,
+    never more than a rank has, always the layer's total."""
+    assert placement.hi_counts(7, [4, 4]) == [4, 3]
+    assert placement.hi_counts(6, [3, 3, 3]) == [2, 2, 2]
+    assert placement.hi_counts(300, [448, 224, 224]) == [150, 75, 75]
+    assert placement.hi_counts(3, [1, 1, 1]) == [1, 1, 1]
+    for promoted in range(17):
+        got = placement.hi_counts(promoted, [9, 4, 3])
+        assert sum(got) == promoted and all(
+            0 <= h <= n for h, n in zip(got, [9, 4, 3], strict=True)
+        )
+        assert all(abs(h - promoted * n / 16) < 1 for h, n in zip(got, [9, 4, 3], strict=True))
+    with pytest.raises(PlacementError, match="17 promoted"):
+        placement.hi_counts(17, [9, 4, 3])

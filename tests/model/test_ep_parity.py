@@ -16,6 +16,9 @@ mini at 3 ranks: its 3-head MLA layers, not its 2-head KDA layers)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from k3dist import MINI_K3
 from k3dist.bench.greedy import greedy
@@ -23,7 +26,7 @@ from k3dist.factory.corpus import DATA_DIR
 from k3dist.format import layout, placement
 from k3dist.format.graded import GradedMap
 from k3dist.model import two_bank
-from k3dist.pipeline import convert, promote, slicing
+from k3dist.pipeline import convert, promote, reference, slicing
 
 import numpy as np
 import pytest
@@ -36,6 +39,7 @@ STEPS_OVER_2 = 16
 # Float32 sums in another order (per-rank partial sums, then all_sum) move logits
 # by a few ULPs of their magnitude (~4); 1e-4 is ~100x the differences seen.
 ATOL = 1e-4
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _slice_all(build, out, size, plc, attention="split"):
@@ -115,7 +119,8 @@ CASES = [
     # trained mini at 3: its MLA layers (3 heads) split, KDA layers (2 heads) replicated
     (3, "boxes:512,256,256", "placeholder", "trained", "split", [3, 5]),
     (3, "shares+routing", "local", 16, "replicated", []),  # 16 experts: 6:5:5 rotated
-    # two banks: 8:4:4 experts, the promoted ones spread 2:2:2 (graded.balance_hi)
+    # two banks: 8:4:4 experts, the promoted ones spread 3:2:1 (graded.balance_hi: in
+    # proportion to each rank's experts)
     (3, "boxes:512,256,256", "local", "graded", "split", []),
     (4, "boxes:512,256,256,256", "local", 16, "split", ALL),
     # trained mini at 4: no layer's heads divide by 4, every layer stays replicated
@@ -152,9 +157,10 @@ def _placement(build, size: int, kind: str, attention: str) -> placement.Placeme
         assert np.abs(np.array(total) - share).max() < 0.05 * share.max(), (total, share)
     assert any(len(set(plc.counts(i))) > 1 for i in moe)  # really uneven
     gmap = GradedMap.from_config(json.loads((build / "config.json").read_text()))
-    for i in moe if gmap is not None else []:  # every rank holds some of the hi bank
+    for i in moe if gmap is not None else []:  # hi bank in proportion to each rank's experts
         own = np.asarray(plc.owners[i])[list(gmap.hi_ids(i))]
-        assert np.bincount(own, minlength=size).tolist() == [2] * size, plc.kind
+        want = placement.hi_counts(len(gmap.hi_ids(i)), plc.counts(i))
+        assert np.bincount(own, minlength=size).tolist() == want, plc.kind
     return plc
 
 
@@ -244,4 +250,64 @@ def test_ep_matches_single_process(builds, launches, size, kind, form, bits, att
     for x in runs:
         assert x["tokens"].tolist() == tokens
         assert np.array_equal(x["logits"], runs[0]["logits"])  # ranks agree bitwise
+    assert diff < ATOL
+
+
+BOXES = "512,256,256"
+
+
+@pytest.fixture(scope="module")
+def pipeline_ranks(tmp_path_factory):
+    """The one-command pipeline on the trained mini for boxes 512,256,256: three rank
+    folders of different expert counts, straight from the graded stage; and the whole
+    graded build they were sliced from (k3dist.pipeline.reference) for the oracle."""
+    tmp = tmp_path_factory.mktemp("pipe3")
+    out = tmp / "out"
+    argv = ["--src", str(MINI_K3), "--out", str(out), "--boxes", BOXES, "--target-bpw", "3.4"]
+    argv += ["--lo", "2bit-g32", "--windows", "2", "--seq", "32"]
+    r = subprocess.run(
+        [sys.executable, "-m", "k3dist.pipeline.runner", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return out, reference.write_reference(MINI_K3, out, tmp / "ref")
+
+
+def test_pipeline_boxes_serve_like_one_process(pipeline_ranks, tmp_path):
+    """k3dist-pipeline --boxes 512,256,256 writes three uneven rank folders (the plan's
+    counts, by memory for those boxes, promoted experts in proportion); served on 3 ranks
+    they give single-process mlx-lm's greedy tokens on the graded build, logits within
+    the 2-rank tolerance, ranks bitwise equal."""
+    out, ref = pipeline_ranks
+    plan = json.loads((out / "plan.json").read_text())
+    m = json.loads((out / "rank0" / "k3dist.json").read_text())
+    plc = placement.Placement.from_json(m["placement"])
+    assert plc.kind.startswith("by-memory") and plc.shares == (512.0, 256.0, 256.0)
+    for layer, counts in plan["experts_per_layer_per_rank"].items():
+        assert plc.counts(int(layer)) == counts and counts[0] > 2 * min(counts[1:]) - 2
+    gmap = GradedMap.from_config(json.loads((out / "rank0" / "config.json").read_text()))
+    assert sum(len(v) for v in gmap.hi.values()) == plan["promoted_total"] > 0
+    prompt, tokens, logits = _oracle(ref, two_bank.load_build)
+    steps = STEPS_OVER_2
+    runs = [
+        {
+            "rank_dir": str(out / "rank{rank}"),
+            "boxes": BOXES,  # the loader refuses folders placed for other boxes
+            "prompt": prompt,
+            "max_tokens": steps,
+            "dump": str(tmp_path / "rank{rank}.npz"),
+        }
+    ]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    r = mlx_launch(3, "tests/scripts/parity_runs.py", str(tmp_path / "runs.json"), timeout=900)
+    reports = _reports(r, 3, 0)
+    assert all(rep["tokens"] == tokens[:steps] for rep in reports)
+    dumps = [np.load(tmp_path / f"rank{i}.npz") for i in range(3)]
+    diff = max(float(np.abs(x["logits"] - logits[:steps]).max()) for x in dumps)
+    print(f"\npipeline --boxes {BOXES}: {plc.describe()}; max |logit - one process| {diff:.3g}")
+    for x in dumps:
+        assert np.array_equal(x["logits"], dumps[0]["logits"])
     assert diff < ATOL

@@ -514,3 +514,40 @@ def test_out_of_grid_refused_unless_named(acc, tmp_path):
     assert p["quality"]["expected"] is None and p["calib_student"] == "2bit-g128"
     assert "nearest measured row 3bit-g64@3.5/None" in p["quality"]["warning"]
     assert "outside the measured grid" in plan.summary(p)
+
+
+def test_boxes_of_different_memory(acc):
+    """--boxes 512,256,256: every box within its budget, experts per layer in proportion
+    to each box's room, the promoted ones in proportion to each rank's experts; two equal
+    boxes plan as --ranks 2; a set below the grid's lowest measured bpw is refused with
+    the numbers."""
+    from k3dist.config.box import parse_boxes
+    from k3dist.format.placement import hi_counts
+
+    def plan_for(spec: str, **kw) -> dict:
+        req = byte_budget.PlanRequest(boxes=parse_boxes(spec), **kw)
+        return byte_budget.make_plan(acc, Box(), _limits(), req)
+
+    p = plan_for("512,256,256")
+    assert p["ranks"] == 3 and p["quality"]["expected"] is not None
+    for b in p["per_box"]:
+        assert b["total"] <= b["budget"] and b["headroom"] >= p["headroom_requested"]
+    fixed = [b["total"] - b["routed_experts"] + p["headroom_requested"] for b in p["per_box"]]
+    rooms = [b["budget"] - f for b, f in zip(p["per_box"], fixed, strict=True)]
+    for layer, counts in p["experts_per_layer_per_rank"].items():
+        assert sum(counts) == acc.num_experts
+        want = [acc.num_experts * r / sum(rooms) for r in rooms]
+        assert max(abs(c - w) for c, w in zip(counts, want, strict=True)) < 1.5
+        hi = hi_counts(p["promoted_per_layer"][layer], counts)
+        assert all(h <= c for h, c in zip(hi, counts, strict=True))
+    assert sum(b["hi_experts"] for b in p["per_box"]) == p["promoted_total"]
+    reads = [b["read_per_token"] for b in p["per_box"]]
+    assert reads[0] > max(reads[1:]) and abs(reads[1] - reads[2]) < 1e-4 * reads[1]
+    assert p["read_ratio"] == max(b["read_share_of_mean"] for b in p["per_box"])
+    two = plan_for("512,512")
+    one = byte_budget.make_plan(acc, Box(), _limits(), byte_budget.PlanRequest(ranks=2))
+    assert (two["expert_bpw"], two["promoted_total"]) == (one["expert_bpw"], one["promoted_total"])
+    with pytest.raises(ValueError, match=r"lowest measured 2\.\d+ expert bpw.*1bit-g64 at 1\.5"):
+        plan_for("256,256,256")
+    with pytest.raises(ValueError, match="nothing fits"):
+        plan_for("512,256", expert_split="equal")
