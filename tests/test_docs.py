@@ -23,21 +23,29 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import pytest
 import yaml
-from util import REPO
+from doc_blocks import (
+    COMMAND_LANGS,
+    FENCE,
+    README,
+    REPO,
+    Block,
+    blocks,
+    guide_commands,
+    guide_marker,
+    guide_table,
+    marker_test,
+    simple_commands,
+)
 
-README = REPO / "README.md"
 DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
-COMMAND_LANGS = {"sh", "console", "bash", "shell"}
 BIN = REPO / ".venv" / "bin"
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
@@ -76,94 +84,11 @@ EXTERNAL = {
 # -- the documents ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Block:
-    path: Path
-    line: int
-    lang: str
-    body: str
-    mark: str | None  # "not run" | "run" | "tested by"
-    arg: str
-
-    def __str__(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.line}"
-
-
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
-MARK = re.compile(r"^<!--\s*(not run|run|tested by):\s*(.*?)\s*-->$")
-
-
-def blocks(path: Path) -> list[Block]:
-    text = path.read_text()
-    out = []
-    for m in FENCE.finditer(text):
-        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
-        mark = MARK.match(before)
-        out.append(
-            Block(
-                path,
-                text[: m.start()].count("\n") + 1,
-                m.group(1).strip(),
-                m.group(2),
-                mark.group(1) if mark else None,
-                mark.group(2) if mark else "",
-            )
-        )
-    return out
-
-
 def command_blocks() -> list[Block]:
     return [b for p in DOCS for b in blocks(p) if b.lang in COMMAND_LANGS]
 
 
-def guide_table() -> list[list[str]]:
-    """The README's two-Mac checklist: its table rows (cells, `\\|` unescaped)."""
-    text = README.read_text()
-    section = text.split("## Kimi K3 on two Macs", 1)[1].split("\n## ", 1)[0]
-    rows = []
-    for line in section.splitlines():
-        if line.startswith("| ") and not line.startswith("| #") and "---" not in line:
-            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-            rows.append(cells)
-    return rows
-
-
-def guide_commands() -> list[str]:
-    """Every command in the checklist's "do this" column (the code spans with a space)."""
-    spans = [c for row in guide_table() for c in re.findall(r"`([^`]*)`", row[2])]
-    return [c for c in spans if " " in c]
-
-
 # -- commands --------------------------------------------------------------------------
-
-
-def simple_commands(text: str) -> list[list[str]]:
-    """The simple commands of a shell text (continuations joined, comments dropped,
-    split at && || | ; and redirections), leading VAR=value words and sudo dropped."""
-    out = []
-    for line in text.replace("\\\n", " ").splitlines():
-        lex = shlex.shlex(line, posix=True, punctuation_chars=True)
-        lex.whitespace_split = True
-        lex.commenters = "#"
-        cur, redirect = [], False
-        for tok in lex:
-            if tok in (">", ">>", "<", "2>"):
-                redirect = True  # its target is a file, not a command
-            elif tok and set(tok) <= set("&|;()"):
-                out.append(cur)
-                cur = []
-            elif redirect:
-                redirect = False
-            else:
-                cur.append(tok)
-        out.append(cur)
-    cmds = []
-    for c in out:
-        while c and (re.match(r"^[A-Z_][A-Z0-9_]*=", c[0]) or c[0] in ("sudo", "export")):
-            c = c[1:]
-        if c:
-            cmds.append(c)
-    return cmds
 
 
 def _k3dist_parts(cmd: list[str]) -> list[tuple[tuple[str, ...], list[str]]] | None:
@@ -265,7 +190,7 @@ def test_command_block_runs_or_says_why(block: Block):
     if block.mark == "not run":
         assert len(block.arg) >= 15, f"{block}: say why it cannot run here"
     elif block.mark == "tested by":
-        path, _, name = block.arg.partition("::")
+        path, name, _ = marker_test(block.arg)
         assert (REPO / path).is_file() and f"def {name}(" in (REPO / path).read_text(), (
             f"{block}: no test {block.arg}"
         )
@@ -311,6 +236,16 @@ def test_links_resolve():
 
 
 # -- the two-Mac guide -----------------------------------------------------------------
+
+
+def test_guide_table_says_which_test_runs_it():
+    """The checklist table's marker names the rig test that runs its commands
+    (tests/two_macs.py: each one run or given its one-line reason)."""
+    mark, arg = guide_marker()
+    assert mark == "tested by", "README: a <!-- tested by: ... --> line before the checklist"
+    path, name, subs = marker_test(arg)
+    assert f"def {name}(" in (REPO / path).read_text(), arg
+    assert subs, "the marker says what the rig substitutes"
 
 
 def test_guide_commands_are_checked():
