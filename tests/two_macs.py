@@ -177,6 +177,7 @@ def make_site(rig: rigmod.Rig, build: Path, work: Path, **deploy) -> Site:
     """The checklist up to the serve step, on the rig; ``deploy``: deployment keys over
     tb5.yaml's (the tests' own, e.g. ``warmup``)."""
     site = Site(rig, work)
+    work.mkdir(parents=True, exist_ok=True)
     _write_configs(site, deploy)
     ssh = rig.home(1) / ".ssh"  # the key README's step makes when there is none
     ssh.mkdir(mode=0o700)
