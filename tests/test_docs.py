@@ -638,6 +638,7 @@ def test_figure_is_its_source(figure):
 CONSTANTS = {
     "README.md": {
         "512 GB": "the Mac's memory (Apple's specification)",
+        "256 GB ones": "a smaller Mac's memory (Apple's specification)",
     },
     "docs/agents.md": {
         "every 0.25 s": "k3dist/serve/server.py's poll of an idle stream (code)",
