@@ -13,7 +13,8 @@ What is substituted in a command, and nothing else (``on_rig``):
   10.10.0.2 ...`` is Mac 2's);
 - ``hostfiles/tb5.json`` and ``deploy/tb5.yaml`` -> copies with the same substitutions
   (the deployment's ``rank_dir`` names each rank's own host folder with ``{rank}``: rank
-  r runs on host r), plus RIG_KEYS;
+  r runs on host r), plus RIG_KEYS (memory, dtype, watchdog time-out, threads: what a
+  2-core Linux machine needs that two Macs do not);
 - the download -> the shipped mini-K3 (``k3dist/data/mini-k3``) linked where it would land.
 
 Each command runs from the checkout (both "Macs" share it and its .venv) with HOME the
@@ -52,6 +53,7 @@ RING_PORT = 32323  # mlx.launch's base port (k3dist.serve.watchdog.DEFAULT_RING_
 # deploy/tb5.yaml's keys the rig changes beyond names and paths, and why
 RIG_KEYS = {
     "memory_headroom_gib": 2.0,  # sized for a 512 GB Mac; this machine has 24 GB for all
+    "dtype": "float32",  # bfloat16 is Metal's choice; CPU bf16 matmuls are ~10x slower
     "watchdog_timeout_s": 5.0,  # the cable-pull test's bound (tests/serve/test_two_hosts.py)
     "blas_threads": 1,  # both hosts share 2 cores
 }
