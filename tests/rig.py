@@ -221,7 +221,7 @@ class Rig:
         for host in (1, 2):  # each host's sessions get its own HOME
             self.set_env(host, {})
         cfg = [
-            f"Host {ns}\n  HostName {addr}\n  User root\n  IdentityFile {keys / 'client'}\n"
+            f"Host {ns} {addr}\n  HostName {addr}\n  User root\n  IdentityFile {keys / 'client'}\n"
             f"  IdentitiesOnly yes\n  UserKnownHostsFile {keys / 'known_hosts'}\n"
             "  StrictHostKeyChecking yes\n  PasswordAuthentication no\n"
             for i, (ns, addr) in enumerate(zip(HOSTS, ADDRS, strict=True))

@@ -23,21 +23,29 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import pytest
 import yaml
-from util import REPO
+from doc_blocks import (
+    COMMAND_LANGS,
+    FENCE,
+    README,
+    REPO,
+    Block,
+    blocks,
+    guide_commands,
+    guide_marker,
+    guide_table,
+    marker_test,
+    simple_commands,
+)
 
-README = REPO / "README.md"
 DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
-COMMAND_LANGS = {"sh", "console", "bash", "shell"}
 BIN = REPO / ".venv" / "bin"
 SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
@@ -76,94 +84,11 @@ EXTERNAL = {
 # -- the documents ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Block:
-    path: Path
-    line: int
-    lang: str
-    body: str
-    mark: str | None  # "not run" | "run" | "tested by"
-    arg: str
-
-    def __str__(self) -> str:
-        return f"{self.path.relative_to(REPO)}:{self.line}"
-
-
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
-MARK = re.compile(r"^<!--\s*(not run|run|tested by):\s*(.*?)\s*-->$")
-
-
-def blocks(path: Path) -> list[Block]:
-    text = path.read_text()
-    out = []
-    for m in FENCE.finditer(text):
-        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
-        mark = MARK.match(before)
-        out.append(
-            Block(
-                path,
-                text[: m.start()].count("\n") + 1,
-                m.group(1).strip(),
-                m.group(2),
-                mark.group(1) if mark else None,
-                mark.group(2) if mark else "",
-            )
-        )
-    return out
-
-
 def command_blocks() -> list[Block]:
     return [b for p in DOCS for b in blocks(p) if b.lang in COMMAND_LANGS]
 
 
-def guide_table() -> list[list[str]]:
-    """The README's two-Mac checklist: its table rows (cells, `\\|` unescaped)."""
-    text = README.read_text()
-    section = text.split("## Kimi K3 on two Macs", 1)[1].split("\n## ", 1)[0]
-    rows = []
-    for line in section.splitlines():
-        if line.startswith("| ") and not line.startswith("| #") and "---" not in line:
-            cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]]
-            rows.append(cells)
-    return rows
-
-
-def guide_commands() -> list[str]:
-    """Every command in the checklist's "do this" column (the code spans with a space)."""
-    spans = [c for row in guide_table() for c in re.findall(r"`([^`]*)`", row[2])]
-    return [c for c in spans if " " in c]
-
-
 # -- commands --------------------------------------------------------------------------
-
-
-def simple_commands(text: str) -> list[list[str]]:
-    """The simple commands of a shell text (continuations joined, comments dropped,
-    split at && || | ; and redirections), leading VAR=value words and sudo dropped."""
-    out = []
-    for line in text.replace("\\\n", " ").splitlines():
-        lex = shlex.shlex(line, posix=True, punctuation_chars=True)
-        lex.whitespace_split = True
-        lex.commenters = "#"
-        cur, redirect = [], False
-        for tok in lex:
-            if tok in (">", ">>", "<", "2>"):
-                redirect = True  # its target is a file, not a command
-            elif tok and set(tok) <= set("&|;()"):
-                out.append(cur)
-                cur = []
-            elif redirect:
-                redirect = False
-            else:
-                cur.append(tok)
-        out.append(cur)
-    cmds = []
-    for c in out:
-        while c and (re.match(r"^[A-Z_][A-Z0-9_]*=", c[0]) or c[0] in ("sudo", "export")):
-            c = c[1:]
-        if c:
-            cmds.append(c)
-    return cmds
 
 
 def _k3dist_parts(cmd: list[str]) -> list[tuple[tuple[str, ...], list[str]]] | None:
@@ -265,7 +190,7 @@ def test_command_block_runs_or_says_why(block: Block):
     if block.mark == "not run":
         assert len(block.arg) >= 15, f"{block}: say why it cannot run here"
     elif block.mark == "tested by":
-        path, _, name = block.arg.partition("::")
+        path, name, _ = marker_test(block.arg)
         assert (REPO / path).is_file() and f"def {name}(" in (REPO / path).read_text(), (
             f"{block}: no test {block.arg}"
         )
@@ -311,6 +236,16 @@ def test_links_resolve():
 
 
 # -- the two-Mac guide -----------------------------------------------------------------
+
+
+def test_guide_table_says_which_test_runs_it():
+    """The checklist table's marker names the rig test that runs its commands
+    (tests/two_macs.py: each one run or given its one-line reason)."""
+    mark, arg = guide_marker()
+    assert mark == "tested by", "README: a <!-- tested by: ... --> line before the checklist"
+    path, name, subs = marker_test(arg)
+    assert f"def {name}(" in (REPO / path).read_text(), arg
+    assert subs, "the marker says what the rig substitutes"
 
 
 def test_guide_commands_are_checked():
@@ -703,6 +638,28 @@ FIGURES = [
         (SOAK, "outcomes.abandoned", str),
         (SOAK, "lost", str),
         (SOAK, "mismatches", str),
+    F(
+        ("docs/agents.md",),
+        "Claude Code's default mode sends {} tools and a\n{}-token prompt, Codex `exec` {} tools",
+        (AGENTS, "clients.claude.tools", str),
+        (AGENTS, "clients.claude.count_tokens", "{:,}".format),
+        (AGENTS, "clients.codex.tools", str),
+    ),
+    F(
+        ("docs/agents.md",),
+        "its first request, {} prompt tokens,\nstreamed a `ping` every {}",
+        (RESUME, "requests.0.prompt_tokens", "{:,}".format),
+        (lambda: _default("keepalive_s"), "{:g} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "the retry found {} tokens kept",
+        (RESUME, "requests.1.cached_tokens", "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "`keepalive_s` seconds (deployment key, `--keepalive-s`, default {};",
+        (lambda: _default("keepalive_s"), "{:g}".format),
     ),
     # prefix caches and time to first token
     F(
@@ -885,28 +842,59 @@ def test_figure_is_its_source(figure):
         )
 
 
-# Numbers with a unit in README.md that are not measured or planned: what they are.
-README_CONSTANTS = {
-    "512 GB": "the Mac's memory (Apple's specification)",
+# Numbers with a unit (or a token count) in the pages the guide owns that are not measured
+# or planned: what they are. Each page's other such numbers are FIGURES.
+CONSTANTS = {
+    "README.md": {
+        "512 GB": "the Mac's memory (Apple's specification)",
+        "256 GB ones": "a smaller Mac's memory (Apple's specification)",
+    },
+    "docs/agents.md": {
+        "every 0.25 s": "k3dist/serve/server.py's poll of an idle stream (code)",
+        "every 10 s": "the prefill progress line's period (code)",
+        "180 s": "Claude Code's byte watchdog, first party (its code)",
+        "else 300 s": "Claude Code's byte watchdog otherwise (its code)",
+        "| 300 s (at least 300 s, at most 1,800 s)": "Claude Code's stream watchdog (its code)",
+        "| 600 s |": "Claude Code's SDK time-out (its code)",
+        "1 s later": "Claude Code's retry delay (its code)",
+        "300,000 ms": "Codex's stream idle default (its config docs)",
+        "600 s (`aider/models.py`": "aider's request time-out (its code)",
+        "0.125 s doubling to 60 s": "aider's back-off (its code)",
+        "`API_TIMEOUT_MS`'s 600 s": "Claude Code's SDK time-out (its code)",
+        "sleeps 3 s": "tests/scripts/serve_paused.py's pause in the test",
+        "a 2 s read time-out": "the test's client time-out",
+        "the first 3 s pause": "the same pause",
+        "~1,500-token completion": "the test's prompt length",
+        "576 of 1505 prompt tokens": "an example log line (a run of test_server_abandon.py)",
+    },
+    "docs/serving.md": {
+        "~30 s": "MLX's ring connect time-out (MLX's code)",
+        "(30 minutes)": "the recipes' time-out settings, 1800000 ms",
+    },
 }
-UNIT = re.compile(r"(?<![\w.])~?\d[\d,.]*\s?(?:TB|GB|GiB|MB|kB|tok/s|min|ms|h|s|%)(?![\w/])")
+UNIT = re.compile(
+    r"(?<![\w.])~?\d[\d,.]*\s?(?:TB|GB|GiB|MB|kB|tok/s|min|ms|h|s|%|(?:-token|\s(?:prompt\s)?tokens))(?![\w/])"
+)
 
 
-def test_every_readme_number_has_a_source():
-    text = _flat(README.read_text())
+@pytest.mark.parametrize("page", sorted(CONSTANTS))
+def test_every_number_has_a_source(page: str):
+    """In README.md and the guide's docs pages, every number with a unit is a FIGURE
+    (rendered from its source) or a stated constant; markers (HTML comments) aside."""
+    text = _flat(re.sub(r"<!--.*?-->", "", (REPO / page).read_text()))
     covered = []
     for docs, template, sources in FIGURES:
-        if "README.md" in docs:
+        if page in docs:
             fig = _flat(render(template, sources))
             covered += [(m.start(), m.end()) for m in re.finditer(re.escape(fig), text)]
-    for c in README_CONSTANTS:
-        covered += [(m.start(), m.end()) for m in re.finditer(re.escape(c), text)]
+    for c in CONSTANTS[page]:
+        covered += [(m.start(), m.end()) for m in re.finditer(re.escape(_flat(c)), text)]
     loose = [
         m.group(0)
         for m in UNIT.finditer(text)
         if not any(a <= m.start() and m.end() <= b for a, b in covered)
     ]
-    assert not loose, f"README figures without a source in FIGURES: {loose}"
+    assert not loose, f"{page}: figures without a source in FIGURES or CONSTANTS: {loose}"
 
 
 def test_disk_plan_file_is_what_the_code_plans():
@@ -955,8 +943,8 @@ def test_anchors_resolve():
 
 
 def test_agent_recipes_are_complete():
-    """docs/serving.md's recipes carry what each client needs, as tests/serve/test_agent_clients.py
-    gives it: the key's variable set, the context flag, aider's settings file."""
+    """docs/serving.md's recipes carry what each client needs (tests/serve/test_agent_clients.py
+    runs each as printed): the key's variable set, the context flag, aider's settings file."""
     text = (REPO / "docs" / "serving.md").read_text()
     section = text.split("## Coding agents", 1)[1].split("\n## ", 1)[0]
     got = {b.body for b in blocks(REPO / "docs" / "serving.md") if b.body in section}
@@ -968,12 +956,6 @@ def test_agent_recipes_are_complete():
     assert "ANTHROPIC_BASE_URL=$K3 " in claude and "ANTHROPIC_API_KEY=$K3_KEY" in claude
     assert 'env_key=\\"K3_KEY\\"' in codex and 'wire_api=\\"responses\\"' in codex
     assert "OPENAI_API_BASE=$K3/v1" in aider and "--model-metadata-file models.json" in aider
-    settings = next(
-        json.loads(b.body) for b in blocks(REPO / "docs" / "serving.md") if b.lang == "json"
-    )
-    tests = (REPO / "tests" / "serve" / "test_agent_clients.py").read_text()
-    for key in settings["openai/kimi-k3"]:
-        assert f'"{key}"' in tests, f"aider's settings: {key} is not what the agent test gives"
     # Claude Code's prompt needs the context the recipe's server command gives
     need = _json(AGENTS)["clients"]["claude"]
     ctx = int(re.search(r"--max-context (\d+)", section).group(1))

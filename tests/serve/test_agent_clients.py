@@ -3,22 +3,32 @@ mode and --bare), Codex `exec` with its default tools, and aider each complete a
 against the 2-rank mini server (mlx.launch on loopback); Claude Code makes a tool round
 trip (Read: tool_use out, the file's text back in as tool_result, then the answer).
 
+Each client is started by its recipe in docs/serving.md, the block whose marker names
+the test, run with bash as printed: only the server's URL is substituted
+(http://10.10.0.1:8080 -> the test server's), HOME is a fresh folder whose
+``~/.k3dist-key`` holds the server's key (the server checks it), and the test's prompt and
+its own flags are appended to the recipe's last line (the client's command); aider's
+``models.json`` is the doc's JSON block as printed. The environment adds only what keeps
+a client off the network (telemetry, update checks) and, for Claude Code, a small output
+limit for the mini's context.
+
 The mini's weights are random, so the server runs with scripted token choice
 (tests/scripts/serve_scripted.py: the real model on every rank in lockstep, each token
 forced): a short answer that ends its message, or a K3 tool call when asked. The
 clients are the registry packages `.ci/run` installs (`.agents/` from npm,
 `.venv-aider/` from PyPI); a test skips only when its client is not installed. Each
-client runs with a fresh HOME, dummy keys, telemetry and update checks off, and only
-127.0.0.1 to talk to.
+client has only 127.0.0.1 to talk to.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
+import doc_blocks
 import pytest
 from serving import Server
 from util import REPO
@@ -27,6 +37,9 @@ CLAUDE = REPO / ".agents/node_modules/.bin/claude"
 CODEX = REPO / ".agents/node_modules/.bin/codex"
 AIDER = REPO / ".venv-aider/bin/aider"
 FILE_TEXT = "hello from the file"
+KEY = "k3-agent-test-key-0123456789"
+RECIPES = REPO / "docs" / "serving.md"
+RECIPE_URL = "http://10.10.0.1:8080"  # the recipes' server; the test server's URL here
 
 
 def _installed(p: Path):
@@ -54,6 +67,8 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def srv(ranks, work, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("agent-clients")
+    key = tmp / "key"
+    key.write_text(KEY + "\n")
     calls = tmp / "tool-calls.json"
     calls.write_text(
         json.dumps(
@@ -78,6 +93,8 @@ def srv(ranks, work, tmp_path_factory):
             "--max-batch",
             "1",
             "--no-warmup",
+            "--api-key-file",
+            str(key),
         ),
         entry=REPO / "tests/scripts/serve_scripted.py",
     )
@@ -86,10 +103,30 @@ def srv(ranks, work, tmp_path_factory):
 
 
 def _env(tmp: Path, **extra: str) -> dict:
+    """A fresh HOME holding the server's key as ``~/.k3dist-key`` (what the recipes
+    read), the clients on PATH as a user's install puts them."""
     home = tmp / "home"
     home.mkdir(exist_ok=True)
-    keep = {k: os.environ[k] for k in ("PATH", "LANG", "TERM") if k in os.environ}
-    return {**keep, "HOME": str(home), "NO_PROXY": "127.0.0.1", **extra}
+    (home / ".k3dist-key").write_text(KEY + "\n")
+    keep = {k: os.environ[k] for k in ("LANG", "TERM") if k in os.environ}
+    path = f"{CLAUDE.parent}:{AIDER.parent}:{os.environ['PATH']}"
+    return {**keep, "PATH": path, "HOME": str(home), "NO_PROXY": "127.0.0.1", **extra}
+
+
+def recipe(test: str, lang: str = "sh") -> str:
+    """docs/serving.md's block (of ``lang``) whose marker names ``test`` of this file."""
+    found = doc_blocks.blocks_run_by(RECIPES, f"tests/serve/test_agent_clients.py::{test}")
+    found = [b for b in found if b.lang == lang]
+    assert len(found) == 1, f"docs/serving.md: one ```{lang} block marked for {test}"
+    return found[0].body
+
+
+def run_recipe(test: str, url: str, args: list[str], env: dict, cwd: Path):
+    """The recipe as printed, its URL substituted, ``args`` appended to its last line."""
+    body = recipe(test)
+    assert RECIPE_URL in body, f"docs/serving.md: {test}'s recipe names {RECIPE_URL}"
+    text = body.replace(RECIPE_URL, url).rstrip("\n") + " " + shlex.join(args) + "\n"
+    return _run(["bash", "-ec", text], env, cwd)
 
 
 def _run(cmd: list[str], env: dict, cwd: Path, timeout: float = 900):
@@ -108,26 +145,16 @@ def _run(cmd: list[str], env: dict, cwd: Path, timeout: float = 900):
 def _claude(srv, work: Path, tmp: Path, *args: str) -> list[dict]:
     env = _env(
         tmp,
-        ANTHROPIC_BASE_URL=srv.url,
-        ANTHROPIC_API_KEY="dummy-key",
-        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
         DISABLE_TELEMETRY="1",
         DISABLE_AUTOUPDATER="1",
         DISABLE_ERROR_REPORTING="1",
         # the mini server's context is small: Claude Code asks 32000 by default
         CLAUDE_CODE_MAX_OUTPUT_TOKENS="200",
     )
-    rc, out, err = _run(
-        [
-            str(CLAUDE),
-            "-p",
-            *args,
-            "--model",
-            "kimi-k3",
-            "--output-format",
-            "stream-json",
-            "--verbose",
-        ],
+    rc, out, err = run_recipe(
+        "test_claude_code_bare_and_default_with_a_tool_round_trip",
+        srv.url,
+        ["-p", *args, "--output-format", "stream-json", "--verbose"],
         env,
         work,
     )
@@ -189,29 +216,26 @@ def test_claude_code_bare_and_default_with_a_tool_round_trip(srv, work, tmp_path
 
 
 def _codex(srv, work: Path, tmp: Path, prompt: str) -> list[dict]:
-    (tmp / "codex").mkdir(parents=True)
+    tmp.mkdir(parents=True)
     (tmp / "instructions.md").write_text("You are a coding agent. Be terse.\n")
-    provider = (
-        f'{{name="k3", base_url="{srv.url}/v1", env_key="K3_API_KEY", '
-        'wire_api="responses", stream_idle_timeout_ms=60000, '
-        "request_max_retries=0, stream_max_retries=0}"
-    )
-    env = _env(tmp, CODEX_HOME=str(tmp / "codex"), K3_API_KEY="dummy-key")
+    env = _env(tmp)
     # its default tools (functions, a namespace, web_search) as sent; only the long
-    # base instructions are replaced, to keep the mini's prefill short. Idle timeout 60 s:
-    # a prefill longer than that (minutes here under load) must send progress events
-    rc, out, err = _run(
+    # base instructions are replaced, to keep the mini's prefill short. No retries (a
+    # failure shows as one); idle timeout 60 s: a prefill longer than that (minutes here
+    # under load) must send progress events
+    rc, out, err = run_recipe(
+        "test_codex_exec_with_its_default_tools_and_a_tool_round_trip",
+        srv.url,
         [
-            str(CODEX),
             "exec",
             "--skip-git-repo-check",
             "--json",
-            "-m",
-            "kimi-k3",
             "-c",
-            'model_provider="k3"',
+            "model_providers.k3.request_max_retries=0",
             "-c",
-            f"model_providers.k3={provider}",
+            "model_providers.k3.stream_max_retries=0",
+            "-c",
+            "model_providers.k3.stream_idle_timeout_ms=60000",
             "-c",
             f'model_instructions_file="{tmp / "instructions.md"}"',
             "-c",
@@ -258,35 +282,16 @@ def test_codex_exec_with_its_default_tools_and_a_tool_round_trip(srv, work, tmp_
 
 @_installed(AIDER)
 def test_aider_chat_turn(srv, work, tmp_path):
-    # aider's model table would be fetched from the internet: its own metadata file
-    meta = tmp_path / "models.json"
-    meta.write_text(
-        json.dumps(
-            {
-                "openai/kimi-k3": {
-                    "max_input_tokens": 8192,
-                    "max_output_tokens": 64,
-                    "input_cost_per_token": 0,
-                    "output_cost_per_token": 0,
-                    "litellm_provider": "openai",
-                    "mode": "chat",
-                }
-            }
-        )
-    )
-    env = _env(
-        tmp_path,
-        OPENAI_API_BASE=srv.url + "/v1",
-        OPENAI_API_KEY="dummy-key",
-        LITELLM_LOCAL_MODEL_COST_MAP="True",
-    )
-    rc, out, err = _run(
+    # aider's model table would be fetched from the internet: the doc's settings file,
+    # as printed, where aider runs
+    settings = recipe("test_aider_chat_turn", "json")
+    assert json.loads(settings)["openai/kimi-k3"]["litellm_provider"] == "openai"
+    (work / "models.json").write_text(settings)
+    env = _env(tmp_path, LITELLM_LOCAL_MODEL_COST_MAP="True")
+    rc, out, err = run_recipe(
+        "test_aider_chat_turn",
+        srv.url,
         [
-            str(AIDER),
-            "--model",
-            "openai/kimi-k3",
-            "--model-metadata-file",
-            str(meta),
             "--no-git",
             "--yes-always",
             "--no-check-update",
@@ -311,7 +316,7 @@ def test_scripted_server_calls_the_tool_of_its_flag(srv, work):
     gets the scripted Read call as a tool_use block, then the answer after its result."""
     import anthropic
 
-    client = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
+    client = anthropic.Anthropic(base_url=srv.url, api_key=KEY, max_retries=0)
     tools = [
         {
             "name": "Read",
@@ -345,6 +350,7 @@ def test_scripted_server_calls_the_tool_of_its_flag(srv, work):
 def test_routes_ignore_the_query_and_answer_head_and_unknown_paths(srv):
     from serving import post_conn
 
+    auth = {"Authorization": f"Bearer {KEY}"}
     hi = {
         "model": "kimi-k3",
         "max_tokens": 64,
@@ -353,17 +359,17 @@ def test_routes_ignore_the_query_and_answer_head_and_unknown_paths(srv):
             {"role": "system", "content": "Mid-conversation note."},
         ],
     }
-    status, _, body = post_conn(srv.port, hi, "/v1/messages/count_tokens?beta=true")
+    status, _, body = post_conn(srv.port, hi, "/v1/messages/count_tokens?beta=true", auth)
     assert status == 200 and json.loads(body)["input_tokens"] > 0, body
-    status, _, body = post_conn(srv.port, hi, "/v1/messages?beta=true&x=1")
+    status, _, body = post_conn(srv.port, hi, "/v1/messages?beta=true&x=1", auth)
     assert status == 200 and json.loads(body)["content"][-1]["text"] == "Hi.", body
     # unknown paths: 404 in the API's shape (the body unread, no reset)
-    status, _, body = post_conn(srv.port, hi, "/v1/messages/batches?beta=true")
+    status, _, body = post_conn(srv.port, hi, "/v1/messages/batches?beta=true", auth)
     err = json.loads(body)
     assert status == 404 and err["type"] == "error" and err["error"]["type"] == "not_found_error", (
         body
     )
-    status, _, body = post_conn(srv.port, {"x": 1}, "/v1/nothing")
+    status, _, body = post_conn(srv.port, {"x": 1}, "/v1/nothing", auth)
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found", body
     # HEAD: GET's status and headers, no body
     for path, want in (
@@ -372,10 +378,10 @@ def test_routes_ignore_the_query_and_answer_head_and_unknown_paths(srv):
         ("/v1/models", 200),
         ("/v1/nothing", 404),
     ):
-        status, headers, body = post_conn(srv.port, b"", path, method="HEAD")
+        status, headers, body = post_conn(srv.port, b"", path, auth, method="HEAD")
         assert status == want and body == b"", (path, status, body)
         assert int(headers["Content-Length"]) > 0
-    status, _, body = post_conn(srv.port, b"", "/v1/models?limit=5", method="GET")
+    status, _, body = post_conn(srv.port, b"", "/v1/models?limit=5", auth, method="GET")
     assert status == 200 and json.loads(body)["data"][0]["id"] == "kimi-k3"
 
 

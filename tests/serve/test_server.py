@@ -88,6 +88,28 @@ def test_chat_streamed_and_not_equal_single_process(srv, mini_build):
     assert sampled_toks != greedy and sampled.usage.completion_tokens == len(sampled_toks)
 
 
+def test_readme_completion_request_as_written(srv):
+    """README's curl block, run with bash as printed but for the server's address
+    (http://127.0.0.1:8080 -> this server's): a completion comes back."""
+    import subprocess
+
+    import doc_blocks
+
+    [block] = doc_blocks.blocks_run_by(
+        doc_blocks.README, "tests/serve/test_server.py::test_readme_completion_request_as_written"
+    )
+    assert "http://127.0.0.1:8080" in block.body
+    r = subprocess.run(
+        ["bash", "-ec", block.body.replace("http://127.0.0.1:8080", srv.url)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["object"] == "text_completion" and got["usage"]["completion_tokens"] > 0, got
+
+
 def test_models_without_hf_cache_and_deployment_info(srv):
     status, body = get_json(srv.url + "/v1/models")
     assert status == 200 and [m["id"] for m in body["data"]] == ["kimi-k3"]
