@@ -417,7 +417,8 @@ NBOXES = "benchmarks/results/2026-12-06/nboxes-table.json"
 
 
 def _nboxes_row(i: int) -> str:
-    """Row ``i`` of docs/n-boxes.md's buyer's table, as benchmarks/speed/nboxes_table.py renders it."""
+    """Row ``i`` of docs/n-boxes.md's buyer's table, as benchmarks/speed/nboxes_table.py
+    renders it."""
     import runpy
 
     script = runpy.run_path(str(REPO / "benchmarks" / "nboxes_table.py"))
@@ -638,23 +639,13 @@ FIGURES = [
         (SOAK, "outcomes.abandoned", str),
         (SOAK, "lost", str),
         (SOAK, "mismatches", str),
+    ),
     F(
         ("docs/agents.md",),
         "Claude Code's default mode sends {} tools and a\n{}-token prompt, Codex `exec` {} tools",
         (AGENTS, "clients.claude.tools", str),
         (AGENTS, "clients.claude.count_tokens", "{:,}".format),
         (AGENTS, "clients.codex.tools", str),
-    ),
-    F(
-        ("docs/agents.md",),
-        "its first request, {} prompt tokens,\nstreamed a `ping` every {}",
-        (RESUME, "requests.0.prompt_tokens", "{:,}".format),
-        (lambda: _default("keepalive_s"), "{:g} s".format),
-    ),
-    F(
-        ("docs/agents.md",),
-        "the retry found {} tokens kept",
-        (RESUME, "requests.1.cached_tokens", "{:,}".format),
     ),
     F(
         ("docs/agents.md",),

@@ -2,7 +2,8 @@
 much of the prefill already done it reprocesses (the goal: at most one prefill chunk),
 and whether its greedy tokens equal the same request served uninterrupted.
 
-    nice -n 10 python benchmarks/agents/resume_retry.py [--prompt-tokens 20000] [--hang-up-at 0.6] \\
+    nice -n 10 python benchmarks/agents/resume_retry.py [--prompt-tokens 20000] \\
+        [--hang-up-at 0.6] \\
         [--max-tokens 16] --out benchmarks/results/DATE/resume-retry.json
 
 The server is the README's (launch/run.py over mlx.launch on loopback, the embedded

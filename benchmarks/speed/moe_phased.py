@@ -95,7 +95,8 @@ def main() -> None:
     med = {f: {k: statistics.median(v) for k, v in t.items()} for f, t in times.items()}
     report = {
         **record.environment(),
-        "command": "mlx.launch -n 2 python benchmarks/speed/moe_phased.py " + " ".join(sys.argv[1:]),
+        "command": "mlx.launch -n 2 python benchmarks/speed/moe_phased.py "
+        + " ".join(sys.argv[1:]),
         "what": "two ranks on this CPU, side by side in interleaved rounds: measured here",
         "build": a.build,
         "prompt_len": a.prompt_len,

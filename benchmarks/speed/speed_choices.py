@@ -1,6 +1,6 @@
 """The shipped defaults the calibrated speed table chooses (issue 40), each with the rows
 that chose it, and the changes that would close the goals, alone and one on top of the
-other (``benchmarks/speed.py`` writes both into its JSON; tests/test_speed_defaults.py
+other (``benchmarks/speed/published_fit.py`` writes both into its JSON; tests/test_speed_defaults.py
 checks each shipped default is the table's choice).
 
 Every row is a projection of ``k3dist.bench.speedfit`` with the fitted terms and the tuned

@@ -4,7 +4,7 @@ seconds of work it will do, from the rehearsal preset's runs.
 The model: the pipeline on ``k3dist-synth --preset k3counts`` (805.5 MB of source, 4
 windows of 64 tokens, DWQ 4 steps, 2-core Linux). Each streaming stage read a multiple
 of the source's bytes (``READS_PER_SOURCE_BYTE``, its ``rchar`` over the source:
-``benchmarks/results/rehearsal-pipeline-2026-12-04.json``) and did a number of CPU
+``benchmarks/results/2026-12-04/rehearsal-pipeline.json``) and did a number of CPU
 seconds of work (``REFERENCE_CPU_S``, its process's user + system seconds:
 ``benchmarks/results/2026-12-06/pipeline-eta-bytes.json``, ``summary_stages``), scaled
 here by the source's bytes (and DWQ's by its steps). CPU seconds measure work whatever

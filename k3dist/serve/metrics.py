@@ -22,7 +22,7 @@ the one call where its generation thread waits for a decode step's tokens (mlx-l
 ``mx.eval`` in ``GenerationBatch._step``; ``k3dist.serve.lockstep._TimedEval``). That
 evaluation holds every all_sum of the step, so a rank that waits for its peer waits
 there; it also holds the step's compute not hidden behind the host's building of the
-next step (an upper bound of the wait in collectives; ``benchmarks/decode.py`` splits
+next step (an upper bound of the wait in collectives; ``benchmarks/speed/ep_decode.py`` splits
 compute from communication).
 """
 

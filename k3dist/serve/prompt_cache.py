@@ -45,7 +45,7 @@ first turn with a ``system`` message (its environment, git status: ~3,300 tokens
 each of its max-token recoveries (or retries) it changes the first user message, which
 comes before it: no entry ever ended before that change, and the KDA state cannot be
 trimmed back to it, so each recovery of a 17K-token request prefilled from zero
-(benchmarks/results/agent-resume-2026-12-05.json). Such a chat is cut here as mlx-lm cuts
+(benchmarks/results/2026-12-05/agent-resume.json). Such a chat is cut here as mlx-lm cuts
 one that ends with a user message, so its system prompt and tools are kept too.
 
 With a ``store`` (``k3dist.serve.prefix_store.PrefixStore``, deployment
