@@ -1,6 +1,7 @@
 """The shipped defaults are the calibrated speed table's choices (issue 40): each default
 equals what benchmarks/speed/published_fit.py's table chooses by its stated rule,
-re-applied here to the table's rows, so a re-fit that changes the best row fails until the default follows."""
+re-applied here to the table's rows, so a re-fit that changes the best row fails until
+the default follows."""
 
 from __future__ import annotations
 
