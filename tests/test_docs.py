@@ -421,7 +421,7 @@ def _nboxes_row(i: int) -> str:
     renders it."""
     import runpy
 
-    script = runpy.run_path(str(REPO / "benchmarks" / "nboxes_table.py"))
+    script = runpy.run_path(str(REPO / "benchmarks" / "speed" / "nboxes_table.py"))
     return script["markdown_row"](_json(NBOXES)["rows"][i])
 
 

@@ -547,7 +547,8 @@ def test_boxes_of_different_memory(acc):
     two = plan_for("512,512")
     one = byte_budget.make_plan(acc, Box(), _limits(), byte_budget.PlanRequest(ranks=2))
     assert (two["expert_bpw"], two["promoted_total"]) == (one["expert_bpw"], one["promoted_total"])
-    with pytest.raises(ValueError, match=r"lowest measured 2\.\d+ expert bpw.*1bit-g64 at 1\.5"):
-        plan_for("256,256,256")
+    # three 256 GB boxes: only 1-bit g64 fits, inside the grid since it measured 1bit-g64@1.5
+    small = plan_for("256,256,256")
+    assert small["lo"]["format"] == "1bit-g64" and small["quality"]["expected"] is not None
     with pytest.raises(ValueError, match="nothing fits"):
         plan_for("512,256", expert_split="equal")
