@@ -354,6 +354,7 @@ def secs(x: float, nd: int = 1) -> str:
 
 DISK = "benchmarks/results/2026-12-05/disk-plan-k3.json"
 PROJECT = "benchmarks/results/2026-12-05/project.json"
+SPEED = "benchmarks/results/2026-12-06/speed.json"
 REHEARSAL = "benchmarks/results/2026-12-04/rehearsal-pipeline.json"
 SERVE93 = "benchmarks/results/2026-12-04/rehearsal-serve.json"
 AGENTS = "benchmarks/results/2026-12-02/agent-clients.json"
@@ -485,12 +486,13 @@ FIGURES = [
     F(R, "what the plan budgets ({})", (_wired_mb, lambda mb: f"{mb // 1024} GiB")),
     F(R, "sudo sysctl iogpu.wired_limit_mb={}`", (_wired_mb, str)),
     F(R, "echo iogpu.wired_limit_mb={} ", (_wired_mb, str)),
-    # projected decode, the default plan, attention split (deploy/tb5.yaml), batch 1
+    # projected decode, the default plan, attention split (deploy/tb5.yaml), batch 1, 2K:
+    # the calibrated table's backend rows (docs/speed.md, the same figures)
     F(
         R,
-        "{} on ring, {} on JACCL",
-        (PROJECT, "summary_tok_s.plan-split.ring.ep-split", "{:.1f} tok/s".format),
-        (PROJECT, "summary_tok_s.plan-split.jaccl.ep-split", "{:.1f} tok/s".format),
+        "{} on ring,\n{} on JACCL",
+        (SPEED, "defaults.backend.rows.0.decode_b1_2k_tok_s", "{:.2f} tok/s".format),
+        (SPEED, "defaults.backend.rows.1.decode_b1_2k_tok_s", "{:.2f} tok/s".format),
     ),
     # the 93-layer rehearsal
     F(RB, "{} tensors", (REHEARSAL, "real_k3.tensors", "{:,}".format)),
@@ -912,6 +914,10 @@ def test_disk_plan_file_is_what_the_code_plans():
     used = _json(plan_file)
     for key in ("lo", "promoted_total", "expert_bpw", "bytes_per_rank"):
         assert used[key] == now["plan"][key], f"{PROJECT} projects another plan ({key})"
+    # and so was the calibrated table README quotes
+    built = _json(SPEED)["build"]
+    assert built["lo"] == now["plan"]["lo"]["format"], f"{SPEED} projects another lo bank"
+    assert abs(built["expert_bpw"] - now["plan"]["expert_bpw"]) < 1e-3, SPEED
 
 
 def _slug(heading: str) -> str:
