@@ -9,8 +9,10 @@ Both servers (mlx.launch on loopback, the embedded mini-K3 unless --rank-dir) ru
 once; their idle ranks wait on the watchdog, not in a collective, so only the one
 being measured works. Each round sends one streamed completion of ``--tokens`` tokens
 to each, in alternating order, and times decode from the first streamed token to the
-last (prefill excluded). /metrics of the counted server is read every round (a scrape
-as Prometheus would do it).
+last (prefill excluded), and the CPU seconds both of its ranks spent on the request per
+token streamed (from /proc: what counting adds is CPU work, and CPU seconds move far less
+than wall time with the load of a shared machine). /metrics of the counted server is read
+every round (a scrape as Prometheus would do it).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _served.py: benchmarks/
 from k3dist.bench import record  # noqa: E402
 
-from _served import Served  # noqa: E402
+from _served import Served, cpu_seconds  # noqa: E402
 
 
 def decode_rate(url: str, tokens: int, prompt: str) -> tuple[float, int]:
@@ -56,6 +58,14 @@ def decode_rate(url: str, tokens: int, prompt: str) -> tuple[float, int]:
     return (n - 1) / (times[-1] - times[0]), n
 
 
+def ranks_cpu_s(server: Served) -> list[float]:
+    """CPU seconds so far of the server's ranks 0 and 1."""
+    procs = server.processes()
+    if not {"rank0", "rank1"} <= procs.keys():
+        raise RuntimeError(f"expected 2 ranks, found {sorted(procs)}")
+    return [cpu_seconds(procs[f"rank{r}"]) or 0.0 for r in (0, 1)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=8)
@@ -76,12 +86,19 @@ def main() -> None:
             decode_rate(s.url, 4, a.prompt)
         rates: dict[str, list[float]] = {k: [] for k in servers}
         streamed: dict[str, list[int]] = {k: [] for k in servers}
+        cpu_per_token: dict[str, list[float]] = {k: [] for k in servers}
+        rank_cpu: dict[str, list[list[float]]] = {k: [] for k in servers}
         scrapes, loads = 0, []
         for i in range(a.rounds):
             loads.append(round(os.getloadavg()[0], 2))
             order = list(servers) if i % 2 == 0 else list(servers)[::-1]
             for name in order:
+                cpu0 = ranks_cpu_s(servers[name])
                 rate, n = decode_rate(servers[name].url, a.tokens, a.prompt)
+                cpu1 = ranks_cpu_s(servers[name])
+                per_rank = [(b - a) / n for a, b in zip(cpu0, cpu1, strict=True)]
+                rank_cpu[name].append([round(x, 4) for x in per_rank])
+                cpu_per_token[name].append(sum(per_rank))
                 rates[name].append(rate)
                 streamed[name].append(n)
             with urllib.request.urlopen(servers["metrics_on"].url + "/metrics", timeout=30) as r:
@@ -97,6 +114,8 @@ def main() -> None:
     on, off = statistics.median(rates["metrics_on"]), statistics.median(rates["metrics_off"])
     # each round's on/off pair ran back to back: their ratio cancels the load of the moment
     paired = [x / y for x, y in zip(rates["metrics_on"], rates["metrics_off"], strict=True)]
+    cpu_on, cpu_off = cpu_per_token["metrics_on"], cpu_per_token["metrics_off"]
+    cpu_paired = [x / y for x, y in zip(cpu_on, cpu_off, strict=True)]
     report = {
         **record.environment(),
         "server_commands": {k: s.cmd for k, s in servers.items()},
@@ -108,6 +127,11 @@ def main() -> None:
         "median_on_over_off": round(on / off, 4),
         "paired_on_over_off": [round(x, 4) for x in paired],
         "paired_on_over_off_stats": record.stats(paired),
+        "rank_cpu_s_per_token": {k: [round(x, 4) for x in v] for k, v in cpu_per_token.items()},
+        "rank_cpu_s_per_token_stats": {k: record.stats(v) for k, v in cpu_per_token.items()},
+        "rank_cpu_s_per_token_by_rank": rank_cpu,
+        "paired_cpu_on_over_off": [round(x, 4) for x in cpu_paired],
+        "paired_cpu_on_over_off_stats": record.stats(cpu_paired),
         "loadavg_1m_per_round": loads,
         "loadavg_at_start": [round(x, 2) for x in load0],
         "metrics_scrapes_during_run": scrapes,
