@@ -90,6 +90,10 @@ def judge(polls: list[dict], final: dict) -> list[dict]:
                 "seconds": rec["seconds"],
                 "bytes_read": rec["bytes_done"],
                 "bytes_planned": rec["bytes_total"],
+                # the stage's CPU seconds against the model's, and its CPU share at the end
+                "cpu_s": rec.get("cpu_s"),
+                "cpu_model_s": rec.get("cpu_model_s"),
+                "cpu_share_end": rec.get("cpu_share"),
                 "model_eta_before_start_s": model,
                 "model_error": None if model is None else round(model / rec["seconds"] - 1, 3),
                 "at_10pct": at,
