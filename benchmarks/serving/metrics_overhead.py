@@ -10,9 +10,10 @@ once; their idle ranks wait on the watchdog, not in a collective, so only the on
 being measured works. Each round sends one streamed completion of ``--tokens`` tokens
 to each, in alternating order, and times decode from the first streamed token to the
 last (prefill excluded), and the CPU seconds both of its ranks spent on the request per
-token streamed (from /proc: what counting adds is CPU work, and CPU seconds move far less
-than wall time with the load of a shared machine). /metrics of the counted server is read
-every round (a scrape as Prometheus would do it).
+token streamed (from /proc: what counting adds is CPU work). The order alternates (ABBA),
+and ``order_balanced_on_over_off`` is the geometric mean of the paired ratios, in which
+what going first costs cancels. /metrics of the counted server is read every round (a
+scrape as Prometheus would do it).
 """
 
 from __future__ import annotations
@@ -72,10 +73,18 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", default="def fibonacci(n):\n    ")
     ap.add_argument("--rank-dir", help="rank folders ({rank}); default: the embedded mini")
+    ap.add_argument(
+        "--blas-threads",
+        type=int,
+        default=1,
+        help="OpenBLAS threads per rank (default 1: four ranks share the machine, and "
+        "BLAS threads spinning beside the other ranks swamp the difference measured)",
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
 
     extra = ["--rank-dir", a.rank_dir] if a.rank_dir else []
+    extra += ["--blas-threads", str(a.blas_threads)]
     load0 = os.getloadavg()
     tmp = Path(tempfile.mkdtemp(prefix="metrics-overhead-"))
     servers = {}
@@ -114,6 +123,12 @@ def main() -> None:
     on, off = statistics.median(rates["metrics_on"]), statistics.median(rates["metrics_off"])
     # each round's on/off pair ran back to back: their ratio cancels the load of the moment
     paired = [x / y for x, y in zip(rates["metrics_on"], rates["metrics_off"], strict=True)]
+    # rounds alternate which server goes first (ABBA: a server runs twice in a row across
+    # rounds), so whatever going first costs is in half the ratios one way and in half the
+    # other: over an even number of rounds their geometric mean cancels it
+    on_first = [x for i, x in enumerate(paired) if i % 2 == 0]
+    off_first = [x for i, x in enumerate(paired) if i % 2 == 1]
+    balanced = statistics.geometric_mean(paired[: len(paired) // 2 * 2] or [1.0])
     cpu_on, cpu_off = cpu_per_token["metrics_on"], cpu_per_token["metrics_off"]
     cpu_paired = [x / y for x, y in zip(cpu_on, cpu_off, strict=True)]
     report = {
@@ -127,6 +142,9 @@ def main() -> None:
         "median_on_over_off": round(on / off, 4),
         "paired_on_over_off": [round(x, 4) for x in paired],
         "paired_on_over_off_stats": record.stats(paired),
+        "paired_on_first": record.stats(on_first),
+        "paired_off_first": record.stats(off_first),
+        "order_balanced_on_over_off": round(balanced, 4),
         "rank_cpu_s_per_token": {k: [round(x, 4) for x in v] for k, v in cpu_per_token.items()},
         "rank_cpu_s_per_token_stats": {k: record.stats(v) for k, v in cpu_per_token.items()},
         "rank_cpu_s_per_token_by_rank": rank_cpu,
