@@ -5,9 +5,10 @@
     nice -n 10 .venv/bin/python benchmarks/serving/metrics_overhead.py [--rounds 8] [--tokens 64] \\
         [--rank-dir DIR] [--out benchmarks/results/DATE/metrics-overhead.json]
 
-Both servers (mlx.launch on loopback, the embedded mini-K3 unless --rank-dir) run at
-once; their idle ranks wait on the watchdog, not in a collective, so only the one
-being measured works. Each round sends one streamed completion of ``--tokens`` tokens
+Both servers (launch/run.py over mlx.launch on loopback, as an operator starts one; the
+embedded mini-K3 unless --rank-dir) run at once; their idle ranks wait on the watchdog,
+not in a collective, and the supervisor keeps mlx.launch from spinning on its pipes (a
+bare mlx.launch burns over a core while idle), so only the one being measured works. Each round sends one streamed completion of ``--tokens`` tokens
 to each, in alternating order, and times decode from the first streamed token to the
 last (prefill excluded), and the CPU seconds both of its ranks spent on the request per
 token streamed (from /proc: what counting adds is CPU work). The order alternates (ABBA),
@@ -90,7 +91,7 @@ def main() -> None:
     servers = {}
     try:
         for name, flags in (("metrics_on", []), ("metrics_off", ["--no-metrics"])):
-            servers[name] = Served(tmp / name, [*extra, *flags], supervised=False)
+            servers[name] = Served(tmp / name, [*extra, *flags])
         for s in servers.values():  # the first request of each: not measured
             decode_rate(s.url, 4, a.prompt)
         rates: dict[str, list[float]] = {k: [] for k in servers}
