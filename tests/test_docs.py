@@ -769,24 +769,36 @@ def signed_pct(x: float) -> str:
 FIGURES += [
     F(
         OP,
-        "on/off ratio of the paired rounds: median {}, p10 {}, p90 {}",
+        "ratio of the\npaired rounds: median {}, p10 {}, p90 {}; median decode {} on,\n{} off",
         *(
             (OVERHEAD, f"paired_on_over_off_stats.{k}", "{:.3f}".format)
+            for k in ("median", "p10", "p90")
+        ),
+        *(
+            (OVERHEAD, f"decode_tok_s_stats.{k}.median", "{:.1f} tok/s".format)
+            for k in ("metrics_on", "metrics_off")
+        ),
+    ),
+    F(
+        OP,
+        "{} rounds, 1-minute\nload {} to {}",
+        (OVERHEAD, "rounds", str),
+        (OVERHEAD, "loadavg_1m_per_round", lambda xs: f"{min(xs):.1f}"),
+        (OVERHEAD, "loadavg_1m_per_round", lambda xs: f"{max(xs):.1f}"),
+    ),
+    F(
+        OP,
+        "CPU seconds per token, on over off: median {} (p10 {},\np90 {})",
+        *(
+            (OVERHEAD, f"paired_cpu_on_over_off_stats.{k}", "{:.3f}".format)
             for k in ("median", "p10", "p90")
         ),
     ),
     F(
         OP,
-        "but {} of the {} rounds ran slower with metrics on",
-        (OVERHEAD, "paired_on_over_off", lambda xs: str(sum(x < 1 for x in xs))),
-        (OVERHEAD, "rounds", str),
-    ),
-    F(
-        OP,
-        "1-minute load average {} at the start, {} to {} over the rounds",
-        (OVERHEAD, "loadavg_at_start.0", "{:.1f}".format),
-        (OVERHEAD, "loadavg_1m_per_round", lambda xs: f"{min(xs):.1f}"),
-        (OVERHEAD, "loadavg_1m_per_round", lambda xs: f"{max(xs):.1f}"),
+        "(median {} in the rounds where the metrics server went first, {} where it went\nsecond)",
+        (OVERHEAD, "paired_on_first.median", "{:.3f}".format),
+        (OVERHEAD, "paired_off_first.median", "{:.3f}".format),
     ),
     *(
         F(
