@@ -81,16 +81,21 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return " ".join(shlex.quote(rel(a)) for a in ["python", *argv])
 
 
+def versions() -> dict:
+    """k3dist's, MLX's, mlx-lm's and Python's versions."""
+    return {
+        "k3dist": k3dist.__version__,
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "python": platform.python_version(),
+    }
+
+
 def environment(argv: Sequence[str] | None = None) -> dict:
     """The exact command, versions, machine, backend and BLAS of this process."""
     return {
         "command": command_line(argv),
-        "versions": {
-            "k3dist": k3dist.__version__,
-            "mlx": mx.__version__,
-            "mlx_lm": mlx_lm.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": versions(),
         "machine": platform.platform(),
         "processor": _cpu_model() or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
