@@ -280,35 +280,26 @@ def test_k_hi_uniform_matches_issue_figures():
     assert byte_budget.k_hi_uniform(896, 16, 45, 1e-5) == 6
 
 
-def test_cli_json(mini_src, tmp_path):
-    out = tmp_path / "plan.json"
+def _plan_json(out: Path, *args: str) -> dict:
+    """``python -m k3dist.pipeline.plan ARGS --dry-run --json --out OUT``: the plan."""
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "k3dist.pipeline.plan",
-            "--src",
-            str(mini_src),
-            "--budget",
-            "1e9",
-            "--context",
-            "256",
-            "--lo",
-            "2bit-g32",
-            "--headroom-gib",
-            "0",
-            "--dry-run",
-            "--json",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, "-m", "k3dist.pipeline.plan", *args, "--dry-run", "--json"]
+        + ["--out", str(out)],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    p = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_cli_json(mini_src, tmp_path):
+    p = _plan_json(
+        tmp_path / "plan.json",
+        *("--src", str(mini_src), "--budget", "1e9", "--context", "256"),
+        *("--lo", "2bit-g32", "--headroom-gib", "0"),
+    )
     assert p["command"].startswith("python -m k3dist.pipeline.plan --src ")
     # all fit but one lo expert per rank (no fallback: the lo bank is never empty)
     assert p["lo"]["format"] == "2bit-g32" and p["promoted_total"] == 5 * 14
@@ -359,31 +350,8 @@ def test_real_k3_plan_with_measured_formats(tmp_path):
     )
     outs = {}
     for name, extra in (("default", []), ("measured", ["--nonexpert-sensitivity", str(sens)])):
-        out = tmp_path / f"{name}.json"
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "k3dist.pipeline.plan",
-                "--config",
-                str(REAL_K3_CONFIG),
-                "--index",
-                str(REAL_INDEX),
-                "--ranks",
-                "2",
-                "--dry-run",
-                "--json",
-                "--out",
-                str(out),
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=120,
-        )
-        assert r.returncode == 0, r.stderr
-        outs[name] = json.loads(out.read_text())
+        real = ("--config", str(REAL_K3_CONFIG), "--index", str(REAL_INDEX), "--ranks", "2")
+        outs[name] = _plan_json(tmp_path / f"{name}.json", *real, *extra)
     d, m = outs["default"], outs["measured"]
     assert d["nonexpert_sensitivity"] is None
     assert m["nonexpert_sensitivity"]["kl_tolerance"] == byte_budget.DEFAULT_KL_TOLERANCE
