@@ -139,6 +139,20 @@ def wait_file(path: Path, proc, timeout_s: float = 60.0) -> str:
     return path.read_text()
 
 
+def generate_on_ranks(rank_dir: str, tmp: Path, prompt: list[int], max_tokens: int, n: int = 2):
+    """launch/generate.py on ``n`` ranks of ``rank_dir`` (a pattern with ``{rank}``):
+    ``max_tokens`` greedy tokens after ``prompt``; each rank's dump (``tokens``,
+    ``logits``) loaded from ``tmp/out``. Fails if a rank fails."""
+    r = mlx_launch(
+        n,
+        "launch/generate.py",
+        *("--rank-dir", rank_dir, "--prompt-ids", ",".join(map(str, prompt))),
+        *("--max-tokens", str(max_tokens), "--dump", str(tmp / "out" / "rank{rank}.npz")),
+    )
+    assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
+    return [np.load(tmp / "out" / f"rank{i}.npz") for i in range(n)]
+
+
 def failed_ranks(res) -> set[int]:
     """mlx.launch exits 0 even when a rank fails; it logs each failure instead."""
     import re
