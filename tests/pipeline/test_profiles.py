@@ -127,15 +127,19 @@ def test_mixed2_is_2bit_and_3bit_projections(mini_src, profiles):
 def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, allocation):
     src = Source(mini_src)
     tc = src.text_config
-    out = convert_profile(
-        mini_src,
-        tmp_path / "graded",
-        "graded",
-        scores=scores,
-        progress=False,
-        plan_kw=_graded_plan_kw(src),
-        allocation=allocation,
-    )
+
+    def build() -> Path:
+        return convert_profile(
+            mini_src,
+            tmp_path / "graded",
+            "graded",
+            scores=scores,
+            progress=False,
+            plan_kw=_graded_plan_kw(src),
+            allocation=allocation,
+        )
+
+    out = build()
     m = json.loads((out / "k3dist.json").read_text())
     plan = m["plan"]
     assert 0 < plan["promoted_total"] < len(layout.moe_layers(tc)) * tc["num_experts"]
@@ -184,15 +188,7 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, alloca
     model, _ = two_bank.load_build(out)
     assert np.isfinite(_logits(model, tc["vocab_size"])).all()
     # resumable / idempotent: a second run finds both stages complete
-    again = convert_profile(
-        mini_src,
-        tmp_path / "graded",
-        "graded",
-        scores=scores,
-        progress=False,
-        plan_kw=_graded_plan_kw(src),
-        allocation=allocation,
-    )
+    again = build()
     assert json.loads((again / "k3dist.json").read_text())["build_hash"] == m["build_hash"]
 
 
