@@ -56,6 +56,18 @@ SHARED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
 }
 TEXT_CONTEXT = 2048  # SHARED["text"]'s --max-context
+# Eight short prompts decoded together (a batch of 8): the batch fault tests and
+# benchmarks/faults/rank_faults.py
+BATCH_PROMPTS = (
+    "def f(x):",
+    "class Queue:",
+    "import os\n",
+    "for i in range(10):",
+    "The river ran",
+    "def main():",
+    "x = [1, 2, 3]\n",
+    "Once upon a time",
+)
 
 
 def free_port() -> int:
