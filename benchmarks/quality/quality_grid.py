@@ -8,7 +8,7 @@ A row is ``(target bpw, lo, student)``:
 
 - at the lo format's own bpw the uniform lo build (nothing promoted; no student);
 - above it, a graded build promoting ``(target - lo) / (4.25 - lo)`` of the experts
-  (``quality_bits.promoted_per_layer``), chosen over all layers at once by the taylor
+  (``_steps.promoted_per_layer``), chosen over all layers at once by the taylor
   score of ``k3dist.pipeline.calibrate`` run on the uniform ``student`` build (``lo``: the lo
   bank itself, what the pipeline did before issue 40; or a richer one, e.g. ``2bit-g64``),
   per layer a multiple of 2 (two ranks), ``k_hi`` per layer from the student's
