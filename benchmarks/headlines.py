@@ -492,6 +492,19 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             F("off tok/s", "decode_tok_s_stats", "metrics_off", "median"),
         ),
     ),
+    Benchmark(
+        "installed-default",
+        "serving",
+        "serving/installed_default.py",
+        "README's serve command from a non-editable install (pip install . into a fresh "
+        "venv): the embedded default from the installed package, /health, one chat",
+        (
+            F("served", "served"),
+            F("pip install s", "install", "pip_install_s"),
+            F("to /health s", "serve", "health_s"),
+            F("chat status", "serve", "chat", "status"),
+        ),
+    ),
     # agents
     Benchmark(
         "agent-clients",

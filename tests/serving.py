@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +24,7 @@ import openai
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import load_model, load_tokenizer
-from util import REPO, feed_stdin, free_base_port
+from util import REPO, feed_stdin, free_base_port, launch_cmd
 
 CHAT = "/v1/chat/completions"
 MAX_CONTEXT = 512  # a Server's --max-context unless its flags say otherwise
@@ -57,6 +56,18 @@ SHARED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
 }
 TEXT_CONTEXT = 2048  # SHARED["text"]'s --max-context
+# Eight short prompts decoded together (a batch of 8): the batch fault tests and
+# benchmarks/faults/rank_faults.py
+BATCH_PROMPTS = (
+    "def f(x):",
+    "class Queue:",
+    "import os\n",
+    "for i in range(10):",
+    "The river ran",
+    "def main():",
+    "x = [1, 2, 3]\n",
+    "Once upon a time",
+)
 
 
 def free_port() -> int:
@@ -94,17 +105,10 @@ class Server:
         # An empty HOME: no Hugging Face cache (mlx_lm.server's /v1/models crashed there).
         env = dict(os.environ, HOME=str(tmp / "home"), **(env or {}))
         (tmp / "home").mkdir(parents=True, exist_ok=True)
-        launcher = Path(sys.executable).with_name("mlx.launch")
         self.log = open(tmp / "server.log", "w")
-        cmd = [
-            str(launcher),
-            "-n",
-            "2",
-            "-p",
-            str(free_base_port(2)),
-            "--python",
-            sys.executable,
-            str(self.entry),
+        cmd = launch_cmd(
+            2,
+            self.entry,
             "--rank-dir",
             rank_pattern,
             "--port",
@@ -118,7 +122,7 @@ class Server:
             "--watchdog-timeout-s",
             "15",
             *extra,
-        ]
+        )
         # stdin a pipe of ours, kept open and filled: mlx.launch spins on a stdin at EOF
         # and on each rank's stdin pipe until it is full or a write to it fails (the
         # ranks close theirs): util.feed_stdin

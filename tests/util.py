@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -81,14 +82,14 @@ def feed_stdin(stream) -> threading.Thread:
     return t
 
 
-def mlx_launch(n: int, script: str, *args: str, timeout: float = 240):
-    """Run ``script`` on ``n`` ranks over loopback (ring backend) via mlx.launch."""
-    import subprocess
-    import sys
+MLX_LAUNCH = Path(sys.executable).with_name("mlx.launch")  # this interpreter's
 
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [
-        str(launcher),
+
+def launch_cmd(n: int, script: str | Path, *args: str) -> list[str]:
+    """mlx.launch running ``script`` (a path, or relative to the checkout) with ``args`` on
+    ``n`` ranks over loopback (ring backend), on free ports (:func:`free_base_port`)."""
+    return [
+        str(MLX_LAUNCH),
         "-n",
         str(n),
         "-p",
@@ -98,6 +99,13 @@ def mlx_launch(n: int, script: str, *args: str, timeout: float = 240):
         str(REPO / script),
         *args,
     ]
+
+
+def mlx_launch(n: int, script: str, *args: str, timeout: float = 240):
+    """Run ``script`` on ``n`` ranks over loopback (ring backend) via mlx.launch."""
+    import subprocess
+
+    cmd = launch_cmd(n, script, *args)
     # subprocess.run's communicate() would close a stdin pipe: give it our own
     r, w = os.pipe()
     try:
@@ -116,6 +124,33 @@ def mlx_launch(n: int, script: str, *args: str, timeout: float = 240):
             raise
         feeder.join(5)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def wait_file(path: Path, proc, timeout_s: float = 60.0) -> str:
+    """``path``'s text once it exists (a rank writes its pid or port there); fails if
+    ``proc`` (a Popen) exits first or ``timeout_s`` passes."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, f"{path.name}: process exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def generate_on_ranks(rank_dir: str, tmp: Path, prompt: list[int], max_tokens: int, n: int = 2):
+    """launch/generate.py on ``n`` ranks of ``rank_dir`` (a pattern with ``{rank}``):
+    ``max_tokens`` greedy tokens after ``prompt``; each rank's dump (``tokens``,
+    ``logits``) loaded from ``tmp/out``. Fails if a rank fails."""
+    r = mlx_launch(
+        n,
+        "launch/generate.py",
+        *("--rank-dir", rank_dir, "--prompt-ids", ",".join(map(str, prompt))),
+        *("--max-tokens", str(max_tokens), "--dump", str(tmp / "out" / "rank{rank}.npz")),
+    )
+    assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
+    return [np.load(tmp / "out" / f"rank{i}.npz") for i in range(n)]
 
 
 def failed_ranks(res) -> set[int]:

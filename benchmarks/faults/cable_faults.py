@@ -153,6 +153,24 @@ def restart(rig, site) -> dict:
 KEEP = ("entries", "skipped_at_start", "swept_at_start", "writing")
 
 
+def supervisor_exit(served, t0: float) -> dict:
+    """How the supervisor ended after a fault at ``t0`` (monotonic): seconds, exit code
+    (None: still running EXIT_BOUND_S + 30 s later), within the bound, its message, and
+    mlx.launch's temp files it could not remove (behind the cable)."""
+    try:
+        rc = served.proc.wait(EXIT_BOUND_S + 30)
+    except subprocess.TimeoutExpired:
+        rc = None
+    exit_s = round(time.monotonic() - t0, 1)
+    return {
+        "exit_s": exit_s,
+        "exit_code": rc,
+        "within_bound": rc is not None and exit_s <= EXIT_BOUND_S,
+        "message": exit_message(served.output()),
+        "launch_files_left": len(two_macs.launch_files_left(served.output())),
+    }
+
+
 def pull_during_stream(rig, site, what: str) -> dict:
     served = Served(rig, site, *(() if what == "warmup" else ("--no-warmup",)))
     res: dict = {}
@@ -194,16 +212,7 @@ def pull_during_stream(rig, site, what: str) -> dict:
             res["exit_code"] = served.proc.returncode
             res["message"] = "stopped with SIGTERM after the stream" if res["still_serving"] else ""
             return res
-        try:
-            rc = served.proc.wait(EXIT_BOUND_S + 30)
-        except subprocess.TimeoutExpired:
-            rc = None
-        res["exit_s"] = round(time.monotonic() - t0, 1)
-        res["exit_code"] = rc
-        res["within_bound"] = rc is not None and res["exit_s"] <= EXIT_BOUND_S
-        res["message"] = exit_message(served.output())
-        # mlx.launch's temp files the supervisor could not remove (behind the cable)
-        res["launch_files_left"] = len(two_macs.launch_files_left(served.output()))
+        res.update(supervisor_exit(served, t0))
         if stream is not None:
             res["client"] = client_result(stream)
     finally:
@@ -298,15 +307,7 @@ def prefix_write(rig, site) -> dict:
         wait_line(stream, "FIRST")
         t0 = time.monotonic()
         rig.cable(False)
-        try:
-            rc = served.proc.wait(EXIT_BOUND_S + 30)
-        except subprocess.TimeoutExpired:
-            rc = None
-        res["exit_s"] = round(time.monotonic() - t0, 1)
-        res["exit_code"] = rc
-        res["within_bound"] = rc is not None and res["exit_s"] <= EXIT_BOUND_S
-        res["message"] = exit_message(served.output())
-        res["launch_files_left"] = len(two_macs.launch_files_left(served.output()))
+        res.update(supervisor_exit(served, t0))
         res["client"] = client_result(stream)
         res["partials_after_exit"] = prefix_files(site, "*.partial*")
     finally:

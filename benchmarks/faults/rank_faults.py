@@ -32,17 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # _served.py: benc
 from k3dist.bench import record  # noqa: E402
 
 from _served import Served, percentiles  # noqa: E402
-
-PROMPTS = [
-    "def f(x):",
-    "class Queue:",
-    "import os\n",
-    "for i in range(10):",
-    "The river ran",
-    "def main():",
-    "x = [1, 2, 3]\n",
-    "Once upon a time",
-]
+from serving import BATCH_PROMPTS as PROMPTS  # noqa: E402
 
 
 class Open:

@@ -78,6 +78,12 @@ def _png() -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _chat(rid: str, base: dict, messages: list[dict], **extra) -> dict:
+    """A chat completion request of the soak: ``base`` (limits), ``extra``, ``messages``."""
+    body = {**base, **extra, "messages": messages}
+    return {"id": rid, "path": "/v1/chat/completions", "api": "chat", "body": body}
+
+
 def templates(images: bool, max_tokens: int, questions: int = len(QUESTIONS)) -> list[dict]:
     """Every request of the soak: {"id", "path", "api", "body"} (streaming is chosen
     per send)."""
@@ -88,52 +94,15 @@ def templates(images: bool, max_tokens: int, questions: int = len(QUESTIONS)) ->
     ]
     for i, q in enumerate(QUESTIONS[:questions]):
         base = {"max_tokens": max_tokens, "temperature": 0}
-        out.append(
-            {
-                "id": f"chat-{i}",
-                "path": "/v1/chat/completions",
-                "api": "chat",
-                "body": {
-                    **base,
-                    "messages": [
-                        {"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": q},
-                    ],
-                },
-            }
-        )
-        out.append(
-            {
-                "id": f"chat-tools-{i}",
-                "path": "/v1/chat/completions",
-                "api": "chat",
-                "body": {
-                    **base,
-                    "tools": chat_tools,
-                    "messages": [
-                        {"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": q},
-                    ],
-                },
-            }
-        )
+        asked = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        out.append(_chat(f"chat-{i}", base, asked))
+        out.append(_chat(f"chat-tools-{i}", base, asked, tools=chat_tools))
         # a second turn over the first (the prompt cache serves the shared prefix)
-        out.append(
-            {
-                "id": f"chat-turn2-{i}",
-                "path": "/v1/chat/completions",
-                "api": "chat",
-                "body": {
-                    **base,
-                    "messages": [
-                        {"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": q},
-                        {"role": "assistant", "content": "Here is a first answer."},
-                        {"role": "user", "content": "Now make it shorter."},
-                    ],
-                },
-            }
-        )
+        turn2 = [
+            {"role": "assistant", "content": "Here is a first answer."},
+            {"role": "user", "content": "Now make it shorter."},
+        ]
+        out.append(_chat(f"chat-turn2-{i}", base, asked + turn2))
         out.append(
             {
                 "id": f"completion-{i}",

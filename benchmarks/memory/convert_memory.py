@@ -13,12 +13,8 @@ import platform
 import tempfile
 from pathlib import Path
 
-import k3dist
 from k3dist.bench import membound, record
 from k3dist.factory import synth
-
-import mlx.core as mx
-import mlx_lm
 
 
 def main() -> None:
@@ -38,12 +34,7 @@ def main() -> None:
         result = membound.measure(src, Path(tmp) / "build", args.nonexpert_bits)
     report = {
         "command": record.command_line(),
-        "versions": {
-            "k3dist": k3dist.__version__,
-            "mlx": mx.__version__,
-            "mlx_lm": mlx_lm.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": record.versions(),
         "machine": platform.platform(),
         "source": args.src or f"synth preset {args.preset}",
         "result": result,

@@ -29,22 +29,19 @@ g64 / g128 formats cannot store them (``grade`` refuses).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PY = sys.executable
+import _steps as steps  # noqa: E402
+import numpy as np  # noqa: E402
+from _steps import run  # noqa: E402
+
 RUNS = Path("runs/quality")
 UNIFORM = ("1bit-g32", "2bit-g32", "3bit-g32")
 LEVELS = (5, 10, 20)
 SCORES = ("output-error", "fisher", "taylor", "frequency", "random")
-
-
-def run(*cmd: str) -> None:
-    print("+", " ".join(cmd), file=sys.stderr, flush=True)
-    subprocess.run([PY, "-m", *cmd], check=True)
 
 
 def main() -> None:
@@ -87,155 +84,58 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     RUNS.mkdir(parents=True, exist_ok=True)
-    mxfp4 = RUNS / "mxfp4"
-    if not (mxfp4 / "k3dist.json").exists():
-        run("k3dist.pipeline.convert", "--src", "k3dist/data/mini-k3", "--out", str(mxfp4))
-    grade = ("k3dist.pipeline.promote", "--build", str(mxfp4))
-    students: list[tuple[Path, str, str]] = []  # (build, name, score)
+    mxfp4 = steps.mxfp4("k3dist/data/mini-k3", RUNS / "mxfp4")
+    students: list[steps.Row] = []
     for fmt in UNIFORM:
-        out = RUNS / fmt
-        if not (out / "k3dist.json").exists():
-            run(
-                *grade,
-                "--k-hi",
-                "1",
-                "--out",
-                str(out),
-                "--scores",
-                "data/mini-k3-routing.npz",
-                "--per-layer",
-                "0",
-                "--lo",
-                fmt,
-            )
+        out = steps.uniform(mxfp4, fmt, RUNS / fmt, "data/mini-k3-routing.npz")
         students.append((out, fmt, "-"))
     mixed2 = RUNS / "mixed2"
     if not (mixed2 / "k3dist.json").exists():
         run(
             "k3dist.pipeline.profiles",
-            "--src",
-            "k3dist/data/mini-k3",
-            "--out",
-            str(mixed2),
-            "--profile",
-            "mixed2",
-            "--mxfp4",
-            str(mxfp4),
+            *("--src", "k3dist/data/mini-k3", "--out", str(mixed2), "--profile", "mixed2"),
+            *("--mxfp4", str(mxfp4)),
         )
     students.append((mixed2, "mixed2", "-"))
-    calib_tokens = RUNS / f"calib-{a.calib_windows}x{a.seq}.npz"
-    if not calib_tokens.exists():
-        run(
-            "k3dist.factory.windows",
-            "--split",
-            "calib",
-            "--seq",
-            str(a.seq),
-            "--windows",
-            str(a.calib_windows),
-            "--out",
-            str(calib_tokens),
-        )
-    teacher = RUNS / f"teacher-{calib_tokens.stem}"
-    run(
-        "k3dist.pipeline.teacher",
-        "--build",
-        str(mxfp4),
-        "--tokens",
-        str(calib_tokens),
-        "--out",
-        str(teacher),
+    calib_tokens = steps.windows(
+        RUNS / f"calib-{a.calib_windows}x{a.seq}.npz", a.seq, a.calib_windows
     )
-    calib = RUNS / f"calib-2bit-g32-{calib_tokens.stem}"
-    if not (calib / "calibrate.json").exists():
-        run(
-            "k3dist.pipeline.calibrate",
-            "--student",
-            str(RUNS / "2bit-g32"),
-            "--teacher-build",
-            str(mxfp4),
-            "--teacher",
-            str(teacher),
-            "--tokens",
-            str(calib_tokens),
-            "--out",
-            str(calib),
-            "--seed",
-            str(a.seed),
-        )
+    teacher = steps.streamed_teacher(mxfp4, calib_tokens, RUNS / f"teacher-{calib_tokens.stem}")
+    calib = steps.calibration(
+        RUNS / "2bit-g32",
+        mxfp4,
+        teacher,
+        calib_tokens,
+        RUNS / f"calib-2bit-g32-{calib_tokens.stem}",
+        a.seed,
+    )
     E = len(next(iter(np.load(calib / "scores-frequency.npz").values())))
     scores = a.scores.split(",")
     glob = [s for s in a.global_for.split(",") if s]
+    routes = ("--routes", str(calib / "routes.npz"))
     for pct in LEVELS:
         n = round(pct * E / 100)
         for score in scores:
             for mode in ("per-layer", *(("global",) if score in glob else ())):
                 name = f"graded-{pct}" + ("-global" if mode == "global" else "")
-                out = RUNS / f"{name}-{score}"
-                if not (out / "k3dist.json").exists():
-                    run(
-                        *grade,
-                        "--out",
-                        str(out),
-                        "--scores",
-                        str(calib / f"scores-{score}.npz"),
-                        "--per-layer",
-                        str(n),
-                        "--lo",
-                        "2bit-g32",
-                        "--routes",
-                        str(calib / "routes.npz"),
-                        *(("--global",) if mode == "global" else ()),
-                    )
+                sc = calib / f"scores-{score}.npz"
+                opts = (*routes, *(("--global",) if mode == "global" else ()))
+                out = steps.graded(mxfp4, RUNS / f"{name}-{score}", sc, n, "2bit-g32", *opts)
                 students.append((out, name, score))
     if a.fallback_for:
         n = round(20 * E / 100)
-        sc = str(calib / f"scores-{a.fallback_for}.npz")
+        sc = calib / f"scores-{a.fallback_for}.npz"
         for fb in (False, True):
             name = "graded-20-global-khi2" + ("-fallback" if fb else "")
-            out = RUNS / f"{name}-{a.fallback_for}"
-            if not (out / "k3dist.json").exists():
-                run(
-                    *grade,
-                    "--out",
-                    str(out),
-                    "--scores",
-                    sc,
-                    "--per-layer",
-                    str(n),
-                    "--lo",
-                    "2bit-g32",
-                    "--k-hi",
-                    "2",
-                    "--global",
-                    *(("--lo-fallback",) if fb else ()),
-                )
+            opts = ("--k-hi", "2", "--global", *(("--lo-fallback",) if fb else ()))
+            out = steps.graded(mxfp4, RUNS / f"{name}-{a.fallback_for}", sc, n, "2bit-g32", *opts)
             students.append((out, name, a.fallback_for))
     other = {"student": "teacher", "teacher": "student"}[a.dwq_input]
     dwq_tokens = RUNS / f"calib-{a.dwq_calib_windows}x{a.seq}.npz"
     dwq_teacher = RUNS / f"teacher-{dwq_tokens.stem}"
-    if a.dwq_for and not dwq_tokens.exists():
-        run(
-            "k3dist.factory.windows",
-            "--split",
-            "calib",
-            "--seq",
-            str(a.seq),
-            "--windows",
-            str(a.dwq_calib_windows),
-            "--out",
-            str(dwq_tokens),
-        )
     if a.dwq_for:
-        run(
-            "k3dist.pipeline.teacher",
-            "--build",
-            str(mxfp4),
-            "--tokens",
-            str(dwq_tokens),
-            "--out",
-            str(dwq_teacher),
-        )
+        steps.windows(dwq_tokens, a.seq, a.dwq_calib_windows)
+        steps.streamed_teacher(mxfp4, dwq_tokens, dwq_teacher)
     jobs = [(w, a.dwq_input, "-dwq") for w in filter(None, a.dwq_for.split(","))]
     jobs += [
         (w, other, f"-dwq-{other}-input") for w in filter(None, a.dwq_other_input_for.split(","))
@@ -248,46 +148,12 @@ def main() -> None:
             )
         path, name, score = found[0]
         out = RUNS / f"{want}-dwq-{mode}-{a.dwq_steps}-{dwq_tokens.stem}"
-        if not (out / "k3dist.json").exists():
-            run(
-                "k3dist.pipeline.dwq",
-                "--teacher",
-                str(dwq_teacher),
-                "--student",
-                str(path),
-                "--tokens",
-                str(dwq_tokens),
-                "--out",
-                str(out),
-                "--steps",
-                str(a.dwq_steps),
-                "--lr",
-                str(a.dwq_lr),
-                "--input",
-                mode,
-                "--valid-windows",
-                "4",
-            )
+        opts = ("--lr", str(a.dwq_lr), "--input", mode, "--valid-windows", "4")
+        steps.dwq(dwq_teacher, path, dwq_tokens, out, a.dwq_steps, *opts)
         students.append((out, f"{name}{suffix}", score))
     out = Path(a.out)
-    ev = [
-        "k3dist.bench.evaluate",
-        "--teacher",
-        str(mxfp4),
-        "--windows",
-        str(a.windows),
-        "--seq",
-        str(a.seq),
-        "--out",
-        str(out),
-        "--markdown",
-        str(out.with_suffix(".md")),
-        "--plot",
-        str(out.with_suffix(".png")),
-    ]
-    for path, name, score in students:
-        ev += ["--student", str(path), "--name", name, "--score", score]
-    run(*ev)
+    figures = ("--markdown", str(out.with_suffix(".md")), "--plot", str(out.with_suffix(".png")))
+    run(*steps.evaluate_cmd(mxfp4, a.windows, a.seq, students, out, *figures))
 
 
 if __name__ == "__main__":

@@ -36,54 +36,17 @@ import sys
 import time
 from pathlib import Path
 
-from k3dist.bench import evaluate
-from k3dist.format import layout
-from k3dist.format.folder import load_config
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np
+from k3dist.bench import evaluate  # noqa: E402
+from k3dist.format import layout  # noqa: E402
+from k3dist.format.folder import load_config  # noqa: E402
 
-PY = sys.executable
-MXFP4_BPW = 4.25
+import _steps as steps  # noqa: E402
+from _steps import PY, run  # noqa: E402
+
 UNIFORM = ("2bit-g128", "2bit-g64", "2bit-g32", "3bit-g64")
 GRADED = ("2.6:2bit-g64", "2.6:2bit-g128", "3.0:2bit-g64")
-
-
-def run(*cmd: str) -> None:
-    print(f"+ [{time.strftime('%H:%M:%S')}]", " ".join(cmd), file=sys.stderr, flush=True)
-    subprocess.run([PY, "-m", *cmd], check=True)
-
-
-def lo_bpw(fmt: str) -> float:
-    """Bits per weight of an affine ``<b>bit-g<g>`` format (bf16 scale and bias)."""
-    bits, group = fmt.split("bit-g")
-    return int(bits) + 32 / int(group)
-
-
-def promoted_per_layer(target: float, lo: str, experts: int) -> int:
-    """Experts per layer to promote for ``target`` expert bpw over the ``lo`` format."""
-    share = (target - lo_bpw(lo)) / (MXFP4_BPW - lo_bpw(lo))
-    if not 0 <= share <= 1:
-        raise SystemExit(f"--graded {target}:{lo}: target outside [{lo_bpw(lo)}, {MXFP4_BPW}]")
-    return round(share * experts)
-
-
-def evaluate_cmd(
-    mxfp4: Path, a: argparse.Namespace, rows: list[tuple[Path, str, str]], out: Path
-) -> list[str]:
-    cmd = [
-        "k3dist.bench.evaluate",
-        "--teacher",
-        str(mxfp4),
-        "--windows",
-        str(a.windows),
-        "--seq",
-        str(a.seq),
-        "--out",
-        str(out),
-    ]
-    for path, name, score in rows:
-        cmd += ["--student", str(path), "--name", name, "--score", score]
-    return cmd
 
 
 def merge(parts: list[dict]) -> dict:
@@ -143,113 +106,48 @@ def main() -> None:
         timings[name] = round(time.perf_counter() - t, 1)
 
     t = time.perf_counter()
-    mxfp4 = runs / "mxfp4"
-    if not (mxfp4 / "k3dist.json").exists():
-        run("k3dist.pipeline.convert", "--src", a.src, "--out", str(mxfp4))
-    config = load_config(mxfp4)
-    tc = layout.text_config(config)
-    E = tc["num_experts"]
-    moe = layout.moe_layers(tc)
-    zeros = runs / "zeros.npz"  # uniform builds promote nothing: any scores will do
-    if not zeros.exists():
-        np.savez(zeros, **{f"layer_{i}": np.zeros(E, np.float32) for i in moe})
-    grade = ("k3dist.pipeline.promote", "--build", str(mxfp4))
-    rows: list[tuple[Path, str, str]] = []  # (build, name, score)
+    mxfp4 = steps.mxfp4(a.src, runs / "mxfp4")
+    E = layout.text_config(load_config(mxfp4))["num_experts"]
+    zeros = steps.zero_scores(mxfp4, runs / "zeros.npz")
+    rows: list[steps.Row] = []
     for fmt in filter(None, a.uniform.split(",")):
-        out = runs / fmt
-        if not (out / "k3dist.json").exists():
-            run(
-                *grade,
-                "--k-hi",
-                "1",
-                "--out",
-                str(out),
-                "--scores",
-                str(zeros),
-                "--per-layer",
-                "0",
-                "--lo",
-                fmt,
-            )
-        rows.append((out, fmt, "-"))
+        rows.append((steps.uniform(mxfp4, fmt, runs / fmt, zeros), fmt, "-"))
     stage("convert+uniform", t)
 
     t = time.perf_counter()
     calib_tokens = runs / f"calib-{a.calib_windows}x{a.seq}.npz"
-    if not calib_tokens.exists():
-        run(
-            "k3dist.factory.windows",
-            "--split",
-            "calib",
-            "--seq",
-            str(a.seq),
-            "--windows",
-            str(a.calib_windows),
-            "--out",
-            str(calib_tokens),
-            "--tokenizer",
-            str(mxfp4),
-        )
-    teacher = runs / f"teacher-{calib_tokens.stem}"
-    run(
-        "k3dist.pipeline.teacher",
-        "--build",
-        str(mxfp4),
-        "--tokens",
-        str(calib_tokens),
-        "--out",
-        str(teacher),
+    steps.windows(calib_tokens, a.seq, a.calib_windows, tokenizer=mxfp4)
+    teacher = steps.streamed_teacher(mxfp4, calib_tokens, runs / f"teacher-{calib_tokens.stem}")
+    calib = steps.calibration(
+        runs / a.calib_student,
+        mxfp4,
+        teacher,
+        calib_tokens,
+        runs / f"calib-{a.calib_student}-{calib_tokens.stem}",
+        a.seed,
+        *("--scores", ",".join(dict.fromkeys([a.score, "frequency"]))),
     )
-    calib = runs / f"calib-{a.calib_student}-{calib_tokens.stem}"
-    if not (calib / "calibrate.json").exists():
-        run(
-            "k3dist.pipeline.calibrate",
-            "--student",
-            str(runs / a.calib_student),
-            "--teacher-build",
-            str(mxfp4),
-            "--teacher",
-            str(teacher),
-            "--tokens",
-            str(calib_tokens),
-            "--out",
-            str(calib),
-            "--seed",
-            str(a.seed),
-            "--scores",
-            ",".join(dict.fromkeys([a.score, "frequency"])),
-        )
     stage("calibrate", t)
 
     t = time.perf_counter()
     for spec in filter(None, a.graded.split(",")):
         target, lo = spec.split(":")
-        n = promoted_per_layer(float(target), lo, E)
+        n = steps.promoted_per_layer(float(target), lo, E)
         name = f"graded-{target}-{lo}"
-        out = runs / f"{name}-{a.score}"
-        if not (out / "k3dist.json").exists():
-            run(
-                *grade,
-                "--out",
-                str(out),
-                "--scores",
-                str(calib / f"scores-{a.score}.npz"),
-                "--per-layer",
-                str(n),
-                "--lo",
-                lo,
-                "--routes",
-                str(calib / "routes.npz"),
-                "--global",
-                "--ranks",
-                "2",
-            )
+        out = steps.graded(
+            mxfp4,
+            runs / f"{name}-{a.score}",
+            calib / f"scores-{a.score}.npz",
+            n,
+            lo,
+            *("--routes", str(calib / "routes.npz"), "--global", "--ranks", "2"),
+        )
         rows.append((out, name, a.score))
     stage("grade", t)
 
     report = Path(a.out)
     plain_out = runs / f"{report.stem}-plain.json"  # the parts stay under --runs
-    cmd = evaluate_cmd(mxfp4, a, rows, plain_out)
+    cmd = steps.evaluate_cmd(mxfp4, a.windows, a.seq, rows, plain_out)
     print(
         f"+ [{time.strftime('%H:%M:%S')}] (in the background)",
         " ".join(cmd),
@@ -265,29 +163,8 @@ def main() -> None:
     if dwq_for:
         dwq_tokens = runs / f"calib-{a.dwq_calib_windows}x{a.seq}.npz"
         dwq_teacher = runs / f"teacher-{dwq_tokens.stem}"
-        if not dwq_tokens.exists():
-            run(
-                "k3dist.factory.windows",
-                "--split",
-                "calib",
-                "--seq",
-                str(a.seq),
-                "--windows",
-                str(a.dwq_calib_windows),
-                "--out",
-                str(dwq_tokens),
-                "--tokenizer",
-                str(mxfp4),
-            )
-        run(
-            "k3dist.pipeline.teacher",
-            "--build",
-            str(mxfp4),
-            "--tokens",
-            str(dwq_tokens),
-            "--out",
-            str(dwq_teacher),
-        )
+        steps.windows(dwq_tokens, a.seq, a.dwq_calib_windows, tokenizer=mxfp4)
+        steps.streamed_teacher(mxfp4, dwq_tokens, dwq_teacher)
         for item in dwq_for:
             want, *opts = item.split(":")
             found = [r for r in rows if r[1] == want]
@@ -300,29 +177,16 @@ def main() -> None:
                 raise SystemExit(f"--dwq-for {item}: options are :bf16 and :s<seed>")
             tag = "".join(f"-{o}" for o in opts)
             out = runs / f"{path.name}-dwq-{a.dwq_steps}-{dwq_tokens.stem}{tag}"
-            if not (out / "k3dist.json").exists():
-                run(
-                    "k3dist.pipeline.dwq",
-                    "--teacher",
-                    str(dwq_teacher),
-                    "--student",
-                    str(path),
-                    "--tokens",
-                    str(dwq_tokens),
-                    "--out",
-                    str(out),
-                    "--steps",
-                    str(a.dwq_steps),
-                    "--lr",
-                    str(a.dwq_lr),
-                    "--valid-windows",
-                    str(a.dwq_valid_windows),
-                    "--state",
-                    state,
-                    "--seed",
-                    str(seed),
-                    *(("--window-batch", str(a.dwq_batch)) if a.dwq_batch else ()),
-                )
+            steps.dwq(
+                dwq_teacher,
+                path,
+                dwq_tokens,
+                out,
+                a.dwq_steps,
+                *("--lr", str(a.dwq_lr), "--valid-windows", str(a.dwq_valid_windows)),
+                *("--state", state, "--seed", str(seed)),
+                *(("--window-batch", str(a.dwq_batch)) if a.dwq_batch else ()),
+            )
             rows.append((out, f"{name}-dwq{tag}", score))
     stage("dwq", t)
 
@@ -330,7 +194,7 @@ def main() -> None:
     parts = []
     if rows[plain_rows:]:
         dwq_out = runs / f"{report.stem}-dwq.json"
-        run(*evaluate_cmd(mxfp4, a, rows[plain_rows:], dwq_out))
+        run(*steps.evaluate_cmd(mxfp4, a.windows, a.seq, rows[plain_rows:], dwq_out))
         parts.append(json.loads(dwq_out.read_text()))
     stage("evaluate-dwq", t)
     if plain.wait() != 0:

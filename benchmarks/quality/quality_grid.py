@@ -8,7 +8,7 @@ A row is ``(target bpw, lo, student)``:
 
 - at the lo format's own bpw the uniform lo build (nothing promoted; no student);
 - above it, a graded build promoting ``(target - lo) / (4.25 - lo)`` of the experts
-  (``quality_bits.promoted_per_layer``), chosen over all layers at once by the taylor
+  (``_steps.promoted_per_layer``), chosen over all layers at once by the taylor
   score of ``k3dist.pipeline.calibrate`` run on the uniform ``student`` build (``lo``: the lo
   bank itself, what the pipeline did before issue 40; or a richer one, e.g. ``2bit-g64``),
   per layer a multiple of 2 (two ranks), ``k_hi`` per layer from the student's
@@ -48,8 +48,8 @@ from k3dist.bench import evaluate  # noqa: E402
 from k3dist.format import layout  # noqa: E402
 from k3dist.format.folder import load_config  # noqa: E402
 
-import numpy as np  # noqa: E402
-from quality_bits import MXFP4_BPW, lo_bpw, promoted_per_layer, run  # noqa: E402
+import _steps as steps  # noqa: E402
+from _steps import MXFP4_BPW, lo_bpw, promoted_per_layer  # noqa: E402
 
 SCORE = "taylor"
 
@@ -125,82 +125,39 @@ class Builds:
 
     def __init__(self, a: argparse.Namespace):
         self.a, self.runs = a, a.runs
-        self.mxfp4 = self.runs / "mxfp4"
-        if not (self.mxfp4 / "k3dist.json").exists():
-            run("k3dist.pipeline.convert", "--src", a.src, "--out", str(self.mxfp4))
-        tc = layout.text_config(load_config(self.mxfp4))
-        self.experts = tc["num_experts"]
-        self.zeros = self.runs / "zeros.npz"  # uniform builds promote nothing: any scores do
-        if not self.zeros.exists():
-            np.savez(
-                self.zeros,
-                **{f"layer_{i}": np.zeros(self.experts, np.float32) for i in layout.moe_layers(tc)},
-            )
-        self.grade = ("k3dist.pipeline.promote", "--build", str(self.mxfp4))
+        self.mxfp4 = steps.mxfp4(a.src, self.runs / "mxfp4")
+        self.experts = layout.text_config(load_config(self.mxfp4))["num_experts"]
+        self.zeros = steps.zero_scores(self.mxfp4, self.runs / "zeros.npz")
 
     def tokens(self, windows: int) -> tuple[Path, Path]:
         """The calibration token set of ``windows`` per domain and its streamed teacher."""
         toks = self.runs / f"calib-{windows}x{self.a.seq}.npz"
-        teacher = self.runs / f"teacher-{toks.stem}"
-        if not toks.exists():
-            run(
-                "k3dist.factory.windows",
-                *("--split", "calib", "--seq", str(self.a.seq), "--windows", str(windows)),
-                *("--out", str(toks), "--tokenizer", str(self.mxfp4)),
-            )
-        if not (teacher / "k3dist.json").exists():
-            run(
-                "k3dist.pipeline.teacher",
-                *("--build", str(self.mxfp4), "--tokens", str(toks), "--out", str(teacher)),
-            )
-        return toks, teacher
+        steps.windows(toks, self.a.seq, windows, tokenizer=self.mxfp4)
+        return toks, steps.streamed_teacher(self.mxfp4, toks, self.runs / f"teacher-{toks.stem}")
 
     def uniform(self, fmt: str) -> Path:
-        out = self.runs / fmt
-        if not (out / "k3dist.json").exists():
-            run(
-                *self.grade,
-                *("--k-hi", "1", "--out", str(out), "--scores", str(self.zeros)),
-                *("--per-layer", "0", "--lo", fmt),
-            )
-        return out
+        return steps.uniform(self.mxfp4, fmt, self.runs / fmt, self.zeros)
 
     def calibration(self, student: str) -> Path:
         toks, teacher = self.tokens(self.a.calib_windows)
-        calib = self.runs / f"calib-{student}-{toks.stem}"
-        if not (calib / "calibrate.json").exists():
-            run(
-                "k3dist.pipeline.calibrate",
-                *("--student", str(self.uniform(student)), "--teacher-build", str(self.mxfp4)),
-                *("--teacher", str(teacher), "--tokens", str(toks), "--out", str(calib)),
-                *("--seed", str(self.a.seed), "--scores", SCORE),
-            )
-        return calib
+        out = self.runs / f"calib-{student}-{toks.stem}"
+        opts = ("--scores", SCORE)
+        return steps.calibration(
+            self.uniform(student), self.mxfp4, teacher, toks, out, self.a.seed, *opts
+        )
 
     def graded(self, target: float, lo: str, student: str) -> Path:
         calib = self.calibration(student)
         n = promoted_per_layer(target, lo, self.experts)
         path = self.runs / f"graded-{target}-{lo}-s-{student}"
-        if not (path / "k3dist.json").exists():
-            run(
-                *self.grade,
-                *("--out", str(path), "--scores", str(calib / f"scores-{SCORE}.npz")),
-                *("--per-layer", str(n), "--lo", lo, "--routes", str(calib / "routes.npz")),
-                *("--global", "--ranks", "2"),
-            )
-        return path
+        opts = ("--routes", str(calib / "routes.npz"), "--global", "--ranks", "2")
+        return steps.graded(self.mxfp4, path, calib / f"scores-{SCORE}.npz", n, lo, *opts)
 
     def dwq(self, base: Path) -> Path:
         """``base`` distilled as the pipeline's ``--dwq`` does (its steps and batch)."""
         toks, teacher = self.tokens(self.a.dwq_calib_windows)
         out = self.runs / f"{base.name}-dwq-{self.a.dwq_steps}-{toks.stem}"
-        if not (out / "k3dist.json").exists():
-            run(
-                "k3dist.pipeline.dwq",
-                *("--teacher", str(teacher), "--student", str(base), "--tokens", str(toks)),
-                *("--out", str(out), "--steps", str(self.a.dwq_steps)),
-            )
-        return out
+        return steps.dwq(teacher, base, toks, out, self.a.dwq_steps)
 
     def build(self, target: float, lo: str, student: str, dwq: bool) -> Path:
         path = self.uniform(lo) if student == "-" else self.graded(target, lo, student)

@@ -105,16 +105,12 @@ def markdown(rep: dict, reference: str) -> str:
         "",
         head,
         "|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(doms) + "---:|---:|---:|---|",
-        f"| teacher (mxfp4) | - | {t['expert_bpw']:.3f} | {t['bytes']:,} | 0 | 0 | 0 | "
-        + " | ".join(f"{t['ppl'][d]:.3f}" for d in doms)
-        + " | - | - | - | - |",
+        evaluate.teacher_cells(t, doms) + " | - | - | - | - |",
     ]
     for r in sorted(rep["rows"], key=lambda r: (r["bytes"], r["kl"])):
         drop = "-" if r["k_hi_drop_rate"] is None else f"{r['k_hi_drop_rate']:.1e}"
         lines.append(
-            f"| {r['build']} | {r['score'] or '-'} | {r['expert_bpw']:.3f} | {r['bytes']:,} | "
-            f"{r['kl']:.5f} | {r['kl_p95']:.5f} | {r['flip']:.4f} | "
-            + " | ".join(f"{r['ppl'][d]:.3f}" for d in doms)
+            evaluate.row_cells(r, doms)
             + f" | {r['promoted_share']:.1%} | {drop} | {close[r['build']]:.0%} | "
             + ", ".join(f"`{Path(p).stem}`" for p in r["reports"])
             + " |"

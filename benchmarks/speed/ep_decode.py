@@ -18,11 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import k3dist
 from k3dist.bench import builds, decode, record
 from k3dist.factory import synth
 from k3dist.model.forms import MOE_FORMS
-from k3dist.model.group import join
 from k3dist.pipeline import slicing
 from k3dist.serve import loader
 
@@ -55,24 +53,12 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     ap.add_argument("--comm-trials", type=int, default=d.comm_trials)
     ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument(
-        "--blas-threads",
-        type=int,
-        default=1,
-        help="OpenBLAS threads per rank (default 1: ranks share the box)",
-    )
-    ap.add_argument(
-        "--nice-launcher",
-        action="store_true",
-        help="lower mlx.launch's priority (its output loop spins ~1.4 cores here)",
-    )
+    record.add_rank_args(ap)
     ap.add_argument("--out", help="JSON report of every rank (written by rank 0)")
     args = ap.parse_args()
 
-    k3dist.set_blas_threads(args.blas_threads)
-    group = join()
+    group, launcher = record.start_rank(args)
     rank, size = group.rank(), group.size()
-    launcher = record.nice_launcher() if args.nice_launcher else record.launcher()
     if args.size is not None and args.size != size:
         raise SystemExit(
             f"--size {args.size} but mlx.launch started {size} ranks; launch "

@@ -25,11 +25,9 @@ import json
 import sys
 from pathlib import Path
 
-import k3dist
 from k3dist.bench import builds, compare, record
 from k3dist.factory import synth
 from k3dist.model.forms import MOE_FORMS
-from k3dist.model.group import join
 from k3dist.serve import loader
 
 
@@ -165,25 +163,13 @@ def main() -> None:
     )
     ap.add_argument("--dtype", default=d.dtype, choices=sorted(loader.DTYPES))
     ap.add_argument("--moe-form", default=d.moe_form, choices=("auto", *MOE_FORMS))
-    ap.add_argument(
-        "--blas-threads",
-        type=int,
-        default=1,
-        help="OpenBLAS threads per rank (default 1: ranks share the box)",
-    )
-    ap.add_argument(
-        "--nice-launcher",
-        action="store_true",
-        help="lower mlx.launch's priority (its output loop spins ~1.4 cores here)",
-    )
+    record.add_rank_args(ap)
     ap.add_argument("--tmp", help="where the per-rank slices are written (removed after)")
     ap.add_argument("--out", help="JSON report (rank 0); stdout always gets it")
     ap.add_argument("--png", help="bar chart (default: --out with .png)")
     args = ap.parse_args()
 
-    k3dist.set_blas_threads(args.blas_threads)
-    group = join()
-    launcher = record.nice_launcher() if args.nice_launcher else record.launcher()
+    group, launcher = record.start_rank(args)
     if group.size() < 2:
         raise SystemExit("ep_vs_tp_pp.py needs at least 2 ranks: run it under mlx.launch -n 2")
     build = (

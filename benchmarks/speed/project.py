@@ -457,17 +457,11 @@ def main() -> None:
         "projections": {},
         "anchors": {},
     }
-    for pn, prof in profs.items():
-        fp = cm.footprint(config, prof)
-        if pn == "mxfp4":
-            fp["published_TB"] = PUBLISHED_TB
-            fp["error_vs_published"] = round(fp["build_bytes"] / 1e12 / PUBLISHED_TB - 1, 5)
-        res["footprint"][pn] = fp
-        if args.boxes > 1:
-            res.setdefault("attention_bytes_per_rank", {})[pn] = cm.attention_bytes(
-                config, prof, args.boxes
-            )
-        res["projections"][pn] = {
+
+    def projected(pn: str, prof, batch: int) -> dict:
+        """Each backend's projection of profile ``pn`` at ``batch`` requests in lockstep,
+        with whether the planner fits it."""
+        return {
             b: mark_plan_fit(
                 pn,
                 cm.project(
@@ -479,34 +473,29 @@ def main() -> None:
                     context=args.context,
                     placement=pl,
                     counts=counts,
-                    skew=skews.get(1),
+                    batch=batch,
+                    skew=skews.get(batch),
                 ),
             )
             for b, h in hws.items()
         }
+
+    for pn, prof in profs.items():
+        fp = cm.footprint(config, prof)
+        if pn == "mxfp4":
+            fp["published_TB"] = PUBLISHED_TB
+            fp["error_vs_published"] = round(fp["build_bytes"] / 1e12 / PUBLISHED_TB - 1, 5)
+        res["footprint"][pn] = fp
+        if args.boxes > 1:
+            res.setdefault("attention_bytes_per_rank", {})[pn] = cm.attention_bytes(
+                config, prof, args.boxes
+            )
+        res["projections"][pn] = projected(pn, prof, 1)
         if args.boxes == 2:
             res["anchors"][pn] = cm.compare_anchors(config, prof, hws, args.context, args.form)
     for B in (b for b in args.batch if b != 1):
         res.setdefault("batched", {})[str(B)] = {
-            pn: {
-                b: mark_plan_fit(
-                    pn,
-                    cm.project(
-                        config,
-                        prof,
-                        h,
-                        args.boxes,
-                        form=args.form,
-                        context=args.context,
-                        placement=pl,
-                        counts=counts,
-                        batch=B,
-                        skew=skews.get(B),
-                    ),
-                )
-                for b, h in hws.items()
-            }
-            for pn, prof in profs.items()
+            pn: projected(pn, prof, B) for pn, prof in profs.items()
         }
     res["summary_tok_s_batched"] = {
         B: {

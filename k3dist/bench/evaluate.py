@@ -326,6 +326,23 @@ def _rel(p: Path) -> str:
 # ----------------------------------------------------------------------------- output
 
 
+def teacher_cells(t: dict, doms: list[str]) -> str:
+    """The teacher's row of a quality table up to its per-domain perplexities."""
+    return f"| teacher (mxfp4) | - | {t['expert_bpw']:.3f} | {t['bytes']:,} | 0 | 0 | 0 | " + (
+        " | ".join(f"{t['ppl'][d]:.3f}" for d in doms)
+    )
+
+
+def row_cells(r: dict, doms: list[str]) -> str:
+    """A build's row of a quality table up to its per-domain perplexities: build, score,
+    expert bpw and bytes, mean and p95 KL, top-1 flip."""
+    return (
+        f"| {r['build']} | {r['score'] or '-'} | {r['expert_bpw']:.3f} | {r['bytes']:,} | "
+        f"{r['kl']:.5f} | {r['kl_p95']:.5f} | {r['flip']:.4f} | "
+        + " | ".join(f"{r['ppl'][d]:.3f}" for d in doms)
+    )
+
+
 def markdown(rep: dict) -> str:
     doms = list(rep["teacher"]["ppl"])
     t = rep["teacher"]
@@ -340,19 +357,11 @@ def markdown(rep: dict) -> str:
         + " | ".join(f"{d} ppl" for d in doms)
         + " | k_hi drop rate |",
         "|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(doms) + "---:|",
-        "| teacher (mxfp4) | - | "
-        f"{t['expert_bpw']:.3f} | {t['bytes']:,} | 0 | 0 | 0 | "
-        + " | ".join(f"{t['ppl'][d]:.3f}" for d in doms)
-        + " | - |",
+        teacher_cells(t, doms) + " | - |",
     ]
     for r in sorted(rep["rows"], key=lambda r: (r["bytes"], r["kl"])):
         drop = "-" if r["k_hi_drop_rate"] is None else f"{r['k_hi_drop_rate']:.4f}"
-        lines.append(
-            f"| {r['build']} | {r['score'] or '-'} | {r['expert_bpw']:.3f} | {r['bytes']:,} | "
-            f"{r['kl']:.5f} | {r['kl_p95']:.5f} | {r['flip']:.4f} | "
-            + " | ".join(f"{r['ppl'][d]:.3f}" for d in doms)
-            + f" | {drop} |"
-        )
+        lines.append(row_cells(r, doms) + f" | {drop} |")
     return "\n".join(lines) + "\n"
 
 

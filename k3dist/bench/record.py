@@ -5,6 +5,7 @@ renamed)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import k3dist
+from k3dist.model.group import join
 from k3dist.pipeline.rss import peak_rss
 
 import mlx.core as mx
@@ -79,16 +81,21 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return " ".join(shlex.quote(rel(a)) for a in ["python", *argv])
 
 
+def versions() -> dict:
+    """k3dist's, MLX's, mlx-lm's and Python's versions."""
+    return {
+        "k3dist": k3dist.__version__,
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "python": platform.python_version(),
+    }
+
+
 def environment(argv: Sequence[str] | None = None) -> dict:
     """The exact command, versions, machine, backend and BLAS of this process."""
     return {
         "command": command_line(argv),
-        "versions": {
-            "k3dist": k3dist.__version__,
-            "mlx": mx.__version__,
-            "mlx_lm": mlx_lm.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": versions(),
         "machine": platform.platform(),
         "processor": _cpu_model() or platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -148,6 +155,30 @@ def nice_launcher(niceness: int = 19) -> dict | None:
         os.setpriority(os.PRIO_PROCESS, info["pid"], niceness)
         info = launcher()
     return info
+
+
+def add_rank_args(ap: argparse.ArgumentParser) -> None:
+    """The flags of a benchmark that runs on every rank of an mlx.launch group (read by
+    :func:`start_rank`)."""
+    ap.add_argument(
+        "--blas-threads",
+        type=int,
+        default=1,
+        help="OpenBLAS threads per rank (default 1: ranks share the box)",
+    )
+    ap.add_argument(
+        "--nice-launcher",
+        action="store_true",
+        help="lower mlx.launch's priority (its output loop spins ~1.4 cores here)",
+    )
+
+
+def start_rank(args: argparse.Namespace) -> tuple[mx.distributed.Group, dict | None]:
+    """This rank's OpenBLAS threads set, its group joined, and its launcher's info
+    (reniced first with ``--nice-launcher``): :func:`add_rank_args`' flags."""
+    k3dist.set_blas_threads(args.blas_threads)
+    group = join()
+    return group, nice_launcher() if args.nice_launcher else launcher()
 
 
 def memory() -> dict:

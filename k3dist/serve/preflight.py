@@ -19,6 +19,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from k3dist.config.deployment import Deployment
 from k3dist.format import kvmemory, layout, manifest
 from k3dist.format.folder import load_config
 from k3dist.format.kvmemory import GiB
@@ -277,35 +278,40 @@ def check_memory(
     return footprint
 
 
+def serving_need(folder: str | Path, dep: Deployment) -> tuple[dict, dict]:
+    """:func:`kv_need` and :func:`activation_need` at a deployment's limits: its
+    ``max_batch``, ``max_context``, ``prompt_cache_tokens``, ``prefill_chunk`` and
+    ``dtype``."""
+    kv = kv_need(
+        folder,
+        max_batch=dep.max_batch,
+        max_context=dep.max_context,
+        prompt_cache_tokens=dep.prompt_cache_tokens,
+        dtype=dep.dtype,
+    )
+    act = activation_need(
+        folder, max_context=dep.max_context, prefill_chunk=dep.prefill_chunk, dtype=dep.dtype
+    )
+    return kv, act
+
+
 def preflight(
     folder: str | Path,
+    dep: Deployment,
     *,
-    headroom_bytes: int,
-    max_batch: int,
-    max_context: int,
-    prefill_chunk: int,
-    prompt_cache_tokens: int | None = None,
-    dtype: str = "bfloat16",
     free_bytes: int | None = None,
     set_wired: bool = True,
 ) -> dict:
-    """Check that this rank's folder and what serving keeps beside it (:func:`kv_need`
-    for the deployment's ``max_batch``, ``max_context``, ``prompt_cache_tokens``,
-    ``dtype``; :func:`activation_need` for its ``prefill_chunk``) fit before loading it;
-    on Metal, wire it.
+    """Check that this rank's folder and what serving keeps beside it
+    (:func:`serving_need` at the deployment's limits) fit in its ``memory_headroom_gib``
+    before loading it; on Metal, wire it.
 
     ``free_bytes`` replaces the measured free memory (tests, or a deployment that
     knows better). Returns the numbers, for serve to print as evidence.
     """
+    headroom_bytes = int(dep.memory_headroom_gib * GiB)
     weights = folder_weight_bytes(folder)
-    kv = kv_need(
-        folder,
-        max_batch=max_batch,
-        max_context=max_context,
-        prompt_cache_tokens=prompt_cache_tokens,
-        dtype=dtype,
-    )
-    act = activation_need(folder, max_context=max_context, prefill_chunk=prefill_chunk, dtype=dtype)
+    kv, act = serving_need(folder, dep)
     if free_bytes is None:
         free, source = free_memory()
     else:

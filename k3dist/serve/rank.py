@@ -23,7 +23,6 @@ import k3dist
 from k3dist.config import deployment
 from k3dist.config.deployment import Deployment
 from k3dist.format import manifest as manifests
-from k3dist.format.kvmemory import GiB
 from k3dist.format.placement import Placement
 from k3dist.format.verify import Report
 from k3dist.model.group import join
@@ -150,19 +149,6 @@ def start_watchdog(r: Rank) -> None:
     watchdog.install_signal_handlers(r.wd)
     watchdog.install_failure_hook(r.wd)
     log(r.rank, f"watchdog: coordinator {host}:{port}, timeout {dep.watchdog_timeout_s}s")
-
-
-def check_memory(dep: Deployment, folder: Path) -> dict:
-    """Preflight: the folder and the deployment's caches fit in free memory."""
-    return preflight.preflight(
-        folder,
-        headroom_bytes=int(dep.memory_headroom_gib * GiB),
-        max_batch=dep.max_batch,
-        max_context=dep.max_context,
-        prefill_chunk=dep.prefill_chunk,
-        prompt_cache_tokens=dep.prompt_cache_tokens,
-        dtype=dep.dtype,
-    )
 
 
 def load(r: Rank, folder: Path) -> tuple[Any, dict, dict, Any]:
@@ -311,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     if r.size > 1:
         start_watchdog(r)
     folder = rank_folder(dep, r.rank, r.size)
-    pre = check_memory(dep, folder)
+    pre = preflight.preflight(folder, dep)  # the folder and its caches fit in memory
     log(r.rank, f"preflight: {json.dumps(pre)}")
     model, config, manifest, tokenizer = load(r, folder)
     vocab_size = config["text_config"]["vocab_size"]

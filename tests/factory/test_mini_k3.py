@@ -20,9 +20,8 @@ from k3dist.pipeline.audit import audit
 from k3dist.pipeline.checkpoint import format_table
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from util import failed_ranks, load_f32, mlx_launch
+from util import generate_on_ranks, load_f32
 
 SHIPPED = MINI_K3
 COUNTS = DATA_DIR / "mini-k3-routing.npz"
@@ -78,21 +77,8 @@ def test_two_ranks_complete_python_like_one_process(shipped_build, tmp_path):
     prompt = enc.encode_ordinary(PY_PROMPT)
     model, _ = load_f32(shipped_build)
     tokens, _ = greedy.greedy(model, prompt, 24)
-    res = mlx_launch(
-        2,
-        "launch/generate.py",
-        "--rank-dir",
-        str(tmp_path / "rank{rank}"),
-        "--prompt-ids",
-        ",".join(map(str, prompt)),
-        "--max-tokens",
-        "24",
-        "--dump",
-        str(tmp_path / "out{rank}.npz"),
-    )
-    assert res.returncode == 0 and not failed_ranks(res), res.stdout[-2000:] + res.stderr[-4000:]
-    for r in range(2):
-        assert np.load(tmp_path / f"out{r}.npz")["tokens"].tolist() == tokens
+    for x in generate_on_ranks(str(tmp_path / "rank{rank}"), tmp_path, prompt, 24):
+        assert x["tokens"].tolist() == tokens
     text = enc.decode(tokens)
     print(f"\n{PY_PROMPT}{text}")
     # What it gave here: 'return self._file\n\n    def __init__(self, other):\n ...'.

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 from k3dist.format import layout, placement, verify
@@ -220,33 +219,23 @@ def test_server_never_serves_a_corrupted_rank1(ranks2, tmp_path):
     """launch/serve.py on two ranks: /health never answers, every process ends, the log
     names file and tensor."""
     import subprocess
-    import sys
     import urllib.request
 
-    from util import REPO, feed_stdin, free_base_port
+    from util import REPO, feed_stdin, free_base_port, launch_cmd
 
     for r in range(2):
         shutil.copytree(ranks2 / f"rank{r}", tmp_path / f"rank{r}")
     damaged = _corrupt_middle(tmp_path / "rank1" / LAYER)
     port = free_base_port(1)
-    launcher = [
-        str(Path(sys.executable).with_name("mlx.launch")),
-        "-n",
-        "2",
-        "-p",
-        str(free_base_port(2)),
-        "--python",
-        sys.executable,
-    ]
-    cmd = [
-        *launcher,
-        str(REPO / "launch/serve.py"),
+    cmd = launch_cmd(
+        2,
+        "launch/serve.py",
         "--rank-dir",
         str(tmp_path / "rank{rank}"),
         "--port",
         str(port),
         "--no-warmup",
-    ]
+    )
     t0 = time.perf_counter()
     with open(tmp_path / "log", "w") as log:
         proc = subprocess.Popen(

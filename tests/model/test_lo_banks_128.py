@@ -20,7 +20,7 @@ from k3dist.pipeline import convert, promote, slicing
 import mlx.core as mx
 import numpy as np
 import pytest
-from util import failed_ranks, mlx_launch
+from util import generate_on_ranks
 
 PROMOTED = [1, 4, 9, 14]  # of 16 per MoE layer, 2 per rank; k_hi 1: drops happen
 LAYER = 2
@@ -76,21 +76,9 @@ def test_two_rank_graded_g128_equals_single_process(build128, moe, tmp_path):
     prompt = np.random.default_rng(0).integers(0, vocab - 256, size=40).tolist()
     tokens, logits = greedy(model, prompt, 16)
     assert model.route_stats()["dropped_routes"] > 0
-    slicing.slice_all(graded, str(tmp_path / "ranks" / "rank{rank}"), 2, progress=False)
-    r = mlx_launch(
-        2,
-        "launch/generate.py",
-        "--rank-dir",
-        str(tmp_path / "ranks" / "rank{rank}"),
-        "--prompt-ids",
-        ",".join(map(str, prompt)),
-        "--max-tokens",
-        "16",
-        "--dump",
-        str(tmp_path / "out" / "rank{rank}.npz"),
-    )
-    assert r.returncode == 0 and not failed_ranks(r), r.stdout[-2000:] + r.stderr[-4000:]
-    runs = [np.load(tmp_path / "out" / f"rank{i}.npz") for i in range(2)]
+    ranks = str(tmp_path / "ranks" / "rank{rank}")
+    slicing.slice_all(graded, ranks, 2, progress=False)
+    runs = generate_on_ranks(ranks, tmp_path, prompt, 16)
     for x in runs:
         assert x["tokens"].tolist() == tokens
         assert np.array_equal(x["logits"], runs[0]["logits"])

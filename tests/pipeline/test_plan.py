@@ -10,7 +10,7 @@ from pathlib import Path
 
 from k3dist.config.box import Box
 from k3dist.factory.synth import real_config
-from k3dist.format import kvmemory, layout, qformat
+from k3dist.format import layout, qformat
 from k3dist.format.folder import REAL_K3_CONFIG, REAL_K3_INDEX, read_index
 from k3dist.format.kvmemory import GiB
 from k3dist.pipeline import accounting, byte_budget, plan, quality
@@ -150,27 +150,9 @@ def test_plan_defaults_are_the_real_deployments_limits(tmp_path):
             dtype="float16",
         ),
     ]
-    boxes = [_limits()] + [
-        byte_budget.Limits(
-            context=d.max_context,
-            batch=d.max_batch,
-            prompt_cache_tokens=d.prompt_cache_tokens,
-            prefill_chunk=d.prefill_chunk,
-            act_bytes=kvmemory.act_bytes(d.dtype),
-        )
-        for d in others
-    ]
-    for dep, box in zip([tb5, *others], boxes, strict=True):
-        kv = preflight.kv_need(
-            folder,
-            max_batch=dep.max_batch,
-            max_context=dep.max_context,
-            prompt_cache_tokens=dep.prompt_cache_tokens,
-            dtype=dep.dtype,
-        )
-        act = preflight.activation_need(
-            folder, max_context=dep.max_context, prefill_chunk=dep.prefill_chunk, dtype=dep.dtype
-        )
+    for dep in [tb5, *others]:
+        box = byte_budget.Limits.of(dep)
+        kv, act = preflight.serving_need(folder, dep)
         assert byte_budget.kv_state(tc, box, tb5.size)["total"] == kv["total"], dep
         assert byte_budget.activations(tc, box, tb5.size)["total"] == act["total"], dep
 
@@ -208,16 +190,7 @@ def test_a_plan_with_the_defaults_passes_tb5_preflight(acc, tmp_path):
             }
         )
     )
-    kv = preflight.kv_need(
-        folder,
-        max_batch=tb5.max_batch,
-        max_context=tb5.max_context,
-        prompt_cache_tokens=tb5.prompt_cache_tokens,
-        dtype=tb5.dtype,
-    )
-    act = preflight.activation_need(
-        folder, max_context=tb5.max_context, prefill_chunk=tb5.prefill_chunk, dtype=tb5.dtype
-    )
+    kv, act = preflight.serving_need(folder, tb5)
     # the same arithmetic at the same limits: the plan budgets what preflight checks
     assert per["kv_state"] == kv["total"] == 24_727_643_136
     assert per["activations"] == act["total"] == 9_980_346_368
@@ -307,35 +280,26 @@ def test_k_hi_uniform_matches_issue_figures():
     assert byte_budget.k_hi_uniform(896, 16, 45, 1e-5) == 6
 
 
-def test_cli_json(mini_src, tmp_path):
-    out = tmp_path / "plan.json"
+def _plan_json(out: Path, *args: str) -> dict:
+    """``python -m k3dist.pipeline.plan ARGS --dry-run --json --out OUT``: the plan."""
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "k3dist.pipeline.plan",
-            "--src",
-            str(mini_src),
-            "--budget",
-            "1e9",
-            "--context",
-            "256",
-            "--lo",
-            "2bit-g32",
-            "--headroom-gib",
-            "0",
-            "--dry-run",
-            "--json",
-            "--out",
-            str(out),
-        ],
+        [sys.executable, "-m", "k3dist.pipeline.plan", *args, "--dry-run", "--json"]
+        + ["--out", str(out)],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    p = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_cli_json(mini_src, tmp_path):
+    p = _plan_json(
+        tmp_path / "plan.json",
+        *("--src", str(mini_src), "--budget", "1e9", "--context", "256"),
+        *("--lo", "2bit-g32", "--headroom-gib", "0"),
+    )
     assert p["command"].startswith("python -m k3dist.pipeline.plan --src ")
     # all fit but one lo expert per rank (no fallback: the lo bank is never empty)
     assert p["lo"]["format"] == "2bit-g32" and p["promoted_total"] == 5 * 14
@@ -386,31 +350,8 @@ def test_real_k3_plan_with_measured_formats(tmp_path):
     )
     outs = {}
     for name, extra in (("default", []), ("measured", ["--nonexpert-sensitivity", str(sens)])):
-        out = tmp_path / f"{name}.json"
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "k3dist.pipeline.plan",
-                "--config",
-                str(REAL_K3_CONFIG),
-                "--index",
-                str(REAL_INDEX),
-                "--ranks",
-                "2",
-                "--dry-run",
-                "--json",
-                "--out",
-                str(out),
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=120,
-        )
-        assert r.returncode == 0, r.stderr
-        outs[name] = json.loads(out.read_text())
+        real = ("--config", str(REAL_K3_CONFIG), "--index", str(REAL_INDEX), "--ranks", "2")
+        outs[name] = _plan_json(tmp_path / f"{name}.json", *real, *extra)
     d, m = outs["default"], outs["measured"]
     assert d["nonexpert_sensitivity"] is None
     assert m["nonexpert_sensitivity"]["kl_tolerance"] == byte_budget.DEFAULT_KL_TOLERANCE

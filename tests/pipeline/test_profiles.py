@@ -127,15 +127,19 @@ def test_mixed2_is_2bit_and_3bit_projections(mini_src, profiles):
 def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, allocation):
     src = Source(mini_src)
     tc = src.text_config
-    out = convert_profile(
-        mini_src,
-        tmp_path / "graded",
-        "graded",
-        scores=scores,
-        progress=False,
-        plan_kw=_graded_plan_kw(src),
-        allocation=allocation,
-    )
+
+    def build() -> Path:
+        return convert_profile(
+            mini_src,
+            tmp_path / "graded",
+            "graded",
+            scores=scores,
+            progress=False,
+            plan_kw=_graded_plan_kw(src),
+            allocation=allocation,
+        )
+
+    out = build()
     m = json.loads((out / "k3dist.json").read_text())
     plan = m["plan"]
     assert 0 < plan["promoted_total"] < len(layout.moe_layers(tc)) * tc["num_experts"]
@@ -184,15 +188,7 @@ def test_graded_profile_promotes_source_bytes(mini_src, scores, tmp_path, alloca
     model, _ = two_bank.load_build(out)
     assert np.isfinite(_logits(model, tc["vocab_size"])).all()
     # resumable / idempotent: a second run finds both stages complete
-    again = convert_profile(
-        mini_src,
-        tmp_path / "graded",
-        "graded",
-        scores=scores,
-        progress=False,
-        plan_kw=_graded_plan_kw(src),
-        allocation=allocation,
-    )
+    again = build()
     assert json.loads((again / "k3dist.json").read_text())["build_hash"] == m["build_hash"]
 
 
@@ -213,45 +209,22 @@ def test_graded_budget_too_small_says_the_numbers(mini_src, scores, tmp_path):
     assert not (tmp_path / "g").exists() and not (tmp_path / "g.mxfp4").exists()
 
 
-def test_graded_cli_without_scores_names_calibrate(mini_src, tmp_path):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "k3dist.pipeline.profiles",
-            "--src",
-            str(mini_src),
-            "--out",
-            str(tmp_path / "g"),
-            "--profile",
-            "graded",
-            "--budget",
-            "3e6",
-        ],
+def _profiles_cli(src: Path, out: Path, profile: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m k3dist.pipeline.profiles`` making ``profile`` of ``src`` in ``out``."""
+    cmd = ["-m", "k3dist.pipeline.profiles", "--src", str(src), "--out", str(out)]
+    return subprocess.run(
+        [sys.executable, *cmd, "--profile", profile, *args],
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_graded_cli_without_scores_names_calibrate(mini_src, tmp_path):
+    r = _profiles_cli(mini_src, tmp_path / "g", "graded", "--budget", "3e6")
     assert r.returncode != 0
     assert "--scores" in r.stderr and "python -m k3dist.pipeline.calibrate" in r.stderr
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "k3dist.pipeline.profiles",
-            "--src",
-            str(mini_src),
-            "--out",
-            str(tmp_path / "u"),
-            "--profile",
-            "2bit",
-            "--budget",
-            "3e6",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = _profiles_cli(mini_src, tmp_path / "u", "2bit", "--budget", "3e6")
     assert r.returncode != 0 and "only with --profile graded" in r.stderr
 
 

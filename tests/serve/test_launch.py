@@ -23,7 +23,7 @@ from k3dist.pipeline import slicing
 from k3dist.serve import supervise
 
 import pytest
-from util import REPO, free_base_port
+from util import REPO, free_base_port, launch_cmd, wait_file
 
 RUN = REPO / "launch" / "run.py"
 PEER = REPO / "tests" / "scripts" / "watchdog_peer.py"
@@ -32,15 +32,20 @@ PEER = REPO / "tests" / "scripts" / "watchdog_peer.py"
 PEER_TIMEOUT_S, PEER_GRACE_S = 3.0, 2.0
 
 
-def _wrapper(tmp: Path, *opts: str, script: Path, args: tuple[str, ...] = ()) -> list[str]:
+def _wrapper(*opts: str, script: Path, args: tuple[str, ...] = ()) -> list[str]:
+    """launch/run.py with ``opts``, running ``script`` with ``args`` on every rank."""
     return [sys.executable, str(RUN), *opts, "--", str(script), *args]
+
+
+def _two_ranks(script: Path, *args: str) -> list[str]:
+    """launch/run.py running ``script`` with ``args`` on 2 ranks over loopback, free ports."""
+    return _wrapper("-n", "2", "-p", str(free_base_port(2)), script=script, args=args)
 
 
 def _peer_cmd(
     tmp: Path, *opts: str, peer_args: tuple[str, ...] = (), where: tuple[str, ...] = ("-n", "2")
 ) -> list[str]:
     return _wrapper(
-        tmp,
         *where,
         "-p",
         str(free_base_port(2)),
@@ -58,15 +63,6 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status  # an unreaped orphan has exited too
 
 
-def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert proc.poll() is None, f"exited with {proc.returncode} before {path.name}"
-        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
-        time.sleep(0.05)
-    return path.read_text()
-
-
 class Launch:
     """The wrapper running watchdog_peer.py on two ranks; output in a file."""
 
@@ -75,29 +71,16 @@ class Launch:
         tmp: Path,
         *opts: str,
         peer_args: tuple[str, ...] = (),
-        launcher: str | None = None,
+        plain: bool = False,
         where: tuple[str, ...] = ("-n", "2"),
         env: dict | None = None,
     ):
         self.tmp, self.log_path = tmp, tmp / "run.log"
         self.log = open(self.log_path, "w")
-        if launcher is None:
+        if plain:  # plain mlx.launch, for comparison
+            cmd = launch_cmd(2, PEER, "--launch", "--pid-dir", str(tmp), *peer_args)
+        else:
             cmd = _peer_cmd(tmp, *opts, peer_args=peer_args, where=where)
-        else:  # plain mlx.launch, for comparison
-            cmd = [
-                launcher,
-                "-n",
-                "2",
-                "-p",
-                str(free_base_port(2)),
-                "--python",
-                sys.executable,
-                str(PEER),
-                "--launch",
-                "--pid-dir",
-                str(tmp),
-                *peer_args,
-            ]
         self.proc = subprocess.Popen(
             cmd,
             stdout=self.log,
@@ -106,7 +89,7 @@ class Launch:
             env=env,
             start_new_session=True,
         )
-        self.pids = [int(_wait_file(tmp / f"rank{r}.pid", self.proc)) for r in range(2)]
+        self.pids = [int(wait_file(tmp / f"rank{r}.pid", self.proc)) for r in range(2)]
         self.launchers = self._launcher_pids()
         assert len(self.launchers) == 1, self.launchers
         time.sleep(1.0)  # both ranks in their all_sum loop
@@ -182,7 +165,6 @@ def _unreachable(tmp_path: Path, host: str, timeout_s: float = 2.0):
         )
     )
     cmd = _wrapper(
-        tmp_path,
         "--hostfile",
         str(hostfile),
         "--host-timeout-s",
@@ -298,7 +280,7 @@ def test_frozen_rank_is_ended_by_its_peer(tmp_path, victim):
 def test_frozen_rank_under_plain_mlx_launch_is_ended_too(tmp_path):
     """README command 1 (plain mlx.launch) on one machine: before, mlx.launch and the
     frozen rank stayed forever (issue 10 item 5). Its exit code still says 0."""
-    run = Launch(tmp_path, launcher=str(Path(sys.executable).with_name("mlx.launch")))
+    run = Launch(tmp_path, plain=True)
     try:
         t0 = time.monotonic()
         os.kill(run.pids[1], signal.SIGSTOP)
@@ -309,18 +291,28 @@ def test_frozen_rank_under_plain_mlx_launch_is_ended_too(tmp_path):
         run.close()
 
 
+GRACE_S = 1.0  # the wrapper's --grace-s and --kill-grace-s where rank 1 is out of reach
+
+
+def _out_of_reach(tmp: Path, **kw) -> Launch:
+    """Rank 1 out of its peer's reach (``--no-kill-silent``: as on another Mac), the
+    wrapper's grace and kill grace GRACE_S."""
+    return Launch(
+        tmp,
+        "--grace-s",
+        str(GRACE_S),
+        "--kill-grace-s",
+        str(GRACE_S),
+        peer_args=("--no-kill-silent",),
+        **kw,
+    )
+
+
 def test_frozen_rank_out_of_reach_is_ended_by_the_wrapper(tmp_path):
     """The peer cannot signal it (as for a rank on another Mac): mlx.launch hangs on
     the frozen rank after rank 0 exits; the wrapper ends the group after --grace-s."""
-    grace = 1.0
-    run = Launch(
-        tmp_path,
-        "--grace-s",
-        str(grace),
-        "--kill-grace-s",
-        str(grace),
-        peer_args=("--no-kill-silent",),
-    )
+    grace = GRACE_S
+    run = _out_of_reach(tmp_path)
     try:
         t0 = time.monotonic()
         os.kill(run.pids[1], signal.SIGSTOP)
@@ -354,17 +346,8 @@ def test_frozen_rank_on_another_machine_is_ended_over_ssh(tmp_path):
         )
     )
     env = dict(os.environ, PATH=f"{REPO / 'tests/scripts/fake_ssh'}:{os.environ['PATH']}")
-    grace = 1.0
-    run = Launch(
-        tmp_path,
-        "--grace-s",
-        str(grace),
-        "--kill-grace-s",
-        str(grace),
-        peer_args=("--no-kill-silent",),
-        where=("--hostfile", str(hostfile)),
-        env=env,
-    )
+    grace = GRACE_S
+    run = _out_of_reach(tmp_path, where=("--hostfile", str(hostfile)), env=env)
     try:
         t0 = time.monotonic()
         os.kill(run.pids[1], signal.SIGSTOP)
@@ -428,14 +411,13 @@ def test_startup_failure_exits_nonzero_with_the_reason(broken_ranks, tmp_path):
     """serve.py: rank 1 refuses its folder; its watchdog sends the reason, rank 0 names
     it and exits; the wrapper exits with rank 1's code (plain mlx.launch: 0)."""
     env = dict(os.environ, HOME=str(tmp_path))  # no Hugging Face cache
-    cmd = _wrapper(
-        tmp_path,
-        "-n",
-        "2",
-        "-p",
-        str(free_base_port(2)),
-        script=REPO / "launch" / "serve.py",
-        args=("--rank-dir", broken_ranks, "--no-warmup", "--port", str(free_base_port(1))),
+    cmd = _two_ranks(
+        REPO / "launch" / "serve.py",
+        "--rank-dir",
+        broken_ranks,
+        "--no-warmup",
+        "--port",
+        str(free_base_port(1)),
     )
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     out = res.stdout + res.stderr
@@ -451,14 +433,8 @@ def test_startup_failure_exits_nonzero_with_the_reason(broken_ranks, tmp_path):
 def test_handshake_names_a_rank_that_failed(broken_ranks, tmp_path):
     """generate.py (no watchdog): rank 0 reaches the handshake after rank 1 has gone;
     it used to die of an IndexError on the garbage the ring returned."""
-    cmd = _wrapper(
-        tmp_path,
-        "-n",
-        "2",
-        "-p",
-        str(free_base_port(2)),
-        script=REPO / "launch" / "generate.py",
-        args=("--rank-dir", broken_ranks, "--max-tokens", "2"),
+    cmd = _two_ranks(
+        REPO / "launch" / "generate.py", "--rank-dir", broken_ranks, "--max-tokens", "2"
     )
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     out = res.stdout + res.stderr
@@ -493,7 +469,7 @@ def test_wrapper_passes_output_and_arguments(tmp_path):
         " os.environ.get('K3_TEST'))\n"
     )
     res = subprocess.run(
-        _wrapper(tmp_path, "-n", "2", "--env", "K3_TEST=yes", script=script, args=("--flag", "x")),
+        _wrapper("-n", "2", "--env", "K3_TEST=yes", script=script, args=("--flag", "x")),
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -532,28 +508,21 @@ def test_frozen_rank_mid_stream_ends_the_deployment(good_ranks, tmp_path):
     env = dict(os.environ, HOME=str(tmp_path))  # no Hugging Face cache
     log_path = tmp_path / "serve.log"
     timeout_s = 3.0
-    cmd = _wrapper(
-        tmp_path,
-        "-n",
-        "2",
-        "-p",
-        str(free_base_port(2)),
-        # paused in the 20th decode step (60 s at most), so the SIGSTOP finds the request
-        # generating (tests/serve/test_server_faults.py's PAUSED says why)
-        script=REPO / "tests" / "scripts" / "serve_paused.py",
-        args=(
-            "--pause-after",
-            "20",
-            "--pause-s",
-            "60",
-            "--rank-dir",
-            good_ranks,
-            "--no-warmup",
-            "--port",
-            str(port),
-            "--watchdog-timeout-s",
-            str(timeout_s),
-        ),
+    # paused in the 20th decode step (60 s at most), so the SIGSTOP finds the request
+    # generating (tests/serve/test_server_faults.py's PAUSED says why)
+    cmd = _two_ranks(
+        REPO / "tests" / "scripts" / "serve_paused.py",
+        "--pause-after",
+        "20",
+        "--pause-s",
+        "60",
+        "--rank-dir",
+        good_ranks,
+        "--no-warmup",
+        "--port",
+        str(port),
+        "--watchdog-timeout-s",
+        str(timeout_s),
     )
     with open(log_path, "w") as log:
         proc = subprocess.Popen(

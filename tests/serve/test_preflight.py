@@ -19,14 +19,10 @@ from util import REPO
 
 
 def test_preflight_fits_and_reports(mini_build):
-    report = preflight.preflight(
-        mini_build,
-        headroom_bytes=64 * MiB,
-        max_batch=8,
-        max_context=4096,
-        prefill_chunk=32,
-        dtype="float32",
+    dep = Deployment(
+        memory_headroom_gib=64 * MiB / GiB, max_batch=8, max_context=4096, prefill_chunk=32
     )
+    report = preflight.preflight(mini_build, dep)  # float32: the default
     files = sorted(Path(mini_build).glob("*.safetensors"))
     data = 0
     for f in files:  # data = file minus the 8-byte length and the JSON header
@@ -54,13 +50,13 @@ def test_preflight_fits_and_reports(mini_build):
 
 def test_preflight_refuses_with_numbers_and_fix(mini_build):
     footprint = preflight.folder_weight_bytes(mini_build) + GiB
+    one = Deployment(
+        memory_headroom_gib=1, max_batch=1, max_context=256, prefill_chunk=32, dtype="bfloat16"
+    )
     with pytest.raises(PreflightError) as e:
         preflight.preflight(
             mini_build,
-            headroom_bytes=GiB,
-            max_batch=1,
-            max_context=256,
-            prefill_chunk=32,
+            one,
             free_bytes=footprint - 4096,
         )
     msg = str(e.value)
@@ -71,7 +67,8 @@ def test_preflight_refuses_with_numbers_and_fix(mini_build):
 def test_preflight_refuses_a_folder_without_weights(tmp_path):
     with pytest.raises(PreflightError, match="no \\*.safetensors"):
         preflight.preflight(
-            tmp_path, headroom_bytes=GiB, max_batch=1, max_context=256, prefill_chunk=32
+            tmp_path,
+            Deployment(memory_headroom_gib=1, max_batch=1, max_context=256, prefill_chunk=32),
         )
 
 
@@ -252,11 +249,14 @@ def test_headroom_for_the_kv_but_not_the_prefill_is_refused(tmp_path):
     with pytest.raises(PreflightError, match="prefill_chunk of 512 tokens"):
         preflight.preflight(
             folder,
-            headroom_bytes=16 * GiB,
-            max_batch=1,
-            max_context=131072,
-            prompt_cache_tokens=1,
-            prefill_chunk=512,
+            Deployment(
+                memory_headroom_gib=16,
+                max_batch=1,
+                max_context=131072,
+                prompt_cache_tokens=1,
+                prefill_chunk=512,
+                dtype="bfloat16",
+            ),
             free_bytes=1 << 50,
             set_wired=False,
         )
@@ -288,26 +288,18 @@ def test_preflight_refuses_a_context_the_headroom_cannot_hold(mini_build):
     with pytest.raises(PreflightError, match="lower max_batch") as e:
         preflight.preflight(
             mini_build,
-            headroom_bytes=64 * MiB,
-            max_batch=256,
-            max_context=1 << 20,
-            prefill_chunk=32,
-            dtype="float32",
+            Deployment(
+                memory_headroom_gib=64 * MiB / GiB,
+                max_batch=256,
+                max_context=1 << 20,
+                prefill_chunk=32,
+            ),
         )
     assert f"{big['total']:,} bytes" in str(e.value) and str(mini_build) in str(e.value)
 
 
 def _need(folder, dep) -> int:
-    kv = preflight.kv_need(
-        folder,
-        max_batch=dep.max_batch,
-        max_context=dep.max_context,
-        prompt_cache_tokens=dep.prompt_cache_tokens,
-        dtype=dep.dtype,
-    )
-    act = preflight.activation_need(
-        folder, max_context=dep.max_context, prefill_chunk=dep.prefill_chunk, dtype=dep.dtype
-    )
+    kv, act = preflight.serving_need(folder, dep)
     return kv["total"] + act["total"]
 
 
@@ -319,16 +311,7 @@ def test_shipped_deployments_pass_the_memory_check(tmp_path):
     assert tb5.attention == "split" and tb5.size == 2 and tb5.dtype == "bfloat16"
     folder = _rank_folder(tmp_path / "tb5", real_config(), size=tb5.size)
     assert _need(folder, tb5) == 24_727_643_136 + 9_980_346_368  # KV + a 256-token chunk
-    kv = preflight.kv_need(
-        folder,
-        max_batch=tb5.max_batch,
-        max_context=tb5.max_context,
-        prompt_cache_tokens=tb5.prompt_cache_tokens,
-        dtype=tb5.dtype,
-    )
-    act = preflight.activation_need(
-        folder, max_context=tb5.max_context, prefill_chunk=tb5.prefill_chunk, dtype=tb5.dtype
-    )
+    kv, act = preflight.serving_need(folder, tb5)
     # what preflight checks: the batch-join copy (15.39 GB) outgrows the 256-token chunk
     need = kvmemory.need_bytes(kv, act)["total"]
     assert need == 24_727_643_136 + 15_394_258_944 and tb5.memory_headroom_gib == 44

@@ -18,19 +18,10 @@ import threading
 import time
 from pathlib import Path
 
+from serving import BATCH_PROMPTS as PROMPTS
 from serving import free_port, get_json, post_conn
 from util import REPO, free_base_port
 
-PROMPTS = [
-    "def f(x):",
-    "class Queue:",
-    "import os\n",
-    "for i in range(10):",
-    "The river ran",
-    "def main():",
-    "x = [1, 2, 3]\n",
-    "Once upon a time",
-]
 WATCHDOG_S = 15.0
 IDLE_S = 5.0
 # The ranks pause in their 30th decode step (60 s at most), so the kill finds all 8

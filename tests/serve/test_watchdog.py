@@ -21,7 +21,7 @@ from k3dist.serve.peer_link import WatchdogError
 from k3dist.serve.watchdog import Watchdog
 
 import pytest
-from util import REPO, failed_ranks, feed_stdin, free_base_port
+from util import REPO, failed_ranks, feed_stdin, launch_cmd, wait_file
 
 PEER = REPO / "tests" / "scripts" / "watchdog_peer.py"
 # The scripts' watchdog: heartbeat 0.2 s, silent after 3 s. A killed process closes
@@ -206,15 +206,6 @@ def test_single_rank_stop_exits_zero():
 # ---------------------------------------------------------------- watchdog in processes
 
 
-def _wait_file(path: Path, proc: subprocess.Popen, timeout_s: float = 15.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        assert proc.poll() is None, f"{path.name}: process exited with {proc.returncode}"
-        assert time.monotonic() < deadline, f"{path} did not appear within {timeout_s} s"
-        time.sleep(0.02)
-    return path.read_text()
-
-
 def _spawn(tmp: Path, rank: int, port: int) -> subprocess.Popen:
     log = open(tmp / f"rank{rank}.log", "w")  # a file: a full pipe must not stall a rank
     return subprocess.Popen(
@@ -241,12 +232,12 @@ def _spawn(tmp: Path, rank: int, port: int) -> subprocess.Popen:
 )
 def test_watchdog_processes(tmp_path, victim, sig):
     p0 = _spawn(tmp_path, 0, 0)
-    port = int(_wait_file(tmp_path / "rank0.port", p0))
+    port = int(wait_file(tmp_path / "rank0.port", p0, 15))
     p1 = _spawn(tmp_path, 1, port)
     procs = [p0, p1]
     try:
         for r, p in enumerate(procs):
-            _wait_file(tmp_path / f"rank{r}.pid", p)
+            wait_file(tmp_path / f"rank{r}.pid", p, 15)
         time.sleep(1.0)
         assert p0.poll() is None and p1.poll() is None
         t0 = time.monotonic()
@@ -278,27 +269,14 @@ def test_watchdog_processes(tmp_path, victim, sig):
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_mlx_launch_peer_death_and_stop(tmp_path, sig):
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [
-        str(launcher),
-        "-n",
-        "2",
-        "-p",
-        str(free_base_port(2)),
-        "--python",
-        sys.executable,
-        str(PEER),
-        "--launch",
-        "--pid-dir",
-        str(tmp_path),
-    ]
+    cmd = launch_cmd(2, PEER, "--launch", "--pid-dir", str(tmp_path))
     out = open(tmp_path / "launch.log", "w")
     launch = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
     )
     feed_stdin(launch.stdin)
     try:
-        pids = [int(_wait_file(tmp_path / f"rank{r}.pid", launch, 30)) for r in range(2)]
+        pids = [int(wait_file(tmp_path / f"rank{r}.pid", launch, 30)) for r in range(2)]
         time.sleep(1.0)  # both ranks in their all_sum loop
         t0 = time.monotonic()
         os.kill(pids[1], sig)
@@ -334,28 +312,14 @@ def _gone(pid: int) -> bool:
 def test_ranks_stop_when_mlx_launch_is_killed(tmp_path):
     """SIGKILL/SIGTERM to mlx.launch ends the launcher only; without the parent check
     its ranks were seen serving on, orphaned (2026-11-29)."""
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    cmd = [
-        str(launcher),
-        "-n",
-        "2",
-        "-p",
-        str(free_base_port(2)),
-        "--python",
-        sys.executable,
-        str(PEER),
-        "--launch",
-        "--pid-dir",
-        str(tmp_path),
-        "--stop-with-launcher",
-    ]
+    cmd = launch_cmd(2, PEER, "--launch", "--pid-dir", str(tmp_path), "--stop-with-launcher")
     launch = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO
     )
     feed_stdin(launch.stdin)
     pids = []
     try:
-        pids = [int(_wait_file(tmp_path / f"rank{r}.pid", launch, 30)) for r in range(2)]
+        pids = [int(wait_file(tmp_path / f"rank{r}.pid", launch, 30)) for r in range(2)]
         time.sleep(1.0)
         t0 = time.monotonic()
         launch.kill()
