@@ -8,13 +8,14 @@
 Both servers (launch/run.py over mlx.launch on loopback, as an operator starts one; the
 embedded mini-K3 unless --rank-dir) run at once; their idle ranks wait on the watchdog,
 not in a collective, and the supervisor keeps mlx.launch from spinning on its pipes (a
-bare mlx.launch burns over a core while idle), so only the one being measured works. Each round sends one streamed completion of ``--tokens`` tokens
-to each, in alternating order, and times decode from the first streamed token to the
-last (prefill excluded), and the CPU seconds both of its ranks spent on the request per
-token streamed (from /proc: what counting adds is CPU work). The order alternates (ABBA),
-and ``order_balanced_on_over_off`` is the geometric mean of the paired ratios, in which
-what going first costs cancels. /metrics of the counted server is read every round (a
-scrape as Prometheus would do it).
+bare mlx.launch burns over a core while idle), so only the one being measured works.
+Each round sends one streamed completion of ``--tokens`` tokens to each, in turn, and
+times decode from the first streamed token to the last (prefill excluded), and the CPU
+seconds both of its ranks spent on the request per token streamed (from /proc: what
+counting adds is CPU work). The order alternates (ABBA), and
+``order_balanced_on_over_off`` is the geometric mean of the paired ratios, in which what
+going first costs cancels. /metrics of the counted server is read every round (a scrape
+as Prometheus would do it).
 """
 
 from __future__ import annotations
