@@ -157,7 +157,7 @@ def probe(req: dict) -> dict:
         out["disk_path"] = str(disk)
         if out["system"] == "Darwin":
             out["sw_vers"] = _cmd(["sw_vers", "-productVersion"])
-            out["wired_limit_mb"] = _cmd(["sysctl", "-n", "iogpu.wired_limit_mb"])
+            out["wired_limit_mb"] = _cmd(["sysctl", "iogpu.wired_limit_mb"])  # as recorded
             out["pmset"] = _cmd(["pmset", "-g"])
             out["mem_total"] = _cmd(["sysctl", "-n", "hw.memsize"])
             if req.get("jaccl"):
