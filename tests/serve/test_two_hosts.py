@@ -1,11 +1,11 @@
-"""Two Macs, emulated for real (issue 39): two network namespaces with a real sshd each,
-joined by a veth cable (tests/rig.py), and README's two-Mac checklist on them, its
-commands read from README.md's table and run as written with the rig's names and paths
-(tests/two_macs.py says what is substituted and which commands cannot run on Linux):
-ssh to both hosts, the audit of the download (the shipped mini), the pipeline's refusal
-on it, rank 1's folder rsynced over the cable, the key made on mac1 only, k3dist-doctor,
-the supervised launch through mlx.launch's real ``ssh -tt`` path, the health checks with
-the key; then the OpenAI and Anthropic clients from both hosts. Then the cable is pulled
+"""Two Macs, emulated for real (issue 39): two network namespaces with a real sshd each, joined
+by a veth cable (tests/rig.py), and README's two-Mac checklist on them, its commands read
+from README.md's table and run as written with the rig's names and paths (tests/two_macs.py
+says what is substituted and which commands cannot run on Linux): ssh to both hosts, the
+audit of the download (the shipped mini), the pipeline's plan for it (stopped after its plan
+here), rank 1's folder rsynced over the cable, the key made on mac1 only, k3dist-doctor, the
+supervised launch through mlx.launch's real ``ssh -tt`` path, the health checks with the
+key; then the OpenAI and Anthropic clients from both hosts. Then the cable is pulled
 mid-stream: the stream gets an error event, the supervisor exits 3 naming mac2 within the
 watchdog's timeout + a few seconds, and a restart after the cable returns serves again.
 
@@ -217,6 +217,7 @@ def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
         assert line.startswith("[warn]") and "-- fix: ssh k3h-mac2 sudo sntp" in line, line
         assert 80 < float(line.split("clock skew: ")[1].split(" s")[0]) < 95, line
         assert _line(out, "k3h-mac1", "clock skew").startswith("[ok"), out
+        print(f"\nmac2 90 s ahead: {line}")
         for host, check, says in (
             ("k3h-mac1", "API key (rank 0)", "missing"),
             ("k3h-mac2", "rank 1 folder", shard.name),
