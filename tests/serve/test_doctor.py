@@ -199,6 +199,17 @@ def test_macos_checks_fail_on_the_recorded_outputs():
     assert "macOS for JACCL" not in ring  # the ring backend runs on older macOS
 
 
+def test_clock_skew_is_read_at_the_probes_start():
+    # sent at 0, answered at 31 s: 1 s of ssh and interpreter, 30 s of probe (a folder
+    # hashed, system_profiler); a clock 10 s behind reads 20.5 s at the probe's end, inside
+    # [0, 31]: only its start, against the round trip less the probe's run time, shows it
+    assert doctor.clock_skew(-9.5, 20.5, 0.0, 31.0) == 9.5
+    assert doctor.clock_skew(0.5, 30.5, 0.0, 31.0) == 0.0  # the same probe, clock right
+    assert doctor.clock_skew(0.5, 30.5, 0.0, 31.0 + 5) == 0.0  # a slow answer: still 0
+    assert doctor.clock_skew(36.0, 66.0, 0.0, 31.0) == 35.0  # a clock ahead
+    assert round(doctor.clock_skew(105.0, 105.0, 99.9, 100.2), 2) == 4.8  # no run time
+
+
 def test_environment_must_match_on_every_host():
     facts = {"mac1": _facts(env={"MLX_METAL_FAST_SYNCH": "1"}), "mac2": _facts(env={})}
     checks = doctor._cluster_checks(facts, _plan(), "mac1")
