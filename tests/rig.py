@@ -15,8 +15,10 @@ supervisor start plain ``ssh``, as on a Mac whose ~/.ssh/config names the other.
 
 Faults the rig can make: the cable down/up (``ip link set``), packet loss (nftables
 ``numgen random mod 100 < N drop`` on mac2's end), a host's sshd stopped, a host's
-processes killed. It cannot delay packets: this kernel has no netem
-(CONFIG_NET_SCH_NETEM is not set).
+processes killed, a host's wall clock moved (``skewed_clock``: libfaketime preloaded into
+that host's ssh sessions; the namespaces share the kernel's clock, so it is moved for
+what the host's sessions run, not for the kernel). It cannot delay packets: this kernel
+has no netem (CONFIG_NET_SCH_NETEM is not set).
 
 One rig at a time on a machine (the names are fixed): ``up`` takes an flock on
 /tmp/k3h-rig.lock and ``down`` (also the fixture's teardown, also after a failure)
@@ -47,6 +49,29 @@ STATE = Path("/tmp/k3h-rig.json")  # where `up` left its folder (for `down`)
 
 def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
+
+
+def faketime_lib() -> str | None:
+    """Debian's libfaketime (package ``libfaketime``), or None."""
+    found = sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))
+    return str(found[0]) if found else None
+
+
+def skewed_clock(offset_s: int) -> dict[str, str]:
+    """The environment that moves a host's wall clock by ``offset_s`` for its ssh
+    sessions (``Rig.set_env``): libfaketime preloaded into the session's shell and
+    everything it starts (``date``, python's ``time.time()``), not into sshd, so the
+    handshake is untouched. Only CLOCK_REALTIME moves, as on a Mac whose clock is off:
+    the monotonic clocks (the watchdog's) and file times (the rank folders' stamps) stay."""
+    lib = faketime_lib()
+    if lib is None:
+        raise RuntimeError("libfaketime is missing: apt-get install -y libfaketime (scripts/setup)")
+    return {
+        "LD_PRELOAD": lib,
+        "FAKETIME": f"{offset_s:+d}s",
+        "DONT_FAKE_MONOTONIC": "1",
+        "NO_FAKE_STAT": "1",
+    }
 
 
 def tools_missing() -> str | None:

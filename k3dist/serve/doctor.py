@@ -25,8 +25,9 @@ runs there and reports what it sees as one JSON line; the checks compare the hos
   every Thunderbolt port, cabled or not), and the same ``MLX_*`` /
   ``JACCL_*`` environment on every host (an asymmetric MLX_METAL_FAST_SYNCH crashed a
   4-box cluster, mlx#3933);
-- sleep disabled (``pmset -g``: sleep 0) on macOS; clock skew under 2 s; free disk where
-  the prefix cache is written.
+- sleep disabled (``pmset -g``: sleep 0) on macOS; clock skew under 2 s (the probe's clock
+  at its start, against the ssh round trip less the probe's own run time); free disk
+  where the prefix cache is written.
 
 ``--fast``: ssh, interpreter, repo, versions, rank folders (size mode), key, ports: what
 ``launch/run.py`` runs before it starts mlx.launch. mlx ships the Thunderbolt set-up
@@ -118,7 +119,7 @@ def probe(req: dict) -> dict:
     """What this host sees (run on each host by ssh): JSON-able facts."""
     import importlib.metadata as md
 
-    out: dict = {"cwd": os.getcwd(), "python": sys.executable}
+    out: dict = {"t0": time.time(), "cwd": os.getcwd(), "python": sys.executable}
     out["system"] = platform.system()
     for pkg in ("k3dist", "mlx", "mlx-lm"):
         try:
@@ -157,7 +158,7 @@ def probe(req: dict) -> dict:
         out["disk_path"] = str(disk)
         if out["system"] == "Darwin":
             out["sw_vers"] = _cmd(["sw_vers", "-productVersion"])
-            out["wired_limit_mb"] = _cmd(["sysctl", "-n", "iogpu.wired_limit_mb"])
+            out["wired_limit_mb"] = _cmd(["sysctl", "iogpu.wired_limit_mb"])  # as recorded
             out["pmset"] = _cmd(["pmset", "-g"])
             out["mem_total"] = _cmd(["sysctl", "-n", "hw.memsize"])
             if req.get("jaccl"):
@@ -403,9 +404,15 @@ def _host_checks(h: str, f: dict, ref_host: str, ref: dict, plan: Plan) -> list[
     return out
 
 
-def clock_skew(remote_t: float, sent: float, answered: float) -> float:
-    """How far the remote clock is outside the window in which it was read (0 inside)."""
-    return max(0.0, sent - remote_t, remote_t - answered)
+def clock_skew(remote_t0: float, remote_t1: float, sent: float, answered: float) -> float:
+    """How far the remote clock is outside the window in which it was read (0 inside).
+    The probe reads it as it starts (``remote_t0``) and ends (``remote_t1``): its start
+    lies between the ssh call (``sent``) and the answer less the probe's own run time,
+    so a probe that hashes a folder or waits on system_profiler for 30 s does not widen
+    the window by 30 s (a clock that far behind would be read inside it)."""
+    work = max(0.0, remote_t1 - remote_t0)
+    latest = max(sent, answered - work)
+    return max(0.0, sent - remote_t0, remote_t0 - latest)
 
 
 def _need_bytes(f: dict, plan: Plan) -> int:
@@ -457,7 +464,7 @@ def _resource_checks(h: str, f: dict, plan: Plan) -> list[Check]:
                 fatal=False,
             )
         )
-    skew = clock_skew(f["t"], f["sent"], f["answered"])
+    skew = clock_skew(f.get("t0", f["t"]), f["t"], f["sent"], f["answered"])
     out.append(
         Check(
             h,

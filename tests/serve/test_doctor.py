@@ -2,10 +2,11 @@
 
 Nobody on this project has a Mac, so the outputs are others' published ones:
 tests/serve/macos_outputs/ holds each as published and sources.json names where it came
-from (an mlx issue, oMLX's recorded captures, other projects' threads). Two probes have
-no citable recorded output (``sysctl -n iogpu.wired_limit_mb``, ``sw_vers``) and a
-Thunderbolt 4 link has no published JSON capture: those cases below are written in the
-documented form and marked so (``DOCUMENTED_*``). The live checks run on the rig
+from (an mlx issue, oMLX's recorded captures, other projects' threads, a blog post). No
+citable recorded output was found of ``sw_vers`` on macOS 26, of a non-zero
+``iogpu.wired_limit_mb``, of ``sysctl -n`` or of a Thunderbolt 4 Mac-to-Mac link in
+``system_profiler -json``: those cases below are written in the documented form and
+marked so (``DOCUMENTED_*``). The live checks run on the rig
 (tests/serve/test_two_hosts.py).
 """
 
@@ -21,13 +22,16 @@ SOURCES = json.loads((OUTPUTS / "sources.json").read_text())["files"]
 
 # documented forms (no recorded output found; sources.json "not_found")
 DOCUMENTED_SW_VERS = "ProductName:\t\tmacOS\nProductVersion:\t\t26.2\nBuildVersion:\t\t25C56\n"
-DOCUMENTED_SW_VERS_OLD = "15.6.1\n"
-DOCUMENTED_WIRED = ("0\n", "iogpu.wired_limit_mb: 0\n", "480000\n")
+DOCUMENTED_WIRED = ("0\n", "480000\n", "iogpu.wired_limit_mb: 480000\n")
 
 
 def recorded(name: str) -> str:
     assert name in SOURCES, f"{name}: no source in macos_outputs/sources.json"
     return (OUTPUTS / name).read_text()
+
+
+SW_VERS_OLD = "sw_vers-productVersion-10.13.6.txt"  # what the probe runs: sw_vers -productVersion
+WIRED_DEFAULT = "sysctl-iogpu-wired_limit_mb-16gb.txt"  # what the probe runs: sysctl NAME
 
 
 def tb4(text: str) -> str:
@@ -86,10 +90,14 @@ def test_parsers_read_the_recorded_outputs():
         (3857 + 443760 + 1075) * 16384
     )
     assert macos.parse_vm_stat(recorded("vm_stat-4096.txt")) == ((6127229 + 628646 + 430715) * 4096)
+    # sw_vers: -productVersion (the probe's), and plain sw_vers of a first release (x.y)
+    assert macos.parse_sw_vers(recorded(SW_VERS_OLD)) == (10, 13, 6)
+    assert macos.parse_sw_vers(recorded("sw_vers-10.13.txt")) == (10, 13)
+    # sysctl NAME at macOS's default: 0 (the doctor then takes 75 % of hw.memsize)
+    assert macos.parse_sysctl_int(recorded(WIRED_DEFAULT)) == 0
     # documented forms
     assert macos.parse_sw_vers(DOCUMENTED_SW_VERS) == (26, 2)
-    assert macos.parse_sw_vers(DOCUMENTED_SW_VERS_OLD) == (15, 6, 1)
-    assert [macos.parse_sysctl_int(t) for t in DOCUMENTED_WIRED] == [0, 0, 480000]
+    assert [macos.parse_sysctl_int(t) for t in DOCUMENTED_WIRED] == [0, 480000, 480000]
     assert macos.parse_sysctl_int("sysctl: unknown oid 'iogpu.wired_limit_mb'") is None
 
 
@@ -104,7 +112,7 @@ def _facts(**kw) -> dict:
         "disk_free": 100 * 10**9,
         "disk_path": "/Volumes/models",
         "sw_vers": "26.2\n",
-        "wired_limit_mb": DOCUMENTED_WIRED[0],
+        "wired_limit_mb": recorded(WIRED_DEFAULT),
         "mem_total": str(512 * 2**30),
         "pmset": recorded("pmset-g-macbook-pro-arm64.txt"),
         "thunderbolt": recorded(STUDIO_TB),
@@ -140,7 +148,9 @@ def test_macos_checks_pass_on_the_recorded_outputs():
     # 512 GiB x 75 % (the default wired limit) = 412 GB < 400 GB + 44 GiB
     assert not ok["iogpu.wired_limit_mb"].ok, ok["iogpu.wired_limit_mb"].line()
     assert "sysctl iogpu.wired_limit_mb=" in ok["iogpu.wired_limit_mb"].line()
-    raised = _by_name(doctor._resource_checks("mac1", _facts(wired_limit_mb="480000\n"), _plan()))
+    raised = _by_name(
+        doctor._resource_checks("mac1", _facts(wired_limit_mb=DOCUMENTED_WIRED[2]), _plan())
+    )
     assert raised["iogpu.wired_limit_mb"].ok, raised["iogpu.wired_limit_mb"].line()
     # 4096-byte pages: 7.2 M pages x 4 KiB = 29 GB free < the plan's 447 GB
     assert not ok["free memory"].ok and "29.4 GB available" in ok["free memory"].detail
@@ -156,7 +166,7 @@ def test_macos_checks_fail_on_the_recorded_outputs():
         doctor._resource_checks(
             "mac1",
             _facts(
-                sw_vers=DOCUMENTED_SW_VERS_OLD,
+                sw_vers=recorded(SW_VERS_OLD),
                 thunderbolt=tb4(recorded(MACBOOK_TB)),
                 ibv_devices=recorded("ibv_devices-rdma-disabled.txt"),
                 ibv_devinfo="",
@@ -171,6 +181,7 @@ def test_macos_checks_fail_on_the_recorded_outputs():
     for name in ("macOS for JACCL", "Thunderbolt 5", "RDMA devices"):
         assert not bad[name].ok and bad[name].fatal, bad[name].line()
     assert "40 Gb/s" in bad["Thunderbolt 5"].detail
+    assert "macOS 10.13.6 (JACCL needs 26.2+)" in bad["macOS for JACCL"].detail
     # rdma_ctl says enabled, yet no device (mlx#3777): the fix is a cold start, not enable
     assert "no device is listed" in bad["RDMA devices"].fix
     off = _by_name(
@@ -183,9 +194,20 @@ def test_macos_checks_fail_on_the_recorded_outputs():
     assert "pmset -a sleep 0" in bad["sleep disabled"].fix
     assert not bad["clock skew"].ok and "4.80 s" in bad["clock skew"].detail
     ring = _by_name(
-        doctor._resource_checks("mac1", _facts(sw_vers=DOCUMENTED_SW_VERS_OLD), _plan("ring"))
+        doctor._resource_checks("mac1", _facts(sw_vers=recorded(SW_VERS_OLD)), _plan("ring"))
     )
     assert "macOS for JACCL" not in ring  # the ring backend runs on older macOS
+
+
+def test_clock_skew_is_read_at_the_probes_start():
+    # sent at 0, answered at 31 s: 1 s of ssh and interpreter, 30 s of probe (a folder
+    # hashed, system_profiler); a clock 10 s behind reads 20.5 s at the probe's end, inside
+    # [0, 31]: only its start, against the round trip less the probe's run time, shows it
+    assert doctor.clock_skew(-9.5, 20.5, 0.0, 31.0) == 9.5
+    assert doctor.clock_skew(0.5, 30.5, 0.0, 31.0) == 0.0  # the same probe, clock right
+    assert doctor.clock_skew(0.5, 30.5, 0.0, 31.0 + 5) == 0.0  # a slow answer: still 0
+    assert doctor.clock_skew(36.0, 66.0, 0.0, 31.0) == 35.0  # a clock ahead
+    assert round(doctor.clock_skew(105.0, 105.0, 99.9, 100.2), 2) == 4.8  # no run time
 
 
 def test_environment_must_match_on_every_host():

@@ -1,11 +1,11 @@
-"""Two Macs, emulated for real (issue 39): two network namespaces with a real sshd each,
-joined by a veth cable (tests/rig.py), and README's two-Mac checklist on them, its
-commands read from README.md's table and run as written with the rig's names and paths
-(tests/two_macs.py says what is substituted and which commands cannot run on Linux):
-ssh to both hosts, the audit of the download (the shipped mini), the pipeline's refusal
-on it, rank 1's folder rsynced over the cable, the key made on mac1 only, k3dist-doctor,
-the supervised launch through mlx.launch's real ``ssh -tt`` path, the health checks with
-the key; then the OpenAI and Anthropic clients from both hosts. Then the cable is pulled
+"""Two Macs, emulated for real (issue 39): two network namespaces with a real sshd each, joined
+by a veth cable (tests/rig.py), and README's two-Mac checklist on them, its commands read
+from README.md's table and run as written with the rig's names and paths (tests/two_macs.py
+says what is substituted and which commands cannot run on Linux): ssh to both hosts, the
+audit of the download (the shipped mini), the pipeline's plan for it (stopped after its plan
+here), rank 1's folder rsynced over the cable, the key made on mac1 only, k3dist-doctor, the
+supervised launch through mlx.launch's real ``ssh -tt`` path, the health checks with the
+key; then the OpenAI and Anthropic clients from both hosts. Then the cable is pulled
 mid-stream: the stream gets an error event, the supervisor exits 3 naming mac2 within the
 watchdog's timeout + a few seconds, and a restart after the cable returns serves again.
 
@@ -165,8 +165,9 @@ def _line(out: str, host: str, check: str) -> str:
 
 def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
     """k3dist-doctor on the rig (clean in README's checklist: the site fixture), each
-    Linux-visible misconfiguration made for real (several at once, each its own line),
-    then mac2's sshd gone."""
+    Linux-visible misconfiguration made for real (several at once, each its own line;
+    mac2's clock moved for what its ssh sessions run, as the namespaces share the
+    kernel's), then mac2's sshd gone, then everything put back: the full doctor passes."""
     key = rig.home(1) / ".k3dist-key"
     shard = sorted(site.rank_folder(1).glob("*.safetensors"))[0]
     original = shard.read_bytes()
@@ -201,10 +202,22 @@ def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
         key.rename(key.with_suffix(".gone"))  # the key file missing on rank 0's host
         shard.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # one bit flipped
         rig.block_ports(1, two_macs.RING_PORT)  # mac1's ring port behind a firewall
-        # mac2's shell profile: another mlx-lm first on its path, an MLX_ variable
-        rig.set_env(2, {"PYTHONPATH": str(fake), "MLX_METAL_FAST_SYNCH": "1"})
+        # mac2's shell profile: another mlx-lm first on its path, an MLX_ variable; and
+        # its clock 90 s ahead, as everything its ssh sessions run sees it (libfaketime)
+        rig.set_env(
+            2,
+            {"PYTHONPATH": str(fake), "MLX_METAL_FAST_SYNCH": "1", **rigmod.skewed_clock(90)},
+        )
+        r = rig.on(1, ["ssh", rigmod.HOSTS[1], "date +%s"])
+        assert 85 < int(r.stdout) - time.time() < 95, (r.stdout, r.stderr)
         rc, out = _doctor(rig, site, config=big)
         assert rc == 1, out
+        # a warning (a launch works with a skewed clock; logs and caches disagree on times)
+        line = _line(out, "k3h-mac2", "clock skew")
+        assert line.startswith("[warn]") and "-- fix: ssh k3h-mac2 sudo sntp" in line, line
+        assert 80 < float(line.split("clock skew: ")[1].split(" s")[0]) < 95, line
+        assert _line(out, "k3h-mac1", "clock skew").startswith("[ok"), out
+        print(f"\nmac2 90 s ahead: {line}")
         for host, check, says in (
             ("k3h-mac1", "API key (rank 0)", "missing"),
             ("k3h-mac2", "rank 1 folder", shard.name),
@@ -243,8 +256,10 @@ def test_doctor_catches_each_misconfiguration_on_the_rig(rig, site, tmp_path):
     finally:
         rig.start_sshd(2)
         rig.wait_ssh()
-    rc, out = _doctor(rig, site, "--fast")
+    rc, out = _doctor(rig, site)  # everything put back: the full doctor passes
     assert rc == 0, out
+    for host in rigmod.HOSTS:
+        assert _line(out, host, "clock skew").startswith("[ok"), out
 
 
 # rank 0 ends with code 1 after 4 s, rank 1 would sleep a minute: mlx.launch then kills
