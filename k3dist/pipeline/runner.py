@@ -558,6 +558,12 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
         "512,256,256 (k3dist-plan --boxes); --ranks follows; the rank folders placed by it",
     )
     ap.add_argument(
+        "--deployment",
+        metavar="YAML",
+        help="the boxes of a deployment (e.g. deploy/tb5-3.yaml: memory and wired limit "
+        "each), as --boxes; one without boxes gives --ranks its size",
+    )
+    ap.add_argument(
         "--expert-split",
         choices=("memory", "equal"),
         default="memory",
@@ -634,7 +640,19 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
 
 
 def _ranks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    """--ranks, or the number of --boxes (they must agree when both are given)."""
+    """--ranks, or the number of --boxes or --deployment's (they must agree when both are
+    given); --deployment's boxes become ``ns.boxes`` (``GiB:wired_limit_mb`` each)."""
+    if ns.deployment:
+        from k3dist.config.box import boxes_spec
+        from k3dist.config.deployment import DeploymentError, load_deployment
+
+        if ns.boxes:
+            ap.error("--boxes or --deployment, not both")
+        try:
+            dep = load_deployment(ns.deployment)
+        except (DeploymentError, FileNotFoundError) as e:
+            ap.error(f"--deployment: {e}")
+        ns.boxes, ns.ranks = boxes_spec(dep.box_list()) if dep.boxes else None, ns.ranks or dep.size
     if not ns.boxes:
         return ns.ranks or 2
     from k3dist.config.box import parse_boxes
