@@ -425,8 +425,37 @@ def _nboxes_row(i: int) -> str:
     return script["markdown_row"](_json(NBOXES)["rows"][i])
 
 
+def _nbox(name: str, key: str):
+    """``key`` of the buyer's table row for the set ``name`` (e.g. "3x256")."""
+    return _at(next(r for r in _json(NBOXES)["rows"] if r["set"] == name), key)
+
+
+def _grid_kl(row_id: str) -> float:
+    """A measured quality-grid row's mean KL (k3dist/data/quality-grid.json)."""
+    return next(
+        r["kl"] for r in _json("k3dist/data/quality-grid.json")["rows"] if r["id"] == row_id
+    )
+
+
+def _nb(name: str, key: str, fmt="{:.2f}".format):
+    return (lambda: _nbox(name, key), fmt)
+
+
+NB = ("docs/n-boxes.md",)
+NBR = ("README.md", "docs/n-boxes.md")
 FIGURES = [
-    *[F(("docs/n-boxes.md",), "{}", (lambda i=i: _nboxes_row(i), str)) for i in range(7)],
+    *[F(NB, "{}", (lambda i=i: _nboxes_row(i), str)) for i in range(len(_json(NBOXES)["rows"]))],
+    # the buyer's table in words (README's requirements line, docs/n-boxes.md)
+    F(
+        NBR,
+        "512 + 256 GB at {} expert bits a weight, three 256 GB Macs at {}, four at {}, "
+        "512 + 256 + 256 GB at {}, three 512 GB at {}",
+        _nb("512+256", "expert_bpw"),
+        _nb("3x256", "expert_bpw"),
+        _nb("4x256", "expert_bpw"),
+        _nb("512+256+256", "expert_bpw"),
+        _nb("3x512", "expert_bpw"),
+    ),
     # the real K3's plan and disk plan at the planner's default budget
     F(R, "a {} checkpoint", (DISK, "disk_plan.source_bytes", tb)),
     F(R, "| {} | download", (DISK, "disk_plan.source_bytes", tb)),
@@ -838,7 +867,7 @@ def test_figure_is_its_source(figure):
 CONSTANTS = {
     "README.md": {
         "512 GB": "the Mac's memory (Apple's specification)",
-        "256 GB ones": "a smaller Mac's memory (Apple's specification)",
+        "256 GB": "a smaller Mac's memory (Apple's specification)",
     },
     "docs/agents.md": {
         "every 0.25 s": "k3dist/serve/server.py's poll of an idle stream (code)",
