@@ -12,9 +12,8 @@ import argparse
 import difflib
 import sys
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
-from k3dist.config.box import Box, box_item, parse_boxes
 from k3dist.format.layout import ATTENTION_MODES
 from k3dist.format.placement import MOE_FORMS, RING_CONNECT_S
 from k3dist.format.sfile import COMPUTE_DTYPES
@@ -23,6 +22,9 @@ from k3dist.format.verify import MODES as VERIFY_MODES
 import yaml
 from annotated_types import Ge, Gt, Le
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from k3dist.config.box import Box
 
 DEFAULT_DEPLOYMENT = Path("deploy/local.yaml")
 # compute dtypes a deployment may ask for (MLX names)
@@ -369,6 +371,8 @@ class Deployment(BaseModel):
             v = [v]
         if not isinstance(v, list):
             return v
+        from k3dist.config.box import box_item  # the planner's parser: not at serving import
+
         items = [p for x in v for p in (x.split(",") if isinstance(x, str) else [x])]
         return [box_item(x) for x in items if not isinstance(x, str) or x.strip()]
 
@@ -406,6 +410,8 @@ class Deployment(BaseModel):
 
     def box_list(self) -> tuple[Box, ...] | None:
         """The boxes as the planner takes them (``k3dist.config.box.Box``, rank order)."""
+        from k3dist.config.box import parse_boxes
+
         return None if self.boxes is None else parse_boxes([b.model_dump() for b in self.boxes])
 
     def rank_path(self, rank: int) -> Path:

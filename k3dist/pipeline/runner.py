@@ -551,24 +551,7 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
         help="--config/--index of the real K3 shipped in k3dist/data",
     )
     ap.add_argument("--out", help="output folder: OUT/rank{rank}, OUT/work (scratch)")
-    ap.add_argument("--ranks", type=int, help="ranks of one box size (default 2)")
-    ap.add_argument(
-        "--boxes",
-        help="boxes of different memory, one per rank: GiB[:wired_limit_mb] each, e.g. "
-        "512,256,256 (k3dist-plan --boxes); --ranks follows; the rank folders placed by it",
-    )
-    ap.add_argument(
-        "--deployment",
-        metavar="YAML",
-        help="the boxes of a deployment (e.g. deploy/tb5-3.yaml: memory and wired limit "
-        "each), as --boxes; one without boxes gives --ranks its size",
-    )
-    ap.add_argument(
-        "--expert-split",
-        choices=("memory", "equal"),
-        default="memory",
-        help="with --boxes: experts by each box's room (default) or equal",
-    )
+    _box_args(ap)
     byte_budget.add_budget_args(ap, auto=True)
     ap.add_argument(
         "--lo",
@@ -637,6 +620,28 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
         index=ns.index,
     )
     return a, ns
+
+
+def _box_args(ap: argparse.ArgumentParser) -> None:
+    """--ranks, --boxes, --deployment and --expert-split: the boxes the plan is for."""
+    ap.add_argument("--ranks", type=int, help="ranks of one box size (default 2)")
+    ap.add_argument(
+        "--boxes",
+        help="boxes of different memory, one per rank: GiB[:wired_limit_mb] each, e.g. "
+        "512,256,256 (k3dist-plan --boxes); --ranks follows; the rank folders placed by it",
+    )
+    ap.add_argument(
+        "--deployment",
+        metavar="YAML",
+        help="a deployment's boxes as --boxes (deploy/tb5-3.yaml: each box's memory and "
+        "wired limit); one without boxes gives --ranks its size",
+    )
+    ap.add_argument(
+        "--expert-split",
+        choices=("memory", "equal"),
+        default="memory",
+        help="with --boxes: experts by each box's room (default) or equal",
+    )
 
 
 def _ranks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
