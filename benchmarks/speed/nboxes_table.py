@@ -43,6 +43,7 @@ SETS = {
     "4x512": ("512,512,512,512", "memory"),
 }
 CONTEXT, PROMPT, BACKEND, OVERHEAD = 2048, 8192, "jaccl", "pn-tp"
+FORM = "phased"  # the MoE form deploy/tb5.yaml's moe_form auto runs on Metal
 
 
 def plan_row(acc, spec: str, split: str = "memory") -> tuple[dict, dict | None]:
@@ -83,9 +84,12 @@ def speed(config: dict, plan: dict, th: dict) -> dict:
         else from_counts(f.num_experts, {int(k): v for k, v in counts.items()})
     )
     t = sf.with_terms(th, OVERHEAD)
-    d = {b: sf.project_decode(f, "ep-split", BACKEND, CONTEXT, b, t, n, pl) for b in (1, 8)}
+    d = {
+        b: sf.project_decode(f, "ep-split", BACKEND, CONTEXT, b, t, FORM, size=n, pl=pl)
+        for b in (1, 8)
+    }
     chunk = byte_budget.shipped().prefill_chunk
-    p = sf.project_prefill(f, "ep-split", BACKEND, PROMPT, chunk, t, n, pl)
+    p = sf.project_prefill(f, "ep-split", BACKEND, PROMPT, chunk, t, FORM, size=n, pl=pl)
     return {
         "decode_b1_tok_s": d[1]["tok_s"],
         "decode_b8_tok_s": d[8]["tok_s"],
@@ -156,6 +160,7 @@ def main() -> None:
             "backend": BACKEND,
             "overheads_of": OVERHEAD,
             "mode": "ep-split",
+            "moe_form": FORM,
             "limits": "deploy/tb5.yaml (4 requests at 128K, 128K prompt cache)",
             "box": "M3 Ultra, wired limit = memory - 24 GiB, 4 GiB runtime reserve",
         },
