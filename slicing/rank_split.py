@@ -45,7 +45,7 @@ def main() -> None:
         if build == default.DEFAULT_BUILD and not (build / "k3dist.json").exists():
             print(f"{build}: missing; making the default mini build")
             default.ensure_default_build(progress=True)
-        placement = slicing.placement_for(build, d.size, d.placement_counts, d.boxes, d.attention)
+        placement = slicing.placement_for(build, d.size, d.placement_counts, d.box_gib, d.attention)
         print(f"build {build}, {d.size} ranks, placement {placement.describe()} ({placement.hash})")
         if args.all:
             paths = slicing.slice_all(build, d.rank_dir, d.size, placement, attention=d.attention)

@@ -426,8 +426,109 @@ def _nboxes_row(i: int) -> str:
     return script["markdown_row"](_json(NBOXES)["rows"][i])
 
 
+def _nbox(name: str, key: str):
+    """``key`` of the buyer's table row for the set ``name`` (e.g. "3x256")."""
+    return _at(next(r for r in _json(NBOXES)["rows"] if r["set"] == name), key)
+
+
+def _grid_kl(row_id: str) -> float:
+    """A measured quality-grid row's mean KL (k3dist/data/quality-grid.json)."""
+    return next(
+        r["kl"] for r in _json("k3dist/data/quality-grid.json")["rows"] if r["id"] == row_id
+    )
+
+
+def _nb(name: str, key: str, fmt="{:.2f}".format):
+    return (lambda: _nbox(name, key), fmt)
+
+
+NB = ("docs/n-boxes.md",)
 FIGURES = [
-    *[F(("docs/n-boxes.md",), "{}", (lambda i=i: _nboxes_row(i), str)) for i in range(7)],
+    *[F(NB, "{}", (lambda i=i: _nboxes_row(i), str)) for i in range(len(_json(NBOXES)["rows"]))],
+    # the buyer's table in words (README's requirements line, docs/n-boxes.md)
+    F(
+        R,
+        "512 + 256 GB at {} expert bits a weight, three 256 GB Macs at {}, four at {}, "
+        "512 + 256 + 256 GB at {}, three 512 GB at {}",
+        _nb("512+256", "expert_bpw"),
+        _nb("3x256", "expert_bpw"),
+        _nb("4x256", "expert_bpw"),
+        _nb("512+256+256", "expert_bpw"),
+        _nb("3x512", "expert_bpw"),
+    ),
+    F(
+        R,
+        "(two 256 GB Macs {})",
+        _nb("2x256", "fits", lambda f: "hold K3" if f else "do not hold K3"),
+    ),
+    F(NB, "issues the same {} collectives a token", _nb("2x512", "collectives_per_token", str)),
+    F(
+        NB,
+        "the 1-bit g64 rows at {} and {} bpw, where 512+256 ({}) and three 256 GB Macs ({})",
+        _nb("3x256", "grid_rows_bpw.0"),
+        _nb("3x256", "grid_rows_bpw.1"),
+        _nb("512+256", "expert_bpw"),
+        _nb("3x256", "expert_bpw"),
+    ),
+    F(
+        NB,
+        "(measured KL {}), and three 256 GB Macs promote {} of the experts",
+        (lambda: _grid_kl(_nbox("3x256", "grid_rows.0")), "{:.4f}".format),
+        _nb("3x256", "promoted_share", pct),
+    ),
+    F(
+        NB,
+        "two measurements {} bpw apart",
+        (
+            lambda: _nbox("3x256", "grid_rows_bpw.1") - _nbox("3x256", "grid_rows_bpw.0"),
+            "{:.2f}".format,
+        ),
+    ),
+    F(NB, "Nothing is measured below {} bpw", _nb("3x256", "grid_rows_bpw.0")),
+    F(
+        NB,
+        "two 512 GB Macs plan {} expert bpw (KL {}), 512+256+256 {} (KL {}) "
+        "and four 256 GB {} (KL {})",
+        _nb("2x512", "expert_bpw"),
+        _nb("2x512", "kl_mean", "{:.4f}".format),
+        _nb("512+256+256", "expert_bpw"),
+        _nb("512+256+256", "kl_mean", "{:.4f}".format),
+        _nb("4x256", "expert_bpw"),
+        _nb("4x256", "kl_mean", "{:.4f}".format),
+    ),
+    F(
+        NB,
+        "768 GiB, 512+256 plans {} against three 256 GB Macs' {}",
+        _nb("512+256", "expert_bpw"),
+        _nb("3x256", "expert_bpw"),
+    ),
+    F(
+        NB,
+        "holds {} the routed-expert bytes of each 256 GiB box",
+        _nb("512+256+256", "expert_bytes_per_box", lambda b: f"{b[0] / b[1]:.1f}x"),
+    ),
+    F(
+        NB,
+        "reads {} GB per token against {} GB (read ratio {} over the mean",
+        _nb("512+256+256", "read_per_token_per_box.0", lambda x: f"{x / 1e9:.1f}"),
+        _nb("512+256+256", "read_per_token_per_box.1", lambda x: f"{x / 1e9:.1f}"),
+        _nb("512+256+256", "read_ratio"),
+    ),
+    F(
+        NB,
+        "for {} expert bpw. `--expert-split equal` gives each box the smallest box's "
+        "room: equal reads but {}",
+        _nb("512+256+256", "expert_bpw"),
+        _nb("512+256+256, equal split", "expert_bpw"),
+    ),
+    F(
+        NB,
+        "projects the same decode at batch 1 ({} tok/s) and {} tok/s at batch 8 "
+        "against {} with equal",
+        _nb("512+256+256", "decode_b1_tok_s", "{:.1f}".format),
+        _nb("512+256+256", "decode_b8_tok_s", "{:.1f}".format),
+        _nb("512+256+256, equal split", "decode_b8_tok_s", "{:.1f}".format),
+    ),
     # the real K3's plan and disk plan at the planner's default budget
     F(R, "a {} checkpoint", (DISK, "disk_plan.source_bytes", tb)),
     F(R, "| {} | download", (DISK, "disk_plan.source_bytes", tb)),
@@ -852,7 +953,7 @@ def test_figure_is_its_source(figure):
 CONSTANTS = {
     "README.md": {
         "512 GB": "the Mac's memory (Apple's specification)",
-        "256 GB ones": "a smaller Mac's memory (Apple's specification)",
+        "256 GB": "a smaller Mac's memory (Apple's specification)",
     },
     "docs/agents.md": {
         "every 0.25 s": "k3dist/serve/server.py's poll of an idle stream (code)",

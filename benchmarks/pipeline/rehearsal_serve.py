@@ -207,8 +207,8 @@ def boxes_deployment(tmp: Path, args: argparse.Namespace) -> Path:
     return path
 
 
-def stdin_closed(pids: dict[int, int]) -> bool:
-    """Both ranks run and have let go of mlx.launch's pipe (launch/serve.py puts
+def stdin_closed(pids: dict[int, int], size: int) -> bool:
+    """Every rank runs and has let go of mlx.launch's pipe (launch/serve.py puts
     /dev/null in its place at start)."""
 
     def devnull(pid: int) -> bool:
@@ -217,7 +217,7 @@ def stdin_closed(pids: dict[int, int]) -> bool:
         except OSError:
             return False
 
-    return len(pids) == 2 and all(devnull(p) for p in pids.values())
+    return len(pids) == size and all(devnull(p) for p in pids.values())
 
 
 def release_stdin(proc: subprocess.Popen) -> bool:
@@ -369,7 +369,7 @@ def main() -> None:
         while True:
             if proc.poll() is not None:
                 raise SystemExit(f"server exited:\n{(tmp / 'server.log').read_text()[-3000:]}")
-            if not released and stdin_closed(rank_pids(port)):
+            if not released and stdin_closed(rank_pids(port), args.size):
                 released = release_stdin(proc)
                 report["stdin_released_s"] = round(time.perf_counter() - t0, 1)
             try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -29,27 +30,32 @@ from k3dist.format.placement import from_counts
 from k3dist.pipeline import byte_budget
 from k3dist.pipeline.accounting import account
 
+# name -> (GiB of each box, how routed experts are split: k3dist.pipeline.expert_split)
 SETS = {
-    "2x512": "512,512",
-    "512+256": "512,256",
-    "3x256": "256,256,256",
-    "4x256": "256,256,256,256",
-    "512+256+256": "512,256,256",
-    "3x512": "512,512,512",
-    "4x512": "512,512,512,512",
+    "2x256": ("256,256", "memory"),
+    "2x512": ("512,512", "memory"),
+    "512+256": ("512,256", "memory"),
+    "3x256": ("256,256,256", "memory"),
+    "4x256": ("256,256,256,256", "memory"),
+    "512+256+256": ("512,256,256", "memory"),
+    "512+256+256, equal split": ("512,256,256", "equal"),
+    "3x512": ("512,512,512", "memory"),
+    "4x512": ("512,512,512,512", "memory"),
 }
 CONTEXT, PROMPT, BACKEND, OVERHEAD = 2048, 8192, "jaccl", "pn-tp"
+FORM = "phased"  # the MoE form deploy/tb5.yaml's moe_form auto runs on Metal
 
 
-def plan_row(acc, spec: str) -> tuple[dict, dict | None]:
+def plan_row(acc, spec: str, split: str = "memory") -> tuple[dict, dict | None]:
     limits = byte_budget.Limits.of(byte_budget.shipped())
-    req = byte_budget.PlanRequest(boxes=parse_boxes(spec))
+    req = byte_budget.PlanRequest(boxes=parse_boxes(spec), expert_split=split)
     try:
         plan = byte_budget.make_plan(acc, Box(), limits, req)
     except ValueError as e:
         return {"fits": False, "why": str(e)}, None
     e = plan["quality"]["expected"]
     how = "extrapolated" if "extrapolated" in e else "measured" if e["measured"] else "interpolated"
+    bpw = {r.id: r.expert_bpw for r in byte_budget.QualityGrid.load().rows}
     return {
         "fits": True,
         "lo": plan["lo"]["format"],
@@ -59,7 +65,10 @@ def plan_row(acc, spec: str) -> tuple[dict, dict | None]:
         "kl_p95": e["kl_p95"],
         "kl_from": how,
         "grid_rows": e["grid_rows"],
+        # the expert bpw of the measured rows it comes from (two: interpolated between)
+        "grid_rows_bpw": [bpw[i] for i in e["grid_rows"]],
         "bytes_per_box": [b["total"] for b in plan["per_box"]],
+        "expert_bytes_per_box": [b["routed_experts"] for b in plan["per_box"]],
         "read_per_token_per_box": [b["read_per_token"] for b in plan["per_box"]],
         "read_ratio": plan["read_ratio"],
     }, plan
@@ -75,9 +84,12 @@ def speed(config: dict, plan: dict, th: dict) -> dict:
         else from_counts(f.num_experts, {int(k): v for k, v in counts.items()})
     )
     t = sf.with_terms(th, OVERHEAD)
-    d = {b: sf.project_decode(f, "ep-split", BACKEND, CONTEXT, b, t, n, pl) for b in (1, 8)}
+    d = {
+        b: sf.project_decode(f, "ep-split", BACKEND, CONTEXT, b, t, FORM, size=n, pl=pl)
+        for b in (1, 8)
+    }
     chunk = byte_budget.shipped().prefill_chunk
-    p = sf.project_prefill(f, "ep-split", BACKEND, PROMPT, chunk, t, n, pl)
+    p = sf.project_prefill(f, "ep-split", BACKEND, PROMPT, chunk, t, FORM, size=n, pl=pl)
     return {
         "decode_b1_tok_s": d[1]["tok_s"],
         "decode_b8_tok_s": d[8]["tok_s"],
@@ -94,12 +106,24 @@ HEADER = (
 )
 
 
+def refusal(why: str) -> str:
+    """The table's words for a refused set, with the numbers where the planner gave them."""
+    m = re.search(r"leave (\d+) for routed experts.*?needs (\d+) on the fullest rank", why)
+    if m:
+        left, need = (int(x) / 1e9 for x in m.groups())
+        return f"no: the 1-bit experts need {need:.0f} GB on a box, {left:.0f} GB left"
+    return "no: below the grid's lowest measured quality"
+
+
 def markdown_row(row: dict) -> str:
     """One row of docs/n-boxes.md's table (tests/test_docs.py renders it from the JSON)."""
     name = row["set"]
     if not row["fits"]:
-        return f"| {name} | no: below the grid's lowest measured quality | | | | | | | |"
+        return f"| {name} | {refusal(row['why'])} | | | | | | | |"
     kl = f"{row['kl_mean']:.4f} / {row['kl_p95']:.4f} ({row['kl_from']})"
+    if row["kl_from"] == "interpolated":
+        a, b = row["grid_rows_bpw"]
+        kl = f"{row['kl_mean']:.4f} / {row['kl_p95']:.4f} (between {a:.2f} and {b:.2f})"
     if row["kl_from"] == "extrapolated":
         kl = f"at most {row['kl_mean']:.4f} / {row['kl_p95']:.4f} (past the grid)"
     held = ", ".join(f"{x / 1e9:.0f}" for x in row["bytes_per_box"])
@@ -120,11 +144,11 @@ def main() -> None:
     acc = account(config, read_index(REAL_K3_INDEX), str(REAL_K3_INDEX))
     th = sf.fit(sf.Counts(config))
     rows = []
-    for name, spec in SETS.items():
-        row, plan = plan_row(acc, spec)
+    for name, (spec, split) in SETS.items():
+        row, plan = plan_row(acc, spec, split)
         if plan is not None:
             row |= speed(config, plan, th)
-        rows.append({"set": name, "boxes_gib": spec, **row})
+        rows.append({"set": name, "boxes_gib": spec, "expert_split": split, **row})
         print(json.dumps(rows[-1])[:400], flush=True)
     out = {
         "command": "python benchmarks/speed/nboxes_table.py " + " ".join(sys.argv[1:]),
@@ -136,6 +160,7 @@ def main() -> None:
             "backend": BACKEND,
             "overheads_of": OVERHEAD,
             "mode": "ep-split",
+            "moe_form": FORM,
             "limits": "deploy/tb5.yaml (4 requests at 128K, 128K prompt cache)",
             "box": "M3 Ultra, wired limit = memory - 24 GiB, 4 GiB runtime reserve",
         },

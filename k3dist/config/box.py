@@ -54,6 +54,21 @@ def sized(memory_gib: float, wired_limit_mb: int | None = None) -> Box:
     )
 
 
+def box_item(item: str | float | dict) -> dict:
+    """One box as a deployment or ``--boxes`` names it: ``256``, ``"256:237568"`` (GiB,
+    optionally ``:wired_limit_mb``) or ``{memory_gib, wired_limit_mb, host}``; returned
+    as that mapping (``wired_limit_mb`` None: memory - 24 GiB)."""
+    if isinstance(item, dict):
+        return dict(item)
+    mem, _, wired = str(item).strip().partition(":")
+    try:
+        return {"memory_gib": float(mem), "wired_limit_mb": int(wired) if wired else None}
+    except ValueError:
+        raise ValueError(
+            f"box {item!r}: give GiB[:wired_limit_mb], e.g. 256 or 256:237568"
+        ) from None
+
+
 def parse_boxes(spec: str | list) -> tuple[Box, ...]:
     """``512,256,256`` or ``512,256:230000,256`` (GiB, optionally ``:wired_limit_mb``
     each), or a list of such items or of ``{memory_gib, wired_limit_mb}``: one box per
@@ -61,12 +76,9 @@ def parse_boxes(spec: str | list) -> tuple[Box, ...]:
     items = spec.split(",") if isinstance(spec, str) else list(spec)
     out = []
     for it in items:
-        if isinstance(it, dict):
-            out.append(sized(float(it["memory_gib"]), it.get("wired_limit_mb")))
-            continue
-        mem, _, wired = str(it).strip().partition(":")
+        b = box_item(it)
         try:
-            out.append(sized(float(mem), int(wired) if wired else None))
+            out.append(sized(float(b["memory_gib"]), b.get("wired_limit_mb")))
         except ValueError as e:
             raise ValueError(
                 f"box {it!r}: {e} (give GiB[:wired_limit_mb], e.g. 256:237568)"
@@ -74,6 +86,11 @@ def parse_boxes(spec: str | list) -> tuple[Box, ...]:
     if not out:
         raise ValueError("no boxes named; give e.g. --boxes 512,256,256")
     return tuple(out)
+
+
+def boxes_spec(boxes: tuple[Box, ...]) -> str:
+    """The ``--boxes`` string of ``boxes`` (each ``GiB:wired_limit_mb``)."""
+    return ",".join(f"{b.memory_bytes / GiB:g}:{b.wired_limit_mb}" for b in boxes)
 
 
 SOURCES = {

@@ -12,7 +12,7 @@ import argparse
 import difflib
 import sys
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 from k3dist.format.layout import ATTENTION_MODES
 from k3dist.format.placement import MOE_FORMS, RING_CONNECT_S
@@ -22,6 +22,9 @@ from k3dist.format.verify import MODES as VERIFY_MODES
 import yaml
 from annotated_types import Ge, Gt, Le
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from k3dist.config.box import Box
 
 DEFAULT_DEPLOYMENT = Path("deploy/local.yaml")
 # compute dtypes a deployment may ask for (MLX names)
@@ -61,6 +64,25 @@ def _key(default: Any, help: str, section: str, flag: str | None = None, **range
     return Field(default, description=help, json_schema_extra=extra, **range_)
 
 
+class BoxSpec(BaseModel):
+    """One box of a deployment's ``boxes``: its memory and the wired limit set on it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    memory_gib: float = Field(gt=0, allow_inf_nan=False)  # 512 for a "512 GB" M3 Ultra
+    # sysctl iogpu.wired_limit_mb as set on that Mac; None: memory - 24 GiB
+    wired_limit_mb: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _wired_within_memory(self) -> BoxSpec:
+        if self.wired_limit_mb is not None and self.wired_limit_mb > self.memory_gib * 1024:
+            raise ValueError(
+                f"wired_limit_mb {self.wired_limit_mb} is more than the box's "
+                f"{self.memory_gib:g} GiB ({int(self.memory_gib * 1024)} MB)"
+            )
+        return self
+
+
 class Deployment(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -74,12 +96,15 @@ class Deployment(BaseModel):
     placement_counts: str | None = _key(
         None, "routing counts (.npz / .json) for a load-aware placement; none: contiguous", "build"
     )
-    boxes: list[float] | None = _key(
+    boxes: list[BoxSpec] | None = _key(
         None,
-        "GiB each box gives the weights, one per rank in rank order (e.g. 512,256,256): "
+        "each box's memory in GiB, one per rank in rank order (e.g. 512,256,256), each "
+        "optionally with the iogpu.wired_limit_mb set on it (512,256:237568,256; in YAML "
+        "also {memory_gib: 256, wired_limit_mb: 237568}; default memory - 24 GiB): "
         "routed experts placed per layer in proportion to what each box has left after its "
-        "non-expert bytes (k3dist.format.placement.split_by_memory); rank folders are "
-        "sliced for one list and refused under another; none: equal counts",
+        "non-expert bytes (k3dist.format.placement.split_by_memory; k3dist-plan "
+        "--deployment plans for these boxes); rank folders are sliced for one list of "
+        "memories and refused under another; none: equal counts",
         "build",
     )
     # -- one rank's model --
@@ -340,18 +365,22 @@ class Deployment(BaseModel):
     @field_validator("boxes", mode="before")
     @classmethod
     def _box_list(cls, v: Any) -> Any:
-        """``512,256,256`` (a flag, or YAML's string) or a list; repeated flags append."""
+        """``512,256:237568,256`` (a flag, or YAML's string) or a list of numbers, such
+        strings or mappings; repeated flags append."""
         if isinstance(v, str):
             v = [v]
-        if isinstance(v, list) and any(isinstance(x, str) for x in v):
-            v = [p.strip() for x in v for p in str(x).split(",") if p.strip()]
-        return v
+        if not isinstance(v, list):
+            return v
+        from k3dist.config.box import box_item  # the planner's parser: not at serving import
+
+        items = [p for x in v for p in (x.split(",") if isinstance(x, str) else [x])]
+        return [box_item(x) for x in items if not isinstance(x, str) or x.strip()]
 
     @field_validator("boxes")
     @classmethod
-    def _positive(cls, v: list[float] | None) -> list[float] | None:
-        if v is not None and (not v or any(not 0 < x < float("inf") for x in v)):
-            raise ValueError("boxes must be one positive number (GiB) per rank")
+    def _not_empty(cls, v: list[BoxSpec] | None) -> list[BoxSpec] | None:
+        if v is not None and not v:
+            raise ValueError("boxes must name one box per rank")
         return v
 
     @model_validator(mode="after")
@@ -367,11 +396,23 @@ class Deployment(BaseModel):
             if "size" in self.model_fields_set:
                 raise ValueError(
                     f"size is {self.size} but boxes names {len(self.boxes)} boxes "
-                    f"({', '.join(f'{b:g}' for b in self.boxes)}); give size "
+                    f"({', '.join(f'{b:g}' for b in self.box_gib or [])}); give size "
                     f"{len(self.boxes)} (--size {len(self.boxes)}) or one box per rank"
                 )
             self.size = len(self.boxes)
         return self
+
+    @property
+    def box_gib(self) -> list[float] | None:
+        """Each box's memory (GiB), rank order: what rank folders are placed by and the
+        loader checks (the wired limits shape the plan, not the placement's shares)."""
+        return None if self.boxes is None else [b.memory_gib for b in self.boxes]
+
+    def box_list(self) -> tuple[Box, ...] | None:
+        """The boxes as the planner takes them (``k3dist.config.box.Box``, rank order)."""
+        from k3dist.config.box import parse_boxes
+
+        return None if self.boxes is None else parse_boxes([b.model_dump() for b in self.boxes])
 
     def rank_path(self, rank: int) -> Path:
         return Path(self.rank_dir.format(rank=rank))
@@ -414,7 +455,9 @@ def allowed(key: str) -> str:
         float: "a number",
         str: "a string",
         bool: "true or false",
-        list: "a list of numbers" if _items(f.annotation) is float else "a list of strings",
+        list: {float: "a list of numbers", BoxSpec: "a list of boxes (GiB[:wired_limit_mb])"}.get(
+            _items(f.annotation), "a list of strings"
+        ),
     }[kind]
     return (
         name
@@ -465,6 +508,11 @@ def _message(e: ValidationError, path: Path | None, flags: dict[str, Any]) -> st
         if key is None:  # a check across keys
             where = f"{path} and flags" if path and flags else (path or "flags")
             lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+        elif err["type"] == "extra_forbidden" and len(err["loc"]) > 1:  # inside an item
+            lines.append(
+                f"{path or 'flags'}: {key} item {err['loc'][1]}: unknown setting "
+                f"{err['loc'][-1]!r}; known: {', '.join(BoxSpec.model_fields)}"
+            )
         elif err["type"] == "extra_forbidden":
             near = difflib.get_close_matches(key, FIELDS, n=1)
             lines.append(

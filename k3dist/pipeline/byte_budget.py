@@ -655,9 +655,12 @@ def quality_line(plan: dict) -> str:
     if e is None:
         return f"quality: outside the measured grid: {q.get('warning')}"
     how = "measured" if e["measured"] else "interpolated"
+    if "extrapolated" in e:  # past the format's last measured row: that row's, an upper bound
+        how = "past the grid, an upper bound from its last row"
     return (
         f"quality (mini-K3 grid, {q['grid']['windows_per_domain']} windows/domain): expected "
-        f"KL {e['kl']:.4f}, p95 {e['kl_p95']:.4f}, flip {e['flip']:.3f} ({how}: "
+        f"KL {'at most ' if 'extrapolated' in e else ''}{e['kl']:.4f}, p95 {e['kl_p95']:.4f}, "
+        f"flip {e['flip']:.3f} ({how}: "
         f"{' .. '.join(e['grid_rows'])}); scores from the {e['calib_student']} student"
         + (
             f"; with --dwq KL {d['kl']:.4f}, p95 {d['kl_p95']:.4f} (measured: {d['row']})"

@@ -7,7 +7,12 @@ JSON. Every field of the box (``k3dist.config.box.Box``) and of the serving limi
         --dry-run --json
         [--nonexpert-sensitivity benchmarks/results/2026-12-01/nonexpert.json]
         [--context TOKENS] [--max-batch N] [--prompt-cache-tokens TOKENS] [--prefill-chunk TOKENS]
-        [--attention split|replicated]
+        [--attention split|replicated] [--boxes 512,256,256 | --deployment deploy/tb5-3.yaml]
+
+``--deployment FILE`` plans for a deployment YAML: its ``boxes`` (each box's memory and
+wired limit; without them ``size`` boxes of ``--memory-gib``), its serving limits
+(``max_context``, ``max_batch``, ``prompt_cache_tokens``, ``prefill_chunk``, ``dtype``) and
+``attention``; a flag given beside it wins.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 
 from k3dist import REPO
 from k3dist.config.box import Box, parse_boxes
-from k3dist.config.deployment import add_renamed_flag
+from k3dist.config.deployment import Deployment, DeploymentError, add_renamed_flag, load_deployment
 from k3dist.format.classes import CLASSES
 from k3dist.format.folder import CONFIG_NAME, INDEX_NAME, read_index, read_json
 from k3dist.format.kvmemory import GiB
@@ -59,10 +64,17 @@ def _gb(n: float) -> str:
 
 def summary(plan: dict) -> str:
     pr, kv = plan["bytes_per_rank"], plan["kv_state"]
+    budget = (
+        f"budget per rank {_gb(plan['budget_per_rank'])} (wired "
+        f"{_gb(plan['box']['wired_limit_mb'] << 20)} - reserve "
+        f"{_gb(plan['box']['runtime_reserve_bytes'])})"
+        if "boxes" not in plan
+        else "budget per box "
+        + ", ".join(_gb(b["budget"]) for b in plan["per_box"])
+        + " (each wired limit - reserve)"
+    )
     lines = [
-        f"ranks {plan['ranks']}, budget per rank {_gb(plan['budget_per_rank'])} "
-        f"(wired {_gb(plan['box']['wired_limit_mb'] << 20)} - reserve "
-        f"{_gb(plan['box']['runtime_reserve_bytes'])})",
+        f"ranks {plan['ranks']}, {budget}",
         f"lo bank {plan['lo']['format']}, hi bank mxfp4 ({plan['hi']['expert_bytes']:,} B "
         f"per expert); promoted {plan['promoted_total']:,} "
         f"({100 * plan['promoted_fraction']:.1f}%), expert bpw {plan['expert_bpw']}",
@@ -112,6 +124,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--index", help=f"{INDEX_NAME}[.gz] (instead of --src)")
     ap.add_argument("--ranks", type=int, help="ranks of one box size (default 2)")
     ap.add_argument(
+        "--deployment",
+        metavar="YAML",
+        help="plan for this deployment (e.g. deploy/tb5-3.yaml): its boxes (memory and "
+        "wired limit each) or size, serving limits and attention; flags given win "
+        "(default: deploy/tb5.yaml's limits, --ranks boxes of --memory-gib)",
+    )
+    ap.add_argument(
         "--boxes",
         help="boxes of different memory, one per rank: GiB[:wired_limit_mb] each, e.g. "
         "512,256,256 or 512,256:237568,256 (wired limit default: memory - 24 GiB); "
@@ -157,9 +176,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--attention",
         choices=ATTENTION_MODES,
-        default=PlanRequest.attention,
+        default=None,
         help="attention heads (and their KDA state and prefill activations) split "
-        "across ranks, as deploy/tb5.yaml serves (default), or replicated on each",
+        "across ranks, as deploy/tb5.yaml serves (default: the deployment's, split), or "
+        "replicated on each",
     )
     ap.add_argument(
         "--lo-fallback",
@@ -258,12 +278,30 @@ def _nonexpert(ap: argparse.ArgumentParser, args: argparse.Namespace):
     return nonexpert, origin
 
 
+def _deployment(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Deployment:
+    """--deployment's, or the shipped one (deploy/tb5.yaml) for the limits alone."""
+    if not args.deployment:
+        return shipped()
+    try:
+        return load_deployment(args.deployment)
+    except (DeploymentError, FileNotFoundError) as e:
+        ap.error(f"--deployment: {e}")
+
+
+def _boxes(args: argparse.Namespace, dep: Deployment) -> tuple[Box, ...] | None:
+    """--boxes, else --deployment's boxes (None: equal boxes)."""
+    if args.boxes:
+        return parse_boxes(args.boxes)
+    return dep.box_list() if args.deployment else None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = parser()
     args = ap.parse_args(argv)
     cfg_path, idx_path, acc, box = _inputs(ap, args)
+    dep = _deployment(ap, args)
     limits = Limits.of(
-        shipped(),
+        dep,
         context=args.context,
         batch=args.max_batch,
         prompt_cache_tokens=args.prompt_cache_tokens,
@@ -273,11 +311,11 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--max-batch and --context must be at least 1")
     nonexpert, origin = _nonexpert(ap, args)
     try:
-        boxes = parse_boxes(args.boxes) if args.boxes else None
+        boxes = _boxes(args, dep)
         if boxes is not None and args.ranks not in (None, len(boxes)):
             raise ValueError(f"--ranks {args.ranks} but --boxes names {len(boxes)} boxes")
         req = plan_request(
-            len(boxes) if boxes else args.ranks or 2,
+            len(boxes) if boxes else args.ranks or (dep.size if args.deployment else 2),
             args.budget,
             args.budget_total,
             args.target_bpw,
@@ -286,7 +324,8 @@ def main(argv: list[str] | None = None) -> None:
             grid=args.grid,
             nonexpert=nonexpert,
             nonexpert_from=origin,
-            attention=args.attention,
+            attention=args.attention
+            or (dep.attention if args.deployment else PlanRequest.attention),
             lo_fallback=args.lo_fallback,
             headroom=int(args.headroom_gib * GiB),
             boxes=boxes,
@@ -311,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
 def _record(plan: dict, args, argv, cfg_path: Path, idx_path: Path | None, acc) -> dict:
     """The plan with the command and inputs that made it."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    paths = {"--src", "--config", "--index", "--out"}
+    paths = {"--src", "--config", "--index", "--out", "--deployment"}
     rel = [_relpath(a) if i and argv[i - 1] in paths else a for i, a in enumerate(argv)]
     return {
         "command": "python -m k3dist.pipeline.plan " + " ".join(rel),

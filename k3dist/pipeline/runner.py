@@ -551,18 +551,7 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
         help="--config/--index of the real K3 shipped in k3dist/data",
     )
     ap.add_argument("--out", help="output folder: OUT/rank{rank}, OUT/work (scratch)")
-    ap.add_argument("--ranks", type=int, help="ranks of one box size (default 2)")
-    ap.add_argument(
-        "--boxes",
-        help="boxes of different memory, one per rank: GiB[:wired_limit_mb] each, e.g. "
-        "512,256,256 (k3dist-plan --boxes); --ranks follows; the rank folders placed by it",
-    )
-    ap.add_argument(
-        "--expert-split",
-        choices=("memory", "equal"),
-        default="memory",
-        help="with --boxes: experts by each box's room (default) or equal",
-    )
+    _box_args(ap)
     byte_budget.add_budget_args(ap, auto=True)
     ap.add_argument(
         "--lo",
@@ -633,8 +622,42 @@ def parse(argv: list[str] | None = None) -> tuple[Args, argparse.Namespace]:
     return a, ns
 
 
+def _box_args(ap: argparse.ArgumentParser) -> None:
+    """--ranks, --boxes, --deployment and --expert-split: the boxes the plan is for."""
+    ap.add_argument("--ranks", type=int, help="ranks of one box size (default 2)")
+    ap.add_argument(
+        "--boxes",
+        help="boxes of different memory, one per rank: GiB[:wired_limit_mb] each, e.g. "
+        "512,256,256 (k3dist-plan --boxes); --ranks follows; the rank folders placed by it",
+    )
+    ap.add_argument(
+        "--deployment",
+        metavar="YAML",
+        help="a deployment's boxes as --boxes (deploy/tb5-3.yaml: each box's memory and "
+        "wired limit); one without boxes gives --ranks its size",
+    )
+    ap.add_argument(
+        "--expert-split",
+        choices=("memory", "equal"),
+        default="memory",
+        help="with --boxes: experts by each box's room (default) or equal",
+    )
+
+
 def _ranks(ap: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    """--ranks, or the number of --boxes (they must agree when both are given)."""
+    """--ranks, or the number of --boxes or --deployment's (they must agree when both are
+    given); --deployment's boxes become ``ns.boxes`` (``GiB:wired_limit_mb`` each)."""
+    if ns.deployment:
+        from k3dist.config.box import boxes_spec
+        from k3dist.config.deployment import DeploymentError, load_deployment
+
+        if ns.boxes:
+            ap.error("--boxes or --deployment, not both")
+        try:
+            dep = load_deployment(ns.deployment)
+        except (DeploymentError, FileNotFoundError) as e:
+            ap.error(f"--deployment: {e}")
+        ns.boxes, ns.ranks = boxes_spec(dep.box_list()) if dep.boxes else None, ns.ranks or dep.size
     if not ns.boxes:
         return ns.ranks or 2
     from k3dist.config.box import parse_boxes

@@ -400,7 +400,44 @@ def _host_checks(h: str, f: dict, ref_host: str, ref: dict, plan: Plan) -> list[
             )
         )
     if not plan.fast:
-        out += _resource_checks(h, f, plan)
+        out += _resource_checks(h, f, plan) + _box_checks(h, f, plan)
+    return out
+
+
+def _box_checks(h: str, f: dict, plan: Plan) -> list[Check]:
+    """Where the deployment lists its boxes (memory and wired limit, rank order): each
+    rank's Mac has that memory and at least that wired limit, what the plan budgeted."""
+    from k3dist.config.box import sized
+    from k3dist.format.kvmemory import GiB
+
+    boxes = plan.dep.boxes
+    total = macos.parse_sysctl_int(f.get("mem_total") or "")
+    limit = macos.parse_sysctl_int(f.get("wired_limit_mb") or "")
+    if not boxes or total is None:
+        return []
+    out = []
+    for rank in sorted(f["folders"], key=int):
+        box = boxes[int(rank)]
+        want = box.wired_limit_mb or sized(box.memory_gib).wired_limit_mb
+        out.append(
+            Check(
+                h,
+                f"rank {rank} box memory",
+                abs(total - box.memory_gib * GiB) < GiB,
+                f"{total / GiB:g} GiB here, the deployment lists {box.memory_gib:g} GiB",
+                "list the deployment's boxes in the hostfile's rank order",
+            )
+        )
+        if limit is not None:
+            out.append(
+                Check(
+                    h,
+                    f"rank {rank} wired limit",
+                    limit >= want,
+                    f"iogpu.wired_limit_mb {limit}; the deployment's box (the plan) {want}",
+                    f"ssh {h} sudo sysctl iogpu.wired_limit_mb={want}",
+                )
+            )
     return out
 
 

@@ -275,7 +275,7 @@ def load_deployed(
     """``load_rank`` as the deployment says: its dtype, MoE form, verify mode, attention
     and boxes; ``folder`` defaults to this rank's (``dep.rank_path``)."""
     folder = dep.rank_path(group.rank()) if folder is None else folder
-    checks = {"peer_failure": peer_failure, "attention": dep.attention, "boxes": dep.boxes}
+    checks = {"peer_failure": peer_failure, "attention": dep.attention, "boxes": dep.box_gib}
     return load_rank(folder, group, dep.dtype, dep.moe_form, dep.verify, **checks)
 
 

@@ -249,3 +249,33 @@ def test_a_renamed_key_is_read_with_a_notice(tmp_path, capsys):
     dep = deployment.from_args(ap, ap.parse_args(["--memory-headroom-gb", "9"]))
     assert dep.memory_headroom_gib == 9
     assert "memory_headroom_gb is deprecated" in capsys.readouterr().err
+
+
+def test_boxes_with_memory_and_wired_limit(tmp_path):
+    """`boxes` lists each box's memory and, optionally, its wired limit: mappings in a
+    YAML, `GiB[:wired_limit_mb]` in a flag or a string; size follows; a wired limit
+    above the memory is refused with the numbers."""
+    want = [(512.0, 499712), (256.0, 237568), (256.0, None)]
+    y = tmp_path / "d.yaml"
+    y.write_text(
+        "boxes:\n  - {memory_gib: 512, wired_limit_mb: 499712}\n"
+        "  - {memory_gib: 256, wired_limit_mb: 237568}\n  - 256\n"
+    )
+    for dep in (
+        load_deployment(y),
+        load_deployment(None, boxes=["512:499712,256:237568", "256"]),
+        _parse(["--boxes", "512:499712,256:237568,256"], ("size", "boxes")),
+    ):
+        assert [(b.memory_gib, b.wired_limit_mb) for b in dep.boxes] == want
+        assert dep.size == 3 and dep.box_gib == [512.0, 256.0, 256.0]
+        assert [b.wired_limit_mb for b in dep.box_list()] == [499712, 237568, 237568]
+    assert load_deployment(None, boxes="512,256,256").box_gib == [512.0, 256.0, 256.0]
+    y.write_text("boxes:\n  - {memory_gib: 256, wired_limit_mb: 300000}\n")
+    with pytest.raises(DeploymentError, match=r"300000 is more than the box's 256 GiB \(262144"):
+        load_deployment(y)
+    y.write_text("boxes:\n  - {memory_gib: 256, wired: 1}\n")
+    with pytest.raises(DeploymentError, match="wired"):
+        load_deployment(y)
+    for name in ("tb5-3", "tb5-4"):
+        dep = load_deployment(REPO / "deploy" / f"{name}.yaml")
+        assert dep.size == int(name[-1]) and all(b.wired_limit_mb for b in dep.boxes)

@@ -493,3 +493,53 @@ def test_boxes_of_different_memory(acc):
     assert small["lo"]["format"] == "1bit-g64" and small["quality"]["expected"] is not None
     with pytest.raises(ValueError, match="nothing fits"):
         plan_for("512,256", expert_split="equal")
+
+
+def test_plan_for_a_deployment_of_boxes(tmp_path, capsys):
+    """`k3dist-plan --deployment deploy/tb5-3.yaml` plans for the boxes it lists (memory
+    and wired limit each) at its limits: the same plan as --boxes with those wired
+    limits; a lower wired limit on one box gives that box less; deploy/tb5.yaml plans
+    what the planner's defaults do; the pipeline's --deployment takes the same boxes."""
+    from k3dist.pipeline import runner
+
+    real = ["--config", str(REAL_K3_CONFIG), "--index", str(REAL_INDEX), "--json"]
+
+    def run(*args: str) -> dict:
+        plan.main([*real, *args])
+        return json.loads(capsys.readouterr().out)
+
+    tb5_3 = run("--deployment", str(REPO / "deploy" / "tb5-3.yaml"))
+    flags = run("--boxes", "512:499712,256:237568,256:237568")
+    assert {k: v for k, v in tb5_3.items() if k != "command"} == {
+        k: v for k, v in flags.items() if k != "command"
+    }
+    assert [b["memory_gib"] for b in tb5_3["boxes"]] == [512, 256, 256]
+    assert [b["wired_limit_mb"] for b in tb5_3["per_box"]] == [499712, 237568, 237568]
+    assert all(b["budget"] == (b["wired_limit_mb"] << 20) - 4 * GiB for b in tb5_3["per_box"])
+    assert tb5_3["quality"]["expected"] is not None
+    # one 256 GB box wired 8 GiB lower: it holds fewer experts, the plan still fits
+    text = (REPO / "deploy" / "tb5-3.yaml").read_text()
+    lower = text.replace(
+        "{memory_gib: 256, wired_limit_mb: 237568}   # mac-studio-3.local",
+        "{memory_gib: 256, wired_limit_mb: 229376}   # mac-studio-3.local",
+    )
+    assert lower != text
+    (tmp_path / "low.yaml").write_text(lower)
+    low = run("--deployment", str(tmp_path / "low.yaml"))
+    b1, b2 = low["per_box"][1:]
+    assert b2["budget"] == b1["budget"] - 8 * GiB
+    assert b2["routed_experts"] < b1["routed_experts"] and b2["total"] <= b2["budget"]
+    layer = next(iter(low["experts_per_layer_per_rank"]))
+    n1, n2 = low["experts_per_layer_per_rank"][layer][1:]
+    assert n2 < n1
+    # deploy/tb5.yaml names no boxes: its size of the default box, the defaults' plan
+    tb5 = run("--deployment", str(REPO / "deploy" / "tb5.yaml"))
+    default = run()
+    assert {k: v for k, v in tb5.items() if k != "command"} == {
+        k: v for k, v in default.items() if k != "command"
+    }
+    # the pipeline plans for the same boxes
+    a, _ = runner.parse(["--real-k3", "--dry-run", "--deployment", "deploy/tb5-3.yaml"])
+    assert (a.ranks, a.boxes) == (3, "512:499712,256:237568,256:237568")
+    a, _ = runner.parse(["--real-k3", "--dry-run", "--deployment", "deploy/tb5.yaml"])
+    assert (a.ranks, a.boxes) == (2, None)

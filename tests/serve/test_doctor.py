@@ -17,6 +17,7 @@ from pathlib import Path
 
 from k3dist.serve import doctor, macos
 
+REPO = Path(__file__).resolve().parents[2]
 OUTPUTS = Path(__file__).parent / "macos_outputs"
 SOURCES = json.loads((OUTPUTS / "sources.json").read_text())["files"]
 
@@ -215,3 +216,26 @@ def test_environment_must_match_on_every_host():
     checks = doctor._cluster_checks(facts, _plan(), "mac1")
     assert [c.ok for c in checks] == [True, False], [c.line() for c in checks]
     assert "MLX_METAL_FAST_SYNCH" in checks[1].detail
+
+
+def test_a_deployments_boxes_are_checked_on_each_mac():
+    """A deployment listing its boxes (deploy/tb5-3.yaml): the Mac serving rank 1 must
+    have rank 1's listed memory and at least its listed wired limit."""
+    from k3dist.config.deployment import load_deployment
+
+    plan = _plan()
+    plan.dep = load_deployment(REPO / "deploy" / "tb5-3.yaml")
+    one = {"1": {"ok": True, "why": "", "bytes": 150 * 10**9}}
+    ok = _by_name(
+        doctor._box_checks(
+            "mac2", _facts(folders=one, mem_total=str(256 * 2**30), wired_limit_mb="237568\n"), plan
+        )
+    )
+    assert ok["rank 1 box memory"].ok and ok["rank 1 wired limit"].ok, ok
+    bad = _by_name(doctor._box_checks("mac2", _facts(folders=one, wired_limit_mb="0\n"), plan))
+    assert not bad["rank 1 box memory"].ok
+    assert "512 GiB here, the deployment lists 256 GiB" in bad["rank 1 box memory"].detail
+    assert not bad["rank 1 wired limit"].ok
+    assert "sudo sysctl iogpu.wired_limit_mb=237568" in bad["rank 1 wired limit"].line()
+    plan.dep = load_deployment(REPO / "deploy" / "tb5.yaml")  # no boxes: no such checks
+    assert doctor._box_checks("mac2", _facts(folders=one), plan) == []
