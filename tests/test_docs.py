@@ -458,8 +458,14 @@ FIGURES = [
     ),
     F(
         R,
-        "(two 256 GB Macs {})",
+        "bound); two 256 GB Macs {}.",
         _nb("2x256", "fits", lambda f: "hold K3" if f else "do not hold K3"),
+    ),
+    F(
+        R,
+        "three 512 GB at {} ({} the measured quality grid",
+        _nb("3x512", "expert_bpw"),
+        _nb("3x512", "kl_from", lambda k: "past" if k == "extrapolated" else "inside"),
     ),
     F(NB, "issues the same {} collectives a token", _nb("2x512", "collectives_per_token", str)),
     F(
