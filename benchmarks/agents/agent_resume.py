@@ -12,7 +12,7 @@ total time and the load average.
 
     nice -n 10 python benchmarks/agents/agent_resume.py [--client claude|codex] \\
         [--max-context 65536] [--max-output-tokens 32] [--timeout-s 5400] \\
-        --out benchmarks/results/agent-resume-DATE.json
+        [--model data/mini-k3-chat] --out benchmarks/results/DATE/agent-resume.json
 
 Many minutes of CPU on 2 cores: run it under nice.
 """
@@ -158,6 +158,17 @@ def run_codex(url: str, tmp: Path, timeout_s: float) -> dict:
     }
 
 
+def model_ranks(src: Path, tmp: Path) -> str:
+    """A Moonshot-format source folder (a mini variant: ``data/mini-k3-chat``) converted
+    and sliced for 2 ranks under ``tmp``, as the embedded default is: the --rank-dir."""
+    from k3dist.pipeline import convert, slicing
+
+    build = convert.convert(src, tmp / "build", progress=False)
+    for r in range(2):
+        slicing.slice_rank(build, tmp / "ranks" / f"rank{r}", r, 2, None, progress=False)
+    return str(tmp / "ranks" / "rank{rank}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--client", choices=["claude", "codex"], default="claude")
@@ -176,6 +187,12 @@ def main() -> None:
         help="the answer's tokens forced (tests/scripts/serve_scripted.py: a short answer "
         "that ends the message; the prefill is the trained mini's own; one request at a time)",
     )
+    ap.add_argument(
+        "--model",
+        type=Path,
+        help="a source folder to serve instead of the embedded default (e.g. "
+        "data/mini-k3-chat, the mini that ends its messages: docs/minis.md)",
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
 
@@ -190,9 +207,12 @@ def main() -> None:
         *a.serve_args,
     ]
     entry = REPO / "launch/serve.py"
+    rank_dir = Deployment().rank_dir if a.model is None else model_ranks(a.model, tmp / "model")
+    if a.model is not None:
+        args += ["--rank-dir", rank_dir]
     if a.scripted:  # its logits processor follows the latest request: one at a time
         entry = REPO / "tests/scripts/serve_scripted.py"
-        args += ["--rank-dir", Deployment().rank_dir, "--max-batch", "1"]
+        args += ["--rank-dir", rank_dir, "--max-batch", "1"]
     report: dict = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -202,6 +222,7 @@ def main() -> None:
         "client_env_set": {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(a.max_output_tokens)}
         if a.client == "claude"
         else {},
+        "model": str(a.model) if a.model else "k3dist/data/mini-k3 (the embedded default)",
         "serve_args": args,
         "answer": "scripted (the mini's tokens forced to a short answer)"
         if a.scripted
