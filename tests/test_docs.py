@@ -366,6 +366,8 @@ RETRY = "benchmarks/results/2026-12-06/resume-retry.json"
 SCRIPTED = "benchmarks/results/2026-12-06/agent-resume-scripted.json"
 CODEX = "benchmarks/results/2026-12-06/agent-resume-codex-shipped.json"
 CODEX_SCRIPTED = "benchmarks/results/2026-12-06/agent-resume-codex-scripted.json"
+CHAT_RESUME = "benchmarks/results/2026-12-06/agent-resume.json"  # data/mini-k3-chat
+CHAT_CODEX = "benchmarks/results/2026-12-06/agent-resume-codex.json"
 SOAK = "benchmarks/results/2026-12-06/soak.json"
 
 
@@ -624,6 +626,43 @@ FIGURES = [
         (CODEX_SCRIPTED, "run.agent_messages.0", str),
         (CODEX_SCRIPTED, "run.exit", str),
         (CODEX_SCRIPTED, "total_s", "{:,.1f} s".format),
+    ),
+    # the chat mini: both clients' turns end with its own answer
+    F(
+        ("docs/agents.md",),
+        "only\n`CLAUDE_CODE_MAX_OUTPUT_TOKENS={}` set (`benchmarks/results/2026-12-06/agent-resume.json`,"
+        "\nload {} at the run's start and {} at its end): {} request of {} tokens, prefilled in {} s",
+        (CHAT_RESUME, "client_env_set.CLAUDE_CODE_MAX_OUTPUT_TOKENS", str),
+        (CHAT_RESUME, "loadavg_start.0", "{:.1f}".format),
+        (CHAT_RESUME, "loadavg_end.0", "{:.1f}".format),
+        (CHAT_RESUME, "attempts", str),
+        (CHAT_RESUME, "requests.0.prompt_tokens", "{:,}".format),
+        (CHAT_RESUME, "requests.0.prefill_s", str),
+    ),
+    F(
+        ("docs/agents.md",),
+        "then {} tokens generated, ending with the stop token;\nthe turn completed "
+        '(`terminal_reason: {}`, result "{}"),\nexit {}, {}.',
+        (CHAT_RESUME, "requests.0.generated_tokens", str),
+        (CHAT_RESUME, "run.result.terminal_reason", str),
+        (CHAT_RESUME, "run.result.result", str),
+        (CHAT_RESUME, "run.exit", str),
+        (CHAT_RESUME, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "agent-resume-codex.json`, load {} at the run's start): {} request of\n{} tokens, {} "
+        "tokens generated, `turn.completed` with the message",
+        (CHAT_CODEX, "loadavg_start.0", "{:.1f}".format),
+        (CHAT_CODEX, "attempts", str),
+        (CHAT_CODEX, "requests.0.prompt_tokens", "{:,}".format),
+        (CHAT_CODEX, "requests.0.generated_tokens", str),
+    ),
+    F(
+        ("docs/agents.md",),
+        "directory.\", exit {}, {}. The answer",
+        (CHAT_CODEX, "run.exit", str),
+        (CHAT_CODEX, "total_s", "{:,.1f} s".format),
     ),
     F(
         ("docs/agents.md",),

@@ -12,7 +12,8 @@ total time and the load average.
 
     nice -n 10 python benchmarks/agents/agent_resume.py [--client claude|codex] \\
         [--max-context 65536] [--max-output-tokens 32] [--timeout-s 5400] \\
-        [--model data/mini-k3-chat] --out benchmarks/results/DATE/agent-resume.json
+        [--model data/mini-k3-chat] [--prefill-pause-s 10] \\
+        --out benchmarks/results/DATE/agent-resume.json
 
 Many minutes of CPU on 2 cores: run it under nice.
 """
@@ -188,6 +189,13 @@ def main() -> None:
         "that ends the message; the prefill is the trained mini's own; one request at a time)",
     )
     ap.add_argument(
+        "--prefill-pause-s",
+        type=float,
+        default=0.0,
+        help="every rank sleeps this long in each prefill chunk (tests/scripts/serve_paused.py): "
+        "a prefill longer than the client's time-out, as a bigger model's on a slower box",
+    )
+    ap.add_argument(
         "--model",
         type=Path,
         help="a source folder to serve instead of the embedded default (e.g. "
@@ -210,6 +218,11 @@ def main() -> None:
     rank_dir = Deployment().rank_dir if a.model is None else model_ranks(a.model, tmp / "model")
     if a.model is not None:
         args += ["--rank-dir", rank_dir]
+    if a.prefill_pause_s:
+        if a.scripted:
+            ap.error("--prefill-pause-s and --scripted: one entry script or the other")
+        entry = REPO / "tests/scripts/serve_paused.py"
+        args += ["--prefill-pause-s", str(a.prefill_pause_s)]
     if a.scripted:  # its logits processor follows the latest request: one at a time
         entry = REPO / "tests/scripts/serve_scripted.py"
         args += ["--rank-dir", rank_dir, "--max-batch", "1"]
@@ -224,6 +237,7 @@ def main() -> None:
         else {},
         "model": str(a.model) if a.model else "k3dist/data/mini-k3 (the embedded default)",
         "serve_args": args,
+        "prefill_pause_s": a.prefill_pause_s,
         "answer": "scripted (the mini's tokens forced to a short answer)"
         if a.scripted
         else "the mini's own (greedy)",
