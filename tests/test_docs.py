@@ -630,8 +630,9 @@ FIGURES = [
     # the chat mini: both clients' turns end with its own answer
     F(
         ("docs/agents.md",),
-        "only\n`CLAUDE_CODE_MAX_OUTPUT_TOKENS={}` set (`benchmarks/results/2026-12-06/agent-resume.json`,"
-        "\nload {} at the run's start and {} at its end): {} request of {} tokens, prefilled in {} s",
+        "only\n`CLAUDE_CODE_MAX_OUTPUT_TOKENS={}` set (`benchmarks/results/2026-12-06/"
+        "agent-resume.json`,\nload {} at the run's start and {} at its end): {} request of {} "
+        "tokens, prefilled in {} s",
         (CHAT_RESUME, "client_env_set.CLAUDE_CODE_MAX_OUTPUT_TOKENS", str),
         (CHAT_RESUME, "loadavg_start.0", "{:.1f}".format),
         (CHAT_RESUME, "loadavg_end.0", "{:.1f}".format),
@@ -660,7 +661,7 @@ FIGURES = [
     ),
     F(
         ("docs/agents.md",),
-        "directory.\", exit {}, {}. The answer",
+        'directory.", exit {}, {}. The answer',
         (CHAT_CODEX, "run.exit", str),
         (CHAT_CODEX, "total_s", "{:,.1f} s".format),
     ),

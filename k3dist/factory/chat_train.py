@@ -10,8 +10,8 @@ format (``export_source``) with ``training.json`` (this run's arguments, losses 
 and the check: greedy generation on held-out chats (the corpus's ``eval`` split), how many
 end with the stop token within ``--check-tokens``.
 
-    python -m k3dist.factory.chat_train --out data/mini-k3-chat --steps 80
-    k3dist-train chat --out data/mini-k3-chat --steps 80            # the same
+    python -m k3dist.factory.chat_train --out data/mini-k3-chat --steps 40
+    python train/train.py chat --out data/mini-k3-chat --steps 40   # the same
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def train(
     return record
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m k3dist.factory.chat_train") -> None:
     ap = argparse.ArgumentParser(description="The chat stage: a mini-K3 that ends its messages.")
     ap.add_argument("--out", type=Path, required=True, help="the source folder to write")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop the steps early")
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.add_argument("--" + key.replace("_", "-"), type=type(value), default=value)
     a = ap.parse_args(argv)
     args = ChatArgs(**{k: getattr(a, k) for k in asdict(d)})
-    command = " ".join(["k3dist-train chat", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
     record = train(args, a.out, a.max_minutes, lambda s: print(s, flush=True), command)
     print(f"wrote {a.out}: {record['check_after']['ended']} of {args.check_chats} end")
 

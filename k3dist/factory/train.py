@@ -38,7 +38,6 @@ batches it would have seen.
     python -m k3dist.factory.train --out runs/train --freeze --minutes 10
     python -m k3dist.factory.train --out runs/train --export k3dist/data/mini-k3
     python -m k3dist.factory.train speed --size m --seq 256 --batch 8 --steps 6
-    python -m k3dist.factory.train chat --out data/mini-k3-chat   # k3dist.factory.chat_train
 """
 
 from __future__ import annotations
@@ -563,11 +562,6 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["chat"]:  # the chat stage: k3dist.factory.chat_train
-        from k3dist.factory import chat_train
-
-        chat_train.main(argv[1:])
-        return
     if argv[:1] == ["speed"]:
         ap = argparse.ArgumentParser(description="Measure training tokens/s of a size.")
         ap.add_argument("--size", default="m", choices=sorted(SIZES))
