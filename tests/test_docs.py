@@ -368,6 +368,7 @@ CODEX = "benchmarks/results/2026-12-06/agent-resume-codex-shipped.json"
 CODEX_SCRIPTED = "benchmarks/results/2026-12-06/agent-resume-codex-scripted.json"
 CHAT_RESUME = "benchmarks/results/2026-12-06/agent-resume.json"  # data/mini-k3-chat
 CHAT_CODEX = "benchmarks/results/2026-12-06/agent-resume-codex.json"
+CHAT_SLOW = "benchmarks/results/2026-12-06/agent-resume-slow.json"  # --prefill-pause-s
 SOAK = "benchmarks/results/2026-12-06/soak.json"
 
 
@@ -664,6 +665,38 @@ FIGURES = [
         'directory.", exit {}, {}. The answer',
         (CHAT_CODEX, "run.exit", str),
         (CHAT_CODEX, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "every prefill chunk slowed by {} s on\nevery rank (`--prefill-pause-s {}`",
+        (CHAT_SLOW, "prefill_pause_s", "{:.0f}".format),
+        (CHAT_SLOW, "prefill_pause_s", "{:.0f}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "agent-resume-slow.json`,\nload {} at the run's start and {} at its end). Claude Code, "
+        "unmodified but for\n`CLAUDE_CODE_MAX_OUTPUT_TOKENS={}`, sent its {}-token request {} "
+        "times: the first was\ngiven up at prompt token {}; the second resumed from those {} "
+        "tokens",
+        (CHAT_SLOW, "loadavg_start.0", "{:.1f}".format),
+        (CHAT_SLOW, "loadavg_end.0", "{:.1f}".format),
+        (CHAT_SLOW, "client_env_set.CLAUDE_CODE_MAX_OUTPUT_TOKENS", str),
+        (CHAT_SLOW, "requests.0.prompt_tokens", "{:,}".format),
+        (CHAT_SLOW, "attempts", str),
+        (CHAT_SLOW, "stopped_at.0", "{:,}".format),
+        (CHAT_SLOW, "resumed_from.1", "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "and was given up at {}; the third resumed from {}, finished the\nprefill, generated {} "
+        'tokens ending with the stop token, and the turn completed (result\n"{}", exit {}) {} '
+        "after it began",
+        (CHAT_SLOW, "stopped_at.1", "{:,}".format),
+        (CHAT_SLOW, "resumed_from.2", "{:,}".format),
+        (CHAT_SLOW, "requests.2.generated_tokens", str),
+        (CHAT_SLOW, "run.result.result", str),
+        (CHAT_SLOW, "run.exit", str),
+        (CHAT_SLOW, "total_s", "{:,.1f} s".format),
     ),
     F(
         ("docs/agents.md",),
