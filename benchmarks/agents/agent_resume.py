@@ -4,11 +4,12 @@ and default tools, ~17K tokens for Claude Code, ~12K for Codex) takes longer to 
 a small CPU box than the client may wait, so it may give up and send the same request
 again; each retry resumes the prefill its predecessor left in the prompt cache, and each
 of Claude Code's max-token recovery turns reuses its system prompt and tools. Only Claude
-Code's own output cap is set (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``: the mini never stops on
-its own; Codex sends no cap, so the server's ``max_tokens`` applies); no time-out or
-retry count is changed. Reports each request the server saw (prompt tokens, cached tokens
-it resumed from, where it stopped or that it finished), the client's exit and result, the
-total time and the load average.
+Code's own output cap is set (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``; Codex sends no cap, so the
+server's ``max_tokens`` applies); no time-out or retry count is changed. The shipped mini
+never ends a message, so its turns end at the cap and fail; ``--model data/mini-k3-chat``
+serves the mini that ends its messages (docs/minis.md), whose turns complete. Reports each
+request the server saw (prompt tokens, cached tokens it resumed from, where it stopped or
+that it finished), the client's exit and result, the total time and the load average.
 
     nice -n 10 python benchmarks/agents/agent_resume.py [--client claude|codex] \\
         [--max-context 65536] [--max-output-tokens 32] [--timeout-s 5400] \\

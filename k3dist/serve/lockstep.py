@@ -29,6 +29,11 @@ there. On the batch path the request's rows are extracted from mlx-lm's prompt b
 it is removed (``_KeepingBatchGenerator``); on the single path its own cache list, which
 ``stream_generate`` filled up to the chunk where every rank stopped.
 
+Segments: mlx-lm's batch path keeps a chat's system prompt and tools as a cache entry (its
+cache segments, ``segment_system`` for a chat that ends with a system message); its single
+path (``max_batch`` 1) keeps none, so there ``_serve_single`` prefills the ``system`` segment
+first and keeps a copy (``K3PromptCache.keep_system``) before mlx-lm's prefill goes on.
+
 Progress: rank 0 logs a prefill's progress at most every ``PROGRESS_LOG_S`` (and where it
 resumed from), and ``K3ResponseGenerator.in_flight`` reports each request's progress for
 ``/v1/k3dist``. The handler waiting on a request is called back (``SUBMITTER.idle``)
