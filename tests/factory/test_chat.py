@@ -5,8 +5,6 @@ never saw."""
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 
 from k3dist import MINI_K3
 from k3dist.factory import chat_train
@@ -20,8 +18,8 @@ CHAT_MINI = REPO / "data" / "mini-k3-chat"
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return chat_train.load_chat_tokenizer(MINI_K3, Path(tempfile.mkdtemp(prefix="chat-tok-")))
+def tokenizer(tmp_path_factory):
+    return chat_train.load_chat_tokenizer(MINI_K3, tmp_path_factory.mktemp("chat-tokenizer"))
 
 
 @pytest.fixture(scope="module")
