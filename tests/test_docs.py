@@ -362,11 +362,14 @@ PREFIX = "benchmarks/results/2026-12-03/prefix-cache.json"
 PREFILL = "benchmarks/results/2026-12-03/project-prefill.json"
 VISION = "benchmarks/results/2026-12-02/vision-memory.json"
 VERIFY = "benchmarks/results/2026-12-01/verify-rate.json"
-RESUME = "benchmarks/results/2026-12-06/agent-resume.json"
+RESUME = "benchmarks/results/2026-12-06/agent-resume-shipped.json"
 RETRY = "benchmarks/results/2026-12-06/resume-retry.json"
 SCRIPTED = "benchmarks/results/2026-12-06/agent-resume-scripted.json"
-CODEX = "benchmarks/results/2026-12-06/agent-resume-codex.json"
+CODEX = "benchmarks/results/2026-12-06/agent-resume-codex-shipped.json"
 CODEX_SCRIPTED = "benchmarks/results/2026-12-06/agent-resume-codex-scripted.json"
+CHAT_RESUME = "benchmarks/results/2026-12-06/agent-resume.json"  # data/mini-k3-chat
+CHAT_CODEX = "benchmarks/results/2026-12-06/agent-resume-codex.json"
+CHAT_SLOW = "benchmarks/results/2026-12-06/agent-resume-slow.json"  # --prefill-pause-s
 SOAK = "benchmarks/results/2026-12-06/soak.json"
 
 
@@ -733,6 +736,76 @@ FIGURES = [
         (CODEX_SCRIPTED, "run.agent_messages.0", str),
         (CODEX_SCRIPTED, "run.exit", str),
         (CODEX_SCRIPTED, "total_s", "{:,.1f} s".format),
+    ),
+    # the chat mini: both clients' turns end with its own answer
+    F(
+        ("docs/agents.md",),
+        "only\n`CLAUDE_CODE_MAX_OUTPUT_TOKENS={}` set (`benchmarks/results/2026-12-06/"
+        "agent-resume.json`,\nload {} at the run's start and {} at its end): {} request of {} "
+        "tokens, prefilled in {} s",
+        (CHAT_RESUME, "client_env_set.CLAUDE_CODE_MAX_OUTPUT_TOKENS", str),
+        (CHAT_RESUME, "loadavg_start.0", "{:.1f}".format),
+        (CHAT_RESUME, "loadavg_end.0", "{:.1f}".format),
+        (CHAT_RESUME, "attempts", str),
+        (CHAT_RESUME, "requests.0.prompt_tokens", "{:,}".format),
+        (CHAT_RESUME, "requests.0.prefill_s", str),
+    ),
+    F(
+        ("docs/agents.md",),
+        "then {} tokens generated, ending with the stop token;\nthe turn completed "
+        '(`terminal_reason: {}`, result "{}"),\nexit {}, {}.',
+        (CHAT_RESUME, "requests.0.generated_tokens", str),
+        (CHAT_RESUME, "run.result.terminal_reason", str),
+        (CHAT_RESUME, "run.result.result", str),
+        (CHAT_RESUME, "run.exit", str),
+        (CHAT_RESUME, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "agent-resume-codex.json`, load {} at the run's start): {} request of\n{} tokens, {} "
+        "tokens generated, `turn.completed` with the message",
+        (CHAT_CODEX, "loadavg_start.0", "{:.1f}".format),
+        (CHAT_CODEX, "attempts", str),
+        (CHAT_CODEX, "requests.0.prompt_tokens", "{:,}".format),
+        (CHAT_CODEX, "requests.0.generated_tokens", str),
+    ),
+    F(
+        ("docs/agents.md",),
+        'directory.", exit {}, {}. The answer',
+        (CHAT_CODEX, "run.exit", str),
+        (CHAT_CODEX, "total_s", "{:,.1f} s".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "every prefill chunk slowed by {} s on\nevery rank (`--prefill-pause-s {}`",
+        (CHAT_SLOW, "prefill_pause_s", "{:.0f}".format),
+        (CHAT_SLOW, "prefill_pause_s", "{:.0f}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "agent-resume-slow.json`,\nload {} at the run's start and {} at its end). Claude Code, "
+        "unmodified but for\n`CLAUDE_CODE_MAX_OUTPUT_TOKENS={}`, sent its {}-token request {} "
+        "times: the first was\ngiven up at prompt token {}; the second resumed from those {} "
+        "tokens",
+        (CHAT_SLOW, "loadavg_start.0", "{:.1f}".format),
+        (CHAT_SLOW, "loadavg_end.0", "{:.1f}".format),
+        (CHAT_SLOW, "client_env_set.CLAUDE_CODE_MAX_OUTPUT_TOKENS", str),
+        (CHAT_SLOW, "requests.0.prompt_tokens", "{:,}".format),
+        (CHAT_SLOW, "attempts", str),
+        (CHAT_SLOW, "stopped_at.0", "{:,}".format),
+        (CHAT_SLOW, "resumed_from.1", "{:,}".format),
+    ),
+    F(
+        ("docs/agents.md",),
+        "and was given up at {}; the third resumed from {}, finished the\nprefill, generated {} "
+        'tokens ending with the stop token, and the turn completed (result\n"{}", exit {}) {} '
+        "after it began",
+        (CHAT_SLOW, "stopped_at.1", "{:,}".format),
+        (CHAT_SLOW, "resumed_from.2", "{:,}".format),
+        (CHAT_SLOW, "requests.2.generated_tokens", str),
+        (CHAT_SLOW, "run.result.result", str),
+        (CHAT_SLOW, "run.exit", str),
+        (CHAT_SLOW, "total_s", "{:,.1f} s".format),
     ),
     F(
         ("docs/agents.md",),

@@ -8,14 +8,20 @@
     python train/train.py --out runs/train --plot runs/train/curve.png
     python train/train.py --out runs/more --size sparse --seed 1 --init data/mini-k3-sparse \
         --max-minutes 55                                          # warm start from an export
+    python train/train.py chat --out data/mini-k3-chat --steps 40  # the chat stage
 
 Sizes, schedule and the run folder's files: ``k3dist/factory/train.py``; measured speeds
 and the recommended run: ``train/README.md``. Measure a size first:
 ``python -m k3dist.factory.train speed --size m --seq 256 --batch 8``.
 """
 
+import sys
+
 import k3dist  # noqa: F401  (loads OpenBLAS before mlx)
-from k3dist.factory import train
+from k3dist.factory import chat_train, train
 
 if __name__ == "__main__":
-    train.main()
+    if sys.argv[1:2] == ["chat"]:  # the chat stage (issue 41): k3dist/factory/chat_train.py
+        chat_train.main(sys.argv[2:], prog="python train/train.py chat")
+    else:
+        train.main()

@@ -4,15 +4,17 @@ and default tools, ~17K tokens for Claude Code, ~12K for Codex) takes longer to 
 a small CPU box than the client may wait, so it may give up and send the same request
 again; each retry resumes the prefill its predecessor left in the prompt cache, and each
 of Claude Code's max-token recovery turns reuses its system prompt and tools. Only Claude
-Code's own output cap is set (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``: the mini never stops on
-its own; Codex sends no cap, so the server's ``max_tokens`` applies); no time-out or
-retry count is changed. Reports each request the server saw (prompt tokens, cached tokens
-it resumed from, where it stopped or that it finished), the client's exit and result, the
-total time and the load average.
+Code's own output cap is set (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``; Codex sends no cap, so the
+server's ``max_tokens`` applies); no time-out or retry count is changed. The shipped mini
+never ends a message, so its turns end at the cap and fail; ``--model data/mini-k3-chat``
+serves the mini that ends its messages (docs/minis.md), whose turns complete. Reports each
+request the server saw (prompt tokens, cached tokens it resumed from, where it stopped or
+that it finished), the client's exit and result, the total time and the load average.
 
     nice -n 10 python benchmarks/agents/agent_resume.py [--client claude|codex] \\
         [--max-context 65536] [--max-output-tokens 32] [--timeout-s 5400] \\
-        --out benchmarks/results/agent-resume-DATE.json
+        [--model data/mini-k3-chat] [--prefill-pause-s 10] \\
+        --out benchmarks/results/DATE/agent-resume.json
 
 Many minutes of CPU on 2 cores: run it under nice.
 """
@@ -158,6 +160,17 @@ def run_codex(url: str, tmp: Path, timeout_s: float) -> dict:
     }
 
 
+def model_ranks(src: Path, tmp: Path) -> str:
+    """A Moonshot-format source folder (a mini variant: ``data/mini-k3-chat``) converted
+    and sliced for 2 ranks under ``tmp``, as the embedded default is: the --rank-dir."""
+    from k3dist.pipeline import convert, slicing
+
+    build = convert.convert(src, tmp / "build", progress=False)
+    for r in range(2):
+        slicing.slice_rank(build, tmp / "ranks" / f"rank{r}", r, 2, None, progress=False)
+    return str(tmp / "ranks" / "rank{rank}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--client", choices=["claude", "codex"], default="claude")
@@ -176,6 +189,19 @@ def main() -> None:
         help="the answer's tokens forced (tests/scripts/serve_scripted.py: a short answer "
         "that ends the message; the prefill is the trained mini's own; one request at a time)",
     )
+    ap.add_argument(
+        "--prefill-pause-s",
+        type=float,
+        default=0.0,
+        help="every rank sleeps this long in each prefill chunk (tests/scripts/serve_paused.py): "
+        "a prefill longer than the client's time-out, as a bigger model's on a slower box",
+    )
+    ap.add_argument(
+        "--model",
+        type=Path,
+        help="a source folder to serve instead of the embedded default (e.g. "
+        "data/mini-k3-chat, the mini that ends its messages: docs/minis.md)",
+    )
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
 
@@ -190,9 +216,17 @@ def main() -> None:
         *a.serve_args,
     ]
     entry = REPO / "launch/serve.py"
+    rank_dir = Deployment().rank_dir if a.model is None else model_ranks(a.model, tmp / "model")
+    if a.model is not None:
+        args += ["--rank-dir", rank_dir]
+    if a.prefill_pause_s:
+        if a.scripted:
+            ap.error("--prefill-pause-s and --scripted: one entry script or the other")
+        entry = REPO / "tests/scripts/serve_paused.py"
+        args += ["--prefill-pause-s", str(a.prefill_pause_s)]
     if a.scripted:  # its logits processor follows the latest request: one at a time
         entry = REPO / "tests/scripts/serve_scripted.py"
-        args += ["--rank-dir", Deployment().rank_dir, "--max-batch", "1"]
+        args += ["--rank-dir", rank_dir, "--max-batch", "1"]
     report: dict = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -202,7 +236,9 @@ def main() -> None:
         "client_env_set": {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(a.max_output_tokens)}
         if a.client == "claude"
         else {},
+        "model": str(a.model) if a.model else "k3dist/data/mini-k3 (the embedded default)",
         "serve_args": args,
+        "prefill_pause_s": a.prefill_pause_s,
         "answer": "scripted (the mini's tokens forced to a short answer)"
         if a.scripted
         else "the mini's own (greedy)",

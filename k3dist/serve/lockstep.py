@@ -29,6 +29,11 @@ there. On the batch path the request's rows are extracted from mlx-lm's prompt b
 it is removed (``_KeepingBatchGenerator``); on the single path its own cache list, which
 ``stream_generate`` filled up to the chunk where every rank stopped.
 
+Segments: mlx-lm's batch path keeps a chat's system prompt and tools as a cache entry (its
+cache segments, ``segment_system`` for a chat that ends with a system message); its single
+path (``max_batch`` 1) keeps none, so there ``_serve_single`` prefills the ``system`` segment
+first and keeps a copy (``K3PromptCache.keep_system``) before mlx-lm's prefill goes on.
+
 Progress: rank 0 logs a prefill's progress at most every ``PROGRESS_LOG_S`` (and where it
 resumed from), and ``K3ResponseGenerator.in_flight`` reports each request's progress for
 ``/v1/k3dist``. The handler waiting on a request is called back (``SUBMITTER.idle``)
@@ -470,6 +475,55 @@ class K3ResponseGenerator(mlx_server.ResponseGenerator):
             "BatchGenerator", (_KeepingBatchGenerator,), {"keep": staticmethod(keep), "owner": self}
         )
         compat.with_names(mlx_server.ResponseGenerator._generate, BatchGenerator=batch_class)(self)
+
+    def _serve_single(self, request, stream):
+        """mlx-lm's single path, its prefill cut where its batch path cuts it: the chat's
+        ``system`` segment (system prompt and tools; a system-last chat's too,
+        ``segment_system``) is prefilled first and kept, so a later chat that shares it
+        (Claude Code's recovery, which changes the first user message) resumes there."""
+        tokenized = getattr(request[1], "tokenized", None)
+        if tokenized is None or not tokenized[2] or tokenized[2][0] != "system":
+            return super()._serve_single(request, stream)
+        system = list(tokenized[1][0])
+        run = compat.with_names(
+            mlx_server.ResponseGenerator._serve_single,
+            stream_generate=lambda **kw: self._system_first(system, len(tokenized[0]), **kw),
+        )
+        return run(self, request, stream)
+
+    def _system_first(self, system: list[int], total: int, **kw):
+        """``stream_generate`` for a prompt whose first ``len(system)`` tokens are its
+        system segment: the part of it past the cache hit is prefilled in
+        ``prefill_step_size`` chunks (progress reported, so a client's hang-up stops it
+        as any chunk), kept (``K3PromptCache.keep_system``), then mlx-lm's prefill and
+        generation go on from there; progress counts over the whole rest of the prompt."""
+        from mlx_lm.generate import maybe_quantize_kv_cache, stream_generate
+
+        rest, cache = kw["prompt"], kw["prompt_cache"]
+        head = len(system) - (total - len(rest))  # system tokens the cache does not hold
+        keep = getattr(self.prompt_cache, "keep_system", None)
+        plain = kw.get("input_embeddings") is not None or kw.get("draft_model") is not None
+        if keep is None or plain or not 0 < head < len(rest) - 1:
+            return stream_generate(**kw)
+        progress, step = kw["prompt_progress_callback"], kw["prefill_step_size"]
+        model = kw["model"]
+        with mx.stream(kw["stream"]):
+            progress(0, len(rest))
+            for done in range(0, head, step):
+                n = min(step, head - done)
+                model(mx.array(rest[done : done + n])[None], cache=cache)
+                maybe_quantize_kv_cache(
+                    cache, kw["quantized_kv_start"], kw["kv_group_size"], kw["kv_bits"]
+                )
+                mx.eval([c.state for c in cache])
+                progress(done + n, len(rest))
+                mx.clear_cache()
+        keep(self.model_provider.model_key, system, cache)
+        kw.update(
+            prompt=rest[head:],
+            prompt_progress_callback=lambda p, t: progress(p + head, t + head),
+        )
+        return stream_generate(**kw)
 
     def generate(self, request, generation_args, progress_callback=None):
         """mlx-lm's, without the handler's progress callback: it logged every prefill

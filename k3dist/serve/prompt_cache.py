@@ -46,7 +46,10 @@ each of its max-token recoveries (or retries) it changes the first user message,
 comes before it: no entry ever ended before that change, and the KDA state cannot be
 trimmed back to it, so each recovery of a 17K-token request prefilled from zero
 (benchmarks/results/2026-12-05/agent-resume.json). Such a chat is cut here as mlx-lm cuts
-one that ends with a user message, so its system prompt and tools are kept too.
+one that ends with a user message, so its system prompt and tools are kept too. mlx-lm's
+single path (``max_batch`` 1) keeps no segment at all; there the lockstep core prefills a
+chat's ``system`` segment first and keeps a copy of it (``keep_system``), so both paths
+reuse a chat's system prompt and tools.
 
 With a ``store`` (``k3dist.serve.prefix_store.PrefixStore``, deployment
 ``prefix_cache_dir``), the prefixes mlx-lm keeps as ``system`` entries (a chat's system
@@ -216,6 +219,19 @@ class K3PromptCache(LRUPromptCache):
         self.insert_cache(model, list(tokens), cache, cache_type="user")
         if self._holds(model, tuple(tokens)):
             self._abandoned.add(tuple(tokens))
+        return True
+
+    def keep_system(self, model: Any, tokens: list[int], cache: list) -> bool:
+        """The single path's copy of a chat's system segment (``tokens``, which ``cache``
+        holds now; every rank at the same request): kept as a ``system`` entry, as mlx-lm's
+        batch path keeps it. Returns whether it was kept (the same on every rank)."""
+        held = cache_tokens(cache)
+        if self._agreed_stale(held is not None and held != len(tokens)):
+            logging.warning(
+                "prompt cache: system segment of %d tokens holds %s: not kept", len(tokens), held
+            )
+            return False
+        self.insert_cache(model, list(tokens), copy.deepcopy(cache), cache_type="system")
         return True
 
     def prefill_abandoned(self, processed: int) -> None:

@@ -199,3 +199,51 @@ def test_retry_resumes_abandoned_prefill(server, ranks, mini_build):
         f"\nfirst event after {first:.2f}s; abandoned at prompt token {stopped} of {n}; "
         f"the retry found {cached} cached"
     )
+
+
+def _system_last(query: str, recovery: int) -> dict:
+    """Claude Code's default-mode shape: system prompt and tools, the first user message,
+    then a closing system message; each of its max-token recoveries changes that first
+    user message, which comes before the closing one."""
+    tool = {
+        "name": "list_files",
+        "description": "The files of a folder, one a line, with their sizes in bytes. " * 4,
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+    }
+    return {
+        "model": "kimi-k3",
+        "max_tokens": 2,
+        "temperature": 0,
+        "thinking": {"type": "adaptive"},
+        "system": "You are an agent whose system prompt is kept on both paths. " * 8,
+        "tools": [tool],
+        "messages": [
+            {"role": "user", "content": query + " Resume directly." * recovery},
+            {"role": "system", "content": "# Environment\n - Platform: linux\n" * 8},
+        ],
+    }
+
+
+def test_system_last_chat_keeps_its_system_prompt_on_both_paths(server, ranks):
+    # Issue 41: mlx-lm's batch path keeps a chat's system segment (segment_system cuts
+    # a system-last chat as a user-last one); the single path (max_batch 1) keeps it too
+    from k3dist.serve import anthropic_api
+
+    first, again = _system_last("List the files here.", 0), _system_last("List the files here.", 1)
+    usage = []
+    for body in (first, again):
+        status, _, raw = post_conn(server.port, body, "/v1/messages")
+        assert status == 200, raw
+        usage.append(json.loads(raw)["usage"])
+    # where both paths cut: the system prompt and tools, as rendered before a user turn
+    tok = load_tokenizer(ranks.format(rank=0), {"trust_remote_code": False})
+    chat = anthropic_api.to_chat(again)
+    kw = {"tools": chat["tools"], **chat["chat_template_kwargs"]}
+    head = tok.apply_chat_template(
+        [chat["messages"][0], {"role": "user", "content": ""}], add_generation_prompt=False, **kw
+    )
+    prompt = tok.apply_chat_template(chat["messages"], add_generation_prompt=True, **kw)
+    n = next(i for i, (x, y) in enumerate(zip(head, prompt, strict=False)) if x != y)
+    assert usage[1]["input_tokens"] + usage[1]["cache_read_input_tokens"] == len(prompt)
+    assert usage[1]["cache_read_input_tokens"] == n > 100, (usage, n)
+    assert "Traceback" not in server.output()
