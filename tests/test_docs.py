@@ -446,8 +446,44 @@ def _nb(name: str, key: str, fmt="{:.2f}".format):
 
 
 NB = ("docs/n-boxes.md",)
+
+
+def _rehearsal_row(n: int) -> str:
+    """docs/n-boxes.md's rehearsal row for ``n`` boxes, from its two results files."""
+    pipe = _json(f"benchmarks/results/2026-12-06/rehearsal-pipeline-{n}-boxes.json")
+    serve = _json(f"benchmarks/results/2026-12-06/rehearsal-serve-{n}-boxes.json")
+    par = serve["parity"]
+    ranks = "equal" if all(o == par["served"] for o in par["other_ranks"]) else "differ"
+    one = "equal" if par["equal"] else "differ"
+    folders = ", ".join(f"{b / 1e6:.0f}" for b in pipe["disk_plan_preset"]["rank_folders"])
+    if "requests" in serve:
+        q, logs = serve["requests"], serve["token_logs"]
+        done = f"{q['answered_200']} of {q['sent']}"
+        same = f"{'identical' if logs['identical'] else 'differ'}, {logs['compared']} entries"
+    else:
+        done, same = f"stopped after {serve['phase']}", ""
+    same = f" {same} |" if same else " |"
+    return f"{folders} | {serve['ready_s']:.0f} s | {ranks} | {one} | {done} |{same}"
+
+
 FIGURES = [
     *[F(NB, "{}", (lambda i=i: _nboxes_row(i), str)) for i in range(len(_json(NBOXES)["rows"]))],
+    F(NB, "| 512+256+256 | {}", (lambda: _rehearsal_row(3), str)),
+    F(NB, "| 4x256 | {}", (lambda: _rehearsal_row(4), str)),
+    F(
+        NB,
+        "side by side on this machine's 2 cores at load {} to {}",
+        (
+            "benchmarks/results/2026-12-06/rehearsal-pipeline-3-boxes.json",
+            "loadavg_1m.start",
+            "{:.1f}".format,
+        ),
+        (
+            "benchmarks/results/2026-12-06/rehearsal-pipeline-3-boxes.json",
+            "loadavg_1m.end",
+            "{:.1f}".format,
+        ),
+    ),
     # the buyer's table in words (README's requirements line, docs/n-boxes.md)
     F(
         R,
