@@ -404,8 +404,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "rehearsal-parity",
         "pipeline",
         "pipeline/rehearsal_parity.py",
-        "greedy parity of a 2-rank run against one process, through the logits",
-        (F("rows", "rows", ALL, "greedy_equal", agg="count"),),
+        "greedy parity of an N-rank run against one process, through the logits, and how far "
+        "a 1e-7 change moves the single process alone",
+        (
+            F("rows", "rows", ALL, "greedy_equal", agg="count"),
+            F("max |d log p| vs one process", "max_abs_logprob_diff", fmt="{:.3g}"),
+            F("1e-7 change alone", "sensitivity", 0, "max_abs_logprob_change", fmt="{:.3g}"),
+        ),
         command=(("command",), ("commands",)),
     ),
     Benchmark(

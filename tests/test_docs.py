@@ -446,6 +446,9 @@ def _nb(name: str, key: str, fmt="{:.2f}".format):
 
 
 NB = ("docs/n-boxes.md",)
+PAR3 = "benchmarks/results/2026-12-06/rehearsal-parity-3-boxes.json"
+PAR4 = "benchmarks/results/2026-12-06/rehearsal-parity-4-boxes.json"
+PARMINI = "benchmarks/results/2026-12-06/rehearsal-parity-mini.json"
 
 
 def _rehearsal_row(n: int) -> str:
@@ -467,6 +470,25 @@ def _rehearsal_row(n: int) -> str:
 
 
 FIGURES = [
+    # the K3-count rehearsal against one process: rounding amplified by the synthetic build
+    F(
+        NB,
+        "by up to {} (top-1 {})",
+        (PAR3, "sensitivity.0.max_abs_logprob_change", "{:.1f}".format),
+        (PAR3, "sensitivity.0.top1_held", lambda h: "held" if h else "changed"),
+    ),
+    F(
+        NB,
+        "log-probability difference {} at 3 ranks, {} at 4 ranks",
+        (PAR3, "max_abs_logprob_diff", "{:.2f}".format),
+        (PAR4, "max_abs_logprob_diff", "{:.2f}".format),
+    ),
+    F(
+        NB,
+        "same two measurements are {} (2 ranks against one process) and {} (the 1e-7",
+        (PARMINI, "max_abs_logprob_diff", "{:.2e}".format),
+        (PARMINI, "sensitivity.0.max_abs_logprob_change", "{:.2e}".format),
+    ),
     *[F(NB, "{}", (lambda i=i: _nboxes_row(i), str)) for i in range(len(_json(NBOXES)["rows"]))],
     F(NB, "| 512+256+256 | {}", (lambda: _rehearsal_row(3), str)),
     F(NB, "| 4x256 | {}", (lambda: _rehearsal_row(4), str)),
