@@ -1,7 +1,7 @@
 """Lo banks at group 64 and 128 (issue 27): on routed experts 128 wide (synth preset
 ``mini128``), ``grade`` writes 2-bit g128 / g64 and 3-bit g64 lo banks bit for bit as
-``mx.quantize`` of the dequantized MXFP4 expert, at the planner's bytes, and a graded
-g128 build runs on two ranks exactly like one process. Also the unigram floor that a
+``mx.quantize`` of the dequantized MXFP4 expert, at the planner's bytes, and graded
+builds run on ranks exactly like one process (g128 on two, 3-bit g64 on four). Also the unigram floor that a
 trained mini-K3's held-out perplexity is compared with."""
 
 from __future__ import annotations
@@ -66,19 +66,26 @@ def test_lo_bank_values_and_bytes(build128, moe, lo, tmp_path):
         ), k
 
 
-def test_two_rank_graded_g128_equals_single_process(build128, moe, tmp_path):
+# (lo bank, promoted experts a layer, ranks): the g128 case drops routes (k_hi 1); the
+# 3-bit g64 one with nothing promoted is what the K3-count rehearsal's planner chose
+# (docs/n-boxes.md), at 4 ranks
+@pytest.mark.parametrize(
+    "lo,promoted,size", [("2bit-g128", PROMOTED, 2), ("3bit-g64", [], 4)], ids=["g128", "3bit-g64"]
+)
+def test_graded_build_on_ranks_equals_single_process(build128, moe, lo, promoted, size, tmp_path):
     graded = promote.grade(
-        build128, tmp_path / "g", {i: PROMOTED for i in moe}, 1, "2bit-g128", progress=False
+        build128, tmp_path / "g", {i: promoted for i in moe}, 1, lo, progress=False
     )
     model, config = two_bank.load_build(graded)
     model.count_routes(True)
     vocab = config["text_config"]["vocab_size"]
     prompt = np.random.default_rng(0).integers(0, vocab - 256, size=40).tolist()
     tokens, logits = greedy(model, prompt, 16)
-    assert model.route_stats()["dropped_routes"] > 0
+    if promoted:
+        assert model.route_stats()["dropped_routes"] > 0
     ranks = str(tmp_path / "ranks" / "rank{rank}")
-    slicing.slice_all(graded, ranks, 2, progress=False)
-    runs = generate_on_ranks(ranks, tmp_path, prompt, 16)
+    slicing.slice_all(graded, ranks, size, progress=False)
+    runs = generate_on_ranks(ranks, tmp_path, prompt, 16, n=size)
     for x in runs:
         assert x["tokens"].tolist() == tokens
         assert np.array_equal(x["logits"], runs[0]["logits"])
