@@ -1,8 +1,8 @@
 """Lo banks at group 64 and 128 (issue 27): on routed experts 128 wide (synth preset
 ``mini128``), ``grade`` writes 2-bit g128 / g64 and 3-bit g64 lo banks bit for bit as
 ``mx.quantize`` of the dequantized MXFP4 expert, at the planner's bytes, and graded
-builds run on ranks exactly like one process (g128 on two, 3-bit g64 on four). Also the unigram floor that a
-trained mini-K3's held-out perplexity is compared with."""
+builds run on ranks exactly like one process (g128 on two, 3-bit g64 on four). Also the
+unigram floor that a trained mini-K3's held-out perplexity is compared with."""
 
 from __future__ import annotations
 
