@@ -16,6 +16,7 @@ from mlx_lm.models import kimi_k3
 # "module:Class.name" or "module:name" -> how k3dist uses it
 PRIVATE = {
     "mlx_lm.server:ResponseGenerator._share_request": "overridden (k3dist.serve.lockstep): wraps the shared request to log each rank's tokens",
+    "mlx_lm.server:ResponseGenerator._serve_single": "overridden (k3dist.serve.lockstep): the system segment prefilled first and kept, as the batch path does",
     "mlx_lm.server:ResponseGenerator._is_batchable": "overridden (k3dist.serve.lockstep): batched only when max_batch > 1",
     "mlx_lm.server:ResponseGenerator._rank": "read by holds_request",
     "mlx_lm.server:ResponseGenerator._is_distributed": "read by holds_request",

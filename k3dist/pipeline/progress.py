@@ -216,7 +216,9 @@ class Watch(threading.Thread):
         self._done = threading.Event()
         with self.p.lock:
             self.p.stages[stage]["state"] = "running"
-        self._sample()
+        # the stage's line at once (the model's ETA), not at the first tick: a loaded
+        # machine may not run the thread before the share is measured
+        self.p._show(stage, self._sample(), final=False)
         self.start()
 
     def _measure(self, rec: dict, read: int | None, cpu: float | None) -> None:
